@@ -1,0 +1,58 @@
+"""Errors shared by every Sluicegate role.
+
+Each message names the bad value and what would have been accepted, so a person reading a
+log line or a ``rejected`` result can act on it without reading the code.
+
+    SluicegateError
+    ├── ConfigError             bad configuration file or environment override
+    ├── TransportError          the MQTT connection failed or was lost
+    │   └── RequestTimeout      no answer arrived in time
+    ├── ModelError
+    │   ├── UnknownModelError   a job named a model this node does not have
+    │   └── ModelIntegrityError a model file does not match its manifest
+    ├── ImageError              the payload is not an image we can safely decode
+    │   └── ImageTooLargeError  the image declares more pixels than the limit
+    └── WireError               a message does not follow the wire contract
+"""
+
+from __future__ import annotations
+
+
+class SluicegateError(Exception):
+    """Base of every error raised on purpose by Sluicegate."""
+
+
+class ConfigError(SluicegateError):
+    """A configuration file or override is invalid."""
+
+
+class TransportError(SluicegateError):
+    """The MQTT transport failed: not connected, connection lost, publish refused."""
+
+
+class RequestTimeout(TransportError):
+    """A request got no answer within its timeout."""
+
+
+class ModelError(SluicegateError):
+    """Base for model loading and lookup problems."""
+
+
+class UnknownModelError(ModelError):
+    """A job asked for a model that is not loaded here."""
+
+
+class ModelIntegrityError(ModelError):
+    """A model file or manifest is missing, malformed, or its sha256 does not match."""
+
+
+class ImageError(SluicegateError):
+    """The payload is not a decodable JPEG/PNG image."""
+
+
+class ImageTooLargeError(ImageError):
+    """The image header declares dimensions beyond the configured limit."""
+
+
+class WireError(SluicegateError):
+    """A message does not follow the public wire contract."""
