@@ -1,0 +1,190 @@
+"""Starts and stops local ``mosquitto`` and ``redis-server`` processes on free ports.
+
+The demo and the test fixtures use this to run against real servers. It owns the
+configuration those servers get (no Nagle delay, anonymous loopback access, no disk
+persistence unless asked) and the readiness check: a server counts as started once it
+accepts a TCP connection and answers its protocol's ping, never after a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sluicegate.errors import SluicegateError
+
+
+class ServerError(SluicegateError):
+    """A local server could not be started."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def find_binary(name: str) -> str:
+    """Path of a server binary, looking in PATH and the usual sbin folders."""
+    found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/local/sbin:/sbin")
+    if found is None:
+        raise ServerError(
+            f"{name!r} is not installed; install it with your package manager "
+            f"(e.g. 'apt-get install mosquitto redis-server') or run scripts/bootstrap"
+        )
+    return found
+
+
+@dataclass
+class ServerProcess:
+    """A running server: where it listens and how to stop it."""
+
+    name: str
+    host: str
+    port: int
+    process: subprocess.Popen[bytes]
+    workdir: Path
+    argv: list[str] = field(default_factory=list)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Terminate the process (SIGTERM, then SIGKILL after ``timeout``)."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the process, as a crash would."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def restart(self, timeout: float = 10.0) -> None:
+        """Start the same server again on the same port (after stop or kill)."""
+        self.stop()
+        self.process = _spawn(self.argv, self.workdir)
+        _wait_ready(self, timeout)
+
+
+def _spawn(argv: list[str], workdir: Path) -> subprocess.Popen[bytes]:
+    with (workdir / "server.log").open("ab") as log:
+        # The child keeps its own copy of the descriptor; ours can close at once.
+        return subprocess.Popen(argv, cwd=workdir, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _ping(name: str, host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5) as sock:
+            if name == "redis":
+                sock.sendall(b"PING\r\n")
+                return sock.recv(16).startswith(b"+PONG")
+            # MQTT v5 CONNECT with a clean start and 10 s keepalive; expect a CONNACK.
+            client_id = b"sg-ping"
+            body = (
+                b"\x00\x04MQTT\x05\x02\x00\x0a\x00" + len(client_id).to_bytes(2, "big") + client_id
+            )
+            sock.sendall(bytes([0x10, len(body)]) + body)
+            ack = sock.recv(16)
+            sock.sendall(b"\xe0\x00")  # DISCONNECT
+            return ack[:1] == b"\x20"
+    except OSError:
+        return False
+
+
+def _wait_ready(server: ServerProcess, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            log = (server.workdir / "server.log").read_text(errors="replace")[-2000:]
+            raise ServerError(f"{server.name} exited with {server.process.returncode}: {log}")
+        if _ping(server.name, server.host, server.port):
+            return
+        time.sleep(0.02)  # polling interval while waiting for the readiness event
+    server.stop()
+    raise ServerError(f"{server.name} did not answer on {server.host}:{server.port} in {timeout}s")
+
+
+def mosquitto_config(port: int, workdir: Path, *, persistence: bool = False) -> str:
+    """The mosquitto.conf the demo and tests use."""
+    lines = [
+        f"listener {port} 127.0.0.1",
+        "allow_anonymous true",
+        "set_tcp_nodelay true",
+        "max_inflight_messages 0",
+        "max_queued_messages 100000",
+        f"persistence {'true' if persistence else 'false'}",
+        f"persistence_location {workdir}/",
+        "autosave_interval 1",
+        "log_dest stderr",
+        "log_type error",
+        "log_type warning",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def start_mosquitto(
+    *, port: int | None = None, workdir: Path | None = None, persistence: bool = False
+) -> ServerProcess:
+    """Start ``mosquitto`` on a free loopback port and wait until it answers CONNECT."""
+    binary = find_binary("mosquitto")
+    port = port or free_port()
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="sg-mosquitto-"))
+    conf = workdir / "mosquitto.conf"
+    conf.write_text(mosquitto_config(port, workdir, persistence=persistence))
+    argv = [binary, "-c", str(conf)]
+    server = ServerProcess("mosquitto", "127.0.0.1", port, _spawn(argv, workdir), workdir, argv)
+    _wait_ready(server, 10.0)
+    return server
+
+
+def start_redis(
+    *, port: int | None = None, workdir: Path | None = None, appendonly: bool = False
+) -> ServerProcess:
+    """Start ``redis-server`` on a free loopback port and wait until it answers PING."""
+    binary = find_binary("redis-server")
+    port = port or free_port()
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="sg-redis-"))
+    argv = [
+        binary,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "yes" if appendonly else "no",
+        "--appendfsync",
+        "always",
+        "--dir",
+        str(workdir),
+        "--protected-mode",
+        "no",
+    ]
+    server = ServerProcess("redis", "127.0.0.1", port, _spawn(argv, workdir), workdir, argv)
+    _wait_ready(server, 10.0)
+    return server
+
+
+@contextlib.contextmanager
+def running(server: ServerProcess) -> Iterator[ServerProcess]:
+    """Stop ``server`` when the block ends, whatever happens inside it."""
+    try:
+        yield server
+    finally:
+        server.stop()
+        if os.environ.get("SLUICEGATE_KEEP_SERVER_DIRS") is None:
+            shutil.rmtree(server.workdir, ignore_errors=True)
