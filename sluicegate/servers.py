@@ -82,7 +82,9 @@ class ServerProcess:
 def _spawn(argv: list[str], workdir: Path) -> subprocess.Popen[bytes]:
     with (workdir / "server.log").open("ab") as log:
         # The child keeps its own copy of the descriptor; ours can close at once.
-        return subprocess.Popen(argv, cwd=workdir, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            argv, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def _ping(name: str, host: str, port: int) -> bool:

@@ -1,0 +1,200 @@
+"""Admission: the pure decision whether an incoming MQTT message becomes an accepted job.
+
+It checks the request against the public wire contract (response topic, user properties,
+content type, size, image header) without decoding the image, and returns either a
+:class:`Job` or a :class:`Refusal` whose reason a person can act on. The clock and the id
+source are passed in. This module must never do I/O, decode pixels or import the transport.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from sluicegate import topics
+from sluicegate.errors import ImageError, ImageTooLargeError
+from sluicegate.mqtt import Message
+from sluicegate.vision.image import ImageInfo, check_dimensions, probe
+
+CONTENT_TYPES = {"image/jpeg": "jpeg", "image/png": "png"}
+DEFAULT_PRIORITY = 5
+DEFAULT_DATA_CLASS = "generic"
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_payload_bytes: int
+    max_pixels: int
+    max_side: int
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """An accepted job; times are unix seconds."""
+
+    job_id: str
+    model: str
+    payload: bytes
+    image: ImageInfo
+    response_topic: str
+    correlation_data: bytes | None
+    priority: int
+    data_class: str
+    received_at: float
+    deadline: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A request that will not run; ``response_topic`` is None when nobody can be told."""
+
+    job_id: str
+    status: Literal["rejected", "expired"]
+    code: str
+    reason: str
+    response_topic: str | None
+    correlation_data: bytes | None
+    model: str | None
+
+
+class _Props(BaseModel):
+    """The job's user properties, as strings off the wire."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    model: str = Field(alias=topics.PROP_MODEL, min_length=1, max_length=128)
+    deadline_ms: float | None = Field(None, alias=topics.PROP_DEADLINE_MS, gt=0)
+    deadline_at: float | None = Field(None, alias=topics.PROP_DEADLINE_AT, gt=0)
+    priority: int = Field(DEFAULT_PRIORITY, alias=topics.PROP_PRIORITY, ge=0, le=9)
+    data_class: str = Field(
+        DEFAULT_DATA_CLASS,
+        alias=topics.PROP_DATA_CLASS,
+        pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$",
+    )
+    job_id: str | None = Field(
+        None, alias=topics.PROP_JOB_ID, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+    )
+
+    @field_validator("deadline_ms", "deadline_at")
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+
+_ACCEPTS = {
+    topics.PROP_MODEL: "a model name such as 'defect-v1'",
+    topics.PROP_DEADLINE_MS: "milliseconds from receipt, a number > 0",
+    topics.PROP_DEADLINE_AT: "unix time in milliseconds, a number > 0",
+    topics.PROP_PRIORITY: "an integer 0 (lowest) to 9 (highest)",
+    topics.PROP_DATA_CLASS: "lower-case letters, digits, '.', '_' or '-'",
+    topics.PROP_JOB_ID: "letters, digits, '.', '_', ':' or '-', at most 128",
+}
+
+
+def _explain(exc: ValidationError, raw: dict[str, str]) -> str:
+    parts = []
+    for err in exc.errors():
+        name = str(err["loc"][0]) if err["loc"] else "?"
+        if err["type"] == "missing":
+            parts.append(f"missing user property {name!r} ({_ACCEPTS.get(name, '')})")
+        else:
+            parts.append(
+                f"user property {name!r}={raw.get(name)!r} is invalid: "
+                f"expected {_ACCEPTS.get(name, err['msg'])}"
+            )
+    return "; ".join(parts)
+
+
+def admit(
+    msg: Message,
+    *,
+    models: Collection[str],
+    limits: Limits,
+    now: float,
+    new_id: Callable[[], str],
+) -> Job | Refusal:
+    """Decide whether ``msg`` is an acceptable job; never raises for bad input."""
+    raw = dict(msg.user_properties)
+    # A malformed job-id is still echoed back in the refusal, so the sender can match it.
+    job_id = raw.get(topics.PROP_JOB_ID) or new_id()
+
+    def refuse(code: str, reason: str, model: str | None = None) -> Refusal:
+        status: Literal["rejected", "expired"] = "expired" if code == "expired" else "rejected"
+        return Refusal(
+            job_id, status, code, reason, msg.response_topic, msg.correlation_data, model
+        )
+
+    if not msg.response_topic:
+        return refuse("no_response_topic", "the request has no MQTT v5 Response Topic")
+    try:
+        props = _Props.model_validate(raw)
+    except ValidationError as exc:
+        return refuse("bad_property", _explain(exc, raw), raw.get(topics.PROP_MODEL))
+    if props.model not in models:
+        known = ", ".join(sorted(models)) or "none loaded"
+        return refuse("unknown_model", f"unknown model {props.model!r}; known: {known}")
+
+    def refuse_for_model(code: str, reason: str) -> Refusal:
+        return refuse(code, reason, props.model)
+
+    size = len(msg.payload)
+    if size == 0:
+        return refuse_for_model("empty_payload", "the payload is empty; send a JPEG or PNG image")
+    if size > limits.max_payload_bytes:
+        return refuse_for_model(
+            "payload_too_large",
+            f"payload is {size} bytes; the limit is {limits.max_payload_bytes} bytes",
+        )
+    declared = None
+    if msg.content_type is not None:
+        declared = CONTENT_TYPES.get(msg.content_type.split(";")[0].strip().lower())
+        if declared is None:
+            return refuse_for_model(
+                "bad_content_type",
+                f"content type {msg.content_type!r} is not supported; "
+                "send 'image/jpeg' or 'image/png'",
+            )
+    try:
+        info = probe(msg.payload)
+        check_dimensions(info, max_pixels=limits.max_pixels, max_side=limits.max_side)
+    except ImageTooLargeError as exc:
+        return refuse_for_model("image_too_large", str(exc))
+    except ImageError as exc:
+        return refuse_for_model("bad_image", str(exc))
+    if declared is not None and declared != info.format:
+        return refuse_for_model(
+            "bad_content_type",
+            f"content type {msg.content_type!r} does not match the payload, which is {info.format}",
+        )
+    deadline = None
+    if props.deadline_ms is not None:
+        deadline = now + props.deadline_ms / 1000.0
+    if props.deadline_at is not None:
+        at = props.deadline_at / 1000.0
+        deadline = at if deadline is None else min(deadline, at)
+    if deadline is not None and deadline <= now:
+        late = (now - deadline) * 1000.0
+        return refuse_for_model("expired", f"the deadline passed {late:.0f} ms before receipt")
+    return Job(
+        job_id=job_id,
+        model=props.model,
+        payload=msg.payload,
+        image=info,
+        response_topic=msg.response_topic,
+        correlation_data=msg.correlation_data,
+        priority=props.priority,
+        data_class=props.data_class,
+        received_at=now,
+        deadline=deadline,
+    )
+
+
+def queue_key(job: Job, seq: int) -> tuple[int, float, int]:
+    """Order of the local queue: higher priority first, then earliest deadline, then FIFO."""
+    return (-job.priority, job.deadline if job.deadline is not None else math.inf, seq)

@@ -1,0 +1,333 @@
+"""The edge agent's asyncio shell: MQTT in, ONNX Runtime in an executor, results out.
+
+It subscribes to its submit topic, hands each message to the pure admission core, keeps
+accepted jobs in a bounded priority queue, runs them on a bounded thread pool (OpenCV and
+ONNX Runtime release the GIL), and publishes exactly one result per accepted job to the
+job's response topic with its correlation data. It also publishes telemetry every interval
+and a retained online/offline status. It must never block the event loop on compute and
+never let one bad message stop it serving the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
+
+import psutil
+
+from edge_agent.admission import Job, Limits, Refusal, admit, queue_key
+from edge_agent.load import ServiceTimes
+from sluicegate import topics, wire
+from sluicegate.config import EdgeSettings
+from sluicegate.errors import ImageError
+from sluicegate.mqtt import Message, Transport, Will
+from sluicegate.vision.postprocess import Outputs as VisionOutputs
+from sluicegate.vision.runtime import ModelRegistry, StageTimes
+
+log = logging.getLogger(__name__)
+
+QueueItem = tuple[tuple[int, float, int], Job]
+
+
+def status_message(settings: EdgeSettings, state: Literal["online", "offline"]) -> bytes:
+    """The retained status document (``online``/``offline``) for this agent."""
+    return wire.dump(
+        wire.NodeStatus(node=settings.id, kind="edge", zone=settings.zone, state=state)
+    )
+
+
+def last_will(settings: EdgeSettings) -> Will:
+    return Will(topics.edge_status(settings.id), status_message(settings, "offline"))
+
+
+def to_wire_outputs(outputs: VisionOutputs) -> wire.Outputs:
+    return wire.Outputs(
+        label=outputs.label,
+        scores=outputs.scores,
+        detections=[
+            wire.Detection(label=d.label, score=d.score, box=d.box) for d in outputs.detections
+        ],
+    )
+
+
+class EdgeAgent:
+    """One line PC's agent. Create, then ``await run(stop)``."""
+
+    def __init__(
+        self,
+        settings: EdgeSettings,
+        transport: Transport,
+        registry: ModelRegistry,
+        *,
+        clock: Callable[[], float] = time.time,
+        new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+    ) -> None:
+        topics.check_id("edge id", settings.id)
+        self.settings = settings
+        self._transport = transport
+        self._registry = registry
+        self._models = frozenset(registry.names())
+        self._clock = clock
+        self._new_id = new_id
+        self._limits = Limits(settings.max_payload_bytes, settings.max_pixels, settings.max_side)
+        self._queue: asyncio.PriorityQueue[QueueItem] = asyncio.PriorityQueue(settings.queue_size)
+        self._seq = 0
+        self._in_flight = 0
+        self._executor = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="sg-infer")
+        self.service_times = ServiceTimes(settings.service_time_alpha)
+        self.results: Counter[str] = Counter()
+        self.dropped_no_response_topic = 0
+        self._process = psutil.Process()
+        self._accepting = False
+
+    # -- intake (event loop, must stay quick) ----------------------------------------------
+
+    def on_message(self, msg: Message) -> None:
+        """Admission of one request; called by the transport for each submit message."""
+        now = self._clock()
+        if not self._accepting:
+            decision: Job | Refusal = Refusal(
+                msg.user_property(topics.PROP_JOB_ID) or self._new_id(),
+                "rejected",
+                "shutting_down",
+                f"edge agent {self.settings.id} is shutting down; resubmit shortly",
+                msg.response_topic,
+                msg.correlation_data,
+                msg.user_property(topics.PROP_MODEL),
+            )
+        else:
+            decision = admit(
+                msg, models=self._models, limits=self._limits, now=now, new_id=self._new_id
+            )
+        if isinstance(decision, Refusal):
+            self._refuse(decision)
+            return
+        self._seq += 1
+        try:
+            self._queue.put_nowait((queue_key(decision, self._seq), decision))
+        except asyncio.QueueFull:
+            self._refuse(
+                Refusal(
+                    decision.job_id,
+                    "rejected",
+                    "queue_full",
+                    f"edge agent {self.settings.id} has {self.settings.queue_size} jobs queued;"
+                    " retry later or lower the submit rate",
+                    decision.response_topic,
+                    decision.correlation_data,
+                    decision.model,
+                )
+            )
+
+    def _refuse(self, refusal: Refusal) -> None:
+        if refusal.response_topic is None:
+            self.dropped_no_response_topic += 1
+            log.warning(
+                "dropped job %s: %s (nowhere to send a result)", refusal.job_id, refusal.reason
+            )
+            return
+        log.info("refused job %s: %s", refusal.job_id, refusal.reason)
+        result = wire.JobResult(
+            job_id=refusal.job_id,
+            status=refusal.status,
+            code=refusal.code,
+            reason=refusal.reason,
+            model=refusal.model,
+            ran_on=self._ran_on(),
+        )
+        self._publish_result(refusal.response_topic, refusal.correlation_data, result)
+
+    def _ran_on(self) -> wire.RanOn:
+        return wire.RanOn(kind="edge", node=self.settings.id, zone=self.settings.zone)
+
+    def _publish_result(
+        self, topic: str, correlation_data: bytes | None, result: wire.JobResult
+    ) -> None:
+        self.results[result.status] += 1
+        task = asyncio.ensure_future(
+            self._transport.publish(
+                topic,
+                wire.dump(result),
+                qos=1,
+                correlation_data=correlation_data,
+                content_type=wire.RESULT_CONTENT_TYPE,
+            )
+        )
+        task.add_done_callback(_log_failure)
+
+    # -- execution -------------------------------------------------------------------------------
+
+    async def _worker(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            _key, job = await self._queue.get()
+            self._in_flight += 1
+            try:
+                await self._execute(loop, job)
+            except Exception:  # a bug must not kill the worker; the job still gets a result
+                log.exception("job %s failed unexpectedly", job.job_id)
+                self._finish(job, "failed", code="internal", reason="internal error; see agent log")
+            finally:
+                self._in_flight -= 1
+                self._queue.task_done()
+
+    async def _execute(self, loop: asyncio.AbstractEventLoop, job: Job) -> None:
+        started = self._clock()
+        if job.deadline is not None and started >= job.deadline:
+            late = (started - job.deadline) * 1000.0
+            self._finish(
+                job,
+                "expired",
+                code="expired",
+                reason=f"the deadline passed {late:.0f} ms before the job could start; not run",
+                started=started,
+            )
+            return
+        model = self._registry.get(job.model)
+        try:
+            outputs, times = await loop.run_in_executor(
+                self._executor, model.infer_bytes, job.payload
+            )
+        except ImageError as exc:
+            self._finish(job, "rejected", code="bad_image", reason=str(exc), started=started)
+            return
+        except Exception as exc:
+            log.exception("inference failed for job %s", job.job_id)
+            reason = f"inference failed: {type(exc).__name__}: {exc}"
+            self._finish(job, "failed", code="inference_error", reason=reason, started=started)
+            return
+        compute_s = (times.decode_ms + times.preprocess_ms + times.inference_ms) / 1000.0
+        self.service_times.observe(job.model, compute_s)
+        self._finish(job, "ok", outputs=outputs, times=times, started=started)
+
+    def _finish(
+        self,
+        job: Job,
+        status: wire.Status,
+        *,
+        code: str | None = None,
+        reason: str | None = None,
+        outputs: VisionOutputs | None = None,
+        times: StageTimes | None = None,
+        started: float | None = None,
+    ) -> None:
+        end = self._clock()
+        queue_ms = ((started or end) - job.received_at) * 1000.0
+        timings = wire.Timings(
+            queue_ms=round(queue_ms, 3),
+            decode_ms=round(times.decode_ms, 3) if times else 0.0,
+            preprocess_ms=round(times.preprocess_ms, 3) if times else 0.0,
+            inference_ms=round(times.inference_ms, 3) if times else 0.0,
+            total_ms=round((end - job.received_at) * 1000.0, 3),
+        )
+        result = wire.JobResult(
+            job_id=job.job_id,
+            status=status,
+            code=code,
+            reason=reason,
+            model=job.model,
+            outputs=to_wire_outputs(outputs) if outputs is not None else None,
+            ran_on=self._ran_on(),
+            timings_ms=timings,
+        )
+        self._publish_result(job.response_topic, job.correlation_data, result)
+
+    # -- telemetry and status -----------------------------------------------------------------
+
+    def telemetry(self) -> wire.EdgeTelemetry:
+        mem = self._process.memory_info()
+        return wire.EdgeTelemetry(
+            node=self.settings.id,
+            zone=self.settings.zone,
+            ts=self._clock(),
+            queue_depth=self._queue.qsize(),
+            queue_capacity=self.settings.queue_size,
+            in_flight=self._in_flight,
+            concurrency=self.settings.concurrency,
+            models={
+                name: wire.ModelLoad(
+                    service_ms=round(fig.service_s * 1000.0, 3), completed=fig.completed
+                )
+                for name, fig in self.service_times.snapshot().items()
+            },
+            cpu_percent=self._process.cpu_percent(None),
+            memory_rss_mb=round(mem.rss / 2**20, 1),
+            memory_percent=round(self._process.memory_percent(), 2),
+            results=dict(self.results),
+            dropped_no_response_topic=self.dropped_no_response_topic,
+        )
+
+    async def _telemetry_loop(self) -> None:
+        topic = topics.edge_telemetry(self.settings.id)
+        while True:
+            await asyncio.sleep(self.settings.telemetry_interval_s)
+            if self._transport.connected:
+                with contextlib.suppress(Exception):
+                    await self._transport.publish(topic, wire.dump(self.telemetry()), qos=0)
+
+    def _announce_online(self) -> None:
+        task = asyncio.ensure_future(
+            self._transport.publish(
+                topics.edge_status(self.settings.id),
+                status_message(self.settings, "online"),
+                qos=1,
+                retain=True,
+            )
+        )
+        task.add_done_callback(_log_failure)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event, *, drain_timeout: float = 10.0) -> None:
+        """Serve until ``stop`` is set, then answer what is queued and go offline."""
+        self._process.cpu_percent(None)  # prime: the first reading is always 0
+        self._accepting = True
+        submit = topics.edge_submit(self.settings.id)
+        # Subscribe before announcing: on one connection the broker handles the SUBSCRIBE
+        # before the status PUBLISH, so whoever sees "online" can submit at once.
+        await self._transport.subscribe(submit, self.on_message, qos=1)
+        self._transport.on_connect(self._announce_online)
+        if self._transport.connected:
+            self._announce_online()
+        tasks = [asyncio.ensure_future(self._worker()) for _ in range(self.settings.concurrency)]
+        tasks.append(asyncio.ensure_future(self._telemetry_loop()))
+        log.info(
+            "edge agent %s (zone %s) serving %s on %s",
+            self.settings.id,
+            self.settings.zone,
+            ", ".join(sorted(self._models)),
+            submit,
+        )
+        try:
+            await stop.wait()
+        finally:
+            self._accepting = False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._queue.join(), drain_timeout)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    self._transport.publish(
+                        topics.edge_status(self.settings.id),
+                        status_message(self.settings, "offline"),
+                        qos=1,
+                        retain=True,
+                        wait=True,
+                    ),
+                    2.0,
+                )
+            self._executor.shutdown(wait=True)
+
+
+def _log_failure(task: asyncio.Future[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("publish failed: %s", task.exception())

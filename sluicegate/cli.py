@@ -1,0 +1,210 @@
+"""The ``sluicegate`` command: one entry point, a subcommand per role and tool.
+
+Commands parse flags into settings and call the roles' ``serve``/library functions; they
+hold no logic of their own. Heavy imports (OpenCV, ONNX Runtime, paho) happen inside the
+commands so ``sluicegate --help`` stays instant. Errors of our own become one clear line
+on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from sluicegate.errors import SluicegateError
+
+T = TypeVar("T")
+
+app = typer.Typer(
+    name="sluicegate",
+    help="Edge-to-center broker for industrial machine-vision jobs over MQTT v5.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+edge_app = typer.Typer(help="The edge agent that runs on a line PC.", no_args_is_help=True)
+models_app = typer.Typer(help="The ONNX models shipped in models/.", no_args_is_help=True)
+app.add_typer(edge_app, name="edge")
+app.add_typer(models_app, name="models")
+
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", "-c", help="TOML settings file.", exists=False)
+]
+HostOpt = Annotated[str | None, typer.Option(help="MQTT broker host (overrides config).")]
+PortOpt = Annotated[int | None, typer.Option(help="MQTT broker port (overrides config).")]
+LogOpt = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")]
+
+
+def _fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def run_until_signal(main: Callable[[asyncio.Event], Coroutine[Any, Any, T]]) -> T:
+    """Run ``main(stop)`` on a fresh loop; SIGINT/SIGTERM set ``stop`` for a clean exit."""
+
+    async def runner() -> T:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        return await main(stop)
+
+    return asyncio.run(runner())
+
+
+def _settings(config: Path | None, host: str | None, port: int | None, **edge: Any) -> Any:
+    from sluicegate.config import load_settings
+
+    return load_settings(config, mqtt={"host": host, "port": port}, edge=edge)
+
+
+@edge_app.command("run")
+def edge_run(
+    config: ConfigOpt = None,
+    host: HostOpt = None,
+    port: PortOpt = None,
+    edge_id: Annotated[str | None, typer.Option("--id", help="Edge id (topic level).")] = None,
+    zone: Annotated[str | None, typer.Option(help="Zone this line PC is in.")] = None,
+    log_level: LogOpt = "info",
+) -> None:
+    """Run the edge agent until Ctrl-C / SIGTERM."""
+    _logging(log_level)
+    try:
+        from edge_agent.service import serve
+
+        settings = _settings(config, host, port, id=edge_id, zone=zone)
+        run_until_signal(lambda stop: serve(settings, stop))
+    except SluicegateError as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def submit(
+    image: Annotated[Path, typer.Argument(help="A JPEG or PNG file.")],
+    model: Annotated[str, typer.Option(help="Model name, e.g. defect-v1.")],
+    edge: Annotated[str, typer.Option(help="Edge agent id to submit to.")] = "edge-1",
+    config: ConfigOpt = None,
+    host: HostOpt = None,
+    port: PortOpt = None,
+    deadline_ms: Annotated[float | None, typer.Option(help="Deadline from receipt.")] = None,
+    priority: Annotated[int | None, typer.Option(help="0 (lowest) to 9 (highest).")] = None,
+    data_class: Annotated[str | None, typer.Option(help="Data class of the image.")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the result.")] = 30.0,
+) -> None:
+    """Submit one image and print its result as JSON (exit 1 unless status is ok)."""
+    try:
+        data = image.read_bytes()
+    except OSError as exc:
+        _fail(f"cannot read {image}: {exc.strerror}")
+        return
+    try:
+        from sluicegate.client import AsyncClient
+
+        settings = _settings(config, host, port)
+
+        async def go() -> str:
+            async with AsyncClient(settings.mqtt, edge=edge) as client:
+                result = await client.infer(
+                    data,
+                    model=model,
+                    deadline_ms=deadline_ms,
+                    priority=priority,
+                    data_class=data_class,
+                    timeout=timeout,
+                )
+                return result.model_dump_json(indent=2, exclude_none=True)
+
+        out = asyncio.run(go())
+    except SluicegateError as exc:
+        _fail(str(exc))
+        return
+    typer.echo(out)
+    if '"status": "ok"' not in out:
+        raise typer.Exit(1)
+
+
+@app.command()
+def synth(
+    out: Annotated[Path, typer.Argument(help="Where to write the image (.jpg or .png).")],
+    label: Annotated[
+        str | None, typer.Option(help="ok, scratch, pit or stain (random if omitted).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+) -> None:
+    """Write one synthetic 640x480 inspection image, as the demo generates them."""
+    import numpy as np
+
+    from sluicegate.vision.synth import LABELS, encode_jpeg, encode_png, generate
+
+    if label is not None and label not in LABELS:
+        _fail(f"unknown label {label!r}; choose one of {', '.join(LABELS)}")
+    img, truth = generate(np.random.default_rng(seed), label)
+    data = encode_png(img) if out.suffix.lower() == ".png" else encode_jpeg(img)
+    out.write_bytes(data)
+    typer.echo(f"{out}: {truth}, {len(data)} bytes")
+
+
+@models_app.command("list")
+def models_list(
+    models_dir: Annotated[Path | None, typer.Option(help="Folder of models.")] = None,
+) -> None:
+    """Load and verify every model (sha256 against its manifest) and list them."""
+    from sluicegate.vision.runtime import ModelRegistry, default_models_dir
+
+    try:
+        registry = ModelRegistry.from_dir(models_dir or default_models_dir())
+    except SluicegateError as exc:
+        _fail(str(exc))
+        return
+    for name in registry.names():
+        m = registry.get(name).manifest
+        typer.echo(
+            f"{m.name} v{m.version}  input {m.input.shape} {m.input.color_order}  "
+            f"labels {', '.join(m.labels)}  sha256 {m.sha256[:16]}…  verified"
+        )
+
+
+@app.command()
+def demo(
+    rate: Annotated[float, typer.Option(help="Images per second to submit.")] = 20.0,
+    seconds: Annotated[float, typer.Option(help="Stop after this long (0: until Ctrl-C).")] = 0.0,
+    port: Annotated[int | None, typer.Option(help="Use a broker already on this port.")] = None,
+) -> None:
+    """Full local demo: Mosquitto, an edge agent, a stream of generated images, live results."""
+    from sluicegate.demo import run_demo
+
+    try:
+        code = run_demo(rate=rate, seconds=seconds, port=port)
+    except SluicegateError as exc:
+        _fail(str(exc))
+        return
+    raise typer.Exit(code)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        from policies.cli import app as policy_app
+    except ImportError:  # the compliance CLI is optional while it is being built
+        policy_app = None
+    if policy_app is not None:
+        app.add_typer(policy_app, name="policy", help="Signed compliance policies.")
+    app(prog_name="sluicegate")
+
+
+if __name__ == "__main__":
+    main()

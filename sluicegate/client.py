@@ -1,0 +1,213 @@
+"""The Python client for vision apps: submit an image, get a typed result.
+
+``AsyncClient`` is the real implementation: it subscribes once to its own response topic
+and matches results to waiting calls by MQTT correlation data (``dict[bytes, Future]``,
+each entry removed in ``finally``). Every wait races a timeout and the loss of the
+connection. ``Client`` is the blocking face of the same thing, running an event loop on a
+background thread. Any MQTT v5 client can submit without this module; it is a convenience.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import uuid
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import numpy as np
+from pydantic import ValidationError
+
+from sluicegate import topics, wire
+from sluicegate.config import MqttSettings
+from sluicegate.errors import RequestTimeout, TransportError, WireError
+from sluicegate.mqtt import Message, MqttTransport
+from sluicegate.vision.synth import encode_jpeg
+
+T = TypeVar("T")
+Image = bytes | bytearray | memoryview | np.ndarray[Any, Any]
+
+
+def _sniff_content_type(data: bytes) -> str | None:
+    if data[:3] == b"\xff\xd8\xff":
+        return "image/jpeg"
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        return "image/png"
+    return None
+
+
+def encode_image(image: Image, *, jpeg_quality: int = 90) -> tuple[bytes, str | None]:
+    """Bytes to send and their content type; a NumPy (BGR) image is JPEG-encoded."""
+    if isinstance(image, np.ndarray):
+        return encode_jpeg(image, quality=jpeg_quality), "image/jpeg"
+    data = bytes(image)
+    return data, _sniff_content_type(data)
+
+
+class AsyncClient:
+    """Submit jobs to one edge agent over MQTT v5 and await their results."""
+
+    def __init__(
+        self,
+        mqtt: MqttSettings | None = None,
+        *,
+        edge: str = "edge-1",
+        client_id: str | None = None,
+        default_timeout: float = 30.0,
+    ) -> None:
+        self._mqtt = mqtt or MqttSettings()
+        self.edge = topics.check_id("edge id", edge)
+        self.client_id = client_id or f"sg-client-{uuid.uuid4().hex[:12]}"
+        self.response_topic = topics.client_results(self.client_id)
+        self._default_timeout = default_timeout
+        self._pending: dict[bytes, asyncio.Future[wire.JobResult]] = {}
+        self._transport = MqttTransport(self._mqtt, client_id=self.client_id)
+        self._lost = asyncio.Event()
+
+    async def connect(self, timeout: float = 10.0) -> None:
+        self._transport.on_disconnect(self._lost.set)
+        self._transport.on_connect(self._lost.clear)
+        await self._transport.connect(timeout)
+        await self._transport.subscribe(self.response_topic, self._on_result, qos=1)
+
+    async def close(self) -> None:
+        self._lost.set()
+        await self._transport.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _on_result(self, msg: Message) -> None:
+        key = msg.correlation_data
+        fut = self._pending.get(key) if key is not None else None
+        if fut is None or fut.done():
+            return  # a late or duplicate answer for a call that has already finished
+        try:
+            fut.set_result(wire.JobResult.model_validate_json(msg.payload))
+        except ValidationError as exc:
+            fut.set_exception(WireError(f"malformed result on {msg.topic}: {exc}"))
+
+    async def infer(
+        self,
+        image: Image,
+        *,
+        model: str,
+        deadline_ms: float | None = None,
+        priority: int | None = None,
+        data_class: str | None = None,
+        job_id: str | None = None,
+        content_type: str | None = None,
+        timeout: float | None = None,
+    ) -> wire.JobResult:
+        """Submit one image and wait for its result (whatever its status)."""
+        payload, sniffed = encode_image(image)
+        props: list[tuple[str, str]] = [(topics.PROP_MODEL, model)]
+        if deadline_ms is not None:
+            props.append((topics.PROP_DEADLINE_MS, repr(float(deadline_ms))))
+        if priority is not None:
+            props.append((topics.PROP_PRIORITY, str(priority)))
+        if data_class is not None:
+            props.append((topics.PROP_DATA_CLASS, data_class))
+        if job_id is not None:
+            props.append((topics.PROP_JOB_ID, job_id))
+        correlation = uuid.uuid4().bytes
+        fut: asyncio.Future[wire.JobResult] = asyncio.get_running_loop().create_future()
+        self._pending[correlation] = fut
+        wait_s = timeout if timeout is not None else self._default_timeout
+        try:
+            await self._transport.publish(
+                topics.edge_submit(self.edge),
+                payload,
+                qos=1,
+                response_topic=self.response_topic,
+                correlation_data=correlation,
+                content_type=content_type or sniffed,
+                user_properties=tuple(props),
+            )
+            return await self._race(fut, wait_s)
+        finally:
+            self._pending.pop(correlation, None)
+
+    async def _race(self, fut: asyncio.Future[wire.JobResult], wait_s: float) -> wire.JobResult:
+        lost = asyncio.ensure_future(self._lost.wait())
+        waiters: set[asyncio.Future[Any]] = {fut, lost}
+        try:
+            done, _ = await asyncio.wait(
+                waiters, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            lost.cancel()
+        if fut in done:
+            return fut.result()
+        fut.cancel()
+        if lost in done:
+            raise TransportError(
+                "connection to the MQTT broker was lost (or the client closed) while waiting "
+                "for a result; the job may still run, resubmit with the same job-id to be safe"
+            )
+        raise RequestTimeout(
+            f"no result from edge {self.edge!r} within {wait_s}s; is its agent running?"
+        )
+
+
+class Client:
+    """Blocking client: the same calls as :class:`AsyncClient`, on a private event loop."""
+
+    def __init__(
+        self,
+        mqtt: MqttSettings | None = None,
+        *,
+        edge: str = "edge-1",
+        client_id: str | None = None,
+        default_timeout: float = 30.0,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="sluicegate-client", daemon=True
+        )
+        self._thread.start()
+        try:
+            self._async = self._call(_make_async(mqtt, edge, client_id, default_timeout), None)
+            self._call(self._async.connect(connect_timeout), None)
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def infer(self, image: Image, *, model: str, **kwargs: Any) -> wire.JobResult:
+        """Submit one image and block until its result arrives (or the timeout)."""
+        return self._call(self._async.infer(image, model=model, **kwargs), None)
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            with contextlib.suppress(Exception):
+                self._call(self._async.close(), 10.0)
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10.0)
+        if not self._loop.is_closed():
+            self._loop.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _make_async(
+    mqtt: MqttSettings | None, edge: str, client_id: str | None, timeout: float
+) -> AsyncClient:
+    # The AsyncClient creates asyncio primitives, so it is built on the client's own loop.
+    return AsyncClient(mqtt, edge=edge, client_id=client_id, default_timeout=timeout)

@@ -1,0 +1,121 @@
+"""Configuration of every role: a TOML file, then environment overrides, then defaults.
+
+Precedence, highest first: environment variables ``SLUICEGATE_<SECTION>__<KEY>`` (e.g.
+``SLUICEGATE_MQTT__PORT=1884``), the TOML file given with ``--config``, the defaults below.
+Validation happens once here; a bad value is a ConfigError naming the file, the key and
+what would be accepted. Nothing else reads the environment for settings.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from sluicegate.errors import ConfigError
+
+ENV_PREFIX = "SLUICEGATE_"
+MIB = 1024 * 1024
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MqttSettings(_Section):
+    """How to reach the plant's MQTT broker."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(1883, ge=1, le=65535)
+    username: str | None = None
+    password: SecretStr | None = None
+    tls_ca_file: Path | None = None
+    keepalive_s: int = Field(30, ge=5, le=3600)
+    reconnect_min_s: int = Field(1, ge=1, le=60)
+    reconnect_max_s: int = Field(30, ge=1, le=600)
+    session_expiry_s: int = Field(3600, ge=0, le=7 * 24 * 3600)
+
+
+class EdgeSettings(_Section):
+    """One line PC's edge agent."""
+
+    id: str = "edge-1"
+    zone: str = "campus/line-1"
+    models_dir: Path | None = None
+    max_payload_bytes: int = Field(8 * MIB, ge=1024, le=256 * MIB)
+    max_pixels: int = Field(40_000_000, ge=64 * 64)
+    max_side: int = Field(10_000, ge=64)
+    concurrency: int = Field(2, ge=1, le=64)
+    queue_size: int = Field(256, ge=1, le=1_000_000)
+    intra_op_threads: int = Field(1, ge=1, le=64)
+    telemetry_interval_s: float = Field(1.0, gt=0.0, le=3600.0)
+    service_time_alpha: float = Field(0.2, gt=0.0, le=1.0)
+
+
+class Settings(BaseSettings):
+    """Everything a Sluicegate process can be told."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+    )
+
+    mqtt: MqttSettings = MqttSettings()
+    edge: EdgeSettings = EdgeSettings()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The TOML file arrives as init kwargs (see load_settings); env must beat it.
+        return env_settings, init_settings
+
+
+def _describe(error: dict[str, Any]) -> str:
+    key = ".".join(str(p) for p in error["loc"])
+    value = error.get("input")
+    shown = "" if isinstance(value, dict) else f" (got {value!r})"
+    return f"{key}: {error['msg']}{shown}"
+
+
+def load_settings(path: Path | None = None, **overrides: Any) -> Settings:
+    """Read ``path`` (TOML) if given, apply env overrides, validate, return the settings.
+
+    ``overrides`` are section dicts (``edge={"id": "x"}``) that sit between the file and
+    the environment; the CLI uses them for its flags.
+    """
+    data: dict[str, Any] = {}
+    where = "defaults"
+    if path is not None:
+        where = str(path)
+        try:
+            with path.open("rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    for section, values in overrides.items():
+        data.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
+    try:
+        return Settings(**data)
+    except ValidationError as exc:
+        env = sorted(k for k in os.environ if k.startswith(ENV_PREFIX))
+        lines = "; ".join(_describe(dict(e)) for e in exc.errors())
+        hint = f" (environment overrides present: {', '.join(env)})" if env else ""
+        raise ConfigError(f"invalid configuration in {where}: {lines}{hint}") from exc

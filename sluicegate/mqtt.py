@@ -1,0 +1,419 @@
+"""The one bridge between paho-mqtt (MQTT v5) and asyncio.
+
+paho runs its network loop in its own thread; its callbacks do nothing but hand a value to
+the event loop with ``loop.call_soon_threadsafe``. Incoming PUBLISH packets become our own
+immutable :class:`Message` here, so no other module ever imports paho. The transport
+reconnects with exponential backoff, re-subscribes after every reconnect, sets
+``TCP_NODELAY`` on its socket (Nagle would add ~40 ms a hop) and can register a Last Will.
+
+Hand-off from paho's thread is bounded: when the handlers fall behind by ``max_pending``
+messages, paho's thread waits, so TCP pushes back on the sender instead of memory growing.
+Handlers therefore run quickly on the loop and never wait on the transport themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import paho.mqtt.client as paho
+from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from paho.mqtt.reasoncodes import ReasonCode
+
+from sluicegate.config import MqttSettings
+from sluicegate.errors import TransportError
+
+log = logging.getLogger(__name__)
+
+UserProperties = tuple[tuple[str, str], ...]
+Handler = Callable[["Message"], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """An MQTT v5 application message, independent of paho."""
+
+    topic: str
+    payload: bytes
+    qos: int = 0
+    retain: bool = False
+    response_topic: str | None = None
+    correlation_data: bytes | None = None
+    content_type: str | None = None
+    user_properties: UserProperties = ()
+    message_expiry_s: int | None = None
+
+    def user_property(self, name: str) -> str | None:
+        """The first user property called ``name``, or None."""
+        for key, value in self.user_properties:
+            if key == name:
+                return value
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Will:
+    """The Last Will the broker publishes if this client vanishes without a DISCONNECT."""
+
+    topic: str
+    payload: bytes
+    qos: int = 1
+    retain: bool = True
+
+
+class Transport(Protocol):
+    """What a role needs from MQTT; the in-memory transport in tests implements it too."""
+
+    async def publish(
+        self,
+        topic: str,
+        payload: bytes,
+        *,
+        qos: int = 0,
+        retain: bool = False,
+        response_topic: str | None = None,
+        correlation_data: bytes | None = None,
+        content_type: str | None = None,
+        user_properties: UserProperties = (),
+        wait: bool = False,
+    ) -> None: ...
+
+    async def subscribe(self, topic_filter: str, handler: Handler, *, qos: int = 1) -> None: ...
+
+    def on_connect(self, hook: Callable[[], None]) -> None: ...
+
+    @property
+    def connected(self) -> bool: ...
+
+
+@dataclass
+class _Subscription:
+    topic_filter: str
+    qos: int
+    handler: Handler
+
+
+def _new_properties(packet_type: int) -> Properties:
+    return Properties(packet_type)  # type: ignore[no-untyped-call]
+
+
+def _properties(
+    response_topic: str | None,
+    correlation_data: bytes | None,
+    content_type: str | None,
+    user_properties: UserProperties,
+    message_expiry_s: int | None = None,
+) -> Properties | None:
+    if not (response_topic or correlation_data or content_type or user_properties) and (
+        message_expiry_s is None
+    ):
+        return None
+    props = _new_properties(PacketTypes.PUBLISH)
+    if response_topic:
+        props.ResponseTopic = response_topic
+    if correlation_data is not None:
+        props.CorrelationData = correlation_data
+    if content_type:
+        props.ContentType = content_type
+    if user_properties:
+        props.UserProperty = list(user_properties)
+    if message_expiry_s is not None:
+        props.MessageExpiryInterval = message_expiry_s
+    return props
+
+
+def to_message(msg: paho.MQTTMessage) -> Message:
+    """Convert a paho message into our own :class:`Message` (called on paho's thread)."""
+    props = msg.properties
+    response_topic = correlation = content_type = expiry = None
+    user: UserProperties = ()
+    if props is not None:
+        response_topic = getattr(props, "ResponseTopic", None)
+        correlation = getattr(props, "CorrelationData", None)
+        content_type = getattr(props, "ContentType", None)
+        expiry = getattr(props, "MessageExpiryInterval", None)
+        user = tuple((str(k), str(v)) for k, v in getattr(props, "UserProperty", ()))
+    return Message(
+        topic=msg.topic,
+        payload=bytes(msg.payload),
+        qos=msg.qos,
+        retain=bool(msg.retain),
+        response_topic=response_topic,
+        correlation_data=bytes(correlation) if correlation is not None else None,
+        content_type=content_type,
+        user_properties=user,
+        message_expiry_s=expiry,
+    )
+
+
+class MqttTransport:
+    """An asyncio MQTT v5 client over paho's threaded network loop."""
+
+    def __init__(
+        self,
+        settings: MqttSettings,
+        *,
+        client_id: str,
+        will: Will | None = None,
+        clean_start: bool = True,
+        session_expiry_s: int = 0,
+        max_pending: int = 1024,
+    ) -> None:
+        self._settings = settings
+        self._client_id = client_id
+        self._clean_start = clean_start
+        self._session_expiry_s = session_expiry_s
+        self._subs: dict[str, _Subscription] = {}
+        self._connect_hooks: list[Callable[[], None]] = []
+        self._disconnect_hooks: list[Callable[[], None]] = []
+        self._acks: dict[int, asyncio.Future[None]] = {}
+        self._slots = threading.BoundedSemaphore(max_pending)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._connected = asyncio.Event()
+        self._closing = False
+        self._last_error: str | None = None
+        self._client = paho.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=client_id,
+            protocol=paho.MQTTv5,
+            reconnect_on_failure=True,
+        )
+        self._client.reconnect_delay_set(settings.reconnect_min_s, settings.reconnect_max_s)
+        if settings.username:
+            password = settings.password.get_secret_value() if settings.password else None
+            self._client.username_pw_set(settings.username, password)
+        if settings.tls_ca_file is not None:
+            self._client.tls_set(ca_certs=str(settings.tls_ca_file))
+        if will is not None:
+            self._client.will_set(will.topic, will.payload, qos=will.qos, retain=will.retain)
+        self._client.on_connect = self._on_connect
+        self._client.on_disconnect = self._on_disconnect
+        self._client.on_publish = self._on_publish
+        self._client.on_socket_open = self._on_socket_open
+
+    # -- lifecycle (loop thread) -------------------------------------------------------------
+
+    @property
+    def client_id(self) -> str:
+        return self._client_id
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    async def connect(self, timeout: float | None = 10.0) -> None:
+        """Start the network thread and wait for the first CONNACK.
+
+        With ``timeout=None`` it waits for as long as the broker takes to appear, retrying
+        with backoff; otherwise a broker that does not answer in time is a TransportError.
+        """
+        self._loop = asyncio.get_running_loop()
+        props = _new_properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = self._session_expiry_s
+        self._client.connect_async(
+            self._settings.host,
+            self._settings.port,
+            keepalive=self._settings.keepalive_s,
+            clean_start=self._clean_start,
+            properties=props,
+        )
+        self._client.loop_start()
+        try:
+            await asyncio.wait_for(self._connected.wait(), timeout)
+        except TimeoutError:
+            await self.close()
+            where = f"{self._settings.host}:{self._settings.port}"
+            detail = f" ({self._last_error})" if self._last_error else ""
+            raise TransportError(
+                f"no MQTT broker answered at {where} within {timeout}s{detail}; "
+                "check [mqtt] host/port or SLUICEGATE_MQTT__HOST / SLUICEGATE_MQTT__PORT"
+            ) from None
+
+    async def close(self) -> None:
+        """Send DISCONNECT (no Last Will), stop the network thread and fail pending waits."""
+        self._closing = True
+        self._client.disconnect()
+        await asyncio.to_thread(self._client.loop_stop)
+        self._connected.clear()
+        for fut in list(self._acks.values()):
+            if not fut.done():
+                fut.set_exception(TransportError("transport closed before the broker acked"))
+
+    async def __aenter__(self) -> MqttTransport:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def on_connect(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` on the loop after every successful (re)connect."""
+        self._connect_hooks.append(hook)
+
+    def on_disconnect(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` on the loop whenever an established connection is lost."""
+        self._disconnect_hooks.append(hook)
+
+    # -- publish / subscribe (loop thread) -----------------------------------------------------
+
+    async def publish(
+        self,
+        topic: str,
+        payload: bytes,
+        *,
+        qos: int = 0,
+        retain: bool = False,
+        response_topic: str | None = None,
+        correlation_data: bytes | None = None,
+        content_type: str | None = None,
+        user_properties: UserProperties = (),
+        wait: bool = False,
+        message_expiry_s: int | None = None,
+    ) -> None:
+        """Publish; with ``wait`` and QoS ≥ 1, return only once the broker has acked."""
+        props = _properties(
+            response_topic, correlation_data, content_type, user_properties, message_expiry_s
+        )
+        if not (wait and qos > 0):
+            info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
+            if info.rc not in (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN):
+                raise TransportError(f"publish to {topic!r} refused: {paho.error_string(info.rc)}")
+            return
+        info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
+        if info.rc not in (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN):
+            raise TransportError(f"publish to {topic!r} refused: {paho.error_string(info.rc)}")
+        # Registered before this callback returns; the ack is handed to the loop with
+        # call_soon_threadsafe, so it is always looked up after this line has run.
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._acks[info.mid] = fut
+        try:
+            await fut
+        finally:
+            self._acks.pop(info.mid, None)
+
+    async def subscribe(self, topic_filter: str, handler: Handler, *, qos: int = 1) -> None:
+        """Call ``handler(message)`` on the loop for each message matching ``topic_filter``."""
+        self._subs[topic_filter] = _Subscription(topic_filter, qos, handler)
+        self._client.message_callback_add(topic_filter, self._make_dispatch(handler))
+        if self.connected:
+            result, _mid = self._client.subscribe(topic_filter, qos=qos)
+            if result != MQTTErrorCode.MQTT_ERR_SUCCESS:
+                raise TransportError(
+                    f"subscribe to {topic_filter!r} failed: {paho.error_string(result)}"
+                )
+
+    async def unsubscribe(self, topic_filter: str) -> None:
+        self._subs.pop(topic_filter, None)
+        self._client.message_callback_remove(topic_filter)
+        if self.connected:
+            self._client.unsubscribe(topic_filter)
+
+    # -- paho's thread ---------------------------------------------------------------------------
+
+    def _make_dispatch(
+        self, handler: Handler
+    ) -> Callable[[paho.Client, Any, paho.MQTTMessage], None]:
+        def dispatch(_client: paho.Client, _userdata: Any, msg: paho.MQTTMessage) -> None:
+            message = to_message(msg)
+            while not self._slots.acquire(timeout=0.5):
+                if self._closing:
+                    return
+            loop = self._loop
+            if loop is None or loop.is_closed():
+                self._slots.release()
+                return
+            loop.call_soon_threadsafe(self._deliver, handler, message)
+
+        return dispatch
+
+    def _deliver(self, handler: Handler, message: Message) -> None:
+        try:
+            handler(message)
+        except Exception:
+            log.exception("handler for %s failed; the transport keeps serving", message.topic)
+        finally:
+            self._slots.release()
+
+    def _on_socket_open(self, _client: paho.Client, _userdata: Any, sock: Any) -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _on_connect(
+        self,
+        client: paho.Client,
+        _userdata: Any,
+        _flags: Any,
+        reason_code: ReasonCode,
+        _properties: Properties | None,
+    ) -> None:
+        if reason_code.is_failure:
+            self._last_error = f"broker refused the connection: {reason_code}"
+            log.warning("MQTT connect refused by %s: %s", self._settings.host, reason_code)
+            return
+        subs = list(self._subs.values())
+        if subs:
+            client.subscribe([(s.topic_filter, s.qos) for s in subs])
+        self._call_loop(self._set_connected, True)
+
+    def _on_disconnect(
+        self,
+        _client: paho.Client,
+        _userdata: Any,
+        _flags: Any,
+        reason_code: ReasonCode,
+        _properties: Properties | None,
+    ) -> None:
+        if not self._closing:
+            self._last_error = f"disconnected: {reason_code}"
+            log.warning("MQTT connection lost (%s); reconnecting with backoff", reason_code)
+        self._call_loop(self._set_connected, False)
+
+    def _on_publish(
+        self,
+        _client: paho.Client,
+        _userdata: Any,
+        mid: int,
+        reason_code: ReasonCode,
+        _properties: Properties | None,
+    ) -> None:
+        # paho calls this while holding its own outgoing-message lock: take no lock here.
+        error = None
+        if reason_code.is_failure:
+            error = TransportError(f"broker refused publish (mid {mid}): {reason_code}")
+        self._call_loop(self._settle, mid, error)
+
+    def _call_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(fn, *args)
+
+    def _settle(self, mid: int, error: Exception | None) -> None:
+        fut = self._acks.get(mid)
+        if fut is None or fut.done():
+            return  # a publish nobody waits for (QoS 0, or fire-and-forget QoS 1)
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(error)
+
+    def _set_connected(self, up: bool) -> None:
+        was_up = self._connected.is_set()
+        if up:
+            self._connected.set()
+        else:
+            self._connected.clear()
+        if up or was_up:
+            for hook in self._connect_hooks if up else self._disconnect_hooks:
+                try:
+                    hook()
+                except Exception:
+                    log.exception("connection hook failed")

@@ -1,0 +1,94 @@
+"""Every MQTT topic name Sluicegate uses, and the user-property names of the wire contract.
+
+This module is the only place a topic string is spelled out; everything else builds topics
+with these functions. Topics are versioned (``sluicegate/v1/...``) and are part of the
+public contract documented in the README: change them only by adding a new version.
+"""
+
+from __future__ import annotations
+
+import re
+
+ROOT = "sluicegate/v1"
+
+# User properties of a job request (MQTT v5 PUBLISH to the submit topic).
+PROP_MODEL = "model"
+PROP_DEADLINE_MS = "deadline-ms"
+PROP_DEADLINE_AT = "deadline-at"
+PROP_PRIORITY = "priority"
+PROP_DATA_CLASS = "data-class"
+PROP_JOB_ID = "job-id"
+
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def check_id(kind: str, value: str) -> str:
+    """Return ``value`` if it is safe inside a topic level, else raise ``ValueError``."""
+    if not _ID.match(value):
+        raise ValueError(
+            f"invalid {kind} {value!r}: use 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+def edge_submit(edge_id: str) -> str:
+    """Where vision apps publish jobs for one edge agent."""
+    return f"{ROOT}/edge/{edge_id}/jobs"
+
+
+def edge_telemetry(edge_id: str) -> str:
+    """Where an edge agent publishes its load once per interval (QoS 0)."""
+    return f"{ROOT}/edge/{edge_id}/telemetry"
+
+
+def edge_status(edge_id: str) -> str:
+    """Retained online/offline status of an edge agent; its Last Will says offline."""
+    return f"{ROOT}/edge/{edge_id}/status"
+
+
+def edge_telemetry_all() -> str:
+    """Subscription filter for every edge agent's telemetry."""
+    return f"{ROOT}/edge/+/telemetry"
+
+
+def edge_status_all() -> str:
+    """Subscription filter for every edge agent's status."""
+    return f"{ROOT}/edge/+/status"
+
+
+def client_results(client_id: str) -> str:
+    """The response topic the Python client asks results to be sent to."""
+    return f"{ROOT}/clients/{client_id}/results"
+
+
+def pool_work(zone: str, worker_id: str) -> str:
+    """A pool worker's zone-scoped work topic."""
+    return f"{ROOT}/pool/{zone}/{worker_id}/work"
+
+
+def pool_telemetry(zone: str, worker_id: str) -> str:
+    """A pool worker's telemetry topic."""
+    return f"{ROOT}/pool/{zone}/{worker_id}/telemetry"
+
+
+def placement_requests() -> str:
+    """Where edge agents ask the campus broker for a placement."""
+    return f"{ROOT}/broker/placement/request"
+
+
+def policy() -> str:
+    """The current signed policy, retained."""
+    return f"{ROOT}/policy"
+
+
+def matches(topic_filter: str, topic: str) -> bool:
+    """MQTT topic-filter matching with ``+`` (one level) and ``#`` (the rest)."""
+    want = topic_filter.split("/")
+    have = topic.split("/")
+    for i, level in enumerate(want):
+        if level == "#":
+            return True
+        if i >= len(have) or (level != "+" and level != have[i]):
+            return False
+    return len(want) == len(have)

@@ -1,0 +1,126 @@
+"""Wire models: the JSON documents Sluicegate publishes, validated with pydantic v2.
+
+These are the public contract with vision apps (``JobResult``) and between roles
+(``EdgeTelemetry``, ``NodeStatus``). Each carries ``v`` so a reader can refuse a version it
+does not know. Inside the processes, typed dataclasses are used; conversion to and from
+bytes happens only here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sluicegate.errors import SluicegateError
+
+WIRE_VERSION: Literal[1] = 1
+RESULT_CONTENT_TYPE = "application/json"
+
+Status = Literal["ok", "rejected", "failed", "expired"]
+NodeKind = Literal["edge", "pool"]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RanOn(_Wire):
+    """Where a job was (or would have been) executed."""
+
+    kind: NodeKind
+    node: str
+    zone: str
+
+
+class Timings(_Wire):
+    """Milliseconds spent in each stage; ``total_ms`` spans receipt to result."""
+
+    queue_ms: float = 0.0
+    decode_ms: float = 0.0
+    preprocess_ms: float = 0.0
+    inference_ms: float = 0.0
+    total_ms: float = 0.0
+
+
+class Detection(_Wire):
+    label: str
+    score: float
+    box: tuple[float, float, float, float]  # x, y, width, height in image pixels
+
+
+class Outputs(_Wire):
+    """A model's answer: the top label and every label's score (and boxes for detectors)."""
+
+    label: str | None
+    scores: dict[str, float]
+    detections: list[Detection] = Field(default_factory=list)
+
+
+class JobResult(_Wire):
+    """The document a vision app receives on its response topic."""
+
+    v: Literal[1] = WIRE_VERSION
+    job_id: str
+    status: Status
+    code: str | None = None
+    reason: str | None = None
+    model: str | None = None
+    outputs: Outputs | None = None
+    ran_on: RanOn
+    timings_ms: Timings = Timings()
+
+    def raise_for_status(self) -> JobResult:
+        """Return self if the job ran, else raise JobFailed with the reason."""
+        if self.status != "ok":
+            raise JobFailed(self)
+        return self
+
+
+class JobFailed(SluicegateError):
+    """A job ended in a status other than ``ok``."""
+
+    def __init__(self, result: JobResult) -> None:
+        super().__init__(f"job {result.job_id} {result.status}: {result.reason}")
+        self.result = result
+
+
+class ModelLoad(_Wire):
+    """Per-model figures in telemetry."""
+
+    service_ms: float  # moving average of decode + preprocess + inference
+    completed: int
+
+
+class EdgeTelemetry(_Wire):
+    """What an edge agent reports every interval."""
+
+    v: Literal[1] = WIRE_VERSION
+    node: str
+    zone: str
+    ts: float  # unix seconds
+    queue_depth: int
+    queue_capacity: int
+    in_flight: int
+    concurrency: int
+    models: dict[str, ModelLoad]
+    cpu_percent: float
+    memory_rss_mb: float
+    memory_percent: float
+    results: dict[str, int]  # count by status since start
+    dropped_no_response_topic: int
+
+
+class NodeStatus(_Wire):
+    """Retained online/offline status; the offline copy is the Last Will."""
+
+    v: Literal[1] = WIRE_VERSION
+    node: str
+    kind: NodeKind
+    zone: str
+    state: Literal["online", "offline"]
+
+
+def dump(model: BaseModel) -> bytes:
+    """Serialise a wire model to compact JSON bytes."""
+    return model.__pydantic_serializer__.to_json(model, exclude_none=True)

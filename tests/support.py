@@ -1,0 +1,148 @@
+"""Test helpers: a plain paho-mqtt v5 client (not ours) and an edge agent on a thread.
+
+The plain client proves the wire contract works for any MQTT v5 client. Waits are on
+events with timeouts (queue.get with a timeout), never fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import uuid
+from dataclasses import dataclass
+
+import paho.mqtt.client as paho
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from edge_agent.agent import EdgeAgent
+from edge_agent.service import serve
+from sluicegate import topics
+from sluicegate.config import Settings
+from sluicegate.vision.runtime import ModelRegistry
+
+
+@dataclass(frozen=True)
+class Received:
+    topic: str
+    payload: bytes
+    correlation_data: bytes | None
+    content_type: str | None
+    retain: bool
+
+
+class PlainClient:
+    """A bare paho-mqtt v5 client, as a vision app in any language would use MQTT."""
+
+    def __init__(self, port: int, *, host: str = "127.0.0.1") -> None:
+        self.inbox: queue.Queue[Received] = queue.Queue()
+        self._subacks: queue.Queue[int] = queue.Queue()
+        self._connected = threading.Event()
+        self.client = paho.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=f"plain-{uuid.uuid4().hex[:8]}",
+            protocol=paho.MQTTv5,
+        )
+        self.client.on_connect = lambda *a: self._connected.set()
+        self.client.on_message = self._on_message
+        self.client.on_subscribe = lambda _c, _u, mid, _rc, _p: self._subacks.put(mid)
+        self.client.connect(host, port)
+        self.client.loop_start()
+        if not self._connected.wait(10):
+            raise TimeoutError(f"plain client could not connect to {host}:{port}")
+
+    def _on_message(self, _c: paho.Client, _u: object, msg: paho.MQTTMessage) -> None:
+        props = msg.properties
+        self.inbox.put(
+            Received(
+                msg.topic,
+                bytes(msg.payload),
+                getattr(props, "CorrelationData", None),
+                getattr(props, "ContentType", None),
+                bool(msg.retain),
+            )
+        )
+
+    def subscribe(self, topic_filter: str) -> None:
+        _rc, mid = self.client.subscribe(topic_filter, qos=1)
+        while True:
+            if self._subacks.get(timeout=10) == mid:
+                return
+
+    def submit(
+        self,
+        edge_id: str,
+        payload: bytes,
+        *,
+        response_topic: str | None,
+        correlation: bytes | None = None,
+        content_type: str | None = "image/jpeg",
+        user: list[tuple[str, str]] | None = None,
+    ) -> None:
+        props = Properties(PacketTypes.PUBLISH)
+        if response_topic is not None:
+            props.ResponseTopic = response_topic
+        if correlation is not None:
+            props.CorrelationData = correlation
+        if content_type is not None:
+            props.ContentType = content_type
+        if user:
+            props.UserProperty = user
+        info = self.client.publish(topics.edge_submit(edge_id), payload, qos=1, properties=props)
+        info.wait_for_publish(10)
+
+    def next(self, timeout: float = 15.0) -> Received:
+        return self.inbox.get(timeout=timeout)
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+class AgentThread:
+    """A real edge agent (real MQTT transport, real ONNX Runtime) on its own thread."""
+
+    def __init__(self, settings: Settings, registry: ModelRegistry) -> None:
+        self.settings = settings
+        self._registry = registry
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._started = threading.Event()
+        self.agent: EdgeAgent | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="edge-agent", daemon=True)
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            self._started.set()
+            self.agent = await serve(
+                self.settings, self._stop, registry=self._registry, connect_timeout=10
+            )
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:
+            self.error = exc
+            self._started.set()
+
+    def start(self, watcher: PlainClient) -> None:
+        """Start and wait until the agent's retained status says online."""
+        watcher.subscribe(topics.edge_status(self.settings.edge.id))
+        self._thread.start()
+        while True:
+            got = watcher.next(timeout=20)
+            if got.topic.endswith("/status") and b'"online"' in got.payload:
+                return
+            if self.error is not None:
+                raise self.error
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(20)
+        if self.error is not None:
+            raise self.error

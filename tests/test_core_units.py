@@ -1,0 +1,102 @@
+"""Pure tier: topics, configuration, wire models and the service-time model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from edge_agent.load import ServiceTimes
+from sluicegate import topics, wire
+from sluicegate.config import load_settings
+from sluicegate.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("topic_filter", "topic", "expected"),
+    [
+        ("a/b/c", "a/b/c", True),
+        ("a/+/c", "a/x/c", True),
+        ("a/+/c", "a/x/y/c", False),
+        ("a/#", "a/x/y/c", True),
+        ("a/#", "a", True),  # MQTT: "#" also matches the parent level
+        ("sluicegate/v1/edge/+/telemetry", topics.edge_telemetry("e1"), True),
+        ("sluicegate/v1/edge/+/telemetry", topics.edge_status("e1"), False),
+        ("a/b", "a/b/c", False),
+    ],
+)
+def test_topic_filter_matching(topic_filter: str, topic: str, expected: bool) -> None:
+    assert topics.matches(topic_filter, topic) is expected
+
+
+@pytest.mark.parametrize("bad", ["", "a/b", "a+b", "#", "x" * 65, "-lead"])
+def test_ids_that_would_break_topics_are_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match="invalid edge id"):
+        topics.check_id("edge id", bad)
+
+
+def test_topics_are_versioned_and_scoped() -> None:
+    assert topics.edge_submit("line-3") == "sluicegate/v1/edge/line-3/jobs"
+    assert topics.pool_work("campus/fab-north/dc", "gpu-1").startswith("sluicegate/v1/pool/")
+
+
+def test_config_file_then_env_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "edge.toml"
+    cfg.write_text('[mqtt]\nhost = "broker.plant"\nport = 1884\n[edge]\nid = "line-7"\n')
+    monkeypatch.setenv("SLUICEGATE_MQTT__PORT", "1999")
+    settings = load_settings(cfg, edge={"zone": "campus/x"})
+    assert settings.mqtt.host == "broker.plant"  # from the file
+    assert settings.mqtt.port == 1999  # env beats the file
+    assert settings.edge.id == "line-7"
+    assert settings.edge.zone == "campus/x"
+    assert settings.edge.max_payload_bytes == 8 * 1024 * 1024  # default
+
+
+def test_config_error_names_file_and_key(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("[edge]\nconcurrency = 0\n")
+    with pytest.raises(ConfigError, match=r"bad\.toml.*edge\.concurrency.*greater than or equal"):
+        load_settings(cfg)
+
+
+def test_config_unknown_key_and_bad_toml(tmp_path: Path) -> None:
+    cfg = tmp_path / "typo.toml"
+    cfg.write_text("[edge]\nconcurency = 2\n")
+    with pytest.raises(ConfigError, match=r"edge\.concurency"):
+        load_settings(cfg)
+    cfg.write_text("[edge\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_settings(cfg)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_settings(tmp_path / "missing.toml")
+
+
+def test_env_override_with_bad_value_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLUICEGATE_EDGE__QUEUE_SIZE", "many")
+    with pytest.raises(ConfigError, match="SLUICEGATE_EDGE__QUEUE_SIZE"):
+        load_settings()
+
+
+def test_result_round_trips_and_raise_for_status() -> None:
+    result = wire.JobResult(
+        job_id="j1",
+        status="rejected",
+        code="unknown_model",
+        reason="unknown model 'x'; known: defect-v1",
+        ran_on=wire.RanOn(kind="edge", node="e1", zone="campus/a"),
+    )
+    again = wire.JobResult.model_validate_json(wire.dump(result))
+    assert again == result
+    with pytest.raises(wire.JobFailed, match="unknown model"):
+        again.raise_for_status()
+
+
+def test_service_times_moving_average() -> None:
+    st = ServiceTimes(alpha=0.5)
+    assert st.estimate("m") is None
+    st.observe("m", 0.010)
+    st.observe("m", 0.020)
+    assert st.estimate("m") == pytest.approx(0.015)
+    assert st.snapshot()["m"].completed == 2
+    with pytest.raises(ValueError, match="alpha"):
+        ServiceTimes(alpha=0.0)

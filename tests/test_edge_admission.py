@@ -1,0 +1,120 @@
+"""Pure tier: the admission decision for each kind of request, good and bad."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from edge_agent.admission import Job, Limits, Refusal, admit, queue_key
+from sluicegate import topics
+from sluicegate.mqtt import Message
+from tests.image_bytes import corrupt_jpeg, jpeg_header_only, png_header_only, sample_jpeg
+
+NOW = 1_800_000_000.0
+LIMITS = Limits(max_payload_bytes=1 << 20, max_pixels=40_000_000, max_side=10_000)
+MODELS = frozenset({"defect-v1"})
+JPEG, _ = sample_jpeg()
+_ids = itertools.count()
+
+
+def _msg(
+    payload: bytes = JPEG,
+    *,
+    response_topic: str | None = "app/results",
+    content_type: str | None = "image/jpeg",
+    **props: str,
+) -> Message:
+    user = {topics.PROP_MODEL: "defect-v1", **{k.replace("_", "-"): v for k, v in props.items()}}
+    return Message(
+        topic=topics.edge_submit("e1"),
+        payload=payload,
+        qos=1,
+        response_topic=response_topic,
+        correlation_data=b"corr-1",
+        content_type=content_type,
+        user_properties=tuple((k, v) for k, v in user.items() if v != "<absent>"),
+    )
+
+
+def _admit(msg: Message) -> Job | Refusal:
+    return admit(msg, models=MODELS, limits=LIMITS, now=NOW, new_id=lambda: f"id{next(_ids)}")
+
+
+def test_good_request_is_accepted_with_its_properties() -> None:
+    job = _admit(_msg(deadline_ms="200", priority="7", data_class="wafer", job_id="lot-42:7"))
+    assert isinstance(job, Job)
+    assert job.job_id == "lot-42:7"
+    assert (job.model, job.priority, job.data_class) == ("defect-v1", 7, "wafer")
+    assert job.deadline == pytest.approx(NOW + 0.2)
+    assert (job.image.format, job.image.width, job.image.height) == ("jpeg", 640, 480)
+    assert job.correlation_data == b"corr-1"
+
+
+def test_defaults_when_optional_properties_are_absent() -> None:
+    job = _admit(_msg(content_type=None))
+    assert isinstance(job, Job)
+    assert (job.priority, job.data_class, job.deadline) == (5, "generic", None)
+    assert job.job_id.startswith("id")
+
+
+def test_deadline_at_and_deadline_ms_take_the_earlier() -> None:
+    at_ms = str((NOW + 0.05) * 1000)
+    job = _admit(_msg(deadline_ms="500", deadline_at=at_ms))
+    assert isinstance(job, Job)
+    assert job.deadline == pytest.approx(NOW + 0.05)
+
+
+@pytest.mark.parametrize(
+    ("msg", "code", "words"),
+    [
+        (_msg(response_topic=None), "no_response_topic", "Response Topic"),
+        (_msg(model="<absent>"), "bad_property", "missing user property 'model'"),
+        (_msg(model="defect-v9"), "unknown_model", "unknown model 'defect-v9'; known: defect-v1"),
+        (_msg(b""), "empty_payload", "payload is empty"),
+        (_msg(b"\xff" * ((1 << 20) + 1)), "payload_too_large", "limit is 1048576 bytes"),
+        (_msg(content_type="text/plain"), "bad_content_type", "'image/jpeg' or 'image/png'"),
+        (_msg(content_type="image/png"), "bad_content_type", "does not match"),
+        (_msg(deadline_ms="soon"), "bad_property", "'deadline-ms'='soon'"),
+        (_msg(deadline_ms="-5"), "bad_property", "'deadline-ms'='-5'"),
+        (_msg(deadline_ms="nan"), "bad_property", "'deadline-ms'='nan'"),
+        (_msg(priority="11"), "bad_property", "integer 0 (lowest) to 9"),
+        (_msg(data_class="Wafer Images"), "bad_property", "'data-class'"),
+        (_msg(b"GIF89a" + b"\x00" * 40), "bad_image", ""),
+        (_msg(b"\xff\xd8\xff\xe0\x00"), "bad_image", ""),
+        (_msg(png_header_only(20000, 20000), content_type="image/png"), "image_too_large", ""),
+        (_msg(jpeg_header_only(20000, 20000)), "image_too_large", "20000"),
+        (_msg(jpeg_header_only(12000, 100)), "image_too_large", "12000"),
+        (_msg(deadline_at=str((NOW - 1) * 1000)), "expired", "deadline passed"),
+    ],
+)
+def test_bad_requests_are_refused_with_a_reason(msg: Message, code: str, words: str) -> None:
+    decision = _admit(msg)
+    assert isinstance(decision, Refusal), decision
+    assert decision.code == code
+    assert words in decision.reason
+    assert decision.status == ("expired" if code == "expired" else "rejected")
+    assert decision.correlation_data == b"corr-1"
+    assert decision.response_topic == msg.response_topic
+
+
+def test_corrupt_body_with_valid_header_passes_admission() -> None:
+    # The header is fine, so it is accepted; the decoder then answers it with bad_image.
+    assert isinstance(_admit(_msg(corrupt_jpeg())), Job)
+
+
+def test_refusal_echoes_a_caller_job_id_even_when_other_properties_are_bad() -> None:
+    decision = _admit(_msg(job_id="mine-1", priority="x"))
+    assert isinstance(decision, Refusal)
+    assert decision.job_id == "mine-1"
+
+
+def test_queue_order_priority_then_deadline_then_fifo() -> None:
+    def job(priority: int, deadline: float | None) -> Job:
+        j = _admit(_msg(priority=str(priority)))
+        assert isinstance(j, Job)
+        return Job(**{**{f: getattr(j, f) for f in Job.__slots__}, "deadline": deadline})
+
+    jobs = [job(5, None), job(5, NOW + 1), job(9, None), job(5, NOW + 0.5), job(5, None)]
+    order = sorted(range(len(jobs)), key=lambda i: queue_key(jobs[i], i))
+    assert order == [2, 3, 1, 0, 4]
