@@ -1,0 +1,270 @@
+"""The tamper-evident audit log: records of decisions and refusals, each signed and chained
+to the previous record's hash; verification names the first broken record.
+
+This core knows nothing of storage: a store appends encoded records, returns the last one and
+iterates them (``AuditStore``; files in ``audit_file``, Redis streams in ``redis_stores``).
+One log has one chain; a record carries its signer's public key, and the verifier decides
+which keys it trusts. It never rewrites or drops a record, and never reads the clock.
+
+A record's hash is sha256 of its canonical body (everything but the signature); the signature
+covers ``DOMAIN`` + that hash. Deleting a record breaks the sequence at its position,
+reordering breaks it at the first moved record, editing breaks that record's signature.
+Cutting records off the end is only visible against a head hash kept elsewhere
+(``expected_head``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from policies.canonical import canonical_json
+from policies.errors import AuditChainBroken, AuditConflict, AuditError, PolicyError
+from policies.keys import SigningKey, b64u_decode, b64u_encode, fingerprint, signature_valid
+
+DOMAIN = b"sluicegate-audit-record/1\n"
+GENESIS = bytes(32)
+MAX_RECORD_BYTES = 16_384
+Scalar = str | int | float | bool | None
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    seq: int
+    time_ms: int
+    kind: str
+    data: Mapping[str, Scalar]
+    prev: bytes
+    signer: bytes
+    signature: bytes = b""
+
+    def _fields(self) -> dict[str, object]:
+        return {
+            "seq": self.seq,
+            "t": self.time_ms,
+            "kind": self.kind,
+            "data": dict(self.data),
+            "prev": self.prev.hex(),
+            "signer": b64u_encode(self.signer),
+        }
+
+    def body(self) -> bytes:
+        return canonical_json(self._fields())
+
+    @property
+    def hash(self) -> bytes:
+        return hashlib.sha256(self.body()).digest()
+
+    def encode(self) -> bytes:
+        """One line of canonical JSON, without the newline."""
+        return canonical_json({**self._fields(), "sig": b64u_encode(self.signature)})
+
+
+class _RecordDoc(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    seq: int = Field(ge=0)
+    t: int = Field(ge=0)
+    kind: str = Field(pattern=r"^[a-z][a-z0-9_.-]{0,31}$")
+    data: dict[str, Scalar]
+    prev: str = Field(pattern=r"^[0-9a-f]{64}$")
+    signer: str = Field(pattern=r"^[A-Za-z0-9_-]{43}$")
+    sig: str = Field(pattern=r"^[A-Za-z0-9_-]{86}$")
+
+
+def decode_record(entry: bytes) -> AuditRecord:
+    """Parse one stored record; ``ValueError`` says why it cannot be read."""
+    if len(entry) > MAX_RECORD_BYTES:
+        raise ValueError(f"{len(entry)} bytes; a record has at most {MAX_RECORD_BYTES}")
+    try:
+        doc = _RecordDoc.model_validate(json.loads(entry))
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        raise ValueError(f"field {'.'.join(map(str, first['loc']))}: {first['msg']}") from exc
+    except RecursionError as exc:
+        raise ValueError("nested too deeply") from exc
+    return AuditRecord(
+        doc.seq,
+        doc.t,
+        doc.kind,
+        doc.data,
+        bytes.fromhex(doc.prev),
+        b64u_decode(doc.signer),
+        b64u_decode(doc.sig),
+    )
+
+
+def next_record(
+    head: AuditRecord | None,
+    kind: str,
+    data: Mapping[str, Scalar],
+    *,
+    now: float,
+    key: SigningKey,
+) -> AuditRecord:
+    """The signed record that follows ``head`` (None: the first record of a log)."""
+    for value in data.values():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"audit data must be finite numbers, got {value!r}")
+    unsigned = AuditRecord(
+        seq=0 if head is None else head.seq + 1,
+        time_ms=int(now * 1000),
+        kind=kind,
+        data=dict(data),
+        prev=GENESIS if head is None else head.hash,
+        signer=key.public,
+    )
+    record = replace(unsigned, signature=key.sign(DOMAIN + unsigned.hash))
+    decode_record(record.encode())  # refuse to write what could not be read back
+    return record
+
+
+@dataclass(frozen=True)
+class ChainSummary:
+    count: int
+    head: bytes
+    signers: frozenset[bytes]
+
+
+def verify_chain(
+    entries: Iterable[bytes], trusted: Collection[bytes], *, expected_head: bytes | None = None
+) -> ChainSummary:
+    """Check every record; raise ``AuditChainBroken`` at the first bad one."""
+    prev = GENESIS
+    signers: set[bytes] = set()
+    count = 0
+    for index, entry in enumerate(entries):
+        try:
+            record = decode_record(entry)
+        except ValueError as exc:
+            raise AuditChainBroken(f"unreadable: {exc}", index=index, problem="unreadable") from exc
+        if record.signer not in trusted:
+            raise AuditChainBroken(
+                f"signed by key {fingerprint(record.signer).hex()}, which is not trusted",
+                index=index,
+                problem="untrusted-signer",
+            )
+        digest = record.hash
+        if not signature_valid(record.signer, record.signature, DOMAIN + digest):
+            raise AuditChainBroken(
+                f"(seq {record.seq}) signature does not verify: the record was edited",
+                index=index,
+                problem="bad-signature",
+            )
+        if record.seq != index:
+            raise AuditChainBroken(
+                f"has seq {record.seq}, expected {index}: a record was deleted or records were "
+                "reordered",
+                index=index,
+                problem="sequence",
+            )
+        if record.prev != prev:
+            raise AuditChainBroken(
+                f"(seq {record.seq}) does not chain to record {index - 1}: a record was replaced",
+                index=index,
+                problem="broken-link",
+            )
+        prev = digest
+        signers.add(record.signer)
+        count = index + 1
+    if expected_head is not None and prev != expected_head:
+        raise AuditChainBroken(
+            f"the log ends at head {prev.hex()[:16]}…, expected {expected_head.hex()[:16]}…: "
+            "records were cut off the end",
+            index=count,
+            problem="truncated",
+        )
+    return ChainSummary(count, prev, frozenset(signers))
+
+
+class AuditStore(Protocol):
+    def append(self, seq: int, entry: bytes) -> None:
+        """Store ``entry`` as record ``seq``; ``AuditConflict`` if ``seq`` is already taken."""
+
+    def last(self) -> bytes | None:
+        """The last stored entry, or None for an empty log."""
+
+    def entries(self) -> Iterable[bytes]:
+        """Every entry, oldest first."""
+
+
+class AsyncAuditStore(Protocol):
+    async def append(self, seq: int, entry: bytes) -> None:
+        """Store ``entry`` as record ``seq``; ``AuditConflict`` if ``seq`` is already taken."""
+
+    async def last(self) -> bytes | None:
+        """The last stored entry, or None for an empty log."""
+
+
+def _head(entry: bytes | None) -> AuditRecord | None:
+    if entry is None:
+        return None
+    try:
+        return decode_record(entry)
+    except ValueError as exc:
+        raise AuditError(
+            f"the log's last record is unreadable ({exc}); run 'sluicegate policy audit-verify' "
+            "and repair the log before appending"
+        ) from exc
+
+
+class AuditWriter:
+    """Appends signed, chained records to one store; re-reads the head after a conflict."""
+
+    def __init__(self, store: AuditStore, key: SigningKey, *, retries: int = 3) -> None:
+        self.store, self.key, self.retries = store, key, retries
+        self._head: AuditRecord | None = None
+        self._loaded = False
+
+    def append(self, kind: str, data: Mapping[str, Scalar], *, now: float) -> AuditRecord:
+        attempt = 0
+        while True:
+            if not self._loaded:
+                self._head, self._loaded = _head(self.store.last()), True
+            record = next_record(self._head, kind, data, now=now, key=self.key)
+            try:
+                self.store.append(record.seq, record.encode())
+            except AuditConflict:
+                self._loaded = False
+                if attempt >= self.retries:
+                    raise
+                attempt += 1
+                continue
+            self._head = record
+            return record
+
+
+class AsyncAuditWriter:
+    """``AuditWriter`` for asyncio callers and an ``AsyncAuditStore``."""
+
+    def __init__(self, store: AsyncAuditStore, key: SigningKey, *, retries: int = 3) -> None:
+        self.store, self.key, self.retries = store, key, retries
+        self._head: AuditRecord | None = None
+        self._loaded = False
+
+    async def append(self, kind: str, data: Mapping[str, Scalar], *, now: float) -> AuditRecord:
+        attempt = 0
+        while True:
+            if not self._loaded:
+                self._head, self._loaded = _head(await self.store.last()), True
+            record = next_record(self._head, kind, data, now=now, key=self.key)
+            try:
+                await self.store.append(record.seq, record.encode())
+            except AuditConflict:
+                self._loaded = False
+                if attempt >= self.retries:
+                    raise
+                attempt += 1
+                continue
+            self._head = record
+            return record
+
+
+def refusal_data(exc: PolicyError, **context: Scalar) -> dict[str, Scalar]:
+    """Audit data for a refusal: its reason code and message, plus the caller's context."""
+    return {"reason": exc.reason, "message": str(exc)[:1000], **context}

@@ -1,0 +1,220 @@
+"""Errors raised by the compliance library.
+
+Every refusal has its own class and a stable ``reason`` code (``"token.replayed"``), so the
+broker, edge and worker can count refusals by reason and write them into the audit log without
+parsing messages. A message names the bad value and what would have been accepted.
+
+    SluicegateError                              (sluicegate.errors)
+    └── PolicyError                              policy.error
+        ├── PolicyParseError                     policy.parse     file, line or key, expectation
+        ├── KeyFileError                         key.invalid      bad key file or key text
+        ├── PlacementDenied                      placement.denied mint refused: policy says no
+        ├── PolicyRefused                        a signed policy was not accepted
+        │   ├── PolicyDigestMismatch             policy.digest_mismatch   content changed
+        │   ├── UnknownSigner                    policy.unknown_signer
+        │   ├── BadSignature                     policy.bad_signature
+        │   ├── ThresholdNotMet                  policy.threshold_not_met
+        │   ├── PolicyRollback                   policy.rollback
+        │   ├── PolicyVersionConflict            policy.version_conflict  same version, new body
+        │   ├── PolicyExpired                    policy.expired           (freeze attack)
+        │   └── RotationNotAuthorised            policy.rotation_not_authorised
+        ├── TokenError
+        │   ├── TokenTooLarge                    token.too_large  (mint side)
+        │   └── TokenRefused                     a placement token was not accepted
+        │       ├── TokenMalformed               token.malformed
+        │       ├── TokenUntrustedSigner         token.untrusted_signer
+        │       ├── TokenBadSignature            token.bad_signature
+        │       ├── TokenPolicyMismatch          token.policy_mismatch
+        │       ├── TokenNotYetValid             token.not_yet_valid
+        │       ├── TokenExpired                 token.expired
+        │       ├── TokenLifetimeTooLong         token.lifetime_too_long
+        │       ├── TokenWrongJob                token.wrong_job         (mix-and-match)
+        │       ├── TokenPayloadMismatch         token.payload_mismatch
+        │       ├── TokenWrongClass              token.wrong_class
+        │       ├── TokenWrongOrigin             token.wrong_origin
+        │       ├── TokenWrongTarget             token.wrong_target
+        │       ├── TokenZoneDenied              token.zone_denied
+        │       ├── TokenReplayed                token.replayed
+        │       └── ReplayCacheFull              token.replay_cache_full (fails closed)
+        └── AuditError                           audit.error
+            ├── AuditChainBroken                 audit.chain_broken  names the first bad record
+            └── AuditConflict                    audit.conflict      another writer appended
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from sluicegate.errors import SluicegateError
+
+
+class PolicyError(SluicegateError):
+    """Base of every error raised on purpose by ``policies``."""
+
+    reason: ClassVar[str] = "policy.error"
+
+
+class PolicyParseError(PolicyError):
+    """A policy, signature or anchor file is not valid; the message says where and why."""
+
+    reason = "policy.parse"
+
+    def __init__(self, message: str, *, source: str, key: str = "", line: int | None = None):
+        where = source if line is None else f"{source}:{line}"
+        if key:
+            where = f"{where}: {key}"
+        super().__init__(f"{where}: {message}")
+        self.source = source
+        self.key = key
+        self.line = line
+
+
+class KeyFileError(PolicyError):
+    """A key file or ``ed25519:...`` key text cannot be used."""
+
+    reason = "key.invalid"
+
+
+class PlacementDenied(PolicyError):
+    """The broker asked to mint a token for a placement the policy does not allow."""
+
+    reason = "placement.denied"
+
+
+class PolicyRefused(PolicyError):
+    """A signed policy was not accepted."""
+
+    reason = "policy.refused"
+
+
+class PolicyDigestMismatch(PolicyRefused):
+    reason = "policy.digest_mismatch"
+
+
+class UnknownSigner(PolicyRefused):
+    reason = "policy.unknown_signer"
+
+
+class BadSignature(PolicyRefused):
+    reason = "policy.bad_signature"
+
+
+class ThresholdNotMet(PolicyRefused):
+    reason = "policy.threshold_not_met"
+
+
+class PolicyRollback(PolicyRefused):
+    reason = "policy.rollback"
+
+
+class PolicyVersionConflict(PolicyRefused):
+    reason = "policy.version_conflict"
+
+
+class PolicyExpired(PolicyRefused):
+    reason = "policy.expired"
+
+
+class RotationNotAuthorised(PolicyRefused):
+    reason = "policy.rotation_not_authorised"
+
+
+class TokenError(PolicyError):
+    """Base for placement token problems."""
+
+    reason = "token.error"
+
+
+class TokenTooLarge(TokenError):
+    """The names in a placement do not fit the 400-byte token budget."""
+
+    reason = "token.too_large"
+
+
+class TokenRefused(TokenError):
+    """A placement token was not accepted by its verifier."""
+
+    reason = "token.refused"
+
+
+class TokenMalformed(TokenRefused):
+    reason = "token.malformed"
+
+
+class TokenUntrustedSigner(TokenRefused):
+    reason = "token.untrusted_signer"
+
+
+class TokenBadSignature(TokenRefused):
+    reason = "token.bad_signature"
+
+
+class TokenPolicyMismatch(TokenRefused):
+    reason = "token.policy_mismatch"
+
+
+class TokenNotYetValid(TokenRefused):
+    reason = "token.not_yet_valid"
+
+
+class TokenExpired(TokenRefused):
+    reason = "token.expired"
+
+
+class TokenLifetimeTooLong(TokenRefused):
+    reason = "token.lifetime_too_long"
+
+
+class TokenWrongJob(TokenRefused):
+    reason = "token.wrong_job"
+
+
+class TokenPayloadMismatch(TokenRefused):
+    reason = "token.payload_mismatch"
+
+
+class TokenWrongClass(TokenRefused):
+    reason = "token.wrong_class"
+
+
+class TokenWrongOrigin(TokenRefused):
+    reason = "token.wrong_origin"
+
+
+class TokenWrongTarget(TokenRefused):
+    reason = "token.wrong_target"
+
+
+class TokenZoneDenied(TokenRefused):
+    reason = "token.zone_denied"
+
+
+class TokenReplayed(TokenRefused):
+    reason = "token.replayed"
+
+
+class ReplayCacheFull(TokenRefused):
+    reason = "token.replay_cache_full"
+
+
+class AuditError(PolicyError):
+    """Base for audit log problems."""
+
+    reason = "audit.error"
+
+
+class AuditChainBroken(AuditError):
+    """Verification found the first record that breaks the chain."""
+
+    reason = "audit.chain_broken"
+
+    def __init__(self, message: str, *, index: int, problem: str):
+        super().__init__(f"record {index}: {message}")
+        self.index = index
+        self.problem = problem
+
+
+class AuditConflict(AuditError):
+    """Another writer appended to the same log between our read of its head and our append."""
+
+    reason = "audit.conflict"

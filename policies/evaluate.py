@@ -1,0 +1,88 @@
+"""Evaluation: may data class D from zone O be processed in zone T, and why.
+
+Deny rules are checked first and a matching deny always wins; then allow rules; anything no
+allow rule matches is denied, and so is every unknown data class or zone. Verdicts are
+memoised per (class, origin, target) in the policy's bounded cache, so a repeated query is a
+dict lookup. Pure: no I/O, no clock, no mutation except that cache.
+"""
+
+from __future__ import annotations
+
+from policies.model import Policy, Rule, Verdict
+
+VERDICT_CACHE_LIMIT = 65_536
+
+
+def decide(policy: Policy, data_class: str, origin_zone: str, target_zone: str) -> Verdict:
+    """The verdict, computed from the rules without the cache."""
+    cls = policy.classes.get(data_class)
+    if cls is None:
+        return Verdict(False, "unknown-class", data_class, origin_zone, target_zone)
+    origin = policy.zone_segments.get(origin_zone)
+    if origin is None:
+        return Verdict(False, "unknown-origin", data_class, origin_zone, target_zone)
+    target = policy.zone_segments.get(target_zone)
+    if target is None:
+        return Verdict(False, "unknown-target", data_class, origin_zone, target_zone)
+    for rule in cls.deny:
+        if rule.matches(origin, target):
+            return Verdict(False, "deny-rule", data_class, origin_zone, target_zone, rule)
+    for rule in cls.allow:
+        if rule.matches(origin, target):
+            return Verdict(True, "allow-rule", data_class, origin_zone, target_zone, rule)
+    return Verdict(False, "default-deny", data_class, origin_zone, target_zone)
+
+
+def allowed(policy: Policy, data_class: str, origin_zone: str, target_zone: str) -> Verdict:
+    """May ``data_class`` from ``origin_zone`` be processed in ``target_zone``? With the rule."""
+    cache = policy.verdict_cache
+    key = (data_class, origin_zone, target_zone)
+    verdict = cache.get(key)
+    if verdict is None:
+        verdict = decide(policy, data_class, origin_zone, target_zone)
+        if len(cache) >= VERDICT_CACHE_LIMIT:
+            cache.clear()
+        cache[key] = verdict
+    return verdict
+
+
+def allowed_targets(policy: Policy, data_class: str, origin_zone: str) -> list[str]:
+    """Every declared zone that may process ``data_class`` from ``origin_zone``, sorted."""
+    return sorted(z for z in policy.zones if allowed(policy, data_class, origin_zone, z).allowed)
+
+
+def _rule_line(rule: Rule, origin: tuple[str, ...], target: tuple[str, ...]) -> str:
+    o_ok = rule.origin.matches(origin)
+    t_ok = rule.target.matches(target)
+    parts = [
+        f"origin {'matches' if o_ok else 'does not match'} {rule.origin.text!r}",
+        f"target {'matches' if t_ok else 'does not match'} {rule.target.text!r}",
+    ]
+    verdict = "MATCHES" if o_ok and t_ok else "does not apply"
+    return f"  {rule.key}: {', '.join(parts)} -> {verdict}"
+
+
+def explain(policy: Policy, data_class: str, origin_zone: str, target_zone: str) -> list[str]:
+    """The reasoning behind ``allowed`` in words, one line per step, for people."""
+    verdict = allowed(policy, data_class, origin_zone, target_zone)
+    lines = [
+        f"Question: may data class {data_class!r} from zone {origin_zone!r} be processed "
+        f"in zone {target_zone!r}? (policy {policy.campus!r} version {policy.version})"
+    ]
+    cls = policy.classes.get(data_class)
+    if cls is None:
+        known = ", ".join(sorted(policy.classes))
+        lines.append(f"Data class {data_class!r} is not in the policy; known: {known}.")
+    for zone in (origin_zone, target_zone):
+        if zone not in policy.zone_segments:
+            lines.append(f"Zone {zone!r} is not declared in the policy; unknown zones are denied.")
+    if verdict.decision in ("deny-rule", "allow-rule", "default-deny") and cls is not None:
+        origin = policy.zone_segments[origin_zone]
+        target = policy.zone_segments[target_zone]
+        lines.append(f"Deny rules are checked first ({len(cls.deny)}); any match wins:")
+        lines.extend(_rule_line(rule, origin, target) for rule in cls.deny)
+        lines.append(f"Then allow rules ({len(cls.allow)}); the first match allows:")
+        lines.extend(_rule_line(rule, origin, target) for rule in cls.allow)
+    answer = "ALLOWED" if verdict.allowed else "DENIED"
+    lines.append(f"Answer: {answer}: {verdict}.")
+    return lines

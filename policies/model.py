@@ -1,0 +1,253 @@
+"""The policy as frozen dataclasses, built once from a validated document.
+
+Everything the hot paths need is precomputed here: zones split into segments, each worker's
+zone, broker keys by fingerprint, rules as compiled zone patterns. The only mutable part is
+``Policy.verdict_cache``, a bounded memo that ``evaluate`` owns. Nothing here parses text,
+touches files or decides trust.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from policies.canonical import canonical_bytes, digest
+from policies.keys import decode_public_key, fingerprint
+from policies.schema import PolicyDocument
+
+Effect = Literal["allow", "deny"]
+
+
+@dataclass(frozen=True)
+class ZonePattern:
+    """``campus/fab-north/dc``, ``campus/*/dc`` (``*``: one level), ``campus/**`` (a subtree,
+    the zone itself included) or ``**`` (every zone)."""
+
+    text: str
+    segments: tuple[str, ...]
+    subtree: bool
+
+    @classmethod
+    def parse(cls, text: str) -> ZonePattern:
+        segments = tuple(text.split("/"))
+        subtree = segments[-1] == "**"
+        return cls(text=text, segments=segments[:-1] if subtree else segments, subtree=subtree)
+
+    def matches(self, zone: tuple[str, ...]) -> bool:
+        n = len(self.segments)
+        if len(zone) < n or (len(zone) > n and not self.subtree):
+            return False
+        return all(p == "*" or p == z for p, z in zip(self.segments, zone, strict=False))
+
+
+EVERYWHERE = ZonePattern.parse("**")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One allow or deny entry of a data class, ``[origin ->] target``."""
+
+    data_class: str
+    effect: Effect
+    index: int
+    text: str
+    origin: ZonePattern
+    target: ZonePattern
+
+    @classmethod
+    def parse(cls, data_class: str, effect: Effect, index: int, text: str) -> Rule:
+        origin, _, target = text.rpartition(" -> ")
+        return cls(
+            data_class=data_class,
+            effect=effect,
+            index=index,
+            text=text,
+            origin=ZonePattern.parse(origin) if origin else EVERYWHERE,
+            target=ZonePattern.parse(target),
+        )
+
+    @property
+    def key(self) -> str:
+        """Where the rule sits in the policy file."""
+        return f"classes.{self.data_class}.{self.effect}[{self.index}]"
+
+    def matches(self, origin: tuple[str, ...], target: tuple[str, ...]) -> bool:
+        return self.target.matches(target) and self.origin.matches(origin)
+
+    def __str__(self) -> str:
+        return f"{self.effect}[{self.index}] {self.text!r} of class {self.data_class!r}"
+
+
+@dataclass(frozen=True)
+class DataClass:
+    name: str
+    description: str
+    deny: tuple[Rule, ...]
+    allow: tuple[Rule, ...]
+
+
+@dataclass(frozen=True)
+class KeyRef:
+    key_id: str
+    public: bytes
+
+
+@dataclass(frozen=True)
+class Pool:
+    name: str
+    zone: str
+    workers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Edge:
+    edge_id: str
+    zone: str
+    key: bytes
+
+
+@dataclass(frozen=True)
+class Condition:
+    metric: str
+    op: str
+    value: float
+
+    def holds(self, measured: float) -> bool:
+        if self.op == ">=":
+            return measured >= self.value
+        if self.op == ">":
+            return measured > self.value
+        if self.op == "<=":
+            return measured <= self.value
+        return measured < self.value
+
+    def __str__(self) -> str:
+        return f"{self.metric} {self.op} {self.value:g}"
+
+
+@dataclass(frozen=True)
+class SubhealthRule:
+    name: str
+    conditions: tuple[Condition, ...]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The answer to "may ``data_class`` from ``origin`` be processed in ``target``"."""
+
+    allowed: bool
+    decision: Literal[
+        "allow-rule",
+        "deny-rule",
+        "default-deny",
+        "unknown-class",
+        "unknown-origin",
+        "unknown-target",
+    ]
+    data_class: str
+    origin: str
+    target: str
+    rule: Rule | None = None
+
+    def __str__(self) -> str:
+        what = f"{self.data_class!r} from {self.origin!r} to {self.target!r}"
+        if self.decision == "allow-rule":
+            return f"{what} allowed by {self.rule}"
+        if self.decision == "deny-rule":
+            return f"{what} denied by {self.rule} (deny wins)"
+        if self.decision == "default-deny":
+            return f"{what} denied: no allow rule of the class matches (default deny)"
+        if self.decision == "unknown-class":
+            return f"{what} denied: unknown data class {self.data_class!r}"
+        if self.decision == "unknown-origin":
+            return f"{what} denied: unknown origin zone {self.origin!r}"
+        return f"{what} denied: unknown target zone {self.target!r}"
+
+
+@dataclass(frozen=True, eq=False)
+class Policy:
+    """A loaded policy. Equality is identity; compare ``digest`` to compare content."""
+
+    campus: str
+    version: int
+    expires: int
+    description: str
+    signer_threshold: int
+    signers: tuple[KeyRef, ...]
+    brokers: tuple[KeyRef, ...]
+    zones: Mapping[str, str]
+    pools: tuple[Pool, ...]
+    edges: tuple[Edge, ...]
+    classes: Mapping[str, DataClass]
+    subhealth: tuple[SubhealthRule, ...]
+    max_ttl_s: int
+    max_skew_s: int
+    canonical: bytes = field(repr=False)
+    digest: bytes = field(repr=False)
+    zone_segments: Mapping[str, tuple[str, ...]] = field(repr=False)
+    worker_zones: Mapping[str, str] = field(repr=False)
+    broker_keys_by_fp: Mapping[bytes, tuple[bytes, ...]] = field(repr=False)
+    verdict_cache: dict[tuple[str, str, str], Verdict] = field(default_factory=dict, repr=False)
+
+    @property
+    def signer_keys(self) -> frozenset[bytes]:
+        """The distinct raw public keys of the policy signers."""
+        return frozenset(ref.public for ref in self.signers)
+
+    def worker_zone(self, worker_id: str) -> str | None:
+        return self.worker_zones.get(worker_id)
+
+    def role_of(self, public: bytes) -> str | None:
+        """Which role ``public`` has in this policy, in words, or None."""
+        for role, refs in (("policy signer", self.signers), ("broker", self.brokers)):
+            for ref in refs:
+                if ref.public == public:
+                    return f"{role} {ref.key_id!r}"
+        for edge in self.edges:
+            if edge.key == public:
+                return f"edge {edge.edge_id!r}"
+        return None
+
+
+def _rules(name: str, effect: Effect, texts: list[str]) -> tuple[Rule, ...]:
+    return tuple(Rule.parse(name, effect, i, text) for i, text in enumerate(texts))
+
+
+def policy_from_document(doc: PolicyDocument) -> Policy:
+    """Build the runtime policy from a validated (and semantically checked) document."""
+    canonical = canonical_bytes(doc)
+    brokers = tuple(KeyRef(k, decode_public_key(v)) for k, v in doc.broker_signers.keys.items())
+    by_fp: dict[bytes, tuple[bytes, ...]] = {}
+    for ref in brokers:
+        by_fp[fingerprint(ref.public)] = (*by_fp.get(fingerprint(ref.public), ()), ref.public)
+    pools = tuple(Pool(n, p.zone, tuple(p.workers)) for n, p in doc.pools.items())
+    return Policy(
+        campus=doc.campus,
+        version=doc.version,
+        expires=doc.expires,
+        description=doc.description,
+        signer_threshold=doc.policy_signers.threshold,
+        signers=tuple(KeyRef(k, decode_public_key(v)) for k, v in doc.policy_signers.keys.items()),
+        brokers=brokers,
+        zones=dict(doc.zones),
+        pools=pools,
+        edges=tuple(Edge(k, e.zone, decode_public_key(e.key)) for k, e in doc.edges.items()),
+        classes={
+            name: DataClass(
+                name, c.description, _rules(name, "deny", c.deny), _rules(name, "allow", c.allow)
+            )
+            for name, c in doc.classes.items()
+        },
+        subhealth=tuple(
+            SubhealthRule(s.name, tuple(Condition(c.metric, c.op, c.value) for c in s.when))
+            for s in doc.subhealth
+        ),
+        max_ttl_s=doc.tokens.max_ttl_s,
+        max_skew_s=doc.tokens.max_skew_s,
+        canonical=canonical,
+        digest=digest(canonical),
+        zone_segments={zone: tuple(zone.split("/")) for zone in doc.zones},
+        worker_zones={w: pool.zone for pool in pools for w in pool.workers},
+        broker_keys_by_fp=by_fp,
+    )

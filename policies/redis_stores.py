@@ -1,0 +1,119 @@
+"""Redis backends: the replay cache (``SET NX PX``) and the audit log as a Redis stream,
+each in a sync (``redis.Redis``) and an asyncio (``redis.asyncio.Redis``) flavour. Clients
+must be created without ``decode_responses`` (records are bytes).
+
+This is the only module of ``policies`` that imports ``redis``, and it holds every Redis key
+name the package uses. Nonces expire by themselves once their token could no longer verify;
+audit streams are never trimmed. Record ``seq`` is stored as the stream entry id
+``<seq + 1>-0``, so Redis itself refuses a second writer that appends the same ``seq``
+(``AuditConflict``) instead of forking the chain.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import cast
+
+import redis
+import redis.asyncio
+
+from policies.errors import AuditConflict, AuditError
+
+NONCE_PREFIX = "sluicegate:policy:nonce:"
+AUDIT_PREFIX = "sluicegate:audit:"
+_FIELD = b"r"
+_BATCH = 500
+
+
+def audit_stream_key(node_id: str) -> str:
+    """The stream that holds ``node_id``'s audit log."""
+    return AUDIT_PREFIX + node_id
+
+
+def _ttl_ms(until: float, now: float) -> int:
+    return max(1, math.ceil((until - now) * 1000))
+
+
+class RedisReplayCache:
+    """Replay cache shared by every process that talks to the same Redis."""
+
+    def __init__(self, client: redis.Redis, prefix: str = NONCE_PREFIX) -> None:
+        self.client, self.prefix = client, prefix
+
+    def claim(self, nonce: bytes, until: float, now: float) -> bool:
+        key = self.prefix + nonce.hex()
+        return bool(self.client.set(key, b"1", nx=True, px=_ttl_ms(until, now)))
+
+
+class AsyncRedisReplayCache:
+    """``RedisReplayCache`` for asyncio callers."""
+
+    def __init__(self, client: redis.asyncio.Redis, prefix: str = NONCE_PREFIX) -> None:
+        self.client, self.prefix = client, prefix
+
+    async def claim(self, nonce: bytes, until: float, now: float) -> bool:
+        key = self.prefix + nonce.hex()
+        return bool(await self.client.set(key, b"1", nx=True, px=_ttl_ms(until, now)))
+
+
+def _conflict(stream: str, seq: int, exc: redis.ResponseError) -> AuditError:
+    if "equal or smaller" in str(exc):
+        return AuditConflict(f"stream {stream!r} already has record {seq}: another writer appended")
+    return AuditError(f"stream {stream!r}: Redis refused record {seq}: {exc}")
+
+
+Rows = list[tuple[bytes, dict[bytes, bytes]]]
+
+
+def _rows(reply: object) -> Rows:
+    """A stream reply, as redis-py returns it for a client without ``decode_responses``."""
+    return cast(Rows, reply or [])
+
+
+def _entry(fields: dict[bytes, bytes]) -> bytes:
+    return fields.get(_FIELD, b"")
+
+
+class RedisStreamAuditStore:
+    """An audit log in one Redis stream (no MAXLEN: never trimmed)."""
+
+    def __init__(self, client: redis.Redis, stream: str) -> None:
+        self.client, self.stream = client, stream
+
+    def append(self, seq: int, entry: bytes) -> None:
+        try:
+            self.client.xadd(self.stream, {_FIELD: entry}, id=f"{seq + 1}-0")
+        except redis.ResponseError as exc:
+            raise _conflict(self.stream, seq, exc) from exc
+
+    def last(self) -> bytes | None:
+        rows = _rows(self.client.xrevrange(self.stream, count=1))
+        return _entry(rows[0][1]) if rows else None
+
+    def entries(self) -> Iterator[bytes]:
+        start = "-"
+        while True:
+            rows = _rows(self.client.xrange(self.stream, min=start, count=_BATCH))
+            for _, fields in rows:
+                yield _entry(fields)
+            if len(rows) < _BATCH:
+                return
+            start = "(" + rows[-1][0].decode()
+
+
+class AsyncRedisStreamAuditStore:
+    """``RedisStreamAuditStore`` for asyncio callers (append and head only)."""
+
+    def __init__(self, client: redis.asyncio.Redis, stream: str) -> None:
+        self.client, self.stream = client, stream
+
+    async def append(self, seq: int, entry: bytes) -> None:
+        try:
+            await self.client.xadd(self.stream, {_FIELD: entry}, id=f"{seq + 1}-0")
+        except redis.ResponseError as exc:
+            raise _conflict(self.stream, seq, exc) from exc
+
+    async def last(self) -> bytes | None:
+        rows = _rows(await self.client.xrevrange(self.stream, count=1))
+        return _entry(rows[0][1]) if rows else None

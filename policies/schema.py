@@ -1,0 +1,221 @@
+"""The policy file's data model as pydantic v2 models: the one place untrusted policy bytes
+become typed values, and the source of the published JSON Schema.
+
+It validates shape, names and ranges, and normalises values (key text, rule text, timestamps)
+so that the canonical form is unique. It checks nothing that needs the whole document at once
+beyond ``semantic_problems`` and never decides trust: signatures live in ``signing``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    StringConstraints,
+    WithJsonSchema,
+)
+
+from policies.keys import decode_public_key, public_key_text
+
+FORMAT = "sluicegate-policy/1"
+MAX_VERSION = 2**32 - 1
+
+_SEG = r"[a-z0-9][a-z0-9._-]*"
+ZONE_RE = rf"^{_SEG}(/{_SEG}){{0,7}}$"
+PATTERN_RE = rf"^(({_SEG}|\*)/){{0,7}}({_SEG}|\*|\*\*)$"
+_PATTERN = re.compile(PATTERN_RE)
+
+NodeId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+Name = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9._-]{0,31}$")]
+ZoneName = Annotated[str, StringConstraints(pattern=ZONE_RE, max_length=64)]
+MetricName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
+Text = Annotated[str, StringConstraints(max_length=500)]
+
+
+def _normalise_key(text: str) -> str:
+    return public_key_text(decode_public_key(text))
+
+
+KeyText = Annotated[
+    str,
+    AfterValidator(_normalise_key),
+    WithJsonSchema({"type": "string", "pattern": "^ed25519:[A-Za-z0-9_-]{43}$"}),
+]
+
+
+def _normalise_rule(text: str) -> str:
+    parts = [part.strip() for part in text.split("->")]
+    if len(parts) > 2 or not all(_PATTERN.match(part) and len(part) <= 64 for part in parts):
+        raise ValueError(
+            f"{text[:80]!r} is not a rule; expected a zone pattern such as 'campus/**', "
+            "'campus/*/dc' or 'offsite/cloud-east', optionally preceded by an origin pattern "
+            "and '->' ('campus/fab-north/** -> campus/fab-north/**'); '**' only at the end"
+        )
+    return " -> ".join(parts)
+
+
+RuleText = Annotated[
+    str,
+    StringConstraints(max_length=140),
+    AfterValidator(_normalise_rule),
+    WithJsonSchema({"type": "string", "maxLength": 140, "description": "[origin ->] target"}),
+]
+
+
+def _parse_time(value: object) -> int:
+    if isinstance(value, str):
+        text = value
+        try:
+            value = dt.datetime.fromisoformat(text)
+        except ValueError as exc:
+            raise ValueError(f"{text[:40]!r} is not a date-time like 2027-06-30T00:00:00Z") from exc
+    if isinstance(value, dt.datetime):
+        if value.tzinfo is None:
+            raise ValueError("a date-time needs a time zone, e.g. 2027-06-30T00:00:00Z")
+        if value.microsecond:
+            raise ValueError("use whole seconds, e.g. 2027-06-30T00:00:00Z")
+        seconds = int(value.timestamp())
+    elif isinstance(value, dt.date):
+        seconds = int(dt.datetime(value.year, value.month, value.day, tzinfo=dt.UTC).timestamp())
+    else:
+        raise ValueError(f"expected a date-time like 2027-06-30T00:00:00Z, got {value!r:.40}")
+    if not 946684800 <= seconds < 253402300800:
+        raise ValueError("a date-time between year 2000 and 9999 is expected")
+    return seconds
+
+
+def format_time(seconds: int) -> str:
+    """``2027-06-30T00:00:00Z`` for epoch seconds."""
+    return dt.datetime.fromtimestamp(seconds, tz=dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+Timestamp = Annotated[
+    int,
+    BeforeValidator(_parse_time),
+    PlainSerializer(format_time, return_type=str),
+    WithJsonSchema({"type": "string", "format": "date-time"}),
+]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class SignersDoc(_Model):
+    """Policy signers: the root of trust. ``threshold`` distinct keys must sign."""
+
+    threshold: int = Field(ge=1, le=16)
+    keys: dict[NodeId, KeyText] = Field(min_length=1, max_length=32)
+
+
+class BrokersDoc(_Model):
+    """Keys the broker signs placement tokens with."""
+
+    keys: dict[NodeId, KeyText] = Field(default_factory=dict, max_length=64)
+
+
+class PoolDoc(_Model):
+    zone: ZoneName
+    description: Text = ""
+    workers: list[NodeId] = Field(min_length=1, max_length=1000)
+
+
+class EdgeDoc(_Model):
+    zone: ZoneName
+    key: KeyText
+    description: Text = ""
+
+
+class ClassDoc(_Model):
+    """A data class: which zones may process it. Deny wins; anything not allowed is denied."""
+
+    description: Text = ""
+    allow: list[RuleText] = Field(default_factory=list, max_length=256)
+    deny: list[RuleText] = Field(default_factory=list, max_length=256)
+
+
+class ConditionDoc(_Model):
+    metric: MetricName
+    op: Literal[">=", ">", "<=", "<"]
+    value: float = Field(allow_inf_nan=False)
+
+
+class SubhealthDoc(_Model):
+    """A node is sub-healthy when every condition of one rule holds."""
+
+    name: Name
+    when: list[ConditionDoc] = Field(min_length=1, max_length=8)
+
+
+class TokensDoc(_Model):
+    max_ttl_s: int = Field(default=120, ge=1, le=3600)
+    max_skew_s: int = Field(default=5, ge=0, le=300)
+
+
+class PolicyDocument(_Model):
+    """A Sluicegate compliance policy (``sluicegate-policy/1``)."""
+
+    format: Literal["sluicegate-policy/1"]
+    campus: Name
+    version: int = Field(ge=1, le=MAX_VERSION)
+    expires: Timestamp
+    description: Text = ""
+    policy_signers: SignersDoc
+    broker_signers: BrokersDoc = Field(default_factory=BrokersDoc)
+    zones: dict[ZoneName, Text] = Field(min_length=1, max_length=4096)
+    pools: dict[NodeId, PoolDoc] = Field(default_factory=dict, max_length=1000)
+    edges: dict[NodeId, EdgeDoc] = Field(default_factory=dict, max_length=4096)
+    classes: dict[Name, ClassDoc] = Field(min_length=1, max_length=128)
+    subhealth: list[SubhealthDoc] = Field(default_factory=list, max_length=64)
+    tokens: TokensDoc = Field(default_factory=TokensDoc)
+
+
+Loc = tuple[str | int, ...]
+
+
+def semantic_problems(doc: PolicyDocument) -> list[tuple[Loc, str]]:
+    """Problems that make a schema-valid document unusable, each with where it is."""
+    problems: list[tuple[Loc, str]] = []
+    distinct = len(set(doc.policy_signers.keys.values()))
+    if doc.policy_signers.threshold > distinct:
+        problems.append(
+            (
+                ("policy_signers", "threshold"),
+                f"threshold {doc.policy_signers.threshold} can never be met: only {distinct} "
+                f"distinct signer key(s); accepted: 1 to {distinct}",
+            )
+        )
+    seen: dict[str, str] = {}
+    for pool_name, pool in doc.pools.items():
+        for index, worker in enumerate(pool.workers):
+            if worker in seen:
+                problems.append(
+                    (
+                        ("pools", pool_name, "workers", index),
+                        f"worker {worker!r} is already in pool {seen[worker]!r}; "
+                        "a worker sits in exactly one pool",
+                    )
+                )
+            seen[worker] = pool_name
+    return problems
+
+
+def json_schema() -> dict[str, Any]:
+    """The published JSON Schema of the policy file (its TOML read as JSON)."""
+    schema = PolicyDocument.model_json_schema(mode="validation")
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = "https://sluicegate.dev/schema/policy.schema.json"
+    return schema
+
+
+def json_schema_text() -> str:
+    return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
