@@ -45,18 +45,35 @@ def toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, int | float | str):
+    if isinstance(value, str):
+        return toml_string(value)
+    if isinstance(value, int | float):
         return json.dumps(value)
     if isinstance(value, list):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
+        return (
+            "{" + ", ".join(f"{toml_string(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
+        )
     raise TypeError(type(value))
+
+
+def toml_string(text: str) -> str:
+    """A TOML basic string: escapes what TOML requires, keeps other characters as they are."""
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
 
 
 def to_toml(doc: dict[str, Any]) -> str:
     """A document as top-level ``key = inline value`` lines (one way among many to spell it)."""
-    return "".join(f"{json.dumps(k)} = {toml_value(v)}\n" for k, v in doc.items())
+    return "".join(f"{toml_string(k)} = {toml_value(v)}\n" for k, v in doc.items())
 
 
 def base_doc(
