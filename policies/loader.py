@@ -133,7 +133,7 @@ def _document(raw: object, *, source: str, text: str | None) -> PolicyDocument:
 def _check_size(data: bytes | str, source: str) -> None:
     if len(data) > MAX_POLICY_BYTES:
         raise PolicyParseError(
-            f"{len(data)} bytes; a policy file may hold at most {MAX_POLICY_BYTES} bytes",
+            f"too large ({len(data)} bytes); a policy file holds at most {MAX_POLICY_BYTES} bytes",
             source=source,
         )
 

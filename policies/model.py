@@ -27,17 +27,22 @@ class ZonePattern:
     text: str
     segments: tuple[str, ...]
     subtree: bool
+    literal: bool  # no '*' level: a plain tuple comparison decides
 
     @classmethod
     def parse(cls, text: str) -> ZonePattern:
         segments = tuple(text.split("/"))
         subtree = segments[-1] == "**"
-        return cls(text=text, segments=segments[:-1] if subtree else segments, subtree=subtree)
+        if subtree:
+            segments = segments[:-1]
+        return cls(text, segments, subtree, "*" not in segments)
 
     def matches(self, zone: tuple[str, ...]) -> bool:
         n = len(self.segments)
-        if len(zone) < n or (len(zone) > n and not self.subtree):
+        if len(zone) != n and (len(zone) < n or not self.subtree):
             return False
+        if self.literal:
+            return zone[:n] == self.segments
         return all(p == "*" or p == z for p, z in zip(self.segments, zone, strict=False))
 
 
