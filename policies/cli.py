@@ -9,6 +9,7 @@ what would be accepted, with exit status 1. It holds no policy logic of its own.
 from __future__ import annotations
 
 import datetime as dt
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -73,6 +74,13 @@ def _now(text: str | None) -> float:
     return moment.timestamp()
 
 
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` in one step, so a crash never leaves half an anchor or signature file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 def _sig_path(policy_path: Path, given: Path | None) -> Path:
     return given if given is not None else policy_path.with_name(policy_path.name + ".sig")
 
@@ -107,7 +115,7 @@ def sign(
         if sig_path.exists():
             bundle = parse_signatures(read_bytes(sig_path), source=str(sig_path))
         bundle = add_signature(bundle, policy, sign_policy(policy, signing_key, label))
-        sig_path.write_bytes(dump_signatures(bundle))
+        _write_atomic(sig_path, dump_signatures(bundle))
         have = len({s.public for s in bundle.signatures} & policy.signer_keys)
         typer.echo(
             f"signed {policy.campus!r} v{policy.version} {digest_text(policy.digest)} as "
@@ -141,7 +149,7 @@ def verify(
             typer.echo("note: no anchor: trusting this policy's own signers (first install)")
         accepted = accept_policy(policy, bundle, now=_now(now), anchor=previous)
         if update_anchor and anchor is not None:
-            anchor.write_bytes(dump_anchor(accepted))
+            _write_atomic(anchor, dump_anchor(accepted))
             typer.echo(f"anchor updated: {anchor}")
         typer.echo(
             f"OK {policy.campus!r} v{policy.version} {digest_text(policy.digest)}, expires "
