@@ -1,0 +1,13 @@
+"""The vision layer shared by the edge agent and the center pool workers.
+
+    image       probe a JPEG/PNG header (decompression-bomb guard), decode with OpenCV
+    manifest    the model manifest (pydantic): input, preprocessing, labels, postprocessing
+    preprocess  decoded image -> float32 NCHW tensor, exactly as the manifest says
+    postprocess raw output tensors -> labelled Outputs (classification, detection + NMS)
+    runtime     ModelRegistry / LoadedModel: verified ONNX Runtime sessions, infer_bytes
+    synth       synthetic industrial surface images with defects, for training and demos
+
+Nothing here does I/O other than reading model files, and nothing here is async: callers run
+it in their own executor. Import the submodules directly; this package imports none of them,
+so ``import sluicegate.vision.synth`` does not load ONNX Runtime.
+"""

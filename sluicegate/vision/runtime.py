@@ -1,0 +1,264 @@
+"""Loaded, verified ONNX models and the one code path from image bytes to labelled outputs.
+
+``ModelRegistry.from_dir`` loads every manifest in a folder and refuses any model file whose
+sha256 differs from its manifest: the bytes that were hashed are the bytes handed to ONNX
+Runtime, so nothing can swap the file in between. ``LoadedModel.infer_bytes`` is the path
+both the edge agent and the model build use (decode, preprocess, run, postprocess), so what
+was measured at build time is what runs in production.
+
+Parallelism is the caller's job (one job per executor thread); this module keeps OpenCV and
+ONNX Runtime to one thread each by default so concurrent jobs do not oversubscribe cores.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+import numpy.typing as npt
+import onnxruntime as ort
+
+from sluicegate.errors import ModelError, ModelIntegrityError, UnknownModelError
+from sluicegate.vision.image import ImageInfo, check_dimensions, dct_reduction, decode, probe
+from sluicegate.vision.manifest import ModelManifest, load_manifest
+from sluicegate.vision.postprocess import Outputs, postprocess
+from sluicegate.vision.preprocess import preprocess
+
+__all__ = ["LoadedModel", "ModelRegistry", "StageTimes", "default_models_dir"]
+
+cv2.setNumThreads(1)
+
+MODELS_DIR_ENV = "SLUICEGATE_MODELS_DIR"
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    decode_ms: float
+    preprocess_ms: float
+    inference_ms: float  # session.run plus postprocess
+
+    @property
+    def total_ms(self) -> float:
+        return self.decode_ms + self.preprocess_ms + self.inference_ms
+
+
+class LoadedModel:
+    """A verified model: its manifest and an ONNX Runtime session (safe to share across threads)."""
+
+    def __init__(self, manifest: ModelManifest, session: Any) -> None:
+        self.manifest = manifest
+        self.session = session
+        self._input_name = manifest.input.name
+        self._output_names = manifest.output_names
+
+    def __repr__(self) -> str:
+        return f"LoadedModel({self.manifest.name!r}, version={self.manifest.version!r})"
+
+    def run(self, batch: npt.NDArray[np.float32]) -> list[Outputs]:
+        """Run a float32 NCHW batch (any batch size) and read one Outputs per item."""
+        raw = self.session.run(self._output_names, {self._input_name: batch})
+        return postprocess(list(raw), self.manifest)
+
+    def prepare(
+        self,
+        data: bytes,
+        *,
+        info: ImageInfo | None = None,
+        max_pixels: int | None = None,
+        max_side: int | None = None,
+    ) -> tuple[npt.NDArray[np.float32], float, float]:
+        """Bytes to input tensor: ``(batch of one, decode_ms, preprocess_ms)``.
+
+        The header is probed first (cheap; pass ``info`` when the caller already probed);
+        with limits given, an oversized image is refused before decoding. The header also
+        tells whether the JPEG decoder may shrink the image for free.
+        """
+        t0 = time.perf_counter()
+        if info is None:
+            info = probe(data)
+        if max_pixels is not None or max_side is not None:
+            check_dimensions(
+                info,
+                max_pixels=max_pixels if max_pixels is not None else info.pixels,
+                max_side=max_side if max_side is not None else max(info.width, info.height),
+            )
+        spec = self.manifest.preprocess
+        reduce = 1
+        if spec.jpeg_dct_scaling:
+            reduce = dct_reduction(info, spec.resize.width, spec.resize.height)
+        img = decode(data, reduce=reduce)
+        t1 = time.perf_counter()
+        batch = preprocess(img, self.manifest)
+        t2 = time.perf_counter()
+        return batch, (t1 - t0) * 1e3, (t2 - t1) * 1e3
+
+    def infer_bytes(
+        self,
+        data: bytes,
+        *,
+        info: ImageInfo | None = None,
+        max_pixels: int | None = None,
+        max_side: int | None = None,
+    ) -> tuple[Outputs, StageTimes]:
+        """Decode, preprocess, run and postprocess one encoded image, timing each stage."""
+        batch, decode_ms, preprocess_ms = self.prepare(
+            data, info=info, max_pixels=max_pixels, max_side=max_side
+        )
+        t0 = time.perf_counter()
+        (outputs,) = self.run(batch)
+        inference_ms = (time.perf_counter() - t0) * 1e3
+        return outputs, StageTimes(decode_ms, preprocess_ms, inference_ms)
+
+
+class ModelRegistry:
+    """The models one node serves, by name."""
+
+    def __init__(self, models: dict[str, LoadedModel]) -> None:
+        self._models = dict(models)
+
+    @classmethod
+    def from_dir(
+        cls,
+        path: Path,
+        *,
+        providers: list[str] | None = None,
+        intra_op_threads: int = 1,
+    ) -> ModelRegistry:
+        """Load and verify every ``*.json`` manifest in ``path`` and the model it names."""
+        path = Path(path)
+        if not path.is_dir():
+            raise ModelIntegrityError(
+                f"models folder {path} does not exist; set {MODELS_DIR_ENV} to the folder "
+                "that holds the model manifests (*.json) and files (*.onnx)"
+            )
+        manifests = sorted(path.glob("*.json"))
+        if not manifests:
+            raise ModelIntegrityError(f"no model manifests (*.json) in {path}")
+        chosen = _providers(providers)
+        models: dict[str, LoadedModel] = {}
+        sources: dict[str, Path] = {}
+        for manifest_path in manifests:
+            manifest = load_manifest(manifest_path)
+            if manifest.name in models:
+                raise ModelIntegrityError(
+                    f"model name {manifest.name!r} is declared by both "
+                    f"{sources[manifest.name]} and {manifest_path}"
+                )
+            session = _open_verified(path, manifest_path, manifest, chosen, intra_op_threads)
+            models[manifest.name] = LoadedModel(manifest, session)
+            sources[manifest.name] = manifest_path
+        return cls(models)
+
+    def names(self) -> list[str]:
+        return sorted(self._models)
+
+    def get(self, name: str) -> LoadedModel:
+        try:
+            return self._models[name]
+        except KeyError:
+            known = ", ".join(self.names()) or "none"
+            raise UnknownModelError(f"unknown model {name!r}; known: {known}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._models
+
+    def __len__(self) -> int:
+        return len(self._models)
+
+
+def default_models_dir() -> Path:
+    """``$SLUICEGATE_MODELS_DIR`` if set, else the repository's ``models/`` folder."""
+    override = os.environ.get(MODELS_DIR_ENV)
+    if override:
+        return Path(override).expanduser()
+    return Path(__file__).resolve().parents[2] / "models"
+
+
+def session_options(intra_op_threads: int = 1) -> Any:
+    """ONNX Runtime options for one job at a time per session call, on a fixed thread budget."""
+    if intra_op_threads < 1:
+        raise ValueError(f"intra_op_threads must be at least 1, got {intra_op_threads}")
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = intra_op_threads
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.log_severity_level = 3
+    return opts
+
+
+def _providers(requested: list[str] | None) -> list[str]:
+    if requested is None:
+        return ["CPUExecutionProvider"]
+    available = ort.get_available_providers()
+    missing = [p for p in requested if p not in available]
+    if missing or not requested:
+        raise ModelError(
+            f"execution provider(s) {', '.join(missing) or '(none given)'} not available "
+            f"in this onnxruntime; available: {', '.join(available)}"
+        )
+    return list(requested)
+
+
+def _open_verified(
+    folder: Path,
+    manifest_path: Path,
+    manifest: ModelManifest,
+    providers: list[str],
+    intra_op_threads: int,
+) -> Any:
+    model_path = folder / manifest.file
+    try:
+        blob = model_path.read_bytes()
+    except OSError as exc:
+        raise ModelIntegrityError(
+            f"model file {model_path} named by {manifest_path} cannot be read: {exc.strerror}"
+        ) from exc
+    actual = hashlib.sha256(blob).hexdigest()
+    if actual != manifest.sha256:
+        raise ModelIntegrityError(
+            f"model file {model_path} does not match its manifest {manifest_path}: "
+            f"expected sha256 {manifest.sha256}, actual {actual}"
+        )
+    try:
+        session = ort.InferenceSession(
+            blob, sess_options=session_options(intra_op_threads), providers=providers
+        )
+    except Exception as exc:  # onnxruntime raises its own untyped errors
+        raise ModelIntegrityError(f"ONNX Runtime cannot load {model_path}: {exc}") from exc
+    _check_signature(session, manifest, model_path)
+    return session
+
+
+def _check_signature(session: Any, manifest: ModelManifest, model_path: Path) -> None:
+    """The graph's input and outputs must be the ones the manifest describes."""
+    inputs = {i.name: i for i in session.get_inputs()}
+    spec = manifest.input
+    if spec.name not in inputs:
+        raise ModelIntegrityError(
+            f"{model_path}: manifest input {spec.name!r} is not a graph input; "
+            f"graph inputs: {', '.join(inputs)}"
+        )
+    shape = list(inputs[spec.name].shape)
+    # Symbolic (dynamic) dimensions are strings or None; only fixed ones must agree.
+    if len(shape) != 4 or any(
+        isinstance(got, int) and got != want
+        for got, want in zip(shape[1:], spec.shape[1:], strict=True)
+    ):
+        raise ModelIntegrityError(
+            f"{model_path}: graph input {spec.name!r} has shape {shape}; "
+            f"manifest says {list(spec.shape)}"
+        )
+    outputs = {o.name for o in session.get_outputs()}
+    missing = [name for name in manifest.output_names if name not in outputs]
+    if missing:
+        raise ModelIntegrityError(
+            f"{model_path}: manifest output(s) {', '.join(missing)} not in the graph; "
+            f"graph outputs: {', '.join(sorted(outputs))}"
+        )
