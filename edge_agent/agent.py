@@ -86,6 +86,7 @@ class EdgeAgent:
         self.dropped_no_response_topic = 0
         self._process = psutil.Process()
         self._accepting = False
+        self.ready = asyncio.Event()  # set once subscribed and announced online
 
     # -- intake (event loop, must stay quick) ----------------------------------------------
 
@@ -296,6 +297,7 @@ class EdgeAgent:
         self._transport.on_connect(self._announce_online)
         if self._transport.connected:
             self._announce_online()
+        self.ready.set()
         tasks = [asyncio.ensure_future(self._worker()) for _ in range(self.settings.concurrency)]
         tasks.append(asyncio.ensure_future(self._telemetry_loop()))
         log.info(

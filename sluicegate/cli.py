@@ -17,6 +17,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
+from policies.cli import app as policy_app
 from sluicegate.errors import SluicegateError
 
 T = TypeVar("T")
@@ -32,6 +33,7 @@ edge_app = typer.Typer(help="The edge agent that runs on a line PC.", no_args_is
 models_app = typer.Typer(help="The ONNX models shipped in models/.", no_args_is_help=True)
 app.add_typer(edge_app, name="edge")
 app.add_typer(models_app, name="models")
+app.add_typer(policy_app, name="policy", help="Signed compliance policies.")
 
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", "-c", help="TOML settings file.", exists=False)
@@ -197,12 +199,6 @@ def demo(
 
 def main() -> None:
     """Console-script entry point."""
-    try:
-        from policies.cli import app as policy_app
-    except ImportError:  # the compliance CLI is optional while it is being built
-        policy_app = None
-    if policy_app is not None:
-        app.add_typer(policy_app, name="policy", help="Signed compliance policies.")
     app(prog_name="sluicegate")
 
 

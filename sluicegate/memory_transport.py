@@ -22,8 +22,21 @@ class MemoryBroker:
     retained: dict[str, Message] = field(default_factory=dict)
     log: list[Message] = field(default_factory=list)
 
+    _arrived: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def wait_for(self, predicate: Callable[[Message], bool], timeout: float = 5.0) -> Message:
+        """The first logged message matching ``predicate``, waiting up to ``timeout``."""
+        async with asyncio.timeout(timeout):
+            while True:
+                for message in self.log:
+                    if predicate(message):
+                        return message
+                self._arrived.clear()
+                await self._arrived.wait()
+
     def route(self, message: Message) -> None:
         self.log.append(message)
+        self._arrived.set()
         if message.retain:
             self.retained[message.topic] = message
         loop = asyncio.get_running_loop()

@@ -175,6 +175,7 @@ class MqttTransport:
         self._connect_hooks: list[Callable[[], None]] = []
         self._disconnect_hooks: list[Callable[[], None]] = []
         self._acks: dict[int, asyncio.Future[None]] = {}
+        self._sub_mids: set[int] = set()  # subscriptions awaiting their SUBACK
         self._slots = threading.BoundedSemaphore(max_pending)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._connected = asyncio.Event()
@@ -197,7 +198,9 @@ class MqttTransport:
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
         self._client.on_publish = self._on_publish
+        self._client.on_subscribe = self._on_subscribe
         self._client.on_socket_open = self._on_socket_open
+        self._client.on_connect_fail = self._on_connect_fail
 
     # -- lifecycle (loop thread) -------------------------------------------------------------
 
@@ -300,15 +303,28 @@ class MqttTransport:
             self._acks.pop(info.mid, None)
 
     async def subscribe(self, topic_filter: str, handler: Handler, *, qos: int = 1) -> None:
-        """Call ``handler(message)`` on the loop for each message matching ``topic_filter``."""
+        """Call ``handler(message)`` on the loop for each message matching ``topic_filter``.
+
+        When connected, returns once the broker has acknowledged the subscription (SUBACK);
+        otherwise it is made on the next (re)connect, before any on-connect hook runs.
+        """
         self._subs[topic_filter] = _Subscription(topic_filter, qos, handler)
         self._client.message_callback_add(topic_filter, self._make_dispatch(handler))
-        if self.connected:
-            result, _mid = self._client.subscribe(topic_filter, qos=qos)
-            if result != MQTTErrorCode.MQTT_ERR_SUCCESS:
-                raise TransportError(
-                    f"subscribe to {topic_filter!r} failed: {paho.error_string(result)}"
-                )
+        if not self.connected:
+            return
+        result, mid = self._client.subscribe(topic_filter, qos=qos)
+        if result != MQTTErrorCode.MQTT_ERR_SUCCESS or mid is None:
+            raise TransportError(
+                f"subscribe to {topic_filter!r} failed: {paho.error_string(result)}"
+            )
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._acks[mid] = fut
+        self._sub_mids.add(mid)
+        try:
+            await fut
+        finally:
+            self._acks.pop(mid, None)
+            self._sub_mids.discard(mid)
 
     async def unsubscribe(self, topic_filter: str) -> None:
         self._subs.pop(topic_filter, None)
@@ -363,6 +379,11 @@ class MqttTransport:
             client.subscribe([(s.topic_filter, s.qos) for s in subs])
         self._call_loop(self._set_connected, True)
 
+    def _on_connect_fail(self, _client: paho.Client, _userdata: Any) -> None:
+        where = f"{self._settings.host}:{self._settings.port}"
+        self._last_error = f"cannot reach {where}"
+        log.warning("cannot reach the MQTT broker at %s; retrying with backoff", where)
+
     def _on_disconnect(
         self,
         _client: paho.Client,
@@ -375,6 +396,20 @@ class MqttTransport:
             self._last_error = f"disconnected: {reason_code}"
             log.warning("MQTT connection lost (%s); reconnecting with backoff", reason_code)
         self._call_loop(self._set_connected, False)
+
+    def _on_subscribe(
+        self,
+        _client: paho.Client,
+        _userdata: Any,
+        mid: int,
+        reason_codes: list[ReasonCode],
+        _properties: Properties | None,
+    ) -> None:
+        error = None
+        refused = [str(rc) for rc in reason_codes if rc.is_failure]
+        if refused:
+            error = TransportError(f"broker refused the subscription: {', '.join(refused)}")
+        self._call_loop(self._settle, mid, error)
 
     def _on_publish(
         self,
@@ -411,6 +446,9 @@ class MqttTransport:
             self._connected.set()
         else:
             self._connected.clear()
+            # A lost SUBACK never comes; the subscription is renewed on reconnect anyway.
+            for mid in list(self._sub_mids):
+                self._settle(mid, None)
         if up or was_up:
             for hook in self._connect_hooks if up else self._disconnect_hooks:
                 try:

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import subprocess
+import sys
 import threading
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
@@ -40,6 +43,7 @@ class PlainClient:
         self.inbox: queue.Queue[Received] = queue.Queue()
         self._subacks: queue.Queue[int] = queue.Queue()
         self._connected = threading.Event()
+        self.subscribed: set[str] = set()  # free for tests to note what they subscribed
         self.client = paho.Client(
             CallbackAPIVersion.VERSION2,
             client_id=f"plain-{uuid.uuid4().hex[:8]}",
@@ -146,3 +150,30 @@ class AgentThread:
         self._thread.join(20)
         if self.error is not None:
             raise self.error
+
+
+def sluicegate_cmd(*args: str) -> list[str]:
+    """The installed ``sluicegate`` console script, as a user would run it."""
+    return [str(Path(sys.executable).with_name("sluicegate")), *args]
+
+
+def start_agent_process(port: int, edge_id: str, *extra: str) -> subprocess.Popen[bytes]:
+    """``sluicegate edge run`` as its own process; returns once it is online."""
+    watcher = PlainClient(port)
+    try:
+        watcher.subscribe(topics.edge_status(edge_id))
+        # Output goes to the test's own (captured) stdout/stderr, shown if the test fails.
+        proc = subprocess.Popen(
+            sluicegate_cmd("edge", "run", "--port", str(port), "--id", edge_id, *extra)
+        )
+        while True:
+            try:
+                got = watcher.next(timeout=1.0)
+            except queue.Empty:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"agent exited with {proc.returncode}") from None
+                continue
+            if b'"online"' in got.payload:
+                return proc
+    finally:
+        watcher.close()

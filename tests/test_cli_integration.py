@@ -1,0 +1,184 @@
+"""Real tier: the ``sluicegate`` command itself, the README's example, the demo, the client."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import signal
+import subprocess
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sluicegate import AsyncClient, Client, topics
+from sluicegate.config import MqttSettings
+from sluicegate.errors import RequestTimeout
+from sluicegate.servers import ServerProcess
+from sluicegate.vision.synth import generate
+from tests.image_bytes import sample_jpeg
+from tests.support import PlainClient, sluicegate_cmd, start_agent_process
+
+pytestmark = pytest.mark.integration
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        sluicegate_cmd(*args), capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def _status_after(port: int, edge_id: str, action: object) -> dict[str, str]:
+    """Run ``action()`` and return the next retained/live status document of ``edge_id``."""
+    watcher = PlainClient(port)
+    watcher.subscribe(topics.edge_status(edge_id))
+    assert b'"online"' in watcher.next().payload  # the retained copy
+    action()  # type: ignore[operator]
+    doc: dict[str, str] = json.loads(watcher.next(timeout=20).payload)
+    watcher.close()
+    return doc
+
+
+def test_edge_run_submit_and_clean_stop(mosquitto: ServerProcess, tmp_path: Path) -> None:
+    edge_id = f"cli-{uuid.uuid4().hex[:6]}"
+    agent = start_agent_process(mosquitto.port, edge_id, "--zone", "campus/cli/line-1")
+    try:
+        image = tmp_path / "pit.jpg"
+        image.write_bytes(sample_jpeg(3, "pit")[0])
+        port = str(mosquitto.port)
+        ok = _run("submit", str(image), "--model", "defect-v1", "--edge", edge_id, "--port", port)
+        assert ok.returncode == 0, ok.stderr
+        doc = json.loads(ok.stdout)
+        assert doc["status"] == "ok"
+        assert doc["outputs"]["label"] == "pit"
+        assert doc["ran_on"]["zone"] == "campus/cli/line-1"
+        bad = _run("submit", str(image), "--model", "nope", "--edge", edge_id, "--port", port)
+        assert bad.returncode == 1
+        assert json.loads(bad.stdout)["code"] == "unknown_model"
+        offline = _status_after(mosquitto.port, edge_id, lambda: agent.send_signal(signal.SIGTERM))
+        assert offline["state"] == "offline"
+        assert agent.wait(20) == 0
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+def test_killed_agent_goes_offline_by_last_will(mosquitto: ServerProcess) -> None:
+    edge_id = f"lwt-{uuid.uuid4().hex[:6]}"
+    agent = start_agent_process(mosquitto.port, edge_id)
+    try:
+        status = _status_after(mosquitto.port, edge_id, agent.kill)
+    finally:
+        agent.kill()
+        agent.wait()
+    assert status == {
+        "v": 1,
+        "node": edge_id,
+        "kind": "edge",
+        "zone": "campus/line-1",
+        "state": "offline",
+    }
+
+
+def _readme_example() -> dict[str, list[str]]:
+    block = re.search(
+        r"<!-- readme-example:begin -->(.*?)<!-- readme-example:end -->", README.read_text(), re.S
+    )
+    assert block is not None
+    commands = {}
+    for line in block.group(1).splitlines():
+        argv = shlex.split(line)
+        if argv and not line.startswith("```"):
+            commands[Path(argv[0]).name] = argv
+    return commands
+
+
+def test_readme_mosquitto_example_works(mosquitto: ServerProcess, tmp_path: Path) -> None:
+    cmds = _readme_example()
+    assert set(cmds) == {"mosquitto_sub", "sluicegate", "mosquitto_pub"}
+    port = ["-p", str(mosquitto.port)]
+    agent = start_agent_process(mosquitto.port, "line-3", "--zone", "campus/fab-north/line-3")
+    # -d makes mosquitto_sub report its SUBACK, so the job is published only once it listens;
+    # stdbuf makes it write each line as it happens, as it does on a terminal.
+    sub = subprocess.Popen(
+        ["stdbuf", "-oL", *cmds["mosquitto_sub"], *port, "-d", "-W", "30"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert sub.stdout is not None
+        while "received SUBACK" not in sub.stdout.readline():
+            assert sub.poll() is None
+        subprocess.run(sluicegate_cmd(*cmds["sluicegate"][1:]), cwd=tmp_path, check=True)
+        subprocess.run([*cmds["mosquitto_pub"], *port], cwd=tmp_path, check=True, timeout=30)
+        out, _ = sub.communicate(timeout=40)
+    finally:
+        sub.kill()
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(20)
+    line = next(ln for ln in out.splitlines() if ln.startswith("job-0001 "))
+    doc = json.loads(line.removeprefix("job-0001 "))
+    assert doc["status"] == "ok"
+    assert doc["outputs"]["label"] == "scratch"
+    assert doc["ran_on"] == {"kind": "edge", "node": "line-3", "zone": "campus/fab-north/line-3"}
+
+
+def test_sync_client_with_numpy_image_and_timeout(mosquitto: ServerProcess) -> None:
+    edge_id = f"py-{uuid.uuid4().hex[:6]}"
+    agent = start_agent_process(mosquitto.port, edge_id)
+    try:
+        img, truth = generate(np.random.default_rng(99), "stain")
+        with Client(MqttSettings(port=mosquitto.port), edge=edge_id) as client:
+            result = client.infer(
+                img,
+                model="defect-v1",
+                deadline_ms=5000,
+                priority=8,
+                data_class="wafer",
+                job_id="py-job-1",
+            )
+        assert result.raise_for_status().job_id == "py-job-1"
+        assert result.outputs is not None
+        assert result.outputs.label == truth
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(20)
+
+
+async def test_async_client_times_out_when_no_agent_answers(mosquitto: ServerProcess) -> None:
+    async with AsyncClient(MqttSettings(port=mosquitto.port), edge="nobody-home") as client:
+        with pytest.raises(RequestTimeout, match=r"no result from edge 'nobody-home' within 0\.5s"):
+            await client.infer(sample_jpeg()[0], model="defect-v1", timeout=0.5)
+
+
+def test_demo_runs_end_to_end() -> None:
+    done = _run("demo", "--seconds", "4", "--rate", "25", timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"done: (\d+) submitted, \1 answered", done.stdout), done.stdout
+    assert " 0 unanswered" in done.stdout
+
+
+def test_cli_errors_are_one_clear_line(tmp_path: Path) -> None:
+    missing = _run("edge", "run", "--config", str(tmp_path / "nope.toml"))
+    assert missing.returncode == 2
+    assert "does not exist" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    no_file = _run("submit", str(tmp_path / "nope.jpg"), "--model", "defect-v1")
+    assert no_file.returncode == 2
+    assert "cannot read" in no_file.stderr
+
+
+def test_models_list_and_synth(tmp_path: Path) -> None:
+    listed = _run("models", "list")
+    assert listed.returncode == 0
+    assert "defect-v1" in listed.stdout
+    assert "verified" in listed.stdout
+    made = _run("synth", str(tmp_path / "x.png"), "--label", "ok", "--seed", "3")
+    assert made.returncode == 0
+    assert (tmp_path / "x.png").read_bytes()[:4] == b"\x89PNG"
+    wrong = _run("synth", str(tmp_path / "y.jpg"), "--label", "dent")
+    assert wrong.returncode == 2
+    assert "unknown label 'dent'" in wrong.stderr

@@ -1,0 +1,132 @@
+"""Real tier: the paho-to-asyncio bridge against a real Mosquitto."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from sluicegate.config import MqttSettings
+from sluicegate.errors import TransportError
+from sluicegate.mqtt import Message, MqttTransport, Will
+from sluicegate.servers import ServerProcess, free_port, running, start_mosquitto
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def own_mosquitto() -> Iterator[ServerProcess]:
+    """A Mosquitto only this test uses, so it may restart it."""
+    with running(start_mosquitto()) as server:
+        yield server
+
+
+async def _next(queue: asyncio.Queue[Message], timeout: float = 10.0) -> Message:
+    return await asyncio.wait_for(queue.get(), timeout)
+
+
+async def test_properties_round_trip_and_acked_publish(
+    mosquitto: ServerProcess, unique: str
+) -> None:
+    settings = MqttSettings(port=mosquitto.port)
+    got: asyncio.Queue[Message] = asyncio.Queue()
+    async with (
+        MqttTransport(settings, client_id=f"a-{unique}") as a,
+        MqttTransport(settings, client_id=f"b-{unique}") as b,
+    ):
+        await b.subscribe(f"t/{unique}/#", got.put_nowait)
+        await a.publish(
+            f"t/{unique}/x",
+            b"\x00payload",
+            qos=1,
+            wait=True,
+            response_topic="r/1",
+            correlation_data=b"\x01\x02",
+            content_type="image/png",
+            user_properties=(("model", "m"), ("model", "second")),
+        )
+        msg = await _next(got)
+    assert msg.payload == b"\x00payload"
+    assert (msg.response_topic, msg.correlation_data, msg.content_type) == (
+        "r/1",
+        b"\x01\x02",
+        "image/png",
+    )
+    assert msg.user_property("model") == "m"
+    assert msg.user_property("absent") is None
+    assert msg.qos == 1
+
+
+async def test_socket_has_no_nagle_delay(mosquitto: ServerProcess, unique: str) -> None:
+    async with MqttTransport(MqttSettings(port=mosquitto.port), client_id=f"n-{unique}") as t:
+        sock = t._client.socket()
+        assert isinstance(sock, socket.socket)
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+
+
+async def test_failing_handler_does_not_stop_delivery(
+    mosquitto: ServerProcess, unique: str
+) -> None:
+    settings = MqttSettings(port=mosquitto.port)
+    seen: asyncio.Queue[Message] = asyncio.Queue()
+
+    def handler(msg: Message) -> None:
+        seen.put_nowait(msg)
+        if msg.payload == b"boom":
+            raise RuntimeError("handler bug")
+
+    async with MqttTransport(settings, client_id=f"h-{unique}") as t:
+        await t.subscribe(f"h/{unique}", handler)
+        for payload in (b"boom", b"after"):
+            await t.publish(f"h/{unique}", payload, qos=1, wait=True)
+        assert (await _next(seen)).payload == b"boom"
+        assert (await _next(seen)).payload == b"after"
+
+
+async def test_reconnects_and_resubscribes_after_broker_restart(
+    own_mosquitto: ServerProcess, unique: str
+) -> None:
+    settings = MqttSettings(port=own_mosquitto.port, reconnect_min_s=1, reconnect_max_s=2)
+    got: asyncio.Queue[Message] = asyncio.Queue()
+    lost = asyncio.Event()
+    back = asyncio.Event()
+    async with MqttTransport(settings, client_id=f"r-{unique}") as t:
+        t.on_disconnect(lost.set)
+        await t.subscribe(f"r/{unique}", got.put_nowait)
+        await t.publish(f"r/{unique}", b"before", qos=1, wait=True)
+        assert (await _next(got)).payload == b"before"
+        await asyncio.to_thread(own_mosquitto.kill)
+        await asyncio.wait_for(lost.wait(), 10)
+        assert not t.connected
+        t.on_connect(back.set)
+        await asyncio.to_thread(own_mosquitto.restart)
+        await asyncio.wait_for(back.wait(), 15)
+        await t.publish(f"r/{unique}", b"after", qos=1, wait=True)
+        assert (await _next(got)).payload == b"after"
+
+
+async def test_last_will_is_published_when_the_client_vanishes(
+    mosquitto: ServerProcess, unique: str
+) -> None:
+    settings = MqttSettings(port=mosquitto.port)
+    got: asyncio.Queue[Message] = asyncio.Queue()
+    async with MqttTransport(settings, client_id=f"w-{unique}") as watcher:
+        await watcher.subscribe(f"will/{unique}", got.put_nowait)
+        doomed = MqttTransport(
+            settings, client_id=f"d-{unique}", will=Will(f"will/{unique}", b"gone", retain=False)
+        )
+        await doomed.connect()
+        sock = doomed._client.socket()
+        assert isinstance(sock, socket.socket)
+        sock.shutdown(socket.SHUT_RDWR)  # the connection dies without a DISCONNECT
+        assert (await _next(got)).payload == b"gone"
+        await doomed.close()
+
+
+async def test_connect_to_nothing_is_a_clear_error() -> None:
+    settings = MqttSettings(port=free_port())
+    t = MqttTransport(settings, client_id="nobody")
+    with pytest.raises(TransportError, match=r"no MQTT broker answered at 127\.0\.0\.1:\d+"):
+        await t.connect(timeout=1.0)
