@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from sluicegate import topics
 from sluicegate.errors import ImageError, ImageTooLargeError
-from sluicegate.mqtt import Message
+from sluicegate.transport import Message
 from sluicegate.vision.image import ImageInfo, check_dimensions, probe
 
 CONTENT_TYPES = {"image/jpeg": "jpeg", "image/png": "png"}
@@ -195,6 +195,6 @@ def admit(
     )
 
 
-def queue_key(job: Job, seq: int) -> tuple[int, float, int]:
-    """Order of the local queue: higher priority first, then earliest deadline, then FIFO."""
-    return (-job.priority, job.deadline if job.deadline is not None else math.inf, seq)
+def queue_key(job: Job) -> tuple[int, float]:
+    """Order of the local queue: higher priority first, then earliest deadline (then FIFO)."""
+    return (-job.priority, job.deadline if job.deadline is not None else math.inf)

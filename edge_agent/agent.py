@@ -17,23 +17,24 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Literal
 
 import psutil
 
 from edge_agent.admission import Job, Limits, Refusal, admit, queue_key
-from edge_agent.load import ServiceTimes
+from edge_agent.load import JobQueue, ServiceTimes
 from sluicegate import topics, wire
 from sluicegate.config import EdgeSettings
 from sluicegate.errors import ImageError
-from sluicegate.mqtt import Message, Transport, Will
+from sluicegate.transport import Message, Transport, Will
 from sluicegate.vision.postprocess import Outputs as VisionOutputs
 from sluicegate.vision.runtime import ModelRegistry, StageTimes
 
 log = logging.getLogger(__name__)
 
-QueueItem = tuple[tuple[int, float, int], Job]
+Inference = tuple[VisionOutputs, StageTimes]
 
 
 def status_message(settings: EdgeSettings, state: Literal["online", "offline"]) -> bytes:
@@ -77,10 +78,12 @@ class EdgeAgent:
         self._clock = clock
         self._new_id = new_id
         self._limits = Limits(settings.max_payload_bytes, settings.max_pixels, settings.max_side)
-        self._queue: asyncio.PriorityQueue[QueueItem] = asyncio.PriorityQueue(settings.queue_size)
-        self._seq = 0
+        self._queue: JobQueue[Job] = JobQueue(settings.queue_size, queue_key)
         self._in_flight = 0
         self._executor = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="sg-infer")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
         self.service_times = ServiceTimes(settings.service_time_alpha)
         self.results: Counter[str] = Counter()
         self.dropped_no_response_topic = 0
@@ -92,7 +95,6 @@ class EdgeAgent:
 
     def on_message(self, msg: Message) -> None:
         """Admission of one request; called by the transport for each submit message."""
-        now = self._clock()
         if not self._accepting:
             decision: Job | Refusal = Refusal(
                 msg.user_property(topics.PROP_JOB_ID) or self._new_id(),
@@ -105,15 +107,18 @@ class EdgeAgent:
             )
         else:
             decision = admit(
-                msg, models=self._models, limits=self._limits, now=now, new_id=self._new_id
+                msg,
+                models=self._models,
+                limits=self._limits,
+                now=self._clock(),
+                new_id=self._new_id,
             )
         if isinstance(decision, Refusal):
             self._refuse(decision)
-            return
-        self._seq += 1
-        try:
-            self._queue.put_nowait((queue_key(decision, self._seq), decision))
-        except asyncio.QueueFull:
+        elif self._queue.push(decision):
+            self._idle.clear()
+            self._dispatch()
+        else:
             self._refuse(
                 Refusal(
                     decision.job_id,
@@ -152,61 +157,57 @@ class EdgeAgent:
         self, topic: str, correlation_data: bytes | None, result: wire.JobResult
     ) -> None:
         self.results[result.status] += 1
-        task = asyncio.ensure_future(
-            self._transport.publish(
+        try:
+            self._transport.publish_nowait(
                 topic,
                 wire.dump(result),
                 qos=1,
                 correlation_data=correlation_data,
                 content_type=wire.RESULT_CONTENT_TYPE,
             )
-        )
-        task.add_done_callback(_log_failure)
+        except Exception as exc:  # a result that cannot be queued is logged, never silent
+            log.error("could not publish the result of job %s: %s", result.job_id, exc)
 
-    # -- execution -------------------------------------------------------------------------------
+    # -- execution: the loop hands jobs to the thread pool and takes results back ----------
 
-    async def _worker(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            _key, job = await self._queue.get()
+    def _dispatch(self) -> None:
+        """Start queued jobs while a compute slot is free (loop thread)."""
+        while self._in_flight < self.settings.concurrency and len(self._queue):
+            job = self._queue.pop()
+            started = self._clock()
+            if job.deadline is not None and started >= job.deadline:
+                late = (started - job.deadline) * 1000.0
+                reason = f"the deadline passed {late:.0f} ms before the job could start; not run"
+                self._finish(job, "expired", code="expired", reason=reason, started=started)
+                continue
+            model = self._registry.get(job.model)
             self._in_flight += 1
-            try:
-                await self._execute(loop, job)
-            except Exception:  # a bug must not kill the worker; the job still gets a result
-                log.exception("job %s failed unexpectedly", job.job_id)
-                self._finish(job, "failed", code="internal", reason="internal error; see agent log")
-            finally:
-                self._in_flight -= 1
-                self._queue.task_done()
+            future = self._executor.submit(model.infer_bytes, job.payload, info=job.image)
+            future.add_done_callback(partial(self._from_worker, job, started))
+        if not self._in_flight and not len(self._queue):
+            self._idle.set()
 
-    async def _execute(self, loop: asyncio.AbstractEventLoop, job: Job) -> None:
-        started = self._clock()
-        if job.deadline is not None and started >= job.deadline:
-            late = (started - job.deadline) * 1000.0
-            self._finish(
-                job,
-                "expired",
-                code="expired",
-                reason=f"the deadline passed {late:.0f} ms before the job could start; not run",
-                started=started,
-            )
-            return
-        model = self._registry.get(job.model)
+    def _from_worker(self, job: Job, started: float, future: Future[Inference]) -> None:
+        # Runs on the worker thread: hand the outcome back to the loop, nothing more.
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._completed, job, started, future)
+
+    def _completed(self, job: Job, started: float, future: Future[Inference]) -> None:
+        self._in_flight -= 1
         try:
-            outputs, times = await loop.run_in_executor(
-                self._executor, model.infer_bytes, job.payload
-            )
+            outputs, times = future.result()
         except ImageError as exc:
             self._finish(job, "rejected", code="bad_image", reason=str(exc), started=started)
-            return
         except Exception as exc:
             log.exception("inference failed for job %s", job.job_id)
             reason = f"inference failed: {type(exc).__name__}: {exc}"
             self._finish(job, "failed", code="inference_error", reason=reason, started=started)
-            return
-        compute_s = (times.decode_ms + times.preprocess_ms + times.inference_ms) / 1000.0
-        self.service_times.observe(job.model, compute_s)
-        self._finish(job, "ok", outputs=outputs, times=times, started=started)
+        else:
+            compute_s = (times.decode_ms + times.preprocess_ms + times.inference_ms) / 1000.0
+            self.service_times.observe(job.model, compute_s)
+            self._finish(job, "ok", outputs=outputs, times=times, started=started)
+        self._dispatch()
 
     def _finish(
         self,
@@ -248,7 +249,7 @@ class EdgeAgent:
             node=self.settings.id,
             zone=self.settings.zone,
             ts=self._clock(),
-            queue_depth=self._queue.qsize(),
+            queue_depth=len(self._queue),
             queue_capacity=self.settings.queue_size,
             in_flight=self._in_flight,
             concurrency=self.settings.concurrency,
@@ -274,20 +275,18 @@ class EdgeAgent:
                     await self._transport.publish(topic, wire.dump(self.telemetry()), qos=0)
 
     def _announce_online(self) -> None:
-        task = asyncio.ensure_future(
-            self._transport.publish(
-                topics.edge_status(self.settings.id),
-                status_message(self.settings, "online"),
-                qos=1,
-                retain=True,
-            )
+        self._transport.publish_nowait(
+            topics.edge_status(self.settings.id),
+            status_message(self.settings, "online"),
+            qos=1,
+            retain=True,
         )
-        task.add_done_callback(_log_failure)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event, *, drain_timeout: float = 10.0) -> None:
         """Serve until ``stop`` is set, then answer what is queued and go offline."""
+        self._loop = asyncio.get_running_loop()
         self._process.cpu_percent(None)  # prime: the first reading is always 0
         self._accepting = True
         submit = topics.edge_submit(self.settings.id)
@@ -298,8 +297,7 @@ class EdgeAgent:
         if self._transport.connected:
             self._announce_online()
         self.ready.set()
-        tasks = [asyncio.ensure_future(self._worker()) for _ in range(self.settings.concurrency)]
-        tasks.append(asyncio.ensure_future(self._telemetry_loop()))
+        telemetry = asyncio.ensure_future(self._telemetry_loop())
         log.info(
             "edge agent %s (zone %s) serving %s on %s",
             self.settings.id,
@@ -312,10 +310,9 @@ class EdgeAgent:
         finally:
             self._accepting = False
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._queue.join(), drain_timeout)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+                await asyncio.wait_for(self._idle.wait(), drain_timeout)
+            telemetry.cancel()
+            await asyncio.gather(telemetry, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(
                     self._transport.publish(
@@ -328,8 +325,3 @@ class EdgeAgent:
                     2.0,
                 )
             self._executor.shutdown(wait=True)
-
-
-def _log_failure(task: asyncio.Future[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("publish failed: %s", task.exception())

@@ -1,13 +1,18 @@
-"""The edge agent's own load model: per-model service times and the queue's order.
+"""The edge agent's own load model: the waiting-job queue and per-model service times.
 
-Pure bookkeeping with no clock of its own: the shell reports how long each job's compute
-took and reads back moving averages for telemetry (and, later, for predicting whether a
-job would meet its deadline locally).
+Pure bookkeeping with no clock and no I/O: the shell pushes and pops jobs, reports how long
+each job's compute took, and reads back moving averages for telemetry (and, later, for
+predicting whether a job would meet its deadline locally).
 """
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,3 +44,33 @@ class ServiceTimes:
 
     def snapshot(self) -> dict[str, ModelFigures]:
         return dict(self._figures)
+
+
+class JobQueue(Generic[T]):
+    """A bounded priority queue of waiting jobs, ordered by ``key`` (smallest first).
+
+    Ties keep arrival order. ``push`` refuses (returns False) when full, so the caller can
+    answer the job instead of letting memory grow.
+    """
+
+    def __init__(self, capacity: int, key: Callable[[T], tuple[int, float]]) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity!r}")
+        self.capacity = capacity
+        self._key = key
+        self._heap: list[tuple[tuple[int, float], int, T]] = []
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def push(self, item: T) -> bool:
+        if len(self._heap) >= self.capacity:
+            return False
+        self._seq += 1
+        heapq.heappush(self._heap, (self._key(item), self._seq, item))
+        return True
+
+    def pop(self) -> T:
+        """The most urgent item; IndexError when empty."""
+        return heapq.heappop(self._heap)[2]

@@ -112,7 +112,10 @@ def _start_agent(port: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen(argv, env=env, start_new_session=True)
 
 
-async def _wait_online(mqtt: MqttSettings, agent: subprocess.Popen[bytes], tally: Tally) -> None:
+async def _wait_online(
+    mqtt: MqttSettings, agent: subprocess.Popen[bytes], tally: Tally
+) -> MqttTransport:
+    """Wait for the agent's retained ``online``; the returned watcher keeps feeding telemetry."""
     online = asyncio.Event()
 
     def on_status(msg: Message) -> None:
@@ -129,13 +132,18 @@ async def _wait_online(mqtt: MqttSettings, agent: subprocess.Popen[bytes], tally
     await watcher.subscribe(topics.edge_status(EDGE_ID), on_status)
     await watcher.subscribe(topics.edge_telemetry(EDGE_ID), on_telemetry, qos=0)
     deadline = time.monotonic() + 60.0
-    while not online.is_set():
-        if agent.poll() is not None:
-            raise SluicegateError(f"the edge agent exited with status {agent.returncode}")
-        if time.monotonic() > deadline:
-            raise SluicegateError("the edge agent did not come online within 60 s")
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(online.wait(), 0.5)
+    try:
+        while not online.is_set():
+            if agent.poll() is not None:
+                raise SluicegateError(f"the edge agent exited with status {agent.returncode}")
+            if time.monotonic() > deadline:
+                raise SluicegateError("the edge agent did not come online within 60 s")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(online.wait(), 0.5)
+    except BaseException:
+        await watcher.close()
+        raise
+    return watcher
 
 
 async def _one(client: AsyncClient, image: bytes, truth: str, tally: Tally) -> None:
@@ -202,8 +210,11 @@ def run_demo(*, rate: float, seconds: float, port: int | None) -> int:
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.add_signal_handler(sig, stop.set)
                 console.print(f"[b]broker[/] 127.0.0.1:{broker_port}  waiting for the agent…")
-                await _wait_online(mqtt, agent, tally)
-                await _stream(mqtt, rate, seconds, stop, tally)
+                watcher = await _wait_online(mqtt, agent, tally)
+                try:
+                    await _stream(mqtt, rate, seconds, stop, tally)
+                finally:
+                    await watcher.close()
 
             asyncio.run(main())
         finally:

@@ -12,8 +12,8 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sluicegate.mqtt import Handler, Message, UserProperties
 from sluicegate.topics import matches
+from sluicegate.transport import Handler, Message, UserProperties
 
 
 @dataclass
@@ -62,6 +62,31 @@ class MemoryTransport:
     def on_connect(self, hook: Callable[[], None]) -> None:
         self._hooks.append(hook)
 
+    def publish_nowait(
+        self,
+        topic: str,
+        payload: bytes,
+        *,
+        qos: int = 0,
+        retain: bool = False,
+        response_topic: str | None = None,
+        correlation_data: bytes | None = None,
+        content_type: str | None = None,
+        user_properties: UserProperties = (),
+    ) -> None:
+        self._broker.route(
+            Message(
+                topic,
+                payload,
+                qos,
+                retain,
+                response_topic,
+                correlation_data,
+                content_type,
+                user_properties,
+            )
+        )
+
     async def publish(
         self,
         topic: str,
@@ -75,17 +100,15 @@ class MemoryTransport:
         user_properties: UserProperties = (),
         wait: bool = False,
     ) -> None:
-        self._broker.route(
-            Message(
-                topic,
-                payload,
-                qos,
-                retain,
-                response_topic,
-                correlation_data,
-                content_type,
-                user_properties,
-            )
+        self.publish_nowait(
+            topic,
+            payload,
+            qos=qos,
+            retain=retain,
+            response_topic=response_topic,
+            correlation_data=correlation_data,
+            content_type=content_type,
+            user_properties=user_properties,
         )
 
     async def subscribe(self, topic_filter: str, handler: Handler, *, qos: int = 1) -> None:

@@ -1,14 +1,16 @@
-"""The one bridge between paho-mqtt (MQTT v5) and asyncio.
+"""The one bridge between paho-mqtt (MQTT v5) and asyncio; no other module imports paho.
 
-paho runs its network loop in its own thread; its callbacks do nothing but hand a value to
-the event loop with ``loop.call_soon_threadsafe``. Incoming PUBLISH packets become our own
-immutable :class:`Message` here, so no other module ever imports paho. The transport
-reconnects with exponential backoff, re-subscribes after every reconnect, sets
-``TCP_NODELAY`` on its socket (Nagle would add ~40 ms a hop) and can register a Last Will.
+paho runs its network loop on its own thread. Its callbacks only convert what arrived into
+our own :class:`~sluicegate.transport.Message` and hand it to the event loop with
+``loop.call_soon_threadsafe`` — coalesced, so a burst costs one wake-up of the loop, not
+one per message. Broker acks are matched to waiting callers in an ack table; an ack nobody
+waits for never wakes the loop. The transport reconnects with exponential backoff,
+re-subscribes after every reconnect, sets ``TCP_NODELAY`` (Nagle would add ~40 ms a hop)
+and can register a Last Will.
 
-Hand-off from paho's thread is bounded: when the handlers fall behind by ``max_pending``
-messages, paho's thread waits, so TCP pushes back on the sender instead of memory growing.
-Handlers therefore run quickly on the loop and never wait on the transport themselves.
+Hand-off is bounded: when handlers fall ``max_pending`` messages behind, paho's thread
+waits, so TCP pushes back on the sender instead of memory growing. Handlers must therefore
+be quick and must never wait on the transport themselves.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import contextlib
 import logging
 import socket
 import threading
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
@@ -30,75 +33,13 @@ from paho.mqtt.reasoncodes import ReasonCode
 
 from sluicegate.config import MqttSettings
 from sluicegate.errors import TransportError
+from sluicegate.transport import Handler, Message, UserProperties, Will
+
+__all__ = ["Message", "MqttTransport", "Will", "to_message"]
 
 log = logging.getLogger(__name__)
 
-UserProperties = tuple[tuple[str, str], ...]
-Handler = Callable[["Message"], None]
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    """An MQTT v5 application message, independent of paho."""
-
-    topic: str
-    payload: bytes
-    qos: int = 0
-    retain: bool = False
-    response_topic: str | None = None
-    correlation_data: bytes | None = None
-    content_type: str | None = None
-    user_properties: UserProperties = ()
-    message_expiry_s: int | None = None
-
-    def user_property(self, name: str) -> str | None:
-        """The first user property called ``name``, or None."""
-        for key, value in self.user_properties:
-            if key == name:
-                return value
-        return None
-
-
-@dataclass(frozen=True, slots=True)
-class Will:
-    """The Last Will the broker publishes if this client vanishes without a DISCONNECT."""
-
-    topic: str
-    payload: bytes
-    qos: int = 1
-    retain: bool = True
-
-
-class Transport(Protocol):
-    """What a role needs from MQTT; the in-memory transport in tests implements it too."""
-
-    async def publish(
-        self,
-        topic: str,
-        payload: bytes,
-        *,
-        qos: int = 0,
-        retain: bool = False,
-        response_topic: str | None = None,
-        correlation_data: bytes | None = None,
-        content_type: str | None = None,
-        user_properties: UserProperties = (),
-        wait: bool = False,
-    ) -> None: ...
-
-    async def subscribe(self, topic_filter: str, handler: Handler, *, qos: int = 1) -> None: ...
-
-    def on_connect(self, hook: Callable[[], None]) -> None: ...
-
-    @property
-    def connected(self) -> bool: ...
-
-
-@dataclass
-class _Subscription:
-    topic_filter: str
-    qos: int
-    handler: Handler
+_OK = (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN)
 
 
 def _new_properties(packet_type: int) -> Properties:
@@ -154,6 +95,69 @@ def to_message(msg: paho.MQTTMessage) -> Message:
     )
 
 
+@dataclass
+class _Subscription:
+    topic_filter: str
+    qos: int
+    handler: Handler
+
+
+class _AckTable:
+    """Matches broker acks (paho's thread) to futures awaited on the loop.
+
+    paho reports an ack while holding its own outgoing-message lock, so this table's lock
+    is only ever taken inside paho's, never around a call into paho: no lock-order cycle.
+    An ack that beats its waiter's registration is remembered briefly in ``early``
+    (bounded; message ids recycle only after 65,535 publishes).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: dict[int, asyncio.Future[None]] = {}
+        self._early: OrderedDict[int, Exception | None] = OrderedDict()
+
+    def expect(self, mid: int, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+        """A future for the ack of ``mid`` (loop thread, right after the packet was queued)."""
+        fut: asyncio.Future[None] = loop.create_future()
+        with self._lock:
+            if mid in self._early:
+                _settle(fut, self._early.pop(mid))
+            else:
+                self._waiting[mid] = fut
+        return fut
+
+    def forget(self, mid: int) -> None:
+        with self._lock:
+            self._waiting.pop(mid, None)
+
+    def acked(self, mid: int, error: Exception | None) -> asyncio.Future[None] | None:
+        """Record an ack (paho's thread); returns the future to settle on the loop, if any."""
+        with self._lock:
+            fut = self._waiting.pop(mid, None)
+            if fut is None:
+                self._early[mid] = error
+                if len(self._early) > 1024:
+                    self._early.popitem(last=False)
+            return fut
+
+    def fail_all(self, error: Exception | None) -> None:
+        """Settle every waiter (loop thread): on close, or a SUBACK lost with its connection."""
+        with self._lock:
+            waiting = list(self._waiting.values())
+            self._waiting.clear()
+        for fut in waiting:
+            _settle(fut, error)
+
+
+def _settle(fut: asyncio.Future[None], error: Exception | None) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)
+
+
 class MqttTransport:
     """An asyncio MQTT v5 client over paho's threaded network loop."""
 
@@ -174,9 +178,12 @@ class MqttTransport:
         self._subs: dict[str, _Subscription] = {}
         self._connect_hooks: list[Callable[[], None]] = []
         self._disconnect_hooks: list[Callable[[], None]] = []
-        self._acks: dict[int, asyncio.Future[None]] = {}
-        self._sub_mids: set[int] = set()  # subscriptions awaiting their SUBACK
+        self._acks = _AckTable()
+        self._sub_acks = _AckTable()
         self._slots = threading.BoundedSemaphore(max_pending)
+        self._inbox: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()
+        self._inbox_lock = threading.Lock()
+        self._drain_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._connected = asyncio.Event()
         self._closing = False
@@ -196,11 +203,11 @@ class MqttTransport:
         if will is not None:
             self._client.will_set(will.topic, will.payload, qos=will.qos, retain=will.retain)
         self._client.on_connect = self._on_connect
+        self._client.on_connect_fail = self._on_connect_fail
         self._client.on_disconnect = self._on_disconnect
         self._client.on_publish = self._on_publish
         self._client.on_subscribe = self._on_subscribe
         self._client.on_socket_open = self._on_socket_open
-        self._client.on_connect_fail = self._on_connect_fail
 
     # -- lifecycle (loop thread) -------------------------------------------------------------
 
@@ -246,9 +253,9 @@ class MqttTransport:
         self._client.disconnect()
         await asyncio.to_thread(self._client.loop_stop)
         self._connected.clear()
-        for fut in list(self._acks.values()):
-            if not fut.done():
-                fut.set_exception(TransportError("transport closed before the broker acked"))
+        closed = TransportError("transport closed before the broker acked")
+        self._acks.fail_all(closed)
+        self._sub_acks.fail_all(closed)
 
     async def __aenter__(self) -> MqttTransport:
         await self.connect()
@@ -267,6 +274,29 @@ class MqttTransport:
 
     # -- publish / subscribe (loop thread) -----------------------------------------------------
 
+    def publish_nowait(
+        self,
+        topic: str,
+        payload: bytes,
+        *,
+        qos: int = 0,
+        retain: bool = False,
+        response_topic: str | None = None,
+        correlation_data: bytes | None = None,
+        content_type: str | None = None,
+        user_properties: UserProperties = (),
+        message_expiry_s: int | None = None,
+    ) -> int:
+        """Queue a message in paho now and return its message id; QoS ≥ 1 is retried by
+        paho (also across reconnects) until the broker acks it."""
+        props = _properties(
+            response_topic, correlation_data, content_type, user_properties, message_expiry_s
+        )
+        info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
+        if info.rc not in _OK:
+            raise TransportError(f"publish to {topic!r} refused: {paho.error_string(info.rc)}")
+        return info.mid
+
     async def publish(
         self,
         topic: str,
@@ -282,25 +312,19 @@ class MqttTransport:
         message_expiry_s: int | None = None,
     ) -> None:
         """Publish; with ``wait`` and QoS ≥ 1, return only once the broker has acked."""
-        props = _properties(
-            response_topic, correlation_data, content_type, user_properties, message_expiry_s
+        mid = self.publish_nowait(
+            topic,
+            payload,
+            qos=qos,
+            retain=retain,
+            response_topic=response_topic,
+            correlation_data=correlation_data,
+            content_type=content_type,
+            user_properties=user_properties,
+            message_expiry_s=message_expiry_s,
         )
-        if not (wait and qos > 0):
-            info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
-            if info.rc not in (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN):
-                raise TransportError(f"publish to {topic!r} refused: {paho.error_string(info.rc)}")
-            return
-        info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
-        if info.rc not in (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN):
-            raise TransportError(f"publish to {topic!r} refused: {paho.error_string(info.rc)}")
-        # Registered before this callback returns; the ack is handed to the loop with
-        # call_soon_threadsafe, so it is always looked up after this line has run.
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._acks[info.mid] = fut
-        try:
-            await fut
-        finally:
-            self._acks.pop(info.mid, None)
+        if wait and qos > 0:
+            await self._await_ack(self._acks, mid)
 
     async def subscribe(self, topic_filter: str, handler: Handler, *, qos: int = 1) -> None:
         """Call ``handler(message)`` on the loop for each message matching ``topic_filter``.
@@ -317,14 +341,7 @@ class MqttTransport:
             raise TransportError(
                 f"subscribe to {topic_filter!r} failed: {paho.error_string(result)}"
             )
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._acks[mid] = fut
-        self._sub_mids.add(mid)
-        try:
-            await fut
-        finally:
-            self._acks.pop(mid, None)
-            self._sub_mids.discard(mid)
+        await self._await_ack(self._sub_acks, mid)
 
     async def unsubscribe(self, topic_filter: str) -> None:
         self._subs.pop(topic_filter, None)
@@ -332,7 +349,38 @@ class MqttTransport:
         if self.connected:
             self._client.unsubscribe(topic_filter)
 
+    async def _await_ack(self, table: _AckTable, mid: int) -> None:
+        fut = table.expect(mid, asyncio.get_running_loop())
+        try:
+            await fut
+        finally:
+            table.forget(mid)
+
     # -- paho's thread ---------------------------------------------------------------------------
+
+    def _hand_off(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop; one loop wake-up drains a whole burst."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with self._inbox_lock:
+            self._inbox.append((fn, args))
+            if self._drain_scheduled:
+                return
+            self._drain_scheduled = True
+        with contextlib.suppress(RuntimeError):  # the loop closed under us: nothing to run
+            loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        while True:
+            with self._inbox_lock:
+                if not self._inbox:
+                    self._drain_scheduled = False
+                    return
+                batch = list(self._inbox)
+                self._inbox.clear()
+            for fn, args in batch:
+                fn(*args)
 
     def _make_dispatch(
         self, handler: Handler
@@ -342,11 +390,7 @@ class MqttTransport:
             while not self._slots.acquire(timeout=0.5):
                 if self._closing:
                     return
-            loop = self._loop
-            if loop is None or loop.is_closed():
-                self._slots.release()
-                return
-            loop.call_soon_threadsafe(self._deliver, handler, message)
+            self._hand_off(self._deliver, handler, message)
 
         return dispatch
 
@@ -377,7 +421,7 @@ class MqttTransport:
         subs = list(self._subs.values())
         if subs:
             client.subscribe([(s.topic_filter, s.qos) for s in subs])
-        self._call_loop(self._set_connected, True)
+        self._hand_off(self._set_connected, True)
 
     def _on_connect_fail(self, _client: paho.Client, _userdata: Any) -> None:
         where = f"{self._settings.host}:{self._settings.port}"
@@ -395,7 +439,7 @@ class MqttTransport:
         if not self._closing:
             self._last_error = f"disconnected: {reason_code}"
             log.warning("MQTT connection lost (%s); reconnecting with backoff", reason_code)
-        self._call_loop(self._set_connected, False)
+        self._hand_off(self._set_connected, False)
 
     def _on_subscribe(
         self,
@@ -405,11 +449,13 @@ class MqttTransport:
         reason_codes: list[ReasonCode],
         _properties: Properties | None,
     ) -> None:
-        error = None
         refused = [str(rc) for rc in reason_codes if rc.is_failure]
+        error = None
         if refused:
             error = TransportError(f"broker refused the subscription: {', '.join(refused)}")
-        self._call_loop(self._settle, mid, error)
+        fut = self._sub_acks.acked(mid, error)
+        if fut is not None:
+            self._hand_off(_settle, fut, error)
 
     def _on_publish(
         self,
@@ -419,26 +465,14 @@ class MqttTransport:
         reason_code: ReasonCode,
         _properties: Properties | None,
     ) -> None:
-        # paho calls this while holding its own outgoing-message lock: take no lock here.
         error = None
         if reason_code.is_failure:
             error = TransportError(f"broker refused publish (mid {mid}): {reason_code}")
-        self._call_loop(self._settle, mid, error)
+        fut = self._acks.acked(mid, error)
+        if fut is not None:
+            self._hand_off(_settle, fut, error)
 
-    def _call_loop(self, fn: Callable[..., None], *args: Any) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(fn, *args)
-
-    def _settle(self, mid: int, error: Exception | None) -> None:
-        fut = self._acks.get(mid)
-        if fut is None or fut.done():
-            return  # a publish nobody waits for (QoS 0, or fire-and-forget QoS 1)
-        if error is None:
-            fut.set_result(None)
-        else:
-            fut.set_exception(error)
+    # -- back on the loop ------------------------------------------------------------------------
 
     def _set_connected(self, up: bool) -> None:
         was_up = self._connected.is_set()
@@ -447,8 +481,7 @@ class MqttTransport:
         else:
             self._connected.clear()
             # A lost SUBACK never comes; the subscription is renewed on reconnect anyway.
-            for mid in list(self._sub_mids):
-                self._settle(mid, None)
+            self._sub_acks.fail_all(None)
         if up or was_up:
             for hook in self._connect_hooks if up else self._disconnect_hooks:
                 try:

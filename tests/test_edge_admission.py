@@ -7,8 +7,9 @@ import itertools
 import pytest
 
 from edge_agent.admission import Job, Limits, Refusal, admit, queue_key
+from edge_agent.load import JobQueue
 from sluicegate import topics
-from sluicegate.mqtt import Message
+from sluicegate.transport import Message
 from tests.image_bytes import corrupt_jpeg, jpeg_header_only, png_header_only, sample_jpeg
 
 NOW = 1_800_000_000.0
@@ -116,5 +117,20 @@ def test_queue_order_priority_then_deadline_then_fifo() -> None:
         return Job(**{**{f: getattr(j, f) for f in Job.__slots__}, "deadline": deadline})
 
     jobs = [job(5, None), job(5, NOW + 1), job(9, None), job(5, NOW + 0.5), job(5, None)]
-    order = sorted(range(len(jobs)), key=lambda i: queue_key(jobs[i], i))
+    queue: JobQueue[Job] = JobQueue(10, queue_key)
+    for j in jobs:
+        assert queue.push(j)
+    order = [jobs.index(queue.pop()) for _ in jobs]
     assert order == [2, 3, 1, 0, 4]
+    with pytest.raises(IndexError):
+        queue.pop()
+
+
+def test_queue_refuses_past_capacity() -> None:
+    queue: JobQueue[str] = JobQueue(2, lambda s: (0, 0.0))
+    assert queue.push("a")
+    assert queue.push("b")
+    assert not queue.push("c")
+    assert len(queue) == 2
+    with pytest.raises(ValueError, match="capacity"):
+        JobQueue(0, lambda s: (0, 0.0))

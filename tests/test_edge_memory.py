@@ -16,7 +16,7 @@ from edge_agent.agent import EdgeAgent
 from sluicegate import topics
 from sluicegate.config import load_settings
 from sluicegate.memory_transport import MemoryBroker, MemoryTransport
-from sluicegate.mqtt import Message
+from sluicegate.transport import Message
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir
 from tests.image_bytes import corrupt_jpeg, sample_jpeg
 
@@ -59,19 +59,26 @@ async def _run_agent(
 
 
 async def test_full_queue_rejects_the_overflow_and_answers_the_rest() -> None:
-    results, agent = await _run_agent(3, 1, [_job(job_id=f"j{i}") for i in range(5)])
+    # One job runs at once, three may wait: of six submitted together, two are refused.
+    results, agent = await _run_agent(3, 1, [_job(job_id=f"j{i}") for i in range(6)])
     by_id = {r["job_id"]: r for r in results}
-    assert len(results) == 5
-    assert [by_id[f"j{i}"]["status"] for i in range(5)] == ["ok"] * 3 + ["rejected"] * 2
-    assert by_id["j4"]["code"] == "queue_full"
-    assert "3 jobs queued" in str(by_id["j4"]["reason"])
-    assert agent.results == {"ok": 3, "rejected": 2}
+    assert len(results) == 6
+    assert [by_id[f"j{i}"]["status"] for i in range(6)] == ["ok"] * 4 + ["rejected"] * 2
+    assert by_id["j5"]["code"] == "queue_full"
+    assert "3 jobs queued" in str(by_id["j5"]["reason"])
+    assert agent.results == {"ok": 4, "rejected": 2}
 
 
 async def test_higher_priority_runs_first() -> None:
-    msgs = [_job(1, job_id="low"), _job(9, job_id="high"), _job(5, job_id="mid")]
+    # "first" takes the only compute slot; the others wait and are started by priority.
+    msgs = [
+        _job(job_id="first"),
+        _job(1, job_id="low"),
+        _job(9, job_id="high"),
+        _job(5, job_id="mid"),
+    ]
     results, _ = await _run_agent(10, 1, msgs)
-    assert [r["job_id"] for r in results] == ["high", "mid", "low"]
+    assert [r["job_id"] for r in results] == ["first", "high", "mid", "low"]
 
 
 async def test_corrupt_image_is_rejected_and_the_next_job_still_runs() -> None:

@@ -122,7 +122,9 @@ def _mutations(doc: dict[str, Any]) -> list[dict[str, Any]]:
             new["zones"]["campus/new-zone"] = ""
         elif change == 3:
             value = doc["subhealth"][0]["when"][0]["value"]
-            new["subhealth"][0]["when"][0]["value"] = math.nextafter(value, math.inf)
+            # Step toward zero so the neighbour of the largest float stays finite.
+            step = math.nextafter(value, 0.0) if value != 0 else math.nextafter(0.0, 1.0)
+            new["subhealth"][0]["when"][0]["value"] = step
         elif change == 4:
             cls = next(iter(new["classes"].values()))
             cls["deny"] = [*cls["deny"], "campus/new-zone"]
