@@ -60,6 +60,60 @@ class EdgeSettings(_Section):
     service_time_alpha: float = Field(0.2, gt=0.0, le=1.0)
 
 
+class OffloadSettings(_Section):
+    """When and how an edge agent moves jobs to the center pool."""
+
+    enabled: bool = True
+    # Ask for a placement when the local queue holds more than this many waiting jobs,
+    # even if the deadline would still be met.
+    queue_bound: int = Field(32, ge=0)
+    # How long to wait for the broker's answer before running the job locally.
+    placement_timeout_ms: float = Field(50.0, gt=0.0, le=10_000.0)
+    # The policy this node starts from until the broker's retained one arrives, and where
+    # the last accepted policy version is kept across restarts (rollback protection).
+    policy_file: Path | None = None
+    state_dir: Path | None = None
+
+
+class PoolSettings(_Section):
+    """One center-pool worker."""
+
+    id: str = "worker-1"
+    zone: str = "campus/dc"
+    device_class: str = "x86-cpu"
+    models_dir: Path | None = None
+    providers: list[str] | None = None  # None: every ONNX Runtime provider available here
+    max_batch: int = Field(8, ge=1, le=1024)
+    batch_window_ms: float = Field(2.0, ge=0.0, le=1000.0)
+    concurrency: int = Field(1, ge=1, le=64)
+    queue_size: int = Field(512, ge=1)
+    intra_op_threads: int = Field(1, ge=1, le=64)
+    max_payload_bytes: int = Field(8 * MIB, ge=1024, le=256 * MIB)
+    telemetry_interval_s: float = Field(1.0, gt=0.0, le=3600.0)
+    redis_url: str | None = None  # replay cache and audit stream; None: in memory / file
+    key_file: Path | None = None  # this worker's Ed25519 key, signs its audit records
+    audit_path: Path | None = None
+    policy_file: Path | None = None
+    state_dir: Path | None = None
+
+
+class BrokerSettings(_Section):
+    """One campus broker replica."""
+
+    id: str = "broker-1"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    http_host: str = "127.0.0.1"
+    http_port: int = Field(8780, ge=0, le=65535)
+    key_file: Path | None = None  # signs placement tokens and audit records
+    policy_file: Path | None = None  # the signed policy it serves (with .sig beside it)
+    state_dir: Path | None = None
+    models_dir: Path | None = None  # manifests: what each model requires
+    telemetry_interval_s: float = Field(1.0, gt=0.0, le=3600.0)  # expected from nodes
+    missed_intervals: int = Field(3, ge=1, le=100)  # silent this long: out of the fleet
+    token_ttl_s: float = Field(10.0, gt=0.0, le=300.0)
+    max_wait_ms: float = Field(50.0, ge=0.0, le=60_000.0)  # hold a job waiting for room
+
+
 class Settings(BaseSettings):
     """Everything a Sluicegate process can be told."""
 
@@ -72,6 +126,9 @@ class Settings(BaseSettings):
 
     mqtt: MqttSettings = MqttSettings()
     edge: EdgeSettings = EdgeSettings()
+    offload: OffloadSettings = OffloadSettings()
+    pool: PoolSettings = PoolSettings()
+    broker: BrokerSettings = BrokerSettings()
 
     @classmethod
     def settings_customise_sources(
@@ -93,7 +150,7 @@ def _describe(error: dict[str, Any]) -> str:
     return f"{key}: {error['msg']}{shown}"
 
 
-def load_settings(path: Path | None = None, **overrides: Any) -> Settings:
+def load_settings(path: Path | None = None, **overrides: dict[str, Any]) -> Settings:
     """Read ``path`` (TOML) if given, apply env overrides, validate, return the settings.
 
     ``overrides`` are section dicts (``edge={"id": "x"}``) that sit between the file and

@@ -18,6 +18,10 @@ PROP_DEADLINE_AT = "deadline-at"
 PROP_PRIORITY = "priority"
 PROP_DATA_CLASS = "data-class"
 PROP_JOB_ID = "job-id"
+# Further user properties on a work message (edge -> pool worker).
+PROP_TOKEN = "placement-token"
+PROP_ORIGIN_ZONE = "origin-zone"
+PROP_EDGE = "edge-id"
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -67,14 +71,50 @@ def pool_work(zone: str, worker_id: str) -> str:
     return f"{ROOT}/pool/{zone}/{worker_id}/work"
 
 
-def pool_telemetry(zone: str, worker_id: str) -> str:
-    """A pool worker's telemetry topic."""
-    return f"{ROOT}/pool/{zone}/{worker_id}/telemetry"
+def worker_telemetry(worker_id: str) -> str:
+    """A pool worker's load, every interval (QoS 0). Not under its zone: zones have varying
+    depth, and the broker must subscribe to all telemetry without seeing any work topic."""
+    return f"{ROOT}/worker/{worker_id}/telemetry"
+
+
+def worker_status(worker_id: str) -> str:
+    """Retained online/offline status of a worker; its Last Will says offline."""
+    return f"{ROOT}/worker/{worker_id}/status"
+
+
+def worker_capabilities(worker_id: str) -> str:
+    """Retained: what a worker can run (providers, memory, models, batch size)."""
+    return f"{ROOT}/worker/{worker_id}/capabilities"
+
+
+def worker_all(kind: str) -> str:
+    """Subscription filter for every worker's ``telemetry``, ``status`` or ``capabilities``."""
+    return f"{ROOT}/worker/+/{kind}"
 
 
 def placement_requests() -> str:
     """Where edge agents ask the campus broker for a placement."""
     return f"{ROOT}/broker/placement/request"
+
+
+def placement_requests_shared(group: str = "brokers") -> str:
+    """The shared subscription broker replicas use, so each request goes to one of them."""
+    return f"$share/{group}/{placement_requests()}"
+
+
+def placement_replies(edge_id: str) -> str:
+    """An edge agent's response topic for placement replies."""
+    return f"{ROOT}/edge/{edge_id}/placement"
+
+
+def completions() -> str:
+    """Where workers report each finished job to the broker (no image, no outputs)."""
+    return f"{ROOT}/broker/completions"
+
+
+def broker_status(broker_id: str) -> str:
+    """Retained online/offline status of a broker replica."""
+    return f"{ROOT}/broker/{broker_id}/status"
 
 
 def policy() -> str:

@@ -57,6 +57,16 @@ class Outputs(_Wire):
     detections: list[Detection] = Field(default_factory=list)
 
 
+class Offload(_Wire):
+    """Whether the edge asked the campus broker to move the job, and what came of it."""
+
+    requested: bool
+    placed: bool
+    worker: str | None = None
+    code: str | None = None  # why it was not offloaded: policy_denied, broker_unreachable, ...
+    reason: str | None = None
+
+
 class JobResult(_Wire):
     """The document a vision app receives on its response topic."""
 
@@ -69,6 +79,7 @@ class JobResult(_Wire):
     outputs: Outputs | None = None
     ran_on: RanOn
     timings_ms: Timings = Timings()
+    offload: Offload | None = None
 
     def raise_for_status(self) -> JobResult:
         """Return self if the job ran, else raise JobFailed with the reason."""

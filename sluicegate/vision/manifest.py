@@ -103,6 +103,15 @@ Postprocess = Annotated[
 ]
 
 
+class Requirements(_Strict):
+    """What a node needs to run the model; the broker places only where these are met."""
+
+    # Any one of these ONNX Runtime execution providers; empty means any provider will do.
+    providers: tuple[str, ...] = ()
+    # Device (or host) memory the model needs at its largest batch, in MiB.
+    memory_mb: int = Field(default=0, ge=0)
+
+
 class ModelManifest(_Strict):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")
     version: str = Field(min_length=1)
@@ -114,6 +123,7 @@ class ModelManifest(_Strict):
     preprocess: PreprocessSpec
     labels: tuple[str, ...] = Field(min_length=1)
     postprocess: Postprocess
+    requirements: Requirements = Requirements()
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelManifest:

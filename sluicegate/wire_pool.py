@@ -1,0 +1,115 @@
+"""Wire models between the roles of the campus: edge agents, the broker and pool workers.
+
+Placement requests carry job metadata and the image's sha256, never the image. Workers
+advertise what they can run (retained capabilities) and how loaded they are (telemetry),
+and report each finished job to the broker (completion records, again without outputs).
+Every document carries ``v``; inside the processes these become frozen dataclasses.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sluicegate.wire import WIRE_VERSION, ModelLoad, NodeKind, Status
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+Sha256Hex = str  # 64 lowercase hex digits; validated where it is used
+
+
+class PlacementRequest(_Wire):
+    """Edge → broker: where should this job run? (``sluicegate/v1/broker/placement/request``,
+    with the edge's reply topic as MQTT Response Topic and its own correlation data)."""
+
+    v: Literal[1] = WIRE_VERSION
+    job_id: str = Field(min_length=1, max_length=128)
+    edge_id: str
+    origin_zone: str
+    model: str
+    data_class: str
+    payload_sha256: Sha256Hex = Field(pattern=r"^[0-9a-f]{64}$")
+    payload_bytes: int = Field(ge=0)
+    priority: int = Field(ge=0, le=9)
+    deadline_at: float | None = None  # unix seconds
+    submitted_at: float  # unix seconds, when the edge accepted the job
+    local_estimate_ms: float | None = None  # the edge's own predicted completion
+    reason: Literal["deadline", "queue"] = "deadline"
+
+
+class PlacementReply(_Wire):
+    """Broker → edge: a signed placement, or a refusal that says why."""
+
+    v: Literal[1] = WIRE_VERSION
+    job_id: str
+    status: Literal["placed", "refused"]
+    token: str | None = None
+    worker_id: str | None = None
+    worker_zone: str | None = None
+    work_topic: str | None = None
+    predicted_ms: float | None = None
+    code: str | None = None  # for refusals: policy_denied, no_capacity, no_worker, ...
+    reason: str | None = None
+    broker_id: str | None = None
+
+
+class ModelCapability(_Wire):
+    """One model a worker has loaded."""
+
+    version: str
+    memory_mb: int = 0
+    providers: list[str] = Field(default_factory=list)  # providers the model may run on
+
+
+class WorkerCapabilities(_Wire):
+    """Retained on ``sluicegate/v1/worker/{id}/capabilities``."""
+
+    v: Literal[1] = WIRE_VERSION
+    worker_id: str
+    zone: str
+    device_class: str  # e.g. nvidia-a100, ascend-910b, x86-cpu
+    providers: list[str]  # ONNX Runtime execution providers actually available
+    memory_total_mb: int
+    models: dict[str, ModelCapability]
+    max_batch: int = Field(ge=1)
+    concurrency: int = Field(ge=1)
+
+
+class WorkerTelemetry(_Wire):
+    """A worker's load, every interval, on ``sluicegate/v1/worker/{id}/telemetry``."""
+
+    v: Literal[1] = WIRE_VERSION
+    node: str
+    zone: str
+    ts: float
+    device_class: str
+    utilisation: float = Field(ge=0.0, le=1.0)
+    memory_used_mb: float = Field(ge=0.0)
+    memory_total_mb: float = Field(ge=0.0)
+    memory_bandwidth: float | None = Field(default=None, ge=0.0, le=1.0)
+    temperature_c: float | None = None
+    queue_depth: int = Field(ge=0)
+    in_flight: int = Field(ge=0)
+    capacity: int = Field(ge=1)  # jobs it can hold (running + queued) before it is full
+    models: dict[str, ModelLoad]
+    results: dict[str, int]
+    refused: dict[str, int]  # work messages refused before decoding, by reason code
+
+
+class Completion(_Wire):
+    """Worker → broker after each job (``sluicegate/v1/broker/completions``)."""
+
+    v: Literal[1] = WIRE_VERSION
+    job_id: str
+    worker_id: str
+    kind: NodeKind = "pool"
+    status: Status
+    model: str
+    service_ms: float
+    queue_ms: float
+    batch_size: int = Field(ge=1)
+    ts: float
