@@ -25,8 +25,15 @@ import psutil
 
 from edge_agent.admission import Job, Limits, Refusal, admit, queue_key
 from edge_agent.load import JobQueue, ServiceTimes
+from edge_agent.offload import (
+    Declined,
+    Placement,
+    PlacementClient,
+    offload_reason,
+    predict_completion,
+)
 from sluicegate import topics, wire
-from sluicegate.config import EdgeSettings
+from sluicegate.config import EdgeSettings, OffloadSettings
 from sluicegate.errors import ImageError
 from sluicegate.transport import Message, Transport, Will
 from sluicegate.vision.postprocess import Outputs as VisionOutputs
@@ -69,6 +76,8 @@ class EdgeAgent:
         *,
         clock: Callable[[], float] = time.time,
         new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+        offload: PlacementClient | None = None,
+        offload_settings: OffloadSettings | None = None,
     ) -> None:
         topics.check_id("edge id", settings.id)
         self.settings = settings
@@ -90,6 +99,11 @@ class EdgeAgent:
         self._process = psutil.Process()
         self._accepting = False
         self.ready = asyncio.Event()  # set once subscribed and announced online
+        self._offload = offload
+        self._offload_settings = offload_settings or OffloadSettings()
+        self._offering: set[asyncio.Task[None]] = set()
+        self._declined: dict[str, Declined] = {}  # job id -> why it stayed here
+        self.offloaded = 0
 
     # -- intake (event loop, must stay quick) ----------------------------------------------
 
@@ -115,6 +129,8 @@ class EdgeAgent:
             )
         if isinstance(decision, Refusal):
             self._refuse(decision)
+        elif self._offer(decision):
+            return
         elif self._queue.push(decision):
             self._idle.clear()
             self._dispatch()
@@ -131,6 +147,56 @@ class EdgeAgent:
                     decision.model,
                 )
             )
+
+    # -- offload: offer the job to the broker when it would be late here --------------------
+
+    def _offer(self, job: Job) -> bool:
+        """Start an offload attempt if this job should leave; True when it was taken."""
+        if self._offload is None or not self._offload_settings.enabled:
+            return False
+        service_s = self.service_times.estimate(job.model) or 0.0
+        now = self._clock()
+        done = predict_completion(
+            now, len(self._queue), self._in_flight, self.settings.concurrency, service_s
+        )
+        reason = offload_reason(
+            job,
+            predicted_done=done,
+            waiting=len(self._queue),
+            queue_bound=self._offload_settings.queue_bound,
+        )
+        if reason is None:
+            return False
+        self._idle.clear()
+        task = asyncio.ensure_future(self._offer_job(self._offload, job, reason, done - now))
+        self._offering.add(task)
+        task.add_done_callback(self._offering.discard)
+        return True
+
+    async def _offer_job(
+        self, client: PlacementClient, job: Job, reason: str, local_s: float
+    ) -> None:
+        try:
+            outcome = await client.place(job, reason, local_s)
+            if isinstance(outcome, Placement):
+                try:
+                    client.send(job, outcome)
+                except Exception as exc:
+                    outcome = Declined(
+                        "send_failed", f"could not send to {outcome.worker_id}: {exc}"
+                    )
+                else:
+                    self.offloaded += 1
+                    log.info("job %s offloaded to %s (%s)", job.job_id, outcome.worker_id, reason)
+                    return
+            log.info("job %s stays local: %s", job.job_id, outcome.reason)
+            self._declined[job.job_id] = outcome
+            self._queue.push(job, force=True)  # accepted already: never refused now
+        finally:
+            task = asyncio.current_task()
+            if task is not None:
+                self._offering.discard(task)
+            self._dispatch()
 
     def _refuse(self, refusal: Refusal) -> None:
         if refusal.response_topic is None:
@@ -184,7 +250,7 @@ class EdgeAgent:
             self._in_flight += 1
             future = self._executor.submit(model.infer_bytes, job.payload, info=job.image)
             future.add_done_callback(partial(self._from_worker, job, started))
-        if not self._in_flight and not len(self._queue):
+        if not self._in_flight and not len(self._queue) and not self._offering:
             self._idle.set()
 
     def _from_worker(self, job: Job, started: float, future: Future[Inference]) -> None:
@@ -229,6 +295,7 @@ class EdgeAgent:
             inference_ms=round(times.inference_ms, 3) if times else 0.0,
             total_ms=round((end - job.received_at) * 1000.0, 3),
         )
+        declined = self._declined.pop(job.job_id, None)
         result = wire.JobResult(
             job_id=job.job_id,
             status=status,
@@ -238,6 +305,7 @@ class EdgeAgent:
             outputs=to_wire_outputs(outputs) if outputs is not None else None,
             ran_on=self._ran_on(),
             timings_ms=timings,
+            offload=declined.as_wire() if declined is not None else None,
         )
         self._publish_result(job.response_topic, job.correlation_data, result)
 
@@ -264,6 +332,8 @@ class EdgeAgent:
             memory_percent=round(self._process.memory_percent(), 2),
             results=dict(self.results),
             dropped_no_response_topic=self.dropped_no_response_topic,
+            offloaded=self.offloaded,
+            offload_pending=len(self._offering),
         )
 
     async def _telemetry_loop(self) -> None:

@@ -64,8 +64,9 @@ class JobQueue(Generic[T]):
     def __len__(self) -> int:
         return len(self._heap)
 
-    def push(self, item: T) -> bool:
-        if len(self._heap) >= self.capacity:
+    def push(self, item: T, *, force: bool = False) -> bool:
+        """Queue ``item``; when full, refuse it unless ``force`` (a job already accepted)."""
+        if len(self._heap) >= self.capacity and not force:
             return False
         self._seq += 1
         heapq.heappush(self._heap, (self._key(item), self._seq, item))

@@ -120,6 +120,8 @@ class EdgeTelemetry(_Wire):
     memory_percent: float
     results: dict[str, int]  # count by status since start
     dropped_no_response_topic: int
+    offloaded: int = 0  # sent to a pool worker since start
+    offload_pending: int = 0  # waiting for the broker's answer now
 
 
 class NodeStatus(_Wire):

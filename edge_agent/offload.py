@@ -1,0 +1,237 @@
+"""Edge offload: ask the campus broker where a job should run, check its answer, send it.
+
+The pure part decides *whether* to ask (:func:`offload_reason`) and checks the broker's
+placement against the edge's own verified copy of the policy (:func:`check_placement`).
+The shell part, :class:`PlacementClient`, is a request/response over MQTT (correlation by
+job id, every wait racing a timeout) and the publish of the image straight to the chosen
+worker's zone-scoped work topic. It never blocks the loop and never loses a job: every
+path that does not end in a verified placement hands the job back to run locally, with the
+reason, so its result can say why it was not offloaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from edge_agent.admission import Job
+from policies import Policy, verify
+from policies.errors import PolicyError
+from sluicegate import topics, wire
+from sluicegate.transport import Message, Transport
+from sluicegate.wire_pool import PlacementReply, PlacementRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """A placement the edge has verified and may act on."""
+
+    worker_id: str
+    zone: str
+    work_topic: str
+    token: str
+    payload_sha256: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Declined:
+    """Why a job stays on this edge after all; becomes the result's ``offload`` field."""
+
+    code: str
+    reason: str
+
+    def as_wire(self) -> wire.Offload:
+        return wire.Offload(requested=True, placed=False, code=self.code, reason=self.reason)
+
+
+def predict_completion(
+    now: float, waiting: int, in_flight: int, concurrency: int, service_s: float
+) -> float:
+    """When a job admitted now would finish here: the work ahead, shared by the slots, then
+    its own service time."""
+    return now + ((waiting + in_flight) / concurrency + 1.0) * service_s
+
+
+def offload_reason(
+    job: Job, *, predicted_done: float, waiting: int, queue_bound: int
+) -> str | None:
+    """``"deadline"`` or ``"queue"`` when the job should be offered to the broker."""
+    if job.deadline is not None and predicted_done > job.deadline:
+        return "deadline"
+    if waiting >= queue_bound:
+        return "queue"
+    return None
+
+
+def check_placement(
+    reply: PlacementReply,
+    job: Job,
+    payload_sha256: bytes,
+    policy: Policy | None,
+    *,
+    origin_zone: str,
+    now: float,
+) -> Placement | Declined:
+    """Turn the broker's reply into a placement this edge trusts, or a reason to stay local."""
+    if reply.status != "placed":
+        return Declined(reply.code or "refused", reply.reason or "the broker gave no reason")
+    if policy is None:
+        return Declined("no_policy", "this edge holds no verified policy yet to check tokens")
+    if not (reply.token and reply.worker_id and reply.worker_zone):
+        return Declined("bad_reply", "the broker's placement lacks a token, worker or zone")
+    try:
+        claims = verify(
+            reply.token,
+            policy,
+            now=now,
+            job_id=job.job_id,
+            payload_sha256=payload_sha256,
+            origin_zone=origin_zone,
+            data_class=job.data_class,
+        )
+    except PolicyError as exc:
+        return Declined(exc.reason, f"placement token refused by the edge: {exc}")
+    if claims.target_worker != reply.worker_id or claims.target_zone != reply.worker_zone:
+        return Declined(
+            "bad_reply",
+            f"reply names {reply.worker_id}@{reply.worker_zone} but the token binds "
+            f"{claims.target_worker}@{claims.target_zone}",
+        )
+    work_topic = topics.pool_work(claims.target_zone, claims.target_worker)
+    return Placement(
+        claims.target_worker, claims.target_zone, work_topic, reply.token, payload_sha256
+    )
+
+
+class PlacementClient:
+    """Placement requests to the broker and work messages to workers, for one edge."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        edge_id: str,
+        zone: str,
+        policy: Callable[[], Policy | None],
+        timeout_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self._transport = transport
+        self._edge_id = edge_id
+        self._zone = zone
+        self._policy = policy
+        self._timeout_s = timeout_s
+        self._clock = clock
+        self._pending: dict[bytes, asyncio.Future[PlacementReply]] = {}
+        self._brokers_online: set[str] = set()
+        self.reply_topic = topics.placement_replies(edge_id)
+
+    async def start(self) -> None:
+        await self._transport.subscribe(self.reply_topic, self._on_reply, qos=1)
+        await self._transport.subscribe(topics.broker_status("+"), self._on_broker_status)
+
+    @property
+    def broker_available(self) -> bool:
+        return bool(self._brokers_online) and self._transport.connected
+
+    def _on_broker_status(self, msg: Message) -> None:
+        broker = msg.topic.split("/")[-2]
+        try:
+            state = wire.NodeStatus.model_validate_json(msg.payload).state
+        except ValidationError:
+            return
+        if state == "online":
+            self._brokers_online.add(broker)
+        else:
+            self._brokers_online.discard(broker)
+
+    def _on_reply(self, msg: Message) -> None:
+        fut = self._pending.get(msg.correlation_data or b"")
+        if fut is None or fut.done():
+            return  # late, after the job already went local
+        try:
+            fut.set_result(PlacementReply.model_validate_json(msg.payload))
+        except ValidationError as exc:
+            fut.set_exception(exc)
+
+    async def place(self, job: Job, reason: str, local_estimate_s: float) -> Placement | Declined:
+        """Ask for a placement and verify it; any failure is a :class:`Declined`."""
+        if not self.broker_available:
+            return Declined("no_broker", "no campus broker is online; the job runs locally")
+        digest = hashlib.sha256(job.payload).digest()
+        request = PlacementRequest(
+            job_id=job.job_id,
+            edge_id=self._edge_id,
+            origin_zone=self._zone,
+            model=job.model,
+            data_class=job.data_class,
+            payload_sha256=digest.hex(),
+            payload_bytes=len(job.payload),
+            priority=job.priority,
+            deadline_at=job.deadline,
+            submitted_at=job.received_at,
+            local_estimate_ms=round(local_estimate_s * 1000.0, 3),
+            reason="deadline" if reason == "deadline" else "queue",
+        )
+        key = job.job_id.encode()
+        fut: asyncio.Future[PlacementReply] = asyncio.get_running_loop().create_future()
+        self._pending[key] = fut
+        try:
+            self._transport.publish_nowait(
+                topics.placement_requests(),
+                wire.dump(request),
+                qos=1,
+                response_topic=self.reply_topic,
+                correlation_data=key,
+                content_type=wire.RESULT_CONTENT_TYPE,
+            )
+            reply = await asyncio.wait_for(fut, self._timeout_s)
+        except TimeoutError:
+            ms = self._timeout_s * 1000.0
+            return Declined("broker_timeout", f"the broker did not answer within {ms:.0f} ms")
+        except ValidationError as exc:
+            return Declined("bad_reply", f"the broker's reply is malformed: {exc}")
+        except Exception as exc:  # a transport failure keeps the job here
+            return Declined("broker_unreachable", f"could not ask the broker: {exc}")
+        finally:
+            self._pending.pop(key, None)
+        return check_placement(
+            reply, job, digest, self._policy(), origin_zone=self._zone, now=self._clock()
+        )
+
+    def send(self, job: Job, placement: Placement) -> None:
+        """Publish the image straight to the worker, with everything it needs to verify it."""
+        props = [
+            (topics.PROP_JOB_ID, job.job_id),
+            (topics.PROP_MODEL, job.model),
+            (topics.PROP_TOKEN, placement.token),
+            (topics.PROP_DATA_CLASS, job.data_class),
+            (topics.PROP_ORIGIN_ZONE, self._zone),
+            (topics.PROP_EDGE, self._edge_id),
+            (topics.PROP_PRIORITY, str(job.priority)),
+        ]
+        if job.deadline is not None:
+            props.append((topics.PROP_DEADLINE_AT, repr(job.deadline * 1000.0)))
+        self._transport.publish_nowait(
+            placement.work_topic,
+            job.payload,
+            qos=1,
+            response_topic=job.response_topic,
+            correlation_data=job.correlation_data,
+            content_type=f"image/{job.image.format}",
+            user_properties=tuple(props),
+        )
+
+    def close(self) -> None:
+        for fut in self._pending.values():
+            with contextlib.suppress(asyncio.InvalidStateError):
+                fut.cancel()
+        self._pending.clear()

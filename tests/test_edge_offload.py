@@ -1,0 +1,267 @@
+"""In-memory tier: the edge's offload path against a scripted broker (real crypto, real model).
+
+The scripted broker answers placement requests the way the campus broker would (a token
+minted with the test broker key, or a refusal), so each branch of the edge's decision is
+exercised: sent to the worker with a token the edge verified, or kept local with the
+reason in its result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import pytest
+
+from edge_agent.agent import EdgeAgent
+from edge_agent.offload import PlacementClient, offload_reason, predict_completion
+from policies import PlacementClaims, Policy, mint
+from policies.tokens import seal
+from sluicegate import topics, wire
+from sluicegate.config import load_settings
+from sluicegate.memory_transport import MemoryBroker, MemoryTransport
+from sluicegate.transport import Message
+from sluicegate.vision.runtime import ModelRegistry, default_models_dir
+from sluicegate.wire_pool import PlacementReply, PlacementRequest
+from tests.image_bytes import sample_jpeg
+from tests.policies.policy_testkit import base_doc, key, policy_of
+
+REGISTRY = ModelRegistry.from_dir(default_models_dir())
+POLICY = policy_of(base_doc())
+ZONE = "campus/fab-north/line-1"
+JPEG, TRUTH = sample_jpeg(21, "scratch")
+Responder = Callable[[PlacementRequest], PlacementReply | None]
+
+
+def placed(
+    worker: str = "north-gpu-1", zone: str = "campus/fab-north/dc", *, checked: bool = True
+) -> Responder:
+    """A broker that places on ``worker``; ``checked=False`` signs without asking the policy,
+    as a compromised or misconfigured broker might."""
+
+    def answer(req: PlacementRequest) -> PlacementReply:
+        digest = bytes.fromhex(req.payload_sha256)
+        now = time.time()
+        if checked:
+            token = mint(
+                POLICY,
+                key("broker-1"),
+                job_id=req.job_id,
+                payload_sha256=digest,
+                data_class=req.data_class,
+                origin_zone=req.origin_zone,
+                target_worker=worker,
+                now=now,
+            )
+        else:
+            claims = PlacementClaims(
+                req.job_id,
+                digest,
+                req.data_class,
+                req.origin_zone,
+                worker,
+                zone,
+                POLICY.version,
+                POLICY.digest[:16],
+                int(now * 1000),
+                int(now * 1000) + 10_000,
+                b"\x01" * 16,
+            )
+            token = seal(claims, key("broker-1"))
+        return PlacementReply(
+            job_id=req.job_id,
+            status="placed",
+            token=token,
+            worker_id=worker,
+            worker_zone=zone,
+            work_topic=topics.pool_work(zone, worker),
+        )
+
+    return answer
+
+
+def refused(code: str, reason: str) -> Responder:
+    return lambda req: PlacementReply(job_id=req.job_id, status="refused", code=code, reason=reason)
+
+
+@dataclass
+class Rig:
+    broker: MemoryBroker
+    agent: EdgeAgent
+    requests: list[PlacementRequest]
+
+    def submit(self, *, deadline_ms: float | None = 0.5, data_class: str = "wafer-image") -> str:
+        job_id = uuid.uuid4().hex
+        props = [
+            (topics.PROP_MODEL, "defect-v1"),
+            (topics.PROP_JOB_ID, job_id),
+            (topics.PROP_DATA_CLASS, data_class),
+        ]
+        if deadline_ms is not None:
+            props.append((topics.PROP_DEADLINE_MS, str(deadline_ms)))
+        self.agent.on_message(
+            Message(
+                topics.edge_submit(self.agent.settings.id),
+                JPEG,
+                qos=1,
+                response_topic="app/results",
+                correlation_data=job_id.encode(),
+                content_type="image/jpeg",
+                user_properties=tuple(props),
+            )
+        )
+        return job_id
+
+    async def first(self, topic_filter: str) -> Message:
+        return await self.broker.wait_for(lambda m: topics.matches(topic_filter, m.topic), 10)
+
+
+@pytest.fixture
+async def rig(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
+    responder: Responder | None = getattr(request, "param", placed())
+    broker = MemoryBroker()
+    requests: list[PlacementRequest] = []
+    broker_side = MemoryTransport(broker)
+
+    def on_request(msg: Message) -> None:
+        req = PlacementRequest.model_validate_json(msg.payload)
+        requests.append(req)
+        reply = responder(req) if responder is not None else None
+        if reply is not None and msg.response_topic:
+            broker_side.publish_nowait(
+                msg.response_topic, wire.dump(reply), correlation_data=msg.correlation_data
+            )
+
+    await broker_side.subscribe(topics.placement_requests(), on_request)
+    online = wire.NodeStatus(node="b1", kind="edge", zone="campus", state="online")
+    broker_side.publish_nowait(topics.broker_status("b1"), wire.dump(online), retain=True)
+    settings = load_settings(
+        edge={"id": "north-l1-pc", "zone": ZONE, "concurrency": 1},
+        offload={"placement_timeout_ms": 200.0},
+    )
+    transport = MemoryTransport(broker)
+    policy: Policy = POLICY
+    client = PlacementClient(
+        transport,
+        edge_id="north-l1-pc",
+        zone=ZONE,
+        policy=lambda: policy,
+        timeout_s=settings.offload.placement_timeout_ms / 1000.0,
+        clock=time.time,
+    )
+    agent = EdgeAgent(
+        settings.edge, transport, REGISTRY, offload=client, offload_settings=settings.offload
+    )
+    # Teach the agent its service time so a 0.5 ms deadline is predicted to be missed.
+    agent.service_times.observe("defect-v1", 0.002)
+    await client.start()
+    stop = asyncio.Event()
+    runner = asyncio.ensure_future(agent.run(stop))
+    await asyncio.wait_for(agent.ready.wait(), 10)
+    await broker.wait_for(lambda m: m.topic == topics.broker_status("b1"))
+    yield Rig(broker, agent, requests)
+    stop.set()
+    await asyncio.wait_for(runner, 30)
+
+
+async def test_late_job_is_placed_verified_and_sent_to_the_worker(rig: Rig) -> None:
+    job_id = rig.submit()
+    work = await rig.first(topics.pool_work("campus/fab-north/dc", "north-gpu-1"))
+    req = rig.requests[0]
+    assert req.job_id == job_id
+    assert req.payload_sha256 == hashlib.sha256(JPEG).hexdigest()
+    assert req.reason == "deadline"
+    assert len(wire.dump(req)) < 1024  # metadata and a hash, never the image
+    assert work.payload == JPEG
+    assert work.response_topic == "app/results"
+    assert work.correlation_data == job_id.encode()
+    assert work.user_property(topics.PROP_TOKEN)
+    assert work.user_property(topics.PROP_ORIGIN_ZONE) == ZONE
+    assert work.user_property(topics.PROP_JOB_ID) == job_id
+    assert rig.agent.offloaded == 1
+    assert not [m for m in rig.broker.log if m.topic == "app/results"]  # the worker answers
+
+
+@pytest.mark.parametrize(
+    "rig",
+    [refused("policy_denied", "class 'wafer-image' may not leave campus/fab-north/line-1")],
+    indirect=True,
+)
+async def test_refusal_keeps_the_job_local_and_says_why(rig: Rig) -> None:
+    rig.submit()
+    result = json.loads((await rig.first("app/results")).payload)
+    assert result["status"] == "ok"
+    assert result["ran_on"]["kind"] == "edge"
+    assert result["offload"] == {
+        "requested": True,
+        "placed": False,
+        "code": "policy_denied",
+        "reason": "class 'wafer-image' may not leave campus/fab-north/line-1",
+    }
+    assert result["outputs"]["label"] == TRUTH
+
+
+@pytest.mark.parametrize("rig", [None], indirect=True)
+async def test_silent_broker_times_out_to_local(rig: Rig) -> None:
+    rig.submit()
+    result = json.loads((await rig.first("app/results")).payload)
+    assert result["offload"]["code"] == "broker_timeout"
+    assert result["status"] in ("ok", "expired")  # its 0.5 ms deadline has long passed
+
+
+@pytest.mark.parametrize(
+    "rig", [placed(worker="cloud-gpu-1", zone="offsite/cloud-east", checked=False)], indirect=True
+)
+async def test_edge_refuses_a_placement_its_policy_forbids(rig: Rig) -> None:
+    # A wafer image may not go off-site: even a validly signed token for it is refused.
+    rig.submit(data_class="wafer-image")
+    result = json.loads((await rig.first("app/results")).payload)
+    assert result["ran_on"]["kind"] == "edge"
+    assert result["offload"]["code"] == "token.zone_denied"
+    assert "offsite/cloud-east" in result["offload"]["reason"]
+    assert not [m for m in rig.broker.log if m.topic.startswith("sluicegate/v1/pool/")]
+
+
+@pytest.mark.parametrize(
+    "rig", [placed(worker="cloud-gpu-1", zone="offsite/cloud-east")], indirect=True
+)
+async def test_ocr_crops_may_go_offsite(rig: Rig) -> None:
+    rig.submit(data_class="ocr-crop")
+    work = await rig.first(topics.pool_work("offsite/cloud-east", "cloud-gpu-1"))
+    assert work.user_property(topics.PROP_DATA_CLASS) == "ocr-crop"
+
+
+async def test_job_that_meets_its_deadline_is_not_offered(rig: Rig) -> None:
+    rig.submit(deadline_ms=60_000)
+    result = json.loads((await rig.first("app/results")).payload)
+    assert result["status"] == "ok"
+    assert "offload" not in result
+    assert rig.requests == []
+
+
+async def test_no_broker_online_runs_locally_without_asking() -> None:
+    broker = MemoryBroker()
+    transport = MemoryTransport(broker)
+    client = PlacementClient(
+        transport, edge_id="e1", zone=ZONE, policy=lambda: POLICY, timeout_s=0.2, clock=time.time
+    )
+    await client.start()
+    assert not client.broker_available
+
+
+@pytest.mark.parametrize(
+    ("deadline", "waiting", "expected"),
+    [(None, 0, None), (None, 8, "queue"), (10.0, 0, None), (0.2, 0, "deadline"), (2.0, 8, "queue")],
+)
+def test_offload_reason(deadline: float | None, waiting: int, expected: str | None) -> None:
+    from edge_agent.admission import Job
+    from sluicegate.vision.image import ImageInfo
+
+    job = Job("j", "m", b"", ImageInfo("jpeg", 1, 1), "r", None, 5, "c", 0.0, deadline)
+    done = predict_completion(0.0, waiting, 0, 2, 0.25)
+    assert offload_reason(job, predicted_done=done, waiting=waiting, queue_bound=8) == expected
