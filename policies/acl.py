@@ -27,8 +27,15 @@ class TopicTemplates:
     # topic it chooses under its own namespace (placement replies).
     edge_inbox: str = "sluicegate/v1/edge/{edge_id}/#"
     worker_work: str = "sluicegate/v1/pool/{zone}/{worker_id}/work"
-    worker_telemetry: str = "sluicegate/v1/pool/{zone}/{worker_id}/telemetry"
+    # Per-worker topics outside the zone tree, so the broker can read them all with one
+    # filter without ever being able to read a work topic (images).
+    worker_telemetry: str = "sluicegate/v1/worker/{worker_id}/telemetry"
+    worker_status: str = "sluicegate/v1/worker/{worker_id}/status"
+    worker_capabilities: str = "sluicegate/v1/worker/{worker_id}/capabilities"
     placement_request: str = "sluicegate/v1/broker/placement/request"
+    placement_reply: str = "sluicegate/v1/edge/{edge_id}/placement"
+    completions: str = "sluicegate/v1/broker/completions"
+    broker_status: str = "sluicegate/v1/broker/{broker_id}/status"
     policy: str = "sluicegate/v1/policy"
     results: str = "sluicegate/v1/clients/+/results"
 
@@ -67,7 +74,10 @@ def render_acl(policy: Policy, topics: TopicTemplates = V1) -> str:
                 [
                     ("read", topics.worker_work.format(zone=pool.zone, worker_id=worker)),
                     ("read", topics.policy),
-                    ("write", topics.worker_telemetry.format(zone=pool.zone, worker_id=worker)),
+                    ("write", topics.worker_telemetry.format(worker_id=worker)),
+                    ("write", topics.worker_status.format(worker_id=worker)),
+                    ("write", topics.worker_capabilities.format(worker_id=worker)),
+                    ("write", topics.completions),
                     ("write", topics.results),
                 ],
             )
@@ -75,6 +85,7 @@ def render_acl(policy: Policy, topics: TopicTemplates = V1) -> str:
         rules = [
             ("read", topics.edge_inbox.format(edge_id=edge.edge_id)),
             ("read", topics.policy),
+            ("read", topics.broker_status.format(broker_id="+")),
             ("write", topics.edge_telemetry.format(edge_id=edge.edge_id)),
             ("write", topics.edge_status.format(edge_id=edge.edge_id)),
             ("write", topics.placement_request),
@@ -89,19 +100,30 @@ def render_acl(policy: Policy, topics: TopicTemplates = V1) -> str:
                 ]
         out += _user(edge.edge_id, f"edge in zone {edge.zone}", rules)
     for ref in sorted(policy.brokers, key=lambda r: r.key_id):
-        rules = [("read", topics.placement_request), ("write", topics.policy)]
+        rules = [
+            ("read", topics.placement_request),
+            ("read", topics.completions),
+            ("write", topics.policy),
+            ("write", topics.broker_status.format(broker_id=ref.key_id)),
+        ]
         rules += [
             (access, template.format(edge_id=edge.edge_id))
             for edge in sorted(policy.edges, key=lambda e: e.edge_id)
             for access, template in (
                 ("read", topics.edge_telemetry),
                 ("read", topics.edge_status),
+                ("write", topics.placement_reply),
             )
         ]
         rules += [
-            ("read", topics.worker_telemetry.format(zone=pool.zone, worker_id=w))
+            ("read", template.format(worker_id=w))
             for pool in sorted(policy.pools, key=lambda p: p.name)
             for w in sorted(pool.workers)
+            for template in (
+                topics.worker_telemetry,
+                topics.worker_status,
+                topics.worker_capabilities,
+            )
         ]
         out += _user(ref.key_id, "campus broker", rules)
     return "\n".join(out)

@@ -1,0 +1,71 @@
+"""The broker's Prometheus metrics: one registry per broker, named here and nowhere else.
+
+Counters and histograms are updated by the shell as it works; gauges that describe the
+fleet (queue depths, predicted demand per pool) are refreshed from the fleet view each
+time ``/metrics`` is scraped, so they are never stale.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class BrokerMetrics:
+    """Everything ``/metrics`` exposes."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter(
+            "sluicegate_placement_decisions",
+            "Placement decisions by outcome",
+            ["outcome"],
+            registry=r,
+        )
+        self.refusals = Counter(
+            "sluicegate_placement_refusals",
+            "Placement refusals by reason code",
+            ["code"],
+            registry=r,
+        )
+        self.decision_seconds = Histogram(
+            "sluicegate_placement_decision_seconds",
+            "Time from a placement request's arrival to its reply being queued",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
+            registry=r,
+        )
+        self.job_seconds = Histogram(
+            "sluicegate_offloaded_job_seconds",
+            "Service time of offloaded jobs as reported by the workers",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=r,
+        )
+        self.completions = Counter(
+            "sluicegate_completions", "Completion records by status", ["status"], registry=r
+        )
+        self.local_jobs = Counter(
+            "sluicegate_edge_local_jobs",
+            "Jobs the edges finished locally (from telemetry)",
+            registry=r,
+        )
+        self.offload_ratio = Gauge(
+            "sluicegate_offload_ratio", "Share of jobs offloaded by the edges", registry=r
+        )
+        self.queue_depth = Gauge(
+            "sluicegate_queue_depth", "Jobs queued per node", ["node", "kind"], registry=r
+        )
+        self.waiting = Gauge(
+            "sluicegate_placement_waiting", "Placement requests waiting for room", registry=r
+        )
+        self.demand = Gauge(
+            "sluicegate_pool_predicted_demand",
+            "Predicted demand over capacity per pool zone: a scaling signal (>1: add workers)",
+            ["zone"],
+            registry=r,
+        )
+        self.workers = Gauge("sluicegate_workers", "Workers by health state", ["state"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
