@@ -114,7 +114,7 @@ def test_acl_lets_an_edge_write_only_where_some_class_may_go() -> None:
     assert "topic write sluicegate/v1/edge/north-l1-pc/placement" in broker
     assert "topic read sluicegate/v1/worker/north-gpu-1/telemetry" in broker
     assert "topic read sluicegate/v1/broker/completions" in broker
-    assert "/work" not in broker  # the broker never sees an image
+    assert "/pool/" not in broker  # the broker never reads a work topic: no images
     worker = text.split("user north-gpu-1\n")[1].split("\n\n")[0]
     assert "topic read sluicegate/v1/pool/campus/fab-north/dc/north-gpu-1/work" in worker
     assert "topic write sluicegate/v1/broker/completions" in worker
