@@ -1,0 +1,257 @@
+"""The node's copy of the signed compliance policy: where it comes from and when it changes.
+
+Edge agents and pool workers hold the policy they last *verified*, never one they were merely
+sent. It starts from what this node persisted (the last accepted envelope and its trust
+anchor, in ``state_dir``) and an optional bootstrap policy file with its ``.sig`` beside it,
+then follows the retained ``sluicegate/v1/policy`` message. Every candidate goes through
+``policies.open_envelope`` against the persisted anchor, so a tampered, unsigned, expired or
+older policy is refused (and counted by reason) while the node keeps what it holds.
+
+:func:`consider` is the pure decision; :class:`PolicyFeed` is the shell that reads and
+writes the state files (atomically: envelope first, then anchor, so a crash can only leave the
+anchor behind the envelope, never ahead of it) and subscribes to the transport. It never
+accepts a policy it did not verify and never goes back to an older version.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from policies import Policy, TrustAnchor, load_policy, open_envelope, signed_envelope
+from policies.errors import PolicyError, PolicyParseError
+from policies.keys import fingerprint
+from policies.loader import read_bytes
+from policies.signing import dump_anchor, parse_anchor, parse_signatures
+from sluicegate import topics
+from sluicegate.errors import ConfigError
+from sluicegate.transport import Message, Transport
+
+log = logging.getLogger(__name__)
+
+ANCHOR_FILE = "policy-anchor.json"
+ENVELOPE_FILE = "policy-envelope.json"
+NO_ANCHOR = "policy.no_anchor"
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """A verified policy and the anchor to persist; ``changed`` is False for the one held."""
+
+    policy: Policy
+    anchor: TrustAnchor
+    changed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Why a candidate policy was not taken: the ``PolicyError.reason`` code and its words."""
+
+    reason: str
+    message: str
+
+
+def consider(
+    data: bytes,
+    *,
+    now: float,
+    anchor: TrustAnchor | None,
+    held: Policy | None,
+    source: str,
+    trust_first_use: bool = True,
+) -> Accepted | Refused:
+    """Decide whether the ``signed_envelope`` bytes ``data`` may replace ``held``.
+
+    With no ``anchor`` the envelope's own signers are trusted (first use) only if
+    ``trust_first_use``; otherwise the node needs a bootstrap file or a persisted anchor.
+    """
+    if anchor is None and not trust_first_use:
+        return Refused(
+            NO_ANCHOR,
+            f"{source}: this node has no trust anchor yet and trusts no policy on first use; "
+            "install a signed bootstrap policy file (with its .sig) or an anchor in state_dir",
+        )
+    try:
+        policy, accepted = open_envelope(data, now=now, anchor=anchor, source=source)
+    except PolicyError as exc:
+        return Refused(exc.reason, str(exc))
+    changed = held is None or held.digest != policy.digest
+    return Accepted(policy, accepted, changed)
+
+
+def bootstrap_envelope(path: Path) -> bytes:
+    """The ``signed_envelope`` of a policy file and its detached ``.sig`` beside it."""
+    sig_path = path.with_name(path.name + ".sig")
+    try:
+        policy = load_policy(path)
+        bundle = parse_signatures(read_bytes(sig_path), source=str(sig_path))
+    except PolicyParseError as exc:
+        raise ConfigError(
+            f"bootstrap policy {path} cannot be used: {exc}; expected a TOML policy file "
+            f"with its signatures in {sig_path.name} (sluicegate policy sign)"
+        ) from exc
+    return signed_envelope(policy, bundle)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` in one step, durable before it returns."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+class PolicyFeed:
+    """The current verified policy of one node. ``load()`` once, then ``await start(t)``."""
+
+    def __init__(
+        self,
+        *,
+        node: str,
+        policy_file: Path | None = None,
+        state_dir: Path | None = None,
+        clock: Callable[[], float] = time.time,
+        trust_first_use: bool = True,
+    ) -> None:
+        self.node = node
+        self._policy_file = policy_file
+        self._state_dir = state_dir
+        self._clock = clock
+        self._trust_first_use = trust_first_use
+        self._policy: Policy | None = None
+        self._anchor: TrustAnchor | None = None
+        self._callbacks: list[Callable[[Policy], None]] = []
+        self.refused: Counter[str] = Counter()
+        self.last_refusal: Refused | None = None
+        self.accepted = 0
+
+    # -- reading ------------------------------------------------------------------------------
+
+    @property
+    def current(self) -> Policy | None:
+        """The verified policy, or None if there is none or it has expired since."""
+        policy = self._policy
+        if policy is None or self._clock() >= policy.expires:
+            return None
+        return policy
+
+    @property
+    def held(self) -> Policy | None:
+        """The last accepted policy even if it has expired (for reports, not decisions)."""
+        return self._policy
+
+    @property
+    def anchor(self) -> TrustAnchor | None:
+        return self._anchor
+
+    def why_none(self) -> str:
+        """Why ``current`` is None, in words an operator can act on."""
+        policy = self._policy
+        if policy is not None:
+            return (
+                f"node {self.node}'s policy v{policy.version} has expired; publish a newer "
+                f"signed policy on {topics.policy()}"
+            )
+        last = f" (last refusal: {self.last_refusal.message})" if self.last_refusal else ""
+        return (
+            f"node {self.node} holds no verified policy yet: none arrived on {topics.policy()} "
+            f"and no bootstrap policy file was accepted{last}"
+        )
+
+    def on_change(self, callback: Callable[[Policy], None]) -> None:
+        """Call ``callback(policy)`` each time a different verified policy is taken."""
+        self._callbacks.append(callback)
+
+    # -- taking candidates --------------------------------------------------------------------
+
+    def offer(self, data: bytes, *, source: str) -> Accepted | Refused:
+        """Consider one signed envelope; keep it if it verifies and is not older."""
+        verdict = consider(
+            data,
+            now=self._clock(),
+            anchor=self._anchor,
+            held=self._policy,
+            source=source,
+            trust_first_use=self._trust_first_use,
+        )
+        if isinstance(verdict, Refused):
+            self.refused[verdict.reason] += 1
+            self.last_refusal = verdict
+            log.warning("%s refused a policy [%s]: %s", self.node, verdict.reason, verdict.message)
+            return verdict
+        first_use = self._anchor is None
+        if verdict.changed or verdict.anchor != self._anchor:
+            self._persist(data, verdict.anchor)
+        self._anchor = verdict.anchor
+        if not verdict.changed:
+            return verdict
+        self._policy = verdict.policy
+        self.accepted += 1
+        policy = verdict.policy
+        log.info(
+            "%s accepted policy %r v%d from %s", self.node, policy.campus, policy.version, source
+        )
+        if first_use:
+            signers = ", ".join(sorted(fingerprint(k).hex() for k in policy.signer_keys))
+            log.warning(
+                "%s trusted policy v%d on first use (signer fingerprints %s); pin it with a "
+                "bootstrap policy file to refuse an impostor's first policy",
+                self.node,
+                policy.version,
+                signers,
+            )
+        for callback in self._callbacks:
+            try:
+                callback(policy)
+            except Exception:
+                log.exception("policy change callback failed")
+        return verdict
+
+    def load(self) -> None:
+        """Read the persisted anchor and envelope, then the bootstrap file (sync, at start)."""
+        state = self._state_dir
+        if state is not None:
+            state.mkdir(parents=True, exist_ok=True)
+            anchor_path = state / ANCHOR_FILE
+            if anchor_path.exists():
+                try:
+                    self._anchor = parse_anchor(read_bytes(anchor_path), source=str(anchor_path))
+                except PolicyParseError as exc:
+                    raise ConfigError(
+                        f"persisted policy anchor {anchor_path} is unreadable ({exc}); restore "
+                        "it from a backup or remove it to trust the bootstrap policy again"
+                    ) from exc
+            envelope_path = state / ENVELOPE_FILE
+            if envelope_path.exists():
+                self.offer(envelope_path.read_bytes(), source=str(envelope_path))
+        if self._policy_file is not None:
+            self.offer(bootstrap_envelope(self._policy_file), source=str(self._policy_file))
+
+    async def start(self, transport: Transport) -> None:
+        """Follow the retained policy topic (it arrives right after the subscription)."""
+        await transport.subscribe(topics.policy(), self.on_message, qos=1)
+
+    def on_message(self, message: Message) -> None:
+        if not message.payload:  # a cleared retained message: nothing to consider
+            return
+        self.offer(message.payload, source=message.topic)
+
+    def _persist(self, envelope: bytes, anchor: TrustAnchor) -> None:
+        state = self._state_dir
+        if state is None:
+            return
+        try:
+            write_atomic(state / ENVELOPE_FILE, envelope)
+            write_atomic(state / ANCHOR_FILE, dump_anchor(anchor))
+        except OSError as exc:
+            # The node keeps the verified policy in memory; only restart protection suffers.
+            log.error(
+                "%s could not persist policy v%d in %s: %s", self.node, anchor.version, state, exc
+            )
