@@ -89,6 +89,11 @@ class PoolSettings(_Section):
     queue_size: int = Field(512, ge=1)
     intra_op_threads: int = Field(1, ge=1, le=64)
     max_payload_bytes: int = Field(8 * MIB, ge=1024, le=256 * MIB)
+    max_pixels: int = Field(40_000_000, ge=64 * 64)
+    max_side: int = Field(10_000, ge=64)
+    # The GPU whose figures NVML reports; run one worker per GPU with CUDA_VISIBLE_DEVICES
+    # set to the same index, since NVML ignores that variable.
+    device_index: int = Field(0, ge=0, le=255)
     telemetry_interval_s: float = Field(1.0, gt=0.0, le=3600.0)
     redis_url: str | None = None  # replay cache and audit stream; None: in memory / file
     key_file: Path | None = None  # this worker's Ed25519 key, signs its audit records

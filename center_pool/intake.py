@@ -1,0 +1,253 @@
+"""Intake: the pure decisions on one work message, in the order that keeps images sealed.
+
+1. :func:`read_work` takes only what the placement token is checked against (job id, token,
+   size, declared data class and origin zone) from the MQTT properties; no token, no job id
+   or an oversized payload stop here.
+2. :func:`check_token` runs ``policies.verify`` over the payload's sha256 and this worker's
+   id: signature, policy version, expiry, job, payload hash, class, origin, target and zone.
+   (The replay check needs state, so the shell runs it next.)
+3. :func:`admit_work` reads the rest (model, deadline, priority) and probes the image
+   *header* (no pixel decoding) against the limits.
+
+Nothing here decodes an image, does I/O or reads a clock; each refusal carries a code and a
+reason a person can act on, and says whether the token had passed (only then does the broker
+get a completion record: before that, the job was never placed here).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Literal
+
+from policies import PlacementClaims, Policy, payload_digest, verify
+from policies.errors import TokenRefused
+from sluicegate import topics
+from sluicegate.errors import ImageError, ImageTooLargeError
+from sluicegate.transport import Message
+from sluicegate.vision.image import ImageInfo, check_dimensions, probe
+
+DEFAULT_PRIORITY = 5
+CONTENT_TYPES = {"image/jpeg": "jpeg", "image/png": "png"}
+TOKEN_MISSING = "token.missing"
+POLICY_MISSING = "policy.missing"
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_payload_bytes: int
+    max_pixels: int
+    max_side: int
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """A work message as received: nothing in it is trusted yet."""
+
+    job_id: str
+    token: str
+    payload: bytes
+    props: dict[str, str]
+    response_topic: str | None
+    correlation_data: bytes | None
+    content_type: str | None
+    received_at: float
+
+    def prop(self, name: str) -> str | None:
+        return self.props.get(name)
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A work message that will not run; ``token_passed`` says whether it was placed here."""
+
+    job_id: str
+    status: Literal["rejected", "expired"]
+    code: str
+    reason: str
+    response_topic: str | None
+    correlation_data: bytes | None
+    model: str | None
+    token_passed: bool
+    received_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    """A job whose token passed and whose header fits: ready to batch. Times: unix seconds."""
+
+    job_id: str
+    model: str
+    payload: bytes
+    image: ImageInfo
+    response_topic: str
+    correlation_data: bytes | None
+    priority: int
+    data_class: str
+    origin_zone: str
+    edge_id: str | None
+    received_at: float
+    deadline: float | None
+
+
+def refuse(work: Work, code: str, reason: str, *, token_passed: bool = False) -> Refusal:
+    status: Literal["rejected", "expired"] = "expired" if code == "expired" else "rejected"
+    return Refusal(
+        work.job_id,
+        status,
+        code,
+        reason,
+        work.response_topic,
+        work.correlation_data,
+        work.prop(topics.PROP_MODEL),
+        token_passed,
+        work.received_at,
+    )
+
+
+def read_work(msg: Message, *, limits: Limits, now: float, worker_id: str) -> Work | Refusal:
+    """Step 1: what the token is checked against; never raises for bad input."""
+    props = dict(msg.user_properties)
+    work = Work(
+        job_id=props.get(topics.PROP_JOB_ID, ""),
+        token=props.get(topics.PROP_TOKEN, ""),
+        payload=msg.payload,
+        props=props,
+        response_topic=msg.response_topic,
+        correlation_data=msg.correlation_data,
+        content_type=msg.content_type,
+        received_at=now,
+    )
+    if not work.token:
+        return refuse(
+            work,
+            TOKEN_MISSING,
+            f"no {topics.PROP_TOKEN!r} user property: worker {worker_id} runs only jobs the "
+            "campus broker placed on it; submit to your edge agent, which asks for a placement",
+        )
+    if not 0 < len(work.job_id) <= 128:
+        return refuse(
+            work,
+            "bad_property",
+            f"user property {topics.PROP_JOB_ID!r}={work.job_id!r} is invalid: expected the "
+            "job id the placement token was minted for (1 to 128 characters)",
+        )
+    if len(msg.payload) > limits.max_payload_bytes:
+        return refuse(
+            work,
+            "payload_too_large",
+            f"payload is {len(msg.payload)} bytes; worker {worker_id} accepts at most "
+            f"{limits.max_payload_bytes} bytes",
+        )
+    return work
+
+
+def check_token(
+    work: Work, policy: Policy, *, now: float, worker_id: str
+) -> PlacementClaims | Refusal:
+    """Step 2: the placement token against the policy, this worker and the payload's hash."""
+    try:
+        return verify(
+            work.token,
+            policy,
+            now=now,
+            job_id=work.job_id,
+            payload_sha256=payload_digest(work.payload),
+            worker_id=worker_id,
+            origin_zone=work.prop(topics.PROP_ORIGIN_ZONE),
+            data_class=work.prop(topics.PROP_DATA_CLASS),
+        )
+    except TokenRefused as exc:
+        return refuse(work, exc.reason, f"placement token refused by worker {worker_id}: {exc}")
+
+
+def _number(work: Work, name: str, accepts: str, *, least: float) -> float | Refusal | None:
+    raw = work.prop(name)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < least:
+        reason = f"user property {name!r}={raw!r} is invalid: expected {accepts}"
+        return refuse(work, "bad_property", reason, token_passed=True)
+    return value
+
+
+def admit_work(
+    work: Work,
+    claims: PlacementClaims,
+    *,
+    models: Collection[str],
+    limits: Limits,
+    now: float,
+) -> WorkItem | Refusal:
+    """Step 3, after the token (and replay) passed: model, deadline, priority, image header."""
+
+    def reject(code: str, reason: str) -> Refusal:
+        return refuse(work, code, reason, token_passed=True)
+
+    if not work.response_topic:
+        return reject("no_response_topic", "the work message has no MQTT v5 Response Topic")
+    model = work.prop(topics.PROP_MODEL)
+    if model is None or model not in models:
+        known = ", ".join(sorted(models)) or "none loaded"
+        return reject("unknown_model", f"unknown model {model!r}; known: {known}")
+    priority = _number(
+        work, topics.PROP_PRIORITY, "an integer 0 (lowest) to 9 (highest)", least=0.0
+    )
+    if isinstance(priority, Refusal):
+        return priority
+    if priority is not None and (priority != int(priority) or priority > 9):
+        return reject(
+            "bad_property",
+            f"user property {topics.PROP_PRIORITY!r}={work.prop(topics.PROP_PRIORITY)!r} "
+            "is invalid: expected an integer 0 (lowest) to 9 (highest)",
+        )
+    deadline_ms = _number(
+        work, topics.PROP_DEADLINE_AT, "unix time in milliseconds, > 0", least=1.0
+    )
+    if isinstance(deadline_ms, Refusal):
+        return deadline_ms
+    declared = None
+    if work.content_type is not None:
+        declared = CONTENT_TYPES.get(work.content_type.split(";")[0].strip().lower())
+        if declared is None:
+            return reject(
+                "bad_content_type",
+                f"content type {work.content_type!r} is not supported; "
+                "send 'image/jpeg' or 'image/png'",
+            )
+    try:
+        info = probe(work.payload)
+        check_dimensions(info, max_pixels=limits.max_pixels, max_side=limits.max_side)
+    except ImageTooLargeError as exc:
+        return reject("image_too_large", str(exc))
+    except ImageError as exc:
+        return reject("bad_image", str(exc))
+    if declared is not None and declared != info.format:
+        return reject(
+            "bad_content_type",
+            f"content type {work.content_type!r} does not match the payload, which is "
+            f"{info.format}",
+        )
+    deadline = deadline_ms / 1000.0 if deadline_ms is not None else None
+    if deadline is not None and deadline <= now:
+        late = (now - deadline) * 1000.0
+        return reject("expired", f"the deadline passed {late:.0f} ms before the job arrived")
+    return WorkItem(
+        job_id=work.job_id,
+        model=model,
+        payload=work.payload,
+        image=info,
+        response_topic=work.response_topic,
+        correlation_data=work.correlation_data,
+        priority=int(priority) if priority is not None else DEFAULT_PRIORITY,
+        data_class=claims.data_class,
+        origin_zone=claims.origin_zone,
+        edge_id=work.prop(topics.PROP_EDGE),
+        received_at=work.received_at,
+        deadline=deadline,
+    )

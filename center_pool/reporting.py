@@ -1,0 +1,156 @@
+"""What a pool worker tells the campus, built from plain figures: capabilities (retained),
+telemetry (every interval), status (retained, with the offline copy as Last Will), results
+for vision apps and completion records for the broker.
+
+Pure builders over the worker's counters and a hardware sample; they never publish, never
+read a clock and never look at an image. Per-model service time is an exponentially
+weighted moving average of the *amortised* compute per job (a batch's decode, preprocess and
+inference divided by its jobs): the cost a placement adds to this worker. The per-batch
+figure is kept apart, for the deadline-aware flush.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from center_pool.hardware import Sample
+from sluicegate import topics, wire
+from sluicegate.config import PoolSettings
+from sluicegate.transport import Will
+from sluicegate.vision.postprocess import Outputs as VisionOutputs
+from sluicegate.vision.runtime import ModelRegistry
+from sluicegate.wire_pool import ModelCapability, WorkerCapabilities, WorkerTelemetry
+
+
+@dataclass(slots=True)
+class _Figure:
+    job_ms: float
+    batch_ms: float
+    completed: int
+
+
+class ServiceStats:
+    """Moving averages of compute time per model: per job (amortised) and per batch."""
+
+    def __init__(self, alpha: float = 0.2) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
+        self._alpha = alpha
+        self._figures: dict[str, _Figure] = {}
+
+    def observe(self, model: str, batch_ms: float, jobs: int) -> None:
+        if jobs < 1:
+            return
+        job_ms = batch_ms / jobs
+        old = self._figures.get(model)
+        if old is None:
+            self._figures[model] = _Figure(job_ms, batch_ms, jobs)
+            return
+        a = self._alpha
+        old.job_ms += a * (job_ms - old.job_ms)
+        old.batch_ms += a * (batch_ms - old.batch_ms)
+        old.completed += jobs
+
+    def batch_estimate_s(self, model: str) -> float | None:
+        """Expected seconds for one batch of ``model``; None until one has run."""
+        figure = self._figures.get(model)
+        return figure.batch_ms / 1000.0 if figure else None
+
+    def loads(self) -> dict[str, wire.ModelLoad]:
+        return {
+            name: wire.ModelLoad(service_ms=round(f.job_ms, 3), completed=f.completed)
+            for name, f in self._figures.items()
+        }
+
+
+def status_message(settings: PoolSettings, state: str) -> bytes:
+    """The retained status document (``online``/``offline``) of this worker."""
+    return wire.dump(
+        wire.NodeStatus(
+            node=settings.id,
+            kind="pool",
+            zone=settings.zone,
+            state="online" if state == "online" else "offline",
+        )
+    )
+
+
+def last_will(settings: PoolSettings) -> Will:
+    return Will(topics.worker_status(settings.id), status_message(settings, "offline"))
+
+
+def capabilities(
+    settings: PoolSettings, registry: ModelRegistry, providers: list[str], memory_total_mb: int
+) -> WorkerCapabilities:
+    """What this worker can run. A model that needs providers this worker lacks is left out,
+    so the broker never places it here."""
+    models: dict[str, ModelCapability] = {}
+    for name in registry.names():
+        manifest = registry.get(name).manifest
+        needs = manifest.requirements.providers
+        usable = [p for p in providers if not needs or p in needs]
+        if not usable:
+            continue
+        models[name] = ModelCapability(
+            version=manifest.version,
+            memory_mb=manifest.requirements.memory_mb,
+            providers=usable,
+        )
+    return WorkerCapabilities(
+        worker_id=settings.id,
+        zone=settings.zone,
+        device_class=settings.device_class,
+        providers=list(providers),
+        memory_total_mb=memory_total_mb,
+        models=models,
+        max_batch=settings.max_batch,
+        concurrency=settings.concurrency,
+    )
+
+
+def capacity(settings: PoolSettings) -> int:
+    """Jobs the worker holds (queued plus running) before it refuses with ``queue_full``."""
+    return settings.queue_size + settings.concurrency * settings.max_batch
+
+
+def telemetry(
+    settings: PoolSettings,
+    sample: Sample,
+    *,
+    ts: float,
+    queue_depth: int,
+    in_flight: int,
+    service: ServiceStats,
+    results: Mapping[str, int],
+    refused: Mapping[str, int],
+) -> WorkerTelemetry:
+    return WorkerTelemetry(
+        node=settings.id,
+        zone=settings.zone,
+        ts=ts,
+        device_class=settings.device_class,
+        utilisation=round(sample.utilisation, 4),
+        memory_used_mb=round(max(0.0, sample.memory_used_mb), 1),
+        memory_total_mb=round(max(0.0, sample.memory_total_mb), 1),
+        memory_bandwidth=(
+            round(sample.memory_bandwidth, 4) if sample.memory_bandwidth is not None else None
+        ),
+        temperature_c=sample.temperature_c,
+        queue_depth=queue_depth,
+        in_flight=in_flight,
+        capacity=capacity(settings),
+        models=service.loads(),
+        results=dict(results),
+        refused=dict(refused),
+    )
+
+
+def to_wire_outputs(outputs: VisionOutputs) -> wire.Outputs:
+    return wire.Outputs(
+        label=outputs.label,
+        scores=outputs.scores,
+        detections=[
+            wire.Detection(label=d.label, score=d.score, box=d.box) for d in outputs.detections
+        ],
+    )
