@@ -31,7 +31,9 @@ app = typer.Typer(
 )
 edge_app = typer.Typer(help="The edge agent that runs on a line PC.", no_args_is_help=True)
 models_app = typer.Typer(help="The ONNX models shipped in models/.", no_args_is_help=True)
+pool_app = typer.Typer(help="A center pool worker on a GPU/NPU/CPU server.", no_args_is_help=True)
 app.add_typer(edge_app, name="edge")
+app.add_typer(pool_app, name="pool")
 app.add_typer(models_app, name="models")
 app.add_typer(policy_app, name="policy", help="Signed compliance policies.")
 
@@ -89,6 +91,34 @@ def edge_run(
         from edge_agent.service import serve
 
         settings = _settings(config, host, port, id=edge_id, zone=zone)
+        run_until_signal(lambda stop: serve(settings, stop))
+    except SluicegateError as exc:
+        _fail(str(exc))
+
+
+@pool_app.command("run")
+def pool_run(
+    config: ConfigOpt = None,
+    host: HostOpt = None,
+    port: PortOpt = None,
+    worker_id: Annotated[str | None, typer.Option("--id", help="Worker id (topic level).")] = None,
+    zone: Annotated[str | None, typer.Option(help="Zone this worker is in.")] = None,
+    device_class: Annotated[
+        str | None, typer.Option(help="Declared device class, e.g. nvidia-a100, x86-cpu.")
+    ] = None,
+    log_level: LogOpt = "info",
+) -> None:
+    """Run a center pool worker until Ctrl-C / SIGTERM."""
+    _logging(log_level)
+    try:
+        from center_pool.service import serve
+        from sluicegate.config import load_settings
+
+        settings = load_settings(
+            config,
+            mqtt={"host": host, "port": port},
+            pool={"id": worker_id, "zone": zone, "device_class": device_class},
+        )
         run_until_signal(lambda stop: serve(settings, stop))
     except SluicegateError as exc:
         _fail(str(exc))

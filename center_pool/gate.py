@@ -1,0 +1,142 @@
+"""The gate every work message passes before its image is looked at: token, then replay.
+
+For a chunk of messages taken off the transport, :class:`Gate` runs the pure steps of
+:mod:`center_pool.intake` (properties, then ``policies.verify`` against the current verified
+policy) and the replay check against the shared cache (Redis ``SET NX``, or memory), with the
+claims of one chunk in flight together. A cache that cannot answer fails closed. It returns
+one verdict per message, in arrival order, and says which refusals belong in the audit log:
+every one made before the token passed. It never decodes, publishes or writes the log itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from center_pool.intake import (
+    POLICY_MISSING,
+    Limits,
+    Refusal,
+    Work,
+    check_token,
+    read_work,
+    refuse,
+)
+from policies import PlacementClaims, Policy, acheck_replay
+from policies.audit import Scalar
+from policies.errors import TokenRefused
+from policies.replay import AsyncReplayCache
+from sluicegate import topics
+from sluicegate.policy_feed import PolicyFeed
+from sluicegate.transport import Message
+
+REPLAY_UNAVAILABLE = "token.replay_unavailable"
+SHUTTING_DOWN = "shutting_down"
+REPLAY_CHUNK = 64  # replay claims in flight together
+
+
+@dataclass(frozen=True, slots=True)
+class Passed:
+    """Token and replay check passed: this worker was placed to run ``work``."""
+
+    work: Work
+    claims: PlacementClaims
+
+
+@dataclass(frozen=True, slots=True)
+class Stopped:
+    """Refused at the gate; ``audit`` is False only for refusals that judge no token."""
+
+    refusal: Refusal
+    work: Work | None
+    audit: bool
+
+
+def audit_data(stopped: Stopped, worker_id: str) -> Mapping[str, Scalar]:
+    """The audit record of a gate refusal: reason code, words, and who sent what."""
+    work = stopped.work
+    props = work.props if work is not None else {}
+    return {
+        "reason": stopped.refusal.code,
+        "message": stopped.refusal.reason[:1000],
+        "worker": worker_id,
+        "job_id": stopped.refusal.job_id[:128],
+        "edge_id": props.get(topics.PROP_EDGE),
+        "origin_zone": props.get(topics.PROP_ORIGIN_ZONE),
+        "data_class": props.get(topics.PROP_DATA_CLASS),
+        "payload_bytes": len(work.payload) if work is not None else None,
+    }
+
+
+class Gate:
+    """Checks placement tokens and their nonces for one worker."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        feed: PolicyFeed,
+        replay: AsyncReplayCache,
+        limits: Limits,
+        clock: Callable[[], float],
+    ) -> None:
+        self.worker_id = worker_id
+        self._feed = feed
+        self._replay = replay
+        self._limits = limits
+        self._clock = clock
+
+    async def screen(
+        self, chunk: list[tuple[Message, float]], *, accepting: bool
+    ) -> list[Passed | Stopped]:
+        """One verdict per ``(message, received_at)``, in the order given."""
+        policy = self._feed.current
+        now = self._clock()
+        verdicts: list[Passed | Stopped] = []
+        for msg, received in chunk:
+            work = read_work(msg, limits=self._limits, now=received, worker_id=self.worker_id)
+            if isinstance(work, Refusal):
+                verdicts.append(Stopped(work, None, audit=True))
+            elif not accepting:
+                reason = f"worker {self.worker_id} is shutting down; ask for a new placement"
+                verdicts.append(Stopped(refuse(work, SHUTTING_DOWN, reason), work, audit=False))
+            elif policy is None:
+                refusal = refuse(work, POLICY_MISSING, self._feed.why_none())
+                verdicts.append(Stopped(refusal, work, audit=True))
+            else:
+                claims = check_token(work, policy, now=now, worker_id=self.worker_id)
+                if isinstance(claims, Refusal):
+                    verdicts.append(Stopped(claims, work, audit=True))
+                else:
+                    verdicts.append(Passed(work, claims))
+        if policy is not None:
+            await self._check_replays(verdicts, policy, now)
+        return verdicts
+
+    async def _check_replays(
+        self, verdicts: list[Passed | Stopped], policy: Policy, now: float
+    ) -> None:
+        slots = [i for i, v in enumerate(verdicts) if isinstance(v, Passed)]
+        for start in range(0, len(slots), REPLAY_CHUNK):
+            part = slots[start : start + REPLAY_CHUNK]
+            found = await asyncio.gather(*(self._claim(policy, verdicts[i], now) for i in part))
+            for index, refusal in zip(part, found, strict=True):
+                if refusal is not None:
+                    verdicts[index] = Stopped(refusal, verdicts[index].work, audit=True)
+
+    async def _claim(self, policy: Policy, verdict: Passed | Stopped, now: float) -> Refusal | None:
+        assert isinstance(verdict, Passed)
+        work = verdict.work
+        try:
+            await acheck_replay(self._replay, verdict.claims, policy, now=now)
+        except TokenRefused as exc:
+            return refuse(
+                work, exc.reason, f"placement token refused by worker {self.worker_id}: {exc}"
+            )
+        except Exception as exc:  # the shared cache is down: fail closed, never run unchecked
+            reason = (
+                f"worker {self.worker_id} cannot check the token for replay "
+                f"({type(exc).__name__}: {exc}); refusing rather than risk a replay"
+            )
+            return refuse(work, REPLAY_UNAVAILABLE, reason)
+        return None

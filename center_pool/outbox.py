@@ -1,0 +1,121 @@
+"""Everything a worker says about a job: the result for the vision app, on the app's own
+response topic with its correlation data, and the completion record for the broker on
+``sluicegate/v1/broker/completions`` (no outputs, no image).
+
+Both go out QoS 1 through ``publish_nowait`` (the client retries until acked). A refusal gets
+a completion only when its token had passed: before that, nothing was placed here for the
+broker to release. Publishing never raises into the caller: a message that cannot be queued
+is logged with its job id.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+
+from center_pool.intake import Refusal
+from sluicegate import topics, wire
+from sluicegate.config import PoolSettings
+from sluicegate.transport import Transport
+from sluicegate.wire_pool import Completion
+
+log = logging.getLogger(__name__)
+
+
+class Outbox:
+    """Results and completion records of one worker, counted by status."""
+
+    def __init__(
+        self, settings: PoolSettings, transport: Transport, clock: Callable[[], float]
+    ) -> None:
+        self._settings = settings
+        self._transport = transport
+        self._clock = clock
+        self._ran_on = wire.RanOn(kind="pool", node=settings.id, zone=settings.zone)
+        self.results: Counter[str] = Counter()
+
+    def result(
+        self,
+        job_id: str,
+        topic: str | None,
+        correlation_data: bytes | None,
+        *,
+        status: wire.Status,
+        model: str | None,
+        timings: wire.Timings,
+        placed: bool = True,
+        code: str | None = None,
+        reason: str | None = None,
+        outputs: wire.Outputs | None = None,
+    ) -> None:
+        """The app's result; counted even when there is no response topic to send it to."""
+        self.results[status] += 1
+        if not topic:
+            return
+        result = wire.JobResult(
+            job_id=job_id,
+            status=status,
+            code=code,
+            reason=reason,
+            model=model,
+            outputs=outputs,
+            ran_on=self._ran_on,
+            timings_ms=timings,
+            offload=wire.Offload(requested=True, placed=placed, worker=self._settings.id),
+        )
+        self._publish(topic, wire.dump(result), correlation_data, job_id)
+
+    def completion(
+        self,
+        job_id: str,
+        status: wire.Status,
+        model: str,
+        *,
+        service_ms: float,
+        queue_ms: float,
+        batch_size: int,
+    ) -> None:
+        record = Completion(
+            job_id=job_id,
+            worker_id=self._settings.id,
+            status=status,
+            model=model,
+            service_ms=round(service_ms, 3),
+            queue_ms=round(queue_ms, 3),
+            batch_size=max(1, batch_size),
+            ts=self._clock(),
+        )
+        self._publish(topics.completions(), wire.dump(record), None, job_id)
+
+    def refusal(self, refusal: Refusal) -> None:
+        """Answer a refused job, and tell the broker if it had been placed here."""
+        elapsed = (self._clock() - refusal.received_at) * 1000.0
+        self.result(
+            refusal.job_id,
+            refusal.response_topic,
+            refusal.correlation_data,
+            status=refusal.status,
+            model=refusal.model,
+            code=refusal.code,
+            reason=refusal.reason,
+            timings=wire.Timings(total_ms=round(elapsed, 3)),
+            placed=refusal.token_passed,
+        )
+        if refusal.token_passed:
+            model = refusal.model or ""
+            self.completion(
+                refusal.job_id, refusal.status, model, service_ms=0.0, queue_ms=0.0, batch_size=1
+            )
+
+    def _publish(self, topic: str, payload: bytes, correlation: bytes | None, job: str) -> None:
+        try:
+            self._transport.publish_nowait(
+                topic,
+                payload,
+                qos=1,
+                correlation_data=correlation,
+                content_type=wire.RESULT_CONTENT_TYPE,
+            )
+        except Exception as exc:
+            log.error("could not publish to %s for job %s: %s", topic, job, exc)

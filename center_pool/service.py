@@ -1,0 +1,113 @@
+"""Wires a real pool worker together: execution providers, the verified model registry, the
+device probe, the policy feed, the replay cache and audit log (Redis when ``redis_url`` is
+set), and the MQTT transport with its Last Will. ``sluicegate pool run`` calls :func:`serve`.
+
+Where the audit log goes, first match wins: ``audit_path`` (a file), ``redis_url`` (the
+stream ``sluicegate:audit:<worker id>``), ``state_dir/audit.jsonl``, else memory with a
+warning. The audit records are signed with ``key_file`` (or an ephemeral key, logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import redis.asyncio
+
+from center_pool.guard import (
+    AsyncFileAuditStore,
+    AuditSink,
+    MemoryAsyncReplayCache,
+    MemoryAuditStore,
+    load_worker_key,
+)
+from center_pool.hardware import available_providers, open_probe, select_providers
+from center_pool.reporting import last_will
+from center_pool.worker import PoolWorker
+from policies import AsyncAuditWriter
+from policies.audit import AsyncAuditStore
+from policies.redis_stores import (
+    AsyncRedisReplayCache,
+    AsyncRedisStreamAuditStore,
+    audit_stream_key,
+)
+from policies.replay import AsyncReplayCache
+from sluicegate.config import PoolSettings, Settings
+from sluicegate.mqtt import MqttTransport
+from sluicegate.policy_feed import PolicyFeed
+from sluicegate.vision.runtime import ModelRegistry, default_models_dir
+
+log = logging.getLogger(__name__)
+
+AUDIT_FILE = "audit.jsonl"
+
+
+def audit_store(pool: PoolSettings, client: redis.asyncio.Redis | None) -> AsyncAuditStore:
+    """The store this worker's audit log goes to (see the module docstring)."""
+    if pool.audit_path is not None:
+        pool.audit_path.parent.mkdir(parents=True, exist_ok=True)
+        return AsyncFileAuditStore(pool.audit_path)
+    if client is not None:
+        return AsyncRedisStreamAuditStore(client, audit_stream_key(pool.id))
+    if pool.state_dir is not None:
+        pool.state_dir.mkdir(parents=True, exist_ok=True)
+        return AsyncFileAuditStore(pool.state_dir / AUDIT_FILE)
+    log.warning(
+        "worker %s keeps its audit log in memory only: set [pool] audit_path, redis_url or "
+        "state_dir to keep a record of refused work",
+        pool.id,
+    )
+    return MemoryAuditStore()
+
+
+async def serve(
+    settings: Settings,
+    stop: asyncio.Event,
+    *,
+    registry: ModelRegistry | None = None,
+    connect_timeout: float | None = None,
+) -> PoolWorker:
+    """Run a pool worker until ``stop`` is set; returns the worker (for its counters)."""
+    pool = settings.pool
+    providers = select_providers(available_providers(), pool.providers)
+    registry = registry or ModelRegistry.from_dir(
+        pool.models_dir or default_models_dir(),
+        providers=providers,
+        intra_op_threads=pool.intra_op_threads,
+    )
+    feed = PolicyFeed(node=pool.id, policy_file=pool.policy_file, state_dir=pool.state_dir)
+    feed.load()
+    key = load_worker_key(pool.key_file, pool.id)
+    client = redis.asyncio.Redis.from_url(pool.redis_url) if pool.redis_url else None
+    replay: AsyncReplayCache = (
+        AsyncRedisReplayCache(client) if client is not None else MemoryAsyncReplayCache()
+    )
+    sink = AuditSink(AsyncAuditWriter(audit_store(pool, client), key))
+    probe = open_probe(pool.device_index)
+    transport = MqttTransport(
+        settings.mqtt,
+        client_id=f"sg-pool-{pool.id}",
+        will=last_will(pool),
+        clean_start=False,
+        session_expiry_s=settings.mqtt.session_expiry_s,
+    )
+    try:
+        await transport.connect(timeout=connect_timeout)
+        worker = PoolWorker(
+            pool,
+            transport,
+            registry,
+            feed=feed,
+            replay=replay,
+            audit=sink,
+            probe=probe,
+            providers=providers,
+        )
+        try:
+            await worker.run(stop)
+        finally:
+            await transport.close()
+    finally:
+        if client is not None:
+            await client.aclose()
+    return worker

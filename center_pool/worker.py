@@ -1,0 +1,394 @@
+"""The center pool worker's asyncio shell: zone-scoped work in, batched ONNX runs, results out.
+
+It subscribes only to its own work topic. The transport hands each message to a loop-side
+intake whose :class:`~center_pool.gate.Gate` checks the placement token and its nonce before
+anything looks at the image; a refusal is answered, counted and (before the token passed)
+audited, and the worker keeps serving. Admitted jobs wait in the pure
+:class:`~center_pool.batching.BatchQueue`; a loop-side dispatcher hands each ready batch to a
+bounded thread pool (OpenCV and ONNX Runtime release the GIL) and takes the outcome back with
+``call_soon_threadsafe``. Results and completion records go out through the
+:class:`~center_pool.outbox.Outbox`. Capabilities and status are retained (re-published on
+reconnect, offline as Last Will); telemetry goes out every interval. It must never block the
+loop on compute or I/O, and never let one bad message stop it serving the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+
+from center_pool import reporting
+from center_pool.batching import BatchQueue, Entry
+from center_pool.execution import BatchRun, ItemRun, run_batch
+from center_pool.gate import Gate, Passed, Stopped, audit_data
+from center_pool.guard import POLICY_ACCEPTED, REFUSED, AuditSink
+from center_pool.hardware import Probe
+from center_pool.intake import Limits, Refusal, Work, WorkItem, admit_work, refuse
+from center_pool.outbox import Outbox
+from policies import PlacementClaims, Policy
+from policies.replay import AsyncReplayCache
+from sluicegate import topics, wire
+from sluicegate.config import PoolSettings
+from sluicegate.policy_feed import PolicyFeed
+from sluicegate.transport import Message, Transport
+from sluicegate.vision.runtime import ModelRegistry
+from sluicegate.wire_pool import WorkerTelemetry
+
+log = logging.getLogger(__name__)
+
+INTAKE_CHUNK = 256  # work messages screened per pass of the intake loop
+
+
+class PoolWorker:
+    """One center pool worker. Create, then ``await run(stop)``."""
+
+    def __init__(
+        self,
+        settings: PoolSettings,
+        transport: Transport,
+        registry: ModelRegistry,
+        *,
+        feed: PolicyFeed,
+        replay: AsyncReplayCache,
+        audit: AuditSink,
+        probe: Probe,
+        providers: list[str],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        topics.check_id("worker id", settings.id)
+        self.settings = settings
+        self._transport = transport
+        self._registry = registry
+        self._models = frozenset(registry.names())
+        self._feed = feed
+        self.audit = audit
+        self._probe = probe
+        self._clock = clock
+        self._limits = Limits(settings.max_payload_bytes, settings.max_pixels, settings.max_side)
+        self._gate = Gate(settings.id, feed, replay, self._limits, clock)
+        self.outbox = Outbox(settings, transport, clock)
+        self._queue: BatchQueue[WorkItem] = BatchQueue(
+            max_batch=settings.max_batch,
+            window_s=settings.batch_window_ms / 1000.0,
+            capacity=settings.queue_size,
+        )
+        self._executor = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="sg-pool")
+        self._intake: deque[tuple[Message, float]] = deque()
+        self._intake_wake = asyncio.Event()
+        self._running = 0  # batches on the executor
+        self.in_flight = 0  # jobs in those batches
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._accepting = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.capabilities = reporting.capabilities(
+            settings, registry, providers, probe.memory_total_mb
+        )
+        self.service = reporting.ServiceStats()
+        self.refused: Counter[str] = Counter()
+        self.decode_attempts = 0  # jobs handed to the decoder: proof that refusals never are
+        self.batch_sizes: Counter[int] = Counter()
+        self.ready = asyncio.Event()  # set once subscribed and announced online
+        feed.on_change(self._policy_changed)
+
+    @property
+    def results(self) -> Counter[str]:
+        return self.outbox.results
+
+    # -- intake: loop side, token before anything else ------------------------------------------
+
+    def on_message(self, msg: Message) -> None:
+        """Called by the transport for each work message; only queues it."""
+        self._intake.append((msg, self._clock()))
+        self._idle.clear()
+        self._intake_wake.set()
+
+    async def _intake_loop(self) -> None:
+        while True:
+            await self._intake_wake.wait()
+            self._intake_wake.clear()
+            while self._intake:
+                await self.audit.room()
+                size = min(len(self._intake), INTAKE_CHUNK)
+                chunk = [self._intake.popleft() for _ in range(size)]
+                try:
+                    verdicts = await self._gate.screen(chunk, accepting=self._accepting)
+                except Exception:
+                    log.exception("intake failed for %d work message(s)", len(chunk))
+                    continue
+                for verdict in verdicts:
+                    if isinstance(verdict, Passed):
+                        self._admit(verdict.work, verdict.claims)
+                    else:
+                        self._refuse(verdict)
+                self._dispatch()
+
+    def _admit(self, work: Work, claims: PlacementClaims) -> None:
+        now = self._clock()
+        item = admit_work(work, claims, models=self._models, limits=self._limits, now=now)
+        if isinstance(item, Refusal):
+            self._refuse(Stopped(item, work, audit=False))
+            return
+        start_by = None
+        if item.deadline is not None:
+            # Without a measured batch time, a job with a deadline does not wait for company.
+            estimate = self.service.batch_estimate_s(item.model)
+            start_by = now if estimate is None else item.deadline - estimate
+        if not self._queue.push(Entry(item, item.model, now, item.priority, start_by)):
+            reason = (
+                f"worker {self.settings.id} has {self.settings.queue_size} jobs queued; "
+                "ask the broker for another placement"
+            )
+            refusal = refuse(work, "queue_full", reason, token_passed=True)
+            self._refuse(Stopped(refusal, work, audit=False))
+
+    def _refuse(self, stopped: Stopped) -> None:
+        refusal = stopped.refusal
+        self.refused[refusal.code] += 1
+        log.info("refused job %s [%s]: %s", refusal.job_id, refusal.code, refusal.reason)
+        if stopped.audit:
+            self.audit.submit(REFUSED, audit_data(stopped, self.settings.id), now=self._clock())
+        self.outbox.refusal(refusal)
+
+    # -- execution: ready batches to the thread pool and back -----------------------------------
+
+    def _dispatch(self) -> None:
+        now = self._clock()
+        while self._running < self.settings.concurrency:
+            batch = self._queue.pop(now, drain=not self._accepting)
+            if batch is None:
+                break
+            live: list[WorkItem] = []
+            for item in batch.items:
+                if item.deadline is not None and now >= item.deadline:
+                    self._finish_expired(item, now)
+                else:
+                    live.append(item)
+            if not live:
+                continue
+            self._running += 1
+            self.in_flight += len(live)
+            self.decode_attempts += len(live)
+            model = self._registry.get(batch.model)
+            jobs = [(item.payload, item.image) for item in live]
+            future = self._executor.submit(run_batch, model, jobs, limits=self._limits)
+            future.add_done_callback(partial(self._from_thread, live, now))
+        self._arm_timer(now)
+        if not self._running and not len(self._queue) and not self._intake:
+            self._idle.set()
+
+    def _arm_timer(self, now: float) -> None:
+        if self._running >= self.settings.concurrency or self._loop is None:
+            return
+        at = self._queue.ready_at()
+        if at is None:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_later(max(0.0, at - now), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._dispatch()
+
+    def _from_thread(self, items: list[WorkItem], started: float, future: Future[BatchRun]) -> None:
+        # Runs on the executor thread: hand the outcome back to the loop, nothing more.
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._completed, items, started, future)
+
+    def _completed(self, items: list[WorkItem], started: float, future: Future[BatchRun]) -> None:
+        self._running -= 1
+        self.in_flight -= len(items)
+        try:
+            run = future.result()
+        except Exception as exc:
+            log.exception("batch of %d failed", len(items))
+            failed = ItemRun(None, "inference_error", f"inference failed: {exc}", 0.0, 0.0)
+            run = BatchRun(tuple(failed for _ in items), 0.0, 0)
+        if run.batch_size:
+            self.service.observe(items[0].model, run.compute_ms, run.batch_size)
+            self.batch_sizes[run.batch_size] += 1
+        end = self._clock()
+        for item, part in zip(items, run.items, strict=True):
+            queue_ms = (started - item.received_at) * 1000.0
+            timings = wire.Timings(
+                queue_ms=round(queue_ms, 3),
+                decode_ms=round(part.decode_ms, 3),
+                preprocess_ms=round(part.preprocess_ms, 3),
+                inference_ms=round(run.inference_ms, 3) if part.ok else 0.0,
+                total_ms=round((end - item.received_at) * 1000.0, 3),
+            )
+            status: wire.Status = "ok" if part.outputs is not None else "failed"
+            if part.code == "bad_image":
+                status = "rejected"
+            self.outbox.result(
+                item.job_id,
+                item.response_topic,
+                item.correlation_data,
+                status=status,
+                model=item.model,
+                timings=timings,
+                code=part.code,
+                reason=part.reason,
+                outputs=(
+                    reporting.to_wire_outputs(part.outputs) if part.outputs is not None else None
+                ),
+            )
+            service_ms = part.decode_ms + part.preprocess_ms + run.inference_ms
+            self.outbox.completion(
+                item.job_id,
+                status,
+                item.model,
+                service_ms=service_ms,
+                queue_ms=queue_ms,
+                batch_size=run.batch_size,
+            )
+        self._dispatch()
+
+    def _finish_expired(self, item: WorkItem, now: float) -> None:
+        assert item.deadline is not None
+        late = (now - item.deadline) * 1000.0
+        queue_ms = (now - item.received_at) * 1000.0
+        self.outbox.result(
+            item.job_id,
+            item.response_topic,
+            item.correlation_data,
+            status="expired",
+            model=item.model,
+            code="expired",
+            reason=f"the deadline passed {late:.0f} ms before the job could start; not run",
+            timings=wire.Timings(queue_ms=round(queue_ms, 3), total_ms=round(queue_ms, 3)),
+        )
+        self.outbox.completion(
+            item.job_id, "expired", item.model, service_ms=0.0, queue_ms=queue_ms, batch_size=1
+        )
+
+    # -- policy, telemetry and status --------------------------------------------------------
+
+    def _policy_changed(self, policy: Policy) -> None:
+        zone = policy.worker_zone(self.settings.id)
+        if zone != self.settings.zone:
+            log.warning(
+                "policy v%d puts worker %s in zone %r, its configuration says %r: tokens for "
+                "it name the policy's zone, and its work topic is the configured one",
+                policy.version,
+                self.settings.id,
+                zone,
+                self.settings.zone,
+            )
+        self.audit.submit(
+            POLICY_ACCEPTED,
+            {"worker": self.settings.id, "version": policy.version, "digest": policy.digest.hex()},
+            now=self._clock(),
+        )
+
+    def telemetry(self) -> WorkerTelemetry:
+        return reporting.telemetry(
+            self.settings,
+            self._probe.sample(),
+            ts=self._clock(),
+            queue_depth=len(self._queue) + len(self._intake),
+            in_flight=self.in_flight,
+            service=self.service,
+            results=self.results,
+            refused=self.refused,
+        )
+
+    async def _telemetry_loop(self) -> None:
+        topic = topics.worker_telemetry(self.settings.id)
+        while True:
+            await asyncio.sleep(self.settings.telemetry_interval_s)
+            if self._transport.connected:
+                try:
+                    await self._transport.publish(topic, wire.dump(self.telemetry()), qos=0)
+                except Exception as exc:
+                    log.warning("telemetry not published: %s", exc)
+
+    def _announce(self) -> None:
+        """Retained capabilities, then online: on every (re)connect."""
+        self._transport.publish_nowait(
+            topics.worker_capabilities(self.settings.id),
+            wire.dump(self.capabilities),
+            qos=1,
+            retain=True,
+        )
+        self._transport.publish_nowait(
+            topics.worker_status(self.settings.id),
+            reporting.status_message(self.settings, "online"),
+            qos=1,
+            retain=True,
+        )
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def run(
+        self, stop: asyncio.Event, *, drain_timeout: float = 10.0, policy_wait: float = 2.0
+    ) -> None:
+        """Serve until ``stop`` is set, then finish what was admitted and go offline."""
+        self._loop = asyncio.get_running_loop()
+        self._accepting = True
+        tasks = [
+            asyncio.ensure_future(self.audit.run()),
+            asyncio.ensure_future(self._intake_loop()),
+        ]
+        await self._feed.start(self._transport)
+        if self._feed.current is None:  # the retained policy follows its SUBACK closely
+            changed = asyncio.Event()
+            self._feed.on_change(lambda _p: changed.set())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), policy_wait)
+        if self._feed.current is None:
+            log.warning("%s; work will be refused until one arrives", self._feed.why_none())
+        work_topic = topics.pool_work(self.settings.zone, self.settings.id)
+        await self._transport.subscribe(work_topic, self.on_message, qos=1)
+        self._transport.on_connect(self._announce)
+        if self._transport.connected:
+            self._announce()
+        tasks.append(asyncio.ensure_future(self._telemetry_loop()))
+        self.ready.set()
+        log.info(
+            "pool worker %s (%s, zone %s) serving %s with %s on %s",
+            self.settings.id,
+            self.settings.device_class,
+            self.settings.zone,
+            ", ".join(sorted(self.capabilities.models)) or "no models",
+            ", ".join(self.capabilities.providers),
+            work_topic,
+        )
+        try:
+            await stop.wait()
+        finally:
+            self._accepting = False
+            self._intake_wake.set()
+            self._dispatch()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), drain_timeout)
+            for task in tasks[1:]:
+                task.cancel()
+            await asyncio.gather(*tasks[1:], return_exceptions=True)
+            if self._timer is not None:
+                self._timer.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    self._transport.publish(
+                        topics.worker_status(self.settings.id),
+                        reporting.status_message(self.settings, "offline"),
+                        qos=1,
+                        retain=True,
+                        wait=True,
+                    ),
+                    2.0,
+                )
+            await self.audit.flush(5.0)
+            tasks[0].cancel()
+            await asyncio.gather(tasks[0], return_exceptions=True)
+            self._executor.shutdown(wait=True)
+            self._probe.close()
