@@ -1,14 +1,18 @@
 """Wires a real edge agent together: settings, the MQTT transport with its Last Will, the
-verified model registry. ``sluicegate edge run`` and the demo call :func:`serve`.
+verified model registry, the node's policy feed and the placement client for offloading.
+``sluicegate edge run`` and the demo call :func:`serve`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 from edge_agent.agent import EdgeAgent, last_will
+from edge_agent.offload import PlacementClient
 from sluicegate.config import Settings
 from sluicegate.mqtt import MqttTransport
+from sluicegate.policy_feed import PolicyFeed
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir
 
 
@@ -28,17 +32,38 @@ async def serve(
 ) -> EdgeAgent:
     """Run an edge agent until ``stop`` is set; returns the agent (for its counters)."""
     registry = registry or load_registry(settings)
+    edge, offload = settings.edge, settings.offload
     transport = MqttTransport(
         settings.mqtt,
-        client_id=f"sg-edge-{settings.edge.id}",
-        will=last_will(settings.edge),
+        client_id=f"sg-edge-{edge.id}",
+        will=last_will(edge),
         clean_start=False,
         session_expiry_s=settings.mqtt.session_expiry_s,
     )
+    client = None
+    feed = None
+    if offload.enabled:
+        feed = PolicyFeed(
+            node=edge.id, policy_file=offload.policy_file, state_dir=offload.state_dir
+        )
+        feed.load()
+        client = PlacementClient(
+            transport,
+            edge_id=edge.id,
+            zone=edge.zone,
+            policy=lambda: feed.current if feed is not None else None,
+            timeout_s=offload.placement_timeout_ms / 1000.0,
+            clock=time.time,
+        )
     await transport.connect(timeout=connect_timeout)
-    agent = EdgeAgent(settings.edge, transport, registry)
+    if feed is not None and client is not None:
+        await feed.start(transport)
+        await client.start()
+    agent = EdgeAgent(edge, transport, registry, offload=client, offload_settings=offload)
     try:
         await agent.run(stop)
     finally:
+        if client is not None:
+            client.close()
         await transport.close()
     return agent
