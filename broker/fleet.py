@@ -1,0 +1,279 @@
+"""Fleet state: every worker the broker has heard of, its reservations and learned service
+times, kept in the shape the placement core needs.
+
+The shell owns one :class:`Fleet` and feeds it events as they arrive, each with the
+broker's clock reading ``now``::
+
+    fleet = Fleet(FleetParams.from_settings(settings), requirements, policy)
+    fleet.apply_capabilities(caps, now)     # retained .../capabilities
+    fleet.apply_telemetry(telemetry, now)   # .../telemetry, every interval
+    fleet.mark_offline(worker_id, now)      # .../status "offline" (its Last Will)
+    fleet.apply_completion(completion, now) # .../broker/completions: release + learn
+    fleet.reserve(worker_id, job_id, now)   # right after a Placed decision
+    fleet.release(job_id)                   # the job's Redis reservation ended or failed
+    fleet.expire(now, timeout_s)            # periodically; decide() also calls it
+
+Reservations are local: they make consecutive decisions see the jobs just placed before
+the workers' telemetry shows them. A reservation stops counting when the worker's next
+telemetry (older than ``absorb_after_s``) arrives, since that sample already holds the
+job, or when the job completes, so nothing needs sweeping.
+
+Mutable but pure: no clock, no I/O, no asyncio; deterministic for a given event sequence,
+so the digital twin and the tests replay it exactly. It never decides a placement.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from broker import forecast as fc
+from broker.errors import UnknownWorker
+from broker.index import PlacementIndex
+from broker.params import FleetParams
+from broker.scoring import STATUS_NAMES, needs_of
+from broker.service_model import ServiceModel
+from broker.state import Capabilities, TelemetrySample, WorkerState
+from policies.model import Policy
+from policies.subhealth import HealthVerdict
+from sluicegate.vision.manifest import Requirements
+from sluicegate.wire_pool import Completion, WorkerCapabilities, WorkerTelemetry
+
+__all__ = ["Fleet", "FleetParams", "WorkerState", "WorkerView"]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """One worker as the HTTP fleet endpoint shows it."""
+
+    state: WorkerState
+    reserved: int
+    policy_zone: str | None  # None: the worker is in no pool of the policy
+    forecast: fc.LoadForecast | None
+    health: HealthVerdict
+    statuses: Mapping[str, str]  # per loaded model: eligible, full, memory, provider, ...
+
+
+class Fleet:
+    """Workers, reservations, learned service times and the placement index."""
+
+    def __init__(
+        self,
+        params: FleetParams | None = None,
+        requirements: Mapping[str, Requirements] | None = None,
+        policy: Policy | None = None,
+    ) -> None:
+        self.params = params or FleetParams()
+        self.service = ServiceModel(self.params.service_alpha, self.params.default_service_ms)
+        self._needs = needs_of(requirements or {})
+        self._states: dict[str, WorkerState] = {}
+        self._reservations: dict[str, tuple[str, float]] = {}  # job id -> (worker, when)
+        self._by_worker: dict[str, dict[str, float]] = {}  # worker -> job id -> when
+        self._seen: list[tuple[float, str]] = []  # (last_seen, worker), a lazy min-heap
+        self._models: dict[str, int] = {}  # model -> workers with capabilities that load it
+        self.index = PlacementIndex(self.params, self._needs)
+        self._policy: Policy | None = None
+        if policy is not None:
+            self.use_policy(policy)
+
+    # -- policy and requirements ------------------------------------------------------------
+
+    @property
+    def policy(self) -> Policy | None:
+        return self._policy
+
+    def use_policy(self, policy: Policy) -> None:
+        """Place under ``policy`` from now on (zones of workers, sub-health rules). Cheap
+        when it is the policy already in use; otherwise the index is rebuilt, O(workers)."""
+        if policy is self._policy:
+            return
+        same = self._policy is not None and self._policy.digest == policy.digest
+        self._policy = policy
+        if same:
+            self.index.policy = policy
+            self.index.routes.clear()
+        else:
+            self._rebuild()
+
+    def set_requirements(self, requirements: Mapping[str, Requirements]) -> None:
+        """Model requirements changed (manifests reloaded); rebuilds the index."""
+        self._needs = needs_of(requirements)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        self.index.reset(self._policy, self._needs)
+        for state in self._states.values():
+            self.index.update(state, self.reserved(state.worker_id))
+
+    # -- events -----------------------------------------------------------------------------
+
+    def _put(self, state: WorkerState) -> None:
+        old = self._states.get(state.worker_id)
+        if old is None or old.capabilities is not state.capabilities:
+            self._count_models(old, -1)
+            self._count_models(state, 1)
+        self._states[state.worker_id] = state
+        self.index.update(state, self.reserved(state.worker_id))
+
+    def apply_capabilities(self, caps: WorkerCapabilities, now: float) -> None:
+        """A worker's (retained) capabilities. Does not make it online: a retained document
+        outlives its worker; telemetry does that."""
+        old = self._states.get(caps.worker_id) or WorkerState(caps.worker_id)
+        self._put(
+            WorkerState(
+                old.worker_id, Capabilities.from_wire(caps), old.samples, old.online, old.last_seen
+            )
+        )
+
+    def apply_telemetry(self, tel: WorkerTelemetry, now: float) -> None:
+        """A telemetry sample: the worker is online and seen at ``now``. A sample whose
+        timestamp is not after the previous one means the worker restarted (or its clock
+        moved back): its history starts again from this sample."""
+        old = self._states.get(tel.node) or WorkerState(tel.node)
+        sample = TelemetrySample.from_wire(tel, now)
+        if old.latest is not None and tel.ts <= old.latest.ts:
+            old = WorkerState(old.worker_id, old.capabilities)
+        self._absorb(tel.node, now - self.params.absorb_after_s)
+        state = old.with_sample(sample, self.params.history)
+        device_class = state.capabilities.device_class if state.capabilities else tel.device_class
+        for model, ms in sample.service_ms.items():
+            self.service.report(model, device_class, ms)
+        heapq.heappush(self._seen, (now, tel.node))
+        self._put(state)
+
+    def apply_completion(self, completion: Completion, now: float) -> None:
+        """A job finished on a pool worker: its reservation ends, and an ``ok`` job's
+        service time teaches the model for (model, the worker's device class)."""
+        self.release(completion.job_id)
+        state = self._states.get(completion.worker_id)
+        caps = state.capabilities if state is not None else None
+        if completion.status == "ok" and completion.kind == "pool" and caps is not None:
+            self.service.observe(completion.model, caps.device_class, completion.service_ms)
+
+    def mark_offline(self, worker_id: str, now: float) -> tuple[str, ...]:
+        """The worker is gone (Last Will, or silent too long). Returns the job ids still
+        reserved on it locally; they are released here, and the shell re-places them."""
+        state = self._states.get(worker_id)
+        jobs = tuple(self._by_worker.pop(worker_id, {}))
+        for job_id in jobs:
+            self._reservations.pop(job_id, None)
+        if state is not None and (state.online or jobs):
+            self._put(
+                WorkerState(worker_id, state.capabilities, state.samples, False, state.last_seen)
+            )
+        return jobs
+
+    def expire(self, now: float, timeout_s: float) -> list[str]:
+        """Take offline every worker silent for more than ``timeout_s``; returns their ids.
+        O(1) when nobody expires (a heap of last-seen times)."""
+        cutoff = now - timeout_s
+        gone: list[str] = []
+        seen = self._seen
+        while seen and seen[0][0] < cutoff:
+            when, worker_id = heapq.heappop(seen)
+            state = self._states.get(worker_id)
+            if state is not None and state.online and state.last_seen == when:
+                self.mark_offline(worker_id, now)
+                gone.append(worker_id)
+        return gone
+
+    def forget(self, worker_id: str) -> bool:
+        """Drop a worker altogether (decommissioned)."""
+        self.mark_offline(worker_id, 0.0)
+        state = self._states.pop(worker_id, None)
+        if state is None:
+            return False
+        self._count_models(state, -1)
+        self.index.remove(worker_id)
+        return True
+
+    def _count_models(self, state: WorkerState | None, delta: int) -> None:
+        if state is not None and state.capabilities is not None:
+            for model in state.capabilities.models:
+                left = self._models.get(model, 0) + delta
+                if left:
+                    self._models[model] = left
+                else:
+                    self._models.pop(model, None)
+
+    # -- reservations -------------------------------------------------------------------------
+
+    def reserve(self, worker_id: str, job_id: str, now: float) -> None:
+        """Count ``job_id`` on ``worker_id`` until it completes, is released, or shows up in
+        the worker's telemetry. Idempotent; a job reserved elsewhere moves here."""
+        if worker_id not in self._states:
+            raise UnknownWorker(
+                f"cannot reserve job {job_id!r} on unknown worker {worker_id!r}; "
+                f"the fleet knows {len(self._states)} workers"
+            )
+        held = self._reservations.get(job_id)
+        if held is not None:
+            if held[0] == worker_id:
+                return
+            self.release(job_id)
+        self._reservations[job_id] = (worker_id, now)
+        jobs = self._by_worker.setdefault(worker_id, {})
+        jobs[job_id] = now
+        self.index.set_reserved(worker_id, len(jobs))
+
+    def release(self, job_id: str) -> bool:
+        """Stop counting ``job_id``; False if it no longer counted anywhere."""
+        held = self._reservations.pop(job_id, None)
+        if held is None:
+            return False
+        worker_id = held[0]
+        jobs = self._by_worker.get(worker_id, {})
+        jobs.pop(job_id, None)
+        self.index.set_reserved(worker_id, len(jobs))
+        return True
+
+    def _absorb(self, worker_id: str, cutoff: float) -> None:
+        jobs = self._by_worker.get(worker_id)
+        if jobs:
+            for job_id in [j for j, when in jobs.items() if when <= cutoff]:
+                del jobs[job_id]
+                self._reservations.pop(job_id, None)
+
+    def reserved(self, worker_id: str) -> int:
+        """Jobs reserved on the worker that its telemetry does not show yet."""
+        return len(self._by_worker.get(worker_id, ()))
+
+    def reservation(self, job_id: str) -> str | None:
+        """The worker ``job_id`` is reserved on, if it still counts."""
+        held = self._reservations.get(job_id)
+        return held[0] if held else None
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def state(self, worker_id: str) -> WorkerState | None:
+        return self._states.get(worker_id)
+
+    def states(self) -> Iterator[WorkerState]:
+        return iter(self._states.values())
+
+    def models(self) -> list[str]:
+        """Every model some worker with known capabilities has loaded, sorted."""
+        return sorted(self._models)
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._states
+
+    def view(self, worker_id: str) -> WorkerView | None:
+        """A worker with its load forecast, health and per-model status, for people."""
+        state = self._states.get(worker_id)
+        slot = self.index.slots.get(worker_id)
+        if state is None or slot is None:
+            return None
+        reserved = self.reserved(worker_id)
+        return WorkerView(
+            state=state,
+            reserved=reserved,
+            policy_zone=slot.zone,
+            forecast=fc.forecast(state.samples, reserved, self.params) if state.samples else None,
+            health=slot.health,
+            statuses={m: STATUS_NAMES[st] for m, (_, st) in sorted(slot.statuses.items())},
+        )

@@ -1,0 +1,349 @@
+"""The fleet index: workers grouped and ordered so a decision touches only group heads.
+
+A *bucket* is one (model, zone, device class): every worker of that device class whose
+zone (as the policy declares it) is that zone and that has the model loaded. Inside a
+bucket, eligible workers sit in two heaps, healthy and sub-healthy, ordered by their
+*key* (``scoring.load_key``: 1 + jobs ahead per slot, times the forecast penalty), then
+worker id. All workers of a bucket share the transfer cost and the service time of a
+request, so the head of the healthy heap is the bucket's best worker. Each bucket also
+counts its workers by status, so explanations need no scan.
+
+Heaps are updated lazily: every change to a worker bumps its stamp and pushes fresh
+entries; an entry whose stamp is old is dropped when it reaches the head, and a heap that
+grows past twice its live size is compacted in place. A *route* caches, per (data class,
+origin zone, model), the buckets the policy allows and the ones it denies; it is rebuilt
+when a bucket appears or the policy changes.
+
+Mutable, but pure: no clock, no I/O. Only ``broker.fleet`` writes to it and only
+``broker.placement`` reads routes and heads; it must never decide anything itself.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from broker import forecast
+from broker.params import FleetParams
+from broker.scoring import (
+    NO_NEEDS,
+    OFFLINE,
+    OK,
+    SUBHEALTHY,
+    Need,
+    classify,
+    link_class,
+    load_key,
+)
+from broker.state import Capabilities, TelemetrySample, WorkerState
+from policies.evaluate import allowed
+from policies.model import Policy, Verdict
+from policies.subhealth import HealthVerdict, is_subhealthy
+
+HEALTHY = HealthVerdict(False, None)
+ROUTE_CACHE_LIMIT = 4096
+N_STATUS = 7
+
+
+class Slot:
+    """The index's working copy of one worker: what the hot path reads."""
+
+    __slots__ = (
+        "base",
+        "caps",
+        "crosses",
+        "health",
+        "key",
+        "online",
+        "predicted",
+        "reserved",
+        "sample",
+        "slope",
+        "stamp",
+        "statuses",
+        "unzoned",
+        "worker_id",
+        "zone",
+        "zone_counted",
+    )
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.stamp = 0
+        self.caps: Capabilities | None = None
+        self.sample: TelemetrySample | None = None
+        self.online = False
+        self.zone: str | None = None  # the policy's zone for this worker
+        self.reserved = 0
+        self.slope = 0.0
+        self.health = HEALTHY
+        self.base = math.inf
+        self.key = math.inf
+        self.predicted = 0.0
+        self.crosses = False
+        self.statuses: dict[str, tuple[Bucket, int]] = {}
+        self.unzoned: tuple[str, ...] = ()  # models counted as "not in any pool"
+        self.zone_counted: str | None = None  # zone whose online count includes this worker
+
+
+# (key, worker id, stamp, slot): ordered by key, then worker id; stamps make it unique.
+Entry = tuple[float, str, int, Slot]
+
+
+class Bucket:
+    __slots__ = ("counts", "device_class", "healthy", "model", "sub", "zone")
+
+    def __init__(self, model: str, zone: str, device_class: str) -> None:
+        self.model = model
+        self.zone = zone
+        self.device_class = device_class
+        self.healthy: list[Entry] = []
+        self.sub: list[Entry] = []
+        self.counts = [0] * N_STATUS
+
+
+def head(heap: list[Entry]) -> Entry | None:
+    """The best live entry of a bucket heap, dropping stale ones on the way."""
+    while heap:
+        entry = heap[0]
+        if entry[3].stamp == entry[2]:
+            return entry
+        heapq.heappop(heap)
+    return None
+
+
+@dataclass(slots=True)
+class Route:
+    """Buckets for one (data class, origin zone, model) under one policy."""
+
+    data_class: str
+    origin_zone: str
+    model: str
+    topology: int
+    campus_prefix: str
+    # (healthy heap, sub-healthy heap, link class, device class index, bucket)
+    allowed: list[tuple[list[Entry], list[Entry], int, int, Bucket]]
+    device_classes: tuple[str, ...]
+    denied: list[tuple[Bucket, Verdict]]
+    allowed_zones: tuple[str, ...]
+    zone_verdicts: dict[str, Verdict]
+    summary_epoch: int = -1
+    summary: dict[str, int] = field(default_factory=dict)
+
+
+class PlacementIndex:
+    """Buckets, per-worker slots and cached routes; see the module docstring."""
+
+    def __init__(self, params: FleetParams, needs: dict[str, Need]) -> None:
+        self.params = params
+        self.needs = needs
+        self.policy: Policy | None = None
+        self.slots: dict[str, Slot] = {}
+        self.buckets: dict[str, dict[tuple[str, str], Bucket]] = {}
+        self.unzoned: dict[str, int] = {}  # per model: online workers in no pool of the policy
+        self.zone_online: dict[str, int] = {}
+        self.topology = 0  # bumps when a bucket appears
+        self.epoch = 0  # bumps when any worker's status for any model changes
+        self.routes: dict[tuple[str, str, str], Route] = {}
+
+    # -- writes (from broker.fleet) -------------------------------------------------------
+
+    def reset(self, policy: Policy | None, needs: dict[str, Need]) -> None:
+        """Forget every slot and bucket (the fleet then re-adds each worker)."""
+        self.policy = policy
+        self.needs = needs
+        self.slots.clear()
+        self.buckets.clear()
+        self.unzoned.clear()
+        self.zone_online.clear()
+        self.routes.clear()
+        self.topology += 1
+        self.epoch += 1
+
+    def update(self, state: WorkerState, reserved: int) -> None:
+        """Take in a worker's new state (capabilities, telemetry, online flag)."""
+        slot = self.slots.get(state.worker_id)
+        if slot is None:
+            slot = self.slots[state.worker_id] = Slot(state.worker_id)
+        policy = self.policy
+        slot.caps = state.capabilities
+        slot.sample = state.latest
+        slot.online = state.online
+        slot.zone = policy.worker_zones.get(state.worker_id) if policy is not None else None
+        slot.reserved = reserved
+        params = self.params
+        slot.slope = forecast.trend(state.samples, params.trend_window, params.trend_min_samples)
+        if slot.sample is not None and policy is not None and policy.subhealth:
+            slot.health = is_subhealthy(policy.subhealth, slot.sample.metrics())
+        else:
+            slot.health = HEALTHY
+        self._refresh(slot)
+
+    def set_reserved(self, worker_id: str, reserved: int) -> None:
+        slot = self.slots.get(worker_id)
+        if slot is not None and slot.reserved != reserved:
+            slot.reserved = reserved
+            self._refresh(slot)
+
+    def remove(self, worker_id: str) -> None:
+        slot = self.slots.pop(worker_id, None)
+        if slot is not None:
+            slot.caps = None
+            self._refresh(slot)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _bucket(self, model: str, zone: str, device_class: str) -> Bucket:
+        by_place = self.buckets.get(model)
+        if by_place is None:
+            by_place = self.buckets[model] = {}
+        bucket = by_place.get((zone, device_class))
+        if bucket is None:
+            bucket = by_place[(zone, device_class)] = Bucket(model, zone, device_class)
+            self.topology += 1
+        return bucket
+
+    def _refresh(self, slot: Slot) -> None:
+        caps, sample, zone = slot.caps, slot.sample, slot.zone
+        params = self.params
+        statuses: dict[str, tuple[Bucket, int]] = {}
+        unzoned: tuple[str, ...] = ()
+        zone_counted: str | None = None
+        key = base = math.inf
+        if caps is not None and sample is not None:
+            now_load = forecast.load_now(sample, slot.reserved)
+            slot.predicted = forecast.predict(now_load, slot.slope, params.forecast_horizon_s)
+            slot.crosses = slot.predicted >= 1.0
+            ahead = sample.queue_depth + sample.in_flight + slot.reserved
+            base, key = load_key(ahead, caps.concurrency, slot.crosses, params.forecast_penalty)
+        if caps is not None:
+            online = slot.online and sample is not None
+            if zone is None:
+                unzoned = caps.models if online else ()
+            else:
+                zone_counted = zone if online else None
+                sub = slot.health.subhealthy
+                for model in caps.models:
+                    need = self.needs.get(model, NO_NEEDS)
+                    status = classify(caps, sample, slot.online, slot.reserved, need, zone, sub)
+                    statuses[model] = (self._bucket(model, zone, caps.device_class), status)
+        slot.base = base
+        self._count(slot, unzoned, zone_counted)
+        same_status = statuses == slot.statuses
+        if same_status and key == slot.key:
+            return
+        for bucket, status in slot.statuses.values():
+            bucket.counts[status] -= 1
+        for bucket, status in statuses.values():
+            bucket.counts[status] += 1
+        if not same_status:
+            self.epoch += 1
+        slot.statuses = statuses
+        slot.key = key
+        slot.stamp += 1
+        entry: Entry = (key, slot.worker_id, slot.stamp, slot)
+        for bucket, status in statuses.values():
+            if status == OK:
+                heap = bucket.healthy
+            elif status == SUBHEALTHY:
+                heap = bucket.sub
+            else:
+                continue
+            heapq.heappush(heap, entry)
+            if len(heap) > 2 * bucket.counts[status] + 16:
+                heap[:] = [e for e in heap if e[3].stamp == e[2]]
+                heapq.heapify(heap)
+
+    def _count(self, slot: Slot, unzoned: tuple[str, ...], zone_counted: str | None) -> None:
+        if unzoned != slot.unzoned:
+            for model in slot.unzoned:
+                self.unzoned[model] -= 1
+            for model in unzoned:
+                self.unzoned[model] = self.unzoned.get(model, 0) + 1
+            slot.unzoned = unzoned
+            self.epoch += 1
+        if zone_counted != slot.zone_counted:
+            if slot.zone_counted is not None:
+                self.zone_online[slot.zone_counted] -= 1
+            if zone_counted is not None:
+                self.zone_online[zone_counted] = self.zone_online.get(zone_counted, 0) + 1
+            slot.zone_counted = zone_counted
+            self.epoch += 1
+
+    # -- reads (from broker.placement) -----------------------------------------------------
+
+    def route(
+        self, policy: Policy, data_class: str, origin_zone: str, model: str, campus_prefix: str
+    ) -> Route:
+        """The cached route for a request; rebuilt when buckets appeared since."""
+        rkey = (data_class, origin_zone, model)
+        route = self.routes.get(rkey)
+        if (
+            route is not None
+            and route.topology == self.topology
+            and route.campus_prefix == campus_prefix
+        ):
+            return route
+        if len(self.routes) >= ROUTE_CACHE_LIMIT:
+            self.routes.clear()
+        route = self._build_route(policy, data_class, origin_zone, model, campus_prefix)
+        self.routes[rkey] = route
+        return route
+
+    def _build_route(
+        self, policy: Policy, data_class: str, origin_zone: str, model: str, campus_prefix: str
+    ) -> Route:
+        verdicts = {z: allowed(policy, data_class, origin_zone, z) for z in sorted(policy.zones)}
+        device_classes: list[str] = []
+        allowed_buckets: list[tuple[list[Entry], list[Entry], int, int, Bucket]] = []
+        denied: list[tuple[Bucket, Verdict]] = []
+        for (zone, dc), bucket in sorted(self.buckets.get(model, {}).items()):
+            verdict = verdicts.get(zone) or allowed(policy, data_class, origin_zone, zone)
+            if not verdict.allowed:
+                denied.append((bucket, verdict))
+                continue
+            if dc not in device_classes:
+                device_classes.append(dc)
+            link = link_class(origin_zone, zone, campus_prefix)
+            dc_index = device_classes.index(dc)
+            allowed_buckets.append((bucket.healthy, bucket.sub, link, dc_index, bucket))
+        return Route(
+            data_class=data_class,
+            origin_zone=origin_zone,
+            model=model,
+            topology=self.topology,
+            campus_prefix=campus_prefix,
+            allowed=allowed_buckets,
+            device_classes=tuple(device_classes),
+            denied=denied,
+            allowed_zones=tuple(z for z, v in verdicts.items() if v.allowed),
+            zone_verdicts=verdicts,
+        )
+
+    def summary(self, route: Route) -> dict[str, int]:
+        """Workers by reason for this route (cached until any status changes)."""
+        if route.summary_epoch == self.epoch:
+            return route.summary
+        totals = [0] * N_STATUS
+        for _, _, _, _, bucket in route.allowed:
+            for i, n in enumerate(bucket.counts):
+                totals[i] += n
+        placed_online = sum(totals) - totals[OFFLINE]
+        zone_online = sum(self.zone_online.get(z, 0) for z in route.allowed_zones)
+        policy = sum(sum(b.counts) - b.counts[OFFLINE] for b, _ in route.denied)
+        out = {
+            "eligible": totals[OK],
+            "subhealthy": totals[SUBHEALTHY],
+            "full": totals[2],
+            "memory": totals[3],
+            "provider": totals[4],
+            "zone_mismatch": totals[5],
+            "offline": totals[OFFLINE],
+            "policy": policy,
+            "no_model": zone_online - placed_online,
+            "not_in_policy": self.unzoned.get(route.model, 0),
+        }
+        route.summary = out
+        route.summary_epoch = self.epoch
+        return out

@@ -1,0 +1,90 @@
+"""Tunables of the placement core, as frozen dataclasses with defaults that suit a campus.
+
+:class:`FleetParams` shape the fleet's index (history kept, forecast horizon, the penalty
+for a node heading into saturation, learned service times); they are fixed for the life of
+a :class:`~broker.fleet.Fleet` because its index stores scores computed with them.
+:class:`PlacementParams` shape each decision (links between zones, staleness, how many
+candidates an explanation keeps). Both validate themselves and can be derived from
+:class:`~sluicegate.config.BrokerSettings`. No I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from broker.errors import InvalidParams
+from sluicegate.config import BrokerSettings
+
+# Link classes between the job's origin zone and a worker's zone.
+SAME_ZONE, SAME_SITE, OFF_SITE = 0, 1, 2
+LINK_NAMES = ("same zone", "on campus", "off site")
+
+
+def _check(name: str, value: float, low: float, high: float = math.inf) -> None:
+    if not (low <= value <= high) or math.isnan(value):
+        raise InvalidParams(f"{name} = {value!r}; accepted: {low:g} <= {name} <= {high:g}")
+
+
+@dataclass(frozen=True, slots=True)
+class FleetParams:
+    """How the fleet keeps and scores its workers."""
+
+    history: int = 16  # telemetry samples kept per worker
+    trend_window: int = 8  # the most recent samples the load trend is fitted over
+    trend_min_samples: int = 3  # fewer than this: no trend (slope 0)
+    forecast_horizon_s: float = 3.0  # how far ahead the load is extrapolated
+    forecast_penalty: float = 1.5  # queue+service multiplier when the forecast crosses capacity
+    # A reservation older than this when a worker's telemetry arrives is assumed to be in that
+    # sample's queue (or done), so it stops counting on top of it.
+    absorb_after_s: float = 0.25
+    service_alpha: float = 0.2  # EWMA weight of a new service-time observation
+    default_service_ms: float = 50.0  # service time when nothing has been learned or reported
+
+    def __post_init__(self) -> None:
+        _check("history", self.history, 2, 4096)
+        _check("trend_window", self.trend_window, 2, self.history)
+        _check("trend_min_samples", self.trend_min_samples, 2, self.trend_window)
+        _check("forecast_horizon_s", self.forecast_horizon_s, 0.0, 3600.0)
+        _check("forecast_penalty", self.forecast_penalty, 1.0, 1000.0)
+        _check("absorb_after_s", self.absorb_after_s, 0.0, 3600.0)
+        _check("service_alpha", self.service_alpha, 1e-6, 1.0)
+        _check("default_service_ms", self.default_service_ms, 1e-3, 3_600_000.0)
+
+    @classmethod
+    def from_settings(cls, settings: BrokerSettings) -> FleetParams:
+        """Defaults scaled to the fleet's telemetry interval: the forecast looks three
+        intervals ahead (``dataclasses.replace`` the result to change anything else)."""
+        return cls(forecast_horizon_s=3.0 * settings.telemetry_interval_s)
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementParams:
+    """How one decision is made."""
+
+    # Link latency and bandwidth per link class (same zone, on campus, off site).
+    link_latency_ms: tuple[float, float, float] = (0.2, 0.5, 20.0)
+    link_mb_per_s: tuple[float, float, float] = (1000.0, 100.0, 10.0)
+    campus_prefix: str = "campus"  # zones under "<campus_prefix>/" are on site
+    stale_after_s: float = 3.0  # a worker silent this long is offline (3 intervals)
+    top_k: int = 3  # ranked candidates kept in each explanation
+
+    def __post_init__(self) -> None:
+        for i, name in enumerate(LINK_NAMES):
+            _check(f"link_latency_ms[{name}]", self.link_latency_ms[i], 0.0, 3_600_000.0)
+            _check(f"link_mb_per_s[{name}]", self.link_mb_per_s[i], 1e-6, 1e9)
+        _check("stale_after_s", self.stale_after_s, 1e-3, 86_400.0)
+        _check("top_k", self.top_k, 1, 100)
+        if not self.campus_prefix or "/" in self.campus_prefix:
+            raise InvalidParams(
+                f"campus_prefix = {self.campus_prefix!r}; accepted: one zone segment, e.g. 'campus'"
+            )
+
+    @classmethod
+    def from_settings(cls, settings: BrokerSettings) -> PlacementParams:
+        """A worker is stale after ``missed_intervals`` telemetry intervals of silence."""
+        return cls(stale_after_s=settings.telemetry_interval_s * settings.missed_intervals)
+
+    def describe(self) -> dict[str, object]:
+        """The parameters as plain data, for the HTTP API and audit records."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}

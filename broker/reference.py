@@ -1,0 +1,127 @@
+"""The placement decision by brute force: every worker, every rule, recomputed from scratch.
+
+This is the specification the fast path (``broker.placement``) is tested against, and the
+baseline the placement benchmark runs beside it. It reads only the fleet's frozen
+:class:`~broker.state.WorkerState` values, its reservation counts and its learned service
+times; it recomputes zones, verdicts, health, forecasts and keys itself, so a bug in the
+index's incremental bookkeeping shows up as a difference. It shares with the fast path
+only the rule definitions (``broker.scoring``, ``broker.forecast``) and the conclusion
+(``broker.explain``). O(workers) per decision; never use it on the hot path.
+"""
+
+from __future__ import annotations
+
+from broker.decision import Candidate, Decision
+from broker.explain import conclude
+from broker.fleet import Fleet
+from broker.forecast import forecast
+from broker.params import PlacementParams
+from broker.scoring import (
+    ELIGIBLE,
+    NO_NEEDS,
+    OFFLINE,
+    STATUS_NAMES,
+    SUBHEALTHY,
+    classify,
+    link_class,
+    load_key,
+    needs_of,
+    transfer_costs,
+)
+from policies.evaluate import allowed
+from policies.model import Policy, Verdict
+from policies.subhealth import is_subhealthy
+from sluicegate.vision.manifest import Requirements
+from sluicegate.wire_pool import PlacementRequest
+
+
+def decide_reference(
+    fleet: Fleet,
+    request: PlacementRequest,
+    policy: Policy,
+    *,
+    now: float,
+    params: PlacementParams,
+    requirements: dict[str, Requirements] | None = None,
+) -> Decision:
+    """Same contract as ``broker.placement.decide``; ``requirements`` are the model
+    requirements the fleet was built with (none: the fleet's own)."""
+    fleet.use_policy(policy)
+    fleet.expire(now, params.stale_after_s)
+    needs = needs_of(requirements) if requirements is not None else fleet.index.needs
+    need = needs.get(request.model, NO_NEEDS)
+    tx = transfer_costs(request.payload_bytes, params)
+    fparams = fleet.params
+    counts = dict.fromkeys((*STATUS_NAMES, "policy", "no_model", "not_in_policy"), 0)
+    scored: list[tuple[bool, float, float, str, Candidate]] = []
+    denied: dict[str, Verdict] = {}
+    for state in fleet.states():
+        caps = state.capabilities
+        if caps is None:
+            continue
+        sample = state.latest
+        live = state.online and sample is not None
+        zone = policy.worker_zone(state.worker_id)
+        if zone is None:
+            counts["not_in_policy"] += live and request.model in caps.models
+            continue
+        verdict = allowed(policy, request.data_class, request.origin_zone, zone)
+        if request.model not in caps.models:
+            counts["no_model"] += live and verdict.allowed
+            continue
+        reserved = fleet.reserved(state.worker_id)
+        sub = bool(
+            sample is not None
+            and policy.subhealth
+            and is_subhealthy(policy.subhealth, sample.metrics()).subhealthy
+        )
+        status = classify(caps, sample, state.online, reserved, need, zone, sub)
+        if not verdict.allowed:
+            if status != OFFLINE:
+                counts["policy"] += 1
+                denied[zone] = verdict
+            continue
+        counts[STATUS_NAMES[status]] += 1
+        if status not in ELIGIBLE or sample is None:
+            continue
+        outlook = forecast(state.samples, reserved, fparams)
+        ahead = sample.queue_depth + sample.in_flight + reserved
+        base, key = load_key(ahead, caps.concurrency, outlook.crosses, fparams.forecast_penalty)
+        transfer = tx[link_class(request.origin_zone, zone, params.campus_prefix)]
+        service = fleet.service.estimate(request.model, caps.device_class)
+        score = transfer + service * key
+        predicted = transfer + service * base
+        candidate = Candidate(
+            worker_id=state.worker_id,
+            zone=zone,
+            device_class=caps.device_class,
+            score_ms=score,
+            predicted_ms=predicted,
+            transfer_ms=transfer,
+            queue_ms=service * (base - 1.0),
+            service_ms=service,
+            penalty_ms=score - predicted,
+            load=outlook.load_now,
+            forecast_load=outlook.predicted,
+            subhealthy=status == SUBHEALTHY,
+        )
+        scored.append((status == SUBHEALTHY, score, key, state.worker_id, candidate))
+    scored.sort(key=lambda s: s[:4])
+    ranked = [s[4] for s in scored if s[0] == scored[0][0]][: params.top_k] if scored else []
+    return conclude(
+        request,
+        policy,
+        now=now,
+        ranked=ranked,
+        counts=counts,
+        denied=[denied[z] for z in sorted(denied)],
+        allowed_zones=tuple(
+            z
+            for z in sorted(policy.zones)
+            if allowed(policy, request.data_class, request.origin_zone, z).allowed
+        ),
+        need=need,
+        known_models=sorted(
+            {m for s in fleet.states() if s.capabilities for m in s.capabilities.models}
+        ),
+    )

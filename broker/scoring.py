@@ -1,0 +1,113 @@
+"""The placement rules themselves, as small pure functions shared by the fleet index and the
+brute-force reference, so that both apply exactly one definition.
+
+A worker is classified per model it has loaded (:func:`classify`, first reason wins:
+offline, zone mismatch, missing provider, too little free memory, full, sub-healthy, ok).
+An eligible worker is scored by predicted completion time::
+
+    predicted = transfer + service * (1 + jobs_ahead / concurrency)
+    score     = transfer + service * (1 + jobs_ahead / concurrency) * penalty
+
+where ``penalty`` is ``FleetParams.forecast_penalty`` when the load forecast crosses
+capacity and 1 otherwise. The part after ``service *`` depends only on the worker, so the
+index can keep workers ordered by it; transfer depends only on the zone pair and service
+only on (model, device class). Nothing here keeps state or reads a clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from broker.params import OFF_SITE, SAME_SITE, SAME_ZONE, PlacementParams
+from broker.state import Capabilities, TelemetrySample
+from sluicegate.vision.manifest import Requirements
+
+# Per-(worker, model) status, in the order the reasons are checked (first wins).
+OK, SUBHEALTHY, FULL, NO_MEMORY, NO_PROVIDER, ZONE_MISMATCH, OFFLINE = range(7)
+STATUS_NAMES = (
+    "eligible",
+    "subhealthy",
+    "full",
+    "memory",
+    "provider",
+    "zone_mismatch",
+    "offline",
+)
+ELIGIBLE = (OK, SUBHEALTHY)
+
+
+@dataclass(frozen=True, slots=True)
+class Need:
+    """A model's requirements, ready for the hot path."""
+
+    providers: frozenset[str] = frozenset()  # any one of these; empty: any provider
+    memory_mb: float = 0.0
+
+    @classmethod
+    def of(cls, req: Requirements) -> Need:
+        return cls(frozenset(req.providers), float(req.memory_mb))
+
+    def describe(self) -> str:
+        parts = []
+        if self.providers:
+            parts.append(f"any of providers {', '.join(sorted(self.providers))}")
+        if self.memory_mb:
+            parts.append(f"{self.memory_mb:g} MiB free memory")
+        return " and ".join(parts) or "nothing in particular"
+
+
+NO_NEEDS = Need()
+
+
+def needs_of(requirements: Mapping[str, Requirements]) -> dict[str, Need]:
+    return {model: Need.of(req) for model, req in requirements.items()}
+
+
+def classify(
+    caps: Capabilities | None,
+    sample: TelemetrySample | None,
+    online: bool,
+    reserved: int,
+    need: Need,
+    policy_zone: str,
+    subhealthy: bool,
+) -> int:
+    """The status of one worker for one model it has loaded."""
+    if not online or caps is None or sample is None:
+        return OFFLINE
+    if policy_zone != caps.zone:
+        return ZONE_MISMATCH
+    if need.providers and need.providers.isdisjoint(caps.providers):
+        return NO_PROVIDER
+    if need.memory_mb > caps.memory_total_mb - sample.memory_used_mb:
+        return NO_MEMORY
+    if sample.queue_depth + sample.in_flight + reserved >= sample.capacity:
+        return FULL
+    return SUBHEALTHY if subhealthy else OK
+
+
+def load_key(ahead: int, concurrency: int, crosses: bool, penalty: float) -> tuple[float, float]:
+    """``(base, key)``: base = 1 + jobs ahead per slot; key = base * penalty if crossing."""
+    base = 1.0 + ahead / concurrency
+    return base, (base * penalty if crosses else base)
+
+
+def link_class(origin_zone: str, zone: str, campus_prefix: str) -> int:
+    """Same zone, both on campus, or off site."""
+    if origin_zone == zone:
+        return SAME_ZONE
+    prefix = campus_prefix + "/"
+    if origin_zone.startswith(prefix) and zone.startswith(prefix):
+        return SAME_SITE
+    return OFF_SITE
+
+
+def transfer_costs(payload_bytes: int, params: PlacementParams) -> tuple[float, float, float]:
+    """Milliseconds to move the payload over each link class: latency + bytes / bandwidth."""
+    lat, bw = params.link_latency_ms, params.link_mb_per_s
+    return (
+        lat[0] + payload_bytes / (bw[0] * 1000.0),
+        lat[1] + payload_bytes / (bw[1] * 1000.0),
+        lat[2] + payload_bytes / (bw[2] * 1000.0),
+    )
