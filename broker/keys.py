@@ -1,7 +1,7 @@
 """Every Redis key the campus broker uses, in one place.
 
-All keys share the ``sluicegate:`` prefix of the compliance stores (``policies.redis_stores``
-owns its own nonce and audit keys). Nothing else spells a broker key out.
+All keys share the ``sluicegate:`` prefix of the compliance stores; the audit stream and the
+token nonces are named by ``policies.redis_stores``. Nothing else spells a broker key out.
 """
 
 from __future__ import annotations
@@ -22,8 +22,3 @@ def reservations(worker_id: str) -> str:
 def job(job_id: str) -> str:
     """Hash: a job's placement status and the decision's explanation."""
     return f"{PREFIX}:job:{job_id}"
-
-
-def audit_stream(broker_id: str) -> str:
-    """The broker's audit log stream (never trimmed)."""
-    return f"sluicegate:audit:{broker_id}"

@@ -33,7 +33,9 @@ edge_app = typer.Typer(help="The edge agent that runs on a line PC.", no_args_is
 models_app = typer.Typer(help="The ONNX models shipped in models/.", no_args_is_help=True)
 pool_app = typer.Typer(help="A center pool worker on a GPU/NPU/CPU server.", no_args_is_help=True)
 app.add_typer(edge_app, name="edge")
+broker_app = typer.Typer(help="The campus broker: fleet state and placement.", no_args_is_help=True)
 app.add_typer(pool_app, name="pool")
+app.add_typer(broker_app, name="broker")
 app.add_typer(models_app, name="models")
 app.add_typer(policy_app, name="policy", help="Signed compliance policies.")
 
@@ -70,10 +72,13 @@ def run_until_signal(main: Callable[[asyncio.Event], Coroutine[Any, Any, T]]) ->
     return asyncio.run(runner())
 
 
-def _settings(config: Path | None, host: str | None, port: int | None, **edge: Any) -> Any:
+def _settings(
+    config: Path | None, host: str | None, port: int | None, **sections: dict[str, Any]
+) -> Any:
+    """Settings from ``config``, the environment, then the flags given (None: not given)."""
     from sluicegate.config import load_settings
 
-    return load_settings(config, mqtt={"host": host, "port": port}, edge=edge)
+    return load_settings(config, mqtt={"host": host, "port": port}, **sections)
 
 
 @edge_app.command("run")
@@ -90,7 +95,7 @@ def edge_run(
     try:
         from edge_agent.service import serve
 
-        settings = _settings(config, host, port, id=edge_id, zone=zone)
+        settings = _settings(config, host, port, edge={"id": edge_id, "zone": zone})
         run_until_signal(lambda stop: serve(settings, stop))
     except SluicegateError as exc:
         _fail(str(exc))
@@ -112,13 +117,31 @@ def pool_run(
     _logging(log_level)
     try:
         from center_pool.service import serve
-        from sluicegate.config import load_settings
 
-        settings = load_settings(
-            config,
-            mqtt={"host": host, "port": port},
-            pool={"id": worker_id, "zone": zone, "device_class": device_class},
-        )
+        pool = {"id": worker_id, "zone": zone, "device_class": device_class}
+        settings = _settings(config, host, port, pool=pool)
+        run_until_signal(lambda stop: serve(settings, stop))
+    except SluicegateError as exc:
+        _fail(str(exc))
+
+
+@broker_app.command("run")
+def broker_run(
+    config: ConfigOpt = None,
+    host: HostOpt = None,
+    port: PortOpt = None,
+    broker_id: Annotated[str | None, typer.Option("--id", help="Broker replica id.")] = None,
+    redis_url: Annotated[str | None, typer.Option(help="Redis URL (overrides config).")] = None,
+    http_port: Annotated[int | None, typer.Option(help="HTTP API port; 0 picks one.")] = None,
+    log_level: LogOpt = "info",
+) -> None:
+    """Run a campus broker replica until Ctrl-C / SIGTERM."""
+    _logging(log_level)
+    try:
+        from broker.run import serve
+
+        cfg = {"id": broker_id, "redis_url": redis_url, "http_port": http_port}
+        settings = _settings(config, host, port, broker=cfg)
         run_until_signal(lambda stop: serve(settings, stop))
     except SluicegateError as exc:
         _fail(str(exc))

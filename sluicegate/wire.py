@@ -129,7 +129,7 @@ class NodeStatus(_Wire):
 
     v: Literal[1] = WIRE_VERSION
     node: str
-    kind: NodeKind
+    kind: Literal["edge", "pool", "broker"]
     zone: str
     state: Literal["online", "offline"]
 

@@ -1,0 +1,93 @@
+"""Wires a real broker replica together: MQTT (with its Last Will), Redis, the broker's
+signing key, the policy it serves (verified, then published retained for every node), the
+audit log, model requirements and the HTTP API. ``sluicegate broker run`` calls :func:`serve`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from broker.api import start_http
+from broker.service import Broker, status_message
+from broker.view import HttpView
+from policies import AsyncAuditWriter, load_signing_key
+from policies.errors import PolicyError
+from policies.redis_stores import AsyncRedisStreamAuditStore, audit_stream_key
+from sluicegate import topics
+from sluicegate.config import Settings
+from sluicegate.errors import ConfigError
+from sluicegate.mqtt import MqttTransport
+from sluicegate.policy_feed import PolicyFeed, bootstrap_envelope
+from sluicegate.transport import Will
+from sluicegate.vision.manifest import Requirements, load_manifest
+from sluicegate.vision.runtime import default_models_dir
+
+log = logging.getLogger(__name__)
+
+
+def requirements_of(models_dir: Path) -> dict[str, Requirements]:
+    """What each model in ``models_dir`` needs, from its manifest (no weights are loaded)."""
+    out: dict[str, Requirements] = {}
+    for path in sorted(models_dir.glob("*.json")):
+        manifest = load_manifest(path)
+        out[manifest.name] = manifest.requirements
+    return out
+
+
+async def serve(
+    settings: Settings,
+    stop: asyncio.Event,
+    *,
+    connect_timeout: float | None = None,
+    http_port_ready: asyncio.Future[int] | None = None,
+) -> Broker:
+    """Run one broker replica until ``stop`` is set."""
+    cfg = settings.broker
+    if cfg.key_file is None:
+        raise ConfigError(
+            "the broker needs its placement signing key: set [broker] key_file (create one "
+            "with 'sluicegate policy keygen' and list its public key under broker_signers)"
+        )
+    try:
+        key = load_signing_key(cfg.key_file)
+    except PolicyError as exc:
+        raise ConfigError(str(exc)) from exc
+    feed = PolicyFeed(node=cfg.id, policy_file=cfg.policy_file, state_dir=cfg.state_dir)
+    feed.load()
+    envelope = bootstrap_envelope(cfg.policy_file) if cfg.policy_file else None
+    redis = aioredis.Redis.from_url(cfg.redis_url)
+    transport = MqttTransport(
+        settings.mqtt,
+        client_id=f"sg-broker-{cfg.id}",
+        will=Will(topics.broker_status(cfg.id), status_message(cfg, "offline")),
+    )
+    audit = AsyncAuditWriter(AsyncRedisStreamAuditStore(redis, audit_stream_key(cfg.id)), key)
+    broker = Broker(
+        cfg,
+        transport,
+        redis,
+        key,
+        lambda: feed.current,
+        audit,
+        requirements=requirements_of(cfg.models_dir or default_models_dir()),
+    )
+    await transport.connect(timeout=connect_timeout)
+    await feed.start(transport)
+    if envelope is not None and feed.current is not None:
+        # Every node takes the policy from here, verifies it, and never goes back a version.
+        transport.publish_nowait(topics.policy(), envelope, qos=1, retain=True)
+    runner, port = await start_http(HttpView(broker, feed, transport), cfg.http_host, cfg.http_port)
+    log.info("broker %s: HTTP API on http://%s:%d", cfg.id, cfg.http_host, port)
+    if http_port_ready is not None:
+        http_port_ready.set_result(port)
+    try:
+        await broker.run(stop)
+    finally:
+        await runner.cleanup()
+        await transport.close()
+        await redis.aclose()
+    return broker

@@ -1,0 +1,118 @@
+"""What the broker's HTTP API shows, assembled from the running broker as plain data.
+
+Implements :class:`broker.api.BrokerView` over a :class:`~broker.service.Broker` and its
+policy feed: readiness, the fleet (nodes, zones, capabilities, load, health state,
+forecast), a job's status and explanation, the policy in force, and metrics with the fleet
+gauges refreshed at scrape time. Reads only; changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import asdict
+from typing import Any
+
+from broker.service import Broker
+from sluicegate.policy_feed import PolicyFeed
+from sluicegate.transport import Transport
+
+
+class HttpView:
+    def __init__(self, broker: Broker, feed: PolicyFeed, transport: Transport) -> None:
+        self._broker = broker
+        self._feed = feed
+        self._transport = transport
+
+    def health(self) -> dict[str, Any]:
+        checks = {
+            "mqtt": self._transport.connected,
+            "redis": self._broker.redis_ok,
+            "policy": self._feed.current is not None,
+        }
+        missing = [name for name, ok in checks.items() if not ok]
+        detail = {"policy": self._feed.why_none()} if not checks["policy"] else {}
+        return {"ready": not missing, "checks": checks, "missing": missing, **detail}
+
+    def fleet(self) -> dict[str, Any]:
+        fleet = self._broker.fleet
+        workers = []
+        zones: dict[str, list[str]] = defaultdict(list)
+        for state in fleet.states():
+            view = fleet.view(state.worker_id)
+            if view is None:
+                continue
+            caps, latest = state.capabilities, state.latest
+            zone = caps.zone if caps else None
+            if zone:
+                zones[zone].append(state.worker_id)
+            workers.append(
+                {
+                    "id": state.worker_id,
+                    "online": state.online,
+                    "last_seen": state.last_seen,
+                    "zone": zone,
+                    "policy_zone": view.policy_zone,
+                    "capabilities": _plain(caps),
+                    "load": _plain(latest),
+                    "reserved": view.reserved,
+                    "health": {
+                        "subhealthy": view.health.subhealthy,
+                        "why": str(view.health),
+                    },
+                    "forecast": _plain(view.forecast),
+                    "models": dict(view.statuses),
+                }
+            )
+        edges = [t.model_dump() for t in self._broker.edges.values()]
+        return {"workers": workers, "edges": edges, "zones": dict(zones)}
+
+    async def job(self, job_id: str) -> dict[str, Any] | None:
+        return await self._broker.job(job_id)
+
+    def policy(self) -> dict[str, Any] | None:
+        policy = self._feed.current
+        if policy is None:
+            return None
+        return {
+            "campus": policy.campus,
+            "version": policy.version,
+            "digest": policy.digest.hex(),
+            "expires": policy.expires,
+            "zones": sorted(policy.zones),
+            "classes": sorted(policy.classes),
+            "pools": {p.name: {"zone": p.zone, "workers": list(p.workers)} for p in policy.pools},
+        }
+
+    def metrics(self) -> bytes:
+        m = self._broker.metrics
+        fleet = self._broker.fleet
+        states: Counter[str] = Counter()
+        for state in fleet.states():
+            view = fleet.view(state.worker_id)
+            if not state.online:
+                states["offline"] += 1
+            elif view is not None and view.health.subhealthy:
+                states["subhealthy"] += 1
+            else:
+                states["healthy"] += 1
+            latest = state.latest
+            if latest is not None:
+                m.queue_depth.labels(state.worker_id, "pool").set(latest.queue_depth)
+        for name in ("healthy", "subhealthy", "offline"):
+            m.workers.labels(name).set(states[name])
+        offloaded = local = 0
+        for tel in self._broker.edges.values():
+            m.queue_depth.labels(tel.node, "edge").set(tel.queue_depth)
+            offloaded += tel.offloaded
+            local += sum(tel.results.values())
+        m.offload_ratio.set(offloaded / (offloaded + local) if offloaded + local else 0.0)
+        for zone, ratio in self._broker.demand().items():
+            m.demand.labels(zone).set(ratio)
+        return m.render()
+
+
+def _plain(value: object) -> Any:
+    if value is None:
+        return None
+    data = asdict(value)  # type: ignore[call-overload]
+    return {k: sorted(v) if isinstance(v, frozenset) else v for k, v in data.items()}
