@@ -97,6 +97,8 @@ class PoolWorker:
         self.batch_sizes: Counter[int] = Counter()
         self.ready = asyncio.Event()  # set once subscribed and announced online
         feed.on_change(self._policy_changed)
+        if feed.current is not None:  # loaded from local files before the worker existed
+            self._policy_changed(feed.current)
 
     @property
     def results(self) -> Counter[str]:

@@ -171,22 +171,26 @@ class PolicyFeed:
 
     # -- taking candidates --------------------------------------------------------------------
 
-    def offer(self, data: bytes, *, source: str) -> Accepted | Refused:
-        """Consider one signed envelope; keep it if it verifies and is not older."""
+    def offer(self, data: bytes, *, source: str, local: bool = False) -> Accepted | Refused:
+        """Consider one signed envelope; keep it if it verifies and is not older.
+
+        ``local`` marks a file the operator installed on this node (the bootstrap policy, the
+        persisted state): with no anchor yet, installing it is the out-of-band pin.
+        """
         verdict = consider(
             data,
             now=self._clock(),
             anchor=self._anchor,
             held=self._policy,
             source=source,
-            trust_first_use=self._trust_first_use,
+            trust_first_use=self._trust_first_use or local,
         )
         if isinstance(verdict, Refused):
             self.refused[verdict.reason] += 1
             self.last_refusal = verdict
             log.warning("%s refused a policy [%s]: %s", self.node, verdict.reason, verdict.message)
             return verdict
-        first_use = self._anchor is None
+        first_use = self._anchor is None and not local
         if verdict.changed or verdict.anchor != self._anchor:
             self._persist(data, verdict.anchor)
         self._anchor = verdict.anchor
@@ -230,9 +234,10 @@ class PolicyFeed:
                     ) from exc
             envelope_path = state / ENVELOPE_FILE
             if envelope_path.exists():
-                self.offer(envelope_path.read_bytes(), source=str(envelope_path))
+                self.offer(envelope_path.read_bytes(), source=str(envelope_path), local=True)
         if self._policy_file is not None:
-            self.offer(bootstrap_envelope(self._policy_file), source=str(self._policy_file))
+            envelope = bootstrap_envelope(self._policy_file)
+            self.offer(envelope, source=str(self._policy_file), local=True)
 
     async def start(self, transport: Transport) -> None:
         """Follow the retained policy topic (it arrives right after the subscription)."""

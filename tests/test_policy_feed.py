@@ -207,3 +207,20 @@ async def test_real_broker_retained_policy_reaches_a_late_subscriber(
     assert feed.current is not None
     assert feed.current.version == 2
     assert (tmp_path / ENVELOPE_FILE).read_bytes() == envelope(V2)
+
+
+def test_without_first_use_trust_only_an_installed_file_starts_the_chain(tmp_path: Path) -> None:
+    network = PolicyFeed(node="n1", clock=lambda: NOW, trust_first_use=False)
+    refused = network.offer(envelope(V1), source=topics.policy())
+    assert isinstance(refused, Refused)
+    assert refused.reason == "policy.no_anchor"
+    pinned = PolicyFeed(
+        node="n1",
+        policy_file=_write_policy(tmp_path, 1),
+        clock=lambda: NOW,
+        trust_first_use=False,
+    )
+    pinned.load()
+    assert isinstance(pinned.offer(envelope(V2), source=topics.policy()), Accepted)
+    assert pinned.current is not None
+    assert pinned.current.version == 2

@@ -256,11 +256,11 @@ async def test_deadline_passing_in_the_queue_expires_and_a_full_queue_refuses() 
     try:
         running = harness.send(WorkSpec())
         await asyncio.sleep(0.05)
-        late = harness.send(WorkSpec(deadline_at_ms=(time.time() + 0.2) * 1000))
+        late = harness.send(WorkSpec(deadline_at_ms=(time.time() + 0.5) * 1000))
         await asyncio.sleep(0.05)
         full = await harness.result_for(harness.send(WorkSpec()))
         assert full["code"] == "queue_full"
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.6)
         gated.gate.set()
         assert (await harness.result_for(running))["status"] == "ok"
         expired = await harness.result_for(late)

@@ -1,0 +1,380 @@
+"""Real tier: a pool worker (real MQTT transport, real ONNX Runtime, Redis replay cache and
+audit stream) against real Mosquitto and redis-server, driven by a bare paho client that
+publishes work messages exactly as an edge agent would.
+
+The module gets a Mosquitto of its own: the retained policy topic is global.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from center_pool.service import serve
+from center_pool.worker import PoolWorker
+from policies import SigningKey, verify_chain
+from policies.audit import decode_record
+from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
+from sluicegate import topics
+from sluicegate.config import Settings, load_settings
+from sluicegate.servers import ServerProcess, running, start_mosquitto
+from sluicegate.transport import Message
+from tests.policies.policy_testkit import base_doc, policy_of
+from tests.pool_kit import (
+    JPEG,
+    TRUTH,
+    WORKER,
+    WORKER_ZONE,
+    WorkSpec,
+    envelope,
+    flip_bit,
+    token,
+    write_policy_file,
+)
+from tests.support import PlainClient, Received, sluicegate_cmd
+
+pytestmark = pytest.mark.integration
+
+
+class WorkerThread:
+    """``center_pool.service.serve`` on its own thread and event loop."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self.worker: PoolWorker | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="pool-worker", daemon=True)
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            self.worker = await serve(self.settings, self._stop, connect_timeout=10)
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:
+            self.error = exc
+
+    def start(self, watcher: PlainClient) -> None:
+        watcher.subscribe(topics.worker_status(self.settings.pool.id))
+        self._thread.start()
+        wait_online(watcher, lambda: self.error)
+
+    def stop(self) -> PoolWorker:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+        if self.error is not None:
+            raise self.error
+        assert self.worker is not None
+        return self.worker
+
+
+def wait_online(watcher: PlainClient, failed: Any) -> None:
+    while True:
+        try:
+            got = watcher.next(timeout=1.0)
+        except queue.Empty:
+            if failed():
+                raise RuntimeError(f"worker did not start: {failed()}") from None
+            continue
+        if got.topic.endswith("/status") and b'"online"' in got.payload:
+            return
+
+
+def publish_work(client: PlainClient, msg: Message, response_topic: str) -> None:
+    """Publish ``msg`` (built by ``WorkSpec``) to its work topic with a bare paho client."""
+    props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+    props.ResponseTopic = response_topic
+    if msg.correlation_data is not None:
+        props.CorrelationData = msg.correlation_data
+    if msg.content_type is not None:
+        props.ContentType = msg.content_type
+    props.UserProperty = list(msg.user_properties)
+    client.client.publish(msg.topic, msg.payload, qos=1, properties=props).wait_for_publish(10)
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[ServerProcess]:
+    with running(start_mosquitto()) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def worker_key(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, SigningKey]:
+    key = SigningKey.generate()
+    path = tmp_path_factory.mktemp("keys") / "worker.key"
+    path.write_bytes(key.to_pem())
+    return path, key
+
+
+@pytest.fixture(scope="module")
+def pool(
+    broker: ServerProcess,
+    redis_server: ServerProcess,
+    worker_key: tuple[Path, SigningKey],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[WorkerThread]:
+    folder = tmp_path_factory.mktemp("pool")
+    settings = load_settings(
+        mqtt={"port": broker.port},
+        pool={
+            "id": WORKER,
+            "zone": WORKER_ZONE,
+            "redis_url": f"redis://{redis_server.host}:{redis_server.port}/0",
+            "key_file": worker_key[0],
+            "policy_file": write_policy_file(folder),
+            "state_dir": folder / "state",
+            "batch_window_ms": 20.0,
+            "telemetry_interval_s": 0.2,
+        },
+    )
+    watcher = PlainClient(broker.port)
+    thread = WorkerThread(settings)
+    thread.start(watcher)
+    watcher.close()
+    yield thread
+    thread.stop()
+
+
+class App:
+    """A vision app's response topic plus the broker's completions, on one plain client."""
+
+    def __init__(self, port: int, unique: str) -> None:
+        self.client = PlainClient(port)
+        self.response_topic = f"tests/{unique}/results"
+        self.client.subscribe(self.response_topic)
+        self.client.subscribe(topics.completions())
+        self.seen: list[Received] = []
+
+    def send(self, msg: Message) -> Message:
+        publish_work(self.client, msg, self.response_topic)
+        return msg
+
+    def _take(self, want: Any) -> Received:
+        for got in self.seen:
+            if want(got):
+                self.seen.remove(got)
+                return got
+        while True:
+            got = self.client.next(timeout=15)
+            if want(got):
+                return got
+            self.seen.append(got)
+
+    def result(self, msg: Message) -> dict[str, Any]:
+        got = self._take(
+            lambda r: r.topic == self.response_topic and r.correlation_data == msg.correlation_data
+        )
+        assert got.content_type == "application/json"
+        doc: dict[str, Any] = json.loads(got.payload)
+        return doc
+
+    def completion(self, job_id: str) -> dict[str, Any]:
+        got = self._take(
+            lambda r: r.topic == topics.completions() and json.loads(r.payload)["job_id"] == job_id
+        )
+        doc: dict[str, Any] = json.loads(got.payload)
+        return doc
+
+
+@pytest.fixture
+def app(broker: ServerProcess, unique: str) -> Iterator[App]:
+    client = App(broker.port, unique)
+    yield client
+    client.client.close()
+
+
+def _job_id(msg: Message) -> str:
+    return msg.user_property(topics.PROP_JOB_ID) or ""
+
+
+def test_placed_job_gets_its_result_and_the_broker_a_completion(
+    app: App, pool: WorkerThread, broker: ServerProcess
+) -> None:
+    msg = app.send(WorkSpec(correlation=b"\x00corr\xff").message())
+    result = app.result(msg)
+    assert result["status"] == "ok", result
+    assert result["outputs"]["label"] == TRUTH
+    assert result["ran_on"] == {"kind": "pool", "node": WORKER, "zone": WORKER_ZONE}
+    assert result["offload"] == {"requested": True, "placed": True, "worker": WORKER}
+    record = app.completion(_job_id(msg))
+    assert (record["status"], record["worker_id"], record["model"]) == ("ok", WORKER, "defect-v1")
+    assert record["batch_size"] >= 1
+    assert record["service_ms"] > 0
+
+    late = PlainClient(broker.port)  # a fresh subscriber sees the retained documents
+    try:
+        late.subscribe(topics.worker_capabilities(WORKER))
+        caps = json.loads(late.next().payload)
+        assert caps["models"]["defect-v1"]["version"] == "1.0.0"
+        assert "CPUExecutionProvider" in caps["providers"]
+    finally:
+        late.close()
+
+
+def test_refused_before_decoding_audited_and_the_worker_keeps_serving(
+    app: App, pool: WorkerThread, redis_url: str, worker_key: tuple[Path, SigningKey]
+) -> None:
+    not_an_image = b"GIF89a? no: not even that"
+    first = app.send(WorkSpec(job_id=f"twice-{uuid.uuid4().hex[:6]}").message())
+    assert app.result(first)["status"] == "ok"
+    sent = {
+        "token.replayed": replace(first, correlation_data=b"replay"),
+        "token.missing": WorkSpec(token="").message(),
+        "token.bad_signature": WorkSpec(
+            job_id="flip", payload=not_an_image, token=flip_bit(token("flip", not_an_image))
+        ).message(),
+        "token.wrong_target": WorkSpec(
+            job_id="other", token=token("other", JPEG, worker="south-npu-1")
+        ).message(),
+        "token.payload_mismatch": WorkSpec(
+            job_id="swap", payload=not_an_image, token=token("swap", JPEG)
+        ).message(),
+        "token.expired": WorkSpec(
+            job_id="old", token=token("old", JPEG, now=time.time() - 60)
+        ).message(),
+    }
+    for msg in sent.values():
+        app.send(msg)
+    for code, msg in sent.items():
+        result = app.result(msg)
+        assert (result["status"], result["code"]) == ("rejected", code), result
+        assert "bad_image" not in result["reason"]
+    after = app.send(WorkSpec().message())
+    assert app.result(after)["status"] == "ok"
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        store = RedisStreamAuditStore(client, audit_stream_key(WORKER))
+        deadline = time.monotonic() + 10
+        while True:
+            entries = list(store.entries())
+            reasons = [decode_record(e).data.get("reason") for e in entries]
+            if set(sent) <= set(reasons) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    finally:
+        client.close()
+    summary = verify_chain(entries, {worker_key[1].public})
+    assert summary.count == len(entries)
+    assert set(sent) <= set(reasons)
+    jobs = {str(decode_record(e).data.get("job_id")) for e in entries}
+    assert {"flip", "other", "swap", "old"} <= jobs
+
+
+def test_a_burst_of_same_model_jobs_comes_back_in_fewer_batches(
+    app: App, pool: WorkerThread
+) -> None:
+    messages = [WorkSpec().message() for _ in range(12)]
+    for msg in messages:
+        app.send(msg)
+    for msg in messages:
+        assert app.result(msg)["status"] == "ok"
+    sizes = [app.completion(_job_id(msg))["batch_size"] for msg in messages]
+    batches = sum(1 / size for size in sizes)  # each batch of k contributes k * (1/k)
+    assert max(sizes) > 1
+    assert round(batches) < len(messages)
+
+
+# Keep this the last test on the module's worker: rollback protection means it cannot be undone.
+def test_policy_on_the_retained_topic_replaces_the_bootstrap(
+    app: App, pool: WorkerThread, broker: ServerProcess
+) -> None:
+    v2 = policy_of(base_doc(version=2))
+    plain = PlainClient(broker.port)
+    try:
+        info = plain.client.publish(topics.policy(), envelope(v2), qos=1, retain=True)
+        info.wait_for_publish(10)
+    finally:
+        plain.close()
+    # A token minted under v1 stops verifying once the worker holds v2.
+    deadline = time.monotonic() + 10
+    while True:
+        result = app.result(app.send(WorkSpec().message()))
+        if result["status"] != "ok" or time.monotonic() > deadline:
+            break
+    assert result["code"] == "token.policy_mismatch", result
+    msg = WorkSpec(job_id="v2-job").message()
+    v2_token = token("v2-job", JPEG, policy=v2)
+    props = tuple((k, v2_token if k == topics.PROP_TOKEN else v) for k, v in msg.user_properties)
+    assert app.result(app.send(replace(msg, user_properties=props)))["status"] == "ok"
+
+
+def test_cli_worker_serves_and_shares_the_replay_cache_across_restarts(
+    redis_url: str, tmp_path: Path, unique: str, worker_key: tuple[Path, SigningKey]
+) -> None:
+    with running(start_mosquitto()) as own:
+        config = tmp_path / "pool.toml"
+        config.write_text(
+            "[pool]\n"
+            f'policy_file = "{write_policy_file(tmp_path)}"\n'
+            f'state_dir = "{tmp_path / "state"}"\n'
+            f'redis_url = "{redis_url}"\n'
+            f'audit_path = "{tmp_path / "audit.jsonl"}"\n'
+            f'key_file = "{worker_key[0]}"\n',
+            encoding="utf-8",
+        )
+        app = App(own.port, unique)
+        msg = WorkSpec().message()
+        try:
+            for expected in ("ok", "token.replayed"):
+                proc = start_pool_process(own.port, config)
+                try:
+                    result = app.result(app.send(replace(msg, correlation_data=expected.encode())))
+                    assert result.get("code", result["status"]) == expected, result
+                finally:
+                    proc.terminate()
+                    assert proc.wait(30) == 0
+        finally:
+            app.client.close()
+    lines = (tmp_path / "audit.jsonl").read_bytes().splitlines()
+    assert verify_chain(lines, {worker_key[1].public}).count == len(lines)
+    kinds = [decode_record(line).kind for line in lines]
+    assert kinds == ["policy.accepted", "policy.accepted", "work.refused"]
+    anchor = json.loads((tmp_path / "state" / "policy-anchor.json").read_bytes())
+    assert anchor["version"] == 1
+
+
+def start_pool_process(port: int, config: Path) -> subprocess.Popen[bytes]:
+    """``sluicegate pool run`` as its own process; returns once it is online."""
+    watcher = PlainClient(port)
+    try:
+        watcher.subscribe(topics.worker_status(WORKER))
+        proc = subprocess.Popen(
+            sluicegate_cmd(
+                "pool",
+                "run",
+                "--config",
+                str(config),
+                "--port",
+                str(port),
+                "--id",
+                WORKER,
+                "--zone",
+                WORKER_ZONE,
+                "--device-class",
+                "x86-cpu",
+            )
+        )
+        wait_online(watcher, lambda: proc.poll())
+        return proc
+    finally:
+        watcher.close()
