@@ -96,6 +96,8 @@ class AuditSink:
         self._wake = asyncio.Event()
         self._drained = asyncio.Event()
         self._drained.set()
+        self._room = asyncio.Event()
+        self._room.set()
         self.written = 0
         self.failed = 0
 
@@ -108,14 +110,14 @@ class AuditSink:
 
     def submit(self, kind: str, data: Mapping[str, Scalar], *, now: float) -> None:
         self._pending.append((kind, dict(data), now))
+        if len(self._pending) >= self.high_water:
+            self._room.clear()
         self._drained.clear()
         self._wake.set()
 
     async def room(self) -> None:
         """Return once fewer than ``high_water`` records wait (intake's back-pressure)."""
-        while len(self._pending) >= self.high_water:
-            self._wake.set()
-            await asyncio.sleep(0.001)
+        await self._room.wait()
 
     async def run(self) -> None:
         """Write records until cancelled."""
@@ -131,6 +133,8 @@ class AuditSink:
                     self.failed += 1
                     log.error("audit record %s %s could not be written: %s", kind, data, exc)
                 self._pending.popleft()
+                if len(self._pending) < self.high_water:
+                    self._room.set()
             self._drained.set()
 
     async def flush(self, timeout: float) -> None:

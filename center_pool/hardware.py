@@ -98,6 +98,7 @@ class NvmlProbe:
                 f"GPU index {index} is not present; NVML sees {count} GPU(s): "
                 f"use [pool] device_index 0..{count - 1}"
             )
+        self._closed = False
         self._handle = nvml.nvmlDeviceGetHandleByIndex(index)
         raw_name = nvml.nvmlDeviceGetName(self._handle)
         self.name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
@@ -130,7 +131,9 @@ class NvmlProbe:
         return self._last
 
     def close(self) -> None:
-        self._optional(self._nvml.nvmlShutdown)
+        if not self._closed:
+            self._closed = True
+            self._optional(self._nvml.nvmlShutdown)
 
 
 def cpu_temperature(readings: dict[str, list[Any]]) -> float | None:

@@ -83,7 +83,6 @@ async def serve(
         AsyncRedisReplayCache(client) if client is not None else MemoryAsyncReplayCache()
     )
     sink = AuditSink(AsyncAuditWriter(audit_store(pool, client), key))
-    probe = open_probe(pool.device_index)
     transport = MqttTransport(
         settings.mqtt,
         client_id=f"sg-pool-{pool.id}",
@@ -91,23 +90,27 @@ async def serve(
         clean_start=False,
         session_expiry_s=settings.mqtt.session_expiry_s,
     )
+    probe = open_probe(pool.device_index)
+    worker: PoolWorker | None = None
     try:
         await transport.connect(timeout=connect_timeout)
-        worker = PoolWorker(
-            pool,
-            transport,
-            registry,
-            feed=feed,
-            replay=replay,
-            audit=sink,
-            probe=probe,
-            providers=providers,
-        )
         try:
-            await worker.run(stop)
+            worker = PoolWorker(
+                pool,
+                transport,
+                registry,
+                feed=feed,
+                replay=replay,
+                audit=sink,
+                probe=probe,
+                providers=providers,
+            )
+            await worker.run(stop)  # closes the probe when it ends
         finally:
             await transport.close()
     finally:
+        if worker is None:
+            probe.close()
         if client is not None:
             await client.aclose()
     return worker

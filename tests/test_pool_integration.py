@@ -378,3 +378,35 @@ def start_pool_process(port: int, config: Path) -> subprocess.Popen[bytes]:
         return proc
     finally:
         watcher.close()
+
+
+def test_after_a_broker_restart_the_worker_re_announces_and_serves(
+    tmp_path: Path, unique: str
+) -> None:
+    with running(start_mosquitto()) as own:
+        settings = load_settings(
+            mqtt={"port": own.port, "reconnect_min_s": 1, "reconnect_max_s": 2},
+            pool={"id": WORKER, "zone": WORKER_ZONE, "policy_file": write_policy_file(tmp_path)},
+        )
+        watcher = PlainClient(own.port)
+        thread = WorkerThread(settings)
+        thread.start(watcher)
+        watcher.close()
+        try:
+            own.kill()  # no persistence: retained documents and sessions are gone
+            own.restart()
+            fresh = PlainClient(own.port)
+            try:
+                fresh.subscribe(topics.worker_all("capabilities"))
+                fresh.subscribe(topics.worker_status(WORKER))
+                seen = {fresh.next(timeout=20).topic for _ in range(2)}
+                assert seen == {topics.worker_capabilities(WORKER), topics.worker_status(WORKER)}
+            finally:
+                fresh.close()
+            app = App(own.port, unique)
+            try:
+                assert app.result(app.send(WorkSpec().message()))["status"] == "ok"
+            finally:
+                app.client.close()
+        finally:
+            thread.stop()

@@ -260,6 +260,7 @@ def test_open_probe_uses_nvml_when_a_gpu_answers() -> None:
     probe = open_probe(0, nvml=module)
     assert isinstance(probe, NvmlProbe)
     probe.close()
+    probe.close()
     assert module.calls == ["init", "shutdown"]
 
 
