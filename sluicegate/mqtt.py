@@ -95,6 +95,14 @@ def to_message(msg: paho.MQTTMessage) -> Message:
     )
 
 
+def _matching(topic_filter: str) -> str:
+    """The filter messages arrive under: a shared subscription ``$share/group/f`` delivers
+    messages whose topics match ``f``."""
+    if topic_filter.startswith("$share/"):
+        return topic_filter.split("/", 2)[2]
+    return topic_filter
+
+
 @dataclass
 class _Subscription:
     topic_filter: str
@@ -333,7 +341,7 @@ class MqttTransport:
         otherwise it is made on the next (re)connect, before any on-connect hook runs.
         """
         self._subs[topic_filter] = _Subscription(topic_filter, qos, handler)
-        self._client.message_callback_add(topic_filter, self._make_dispatch(handler))
+        self._client.message_callback_add(_matching(topic_filter), self._make_dispatch(handler))
         if not self.connected:
             return
         result, mid = self._client.subscribe(topic_filter, qos=qos)
@@ -345,7 +353,7 @@ class MqttTransport:
 
     async def unsubscribe(self, topic_filter: str) -> None:
         self._subs.pop(topic_filter, None)
-        self._client.message_callback_remove(topic_filter)
+        self._client.message_callback_remove(_matching(topic_filter))
         if self.connected:
             self._client.unsubscribe(topic_filter)
 

@@ -12,8 +12,10 @@ import subprocess
 import sys
 import threading
 import uuid
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
@@ -177,3 +179,44 @@ def start_agent_process(port: int, edge_id: str, *extra: str) -> subprocess.Pope
                 return proc
     finally:
         watcher.close()
+
+
+class ServiceThread:
+    """Any role's ``serve(stop)`` coroutine on its own thread and event loop."""
+
+    def __init__(self, main: Callable[[asyncio.Event], Coroutine[Any, Any, Any]]) -> None:
+        self._main = main
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="service", daemon=True)
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            self.result = await self._main(self._stop)
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:
+            self.error = exc
+
+    def start(self) -> ServiceThread:
+        self._thread.start()
+        return self
+
+    def call(self, fn: Callable[[], Any], timeout: float = 10.0) -> Any:
+        """Run ``fn()`` on the service's loop (to read its state safely) and return its value."""
+        assert self._loop is not None
+        done: queue.Queue[Any] = queue.Queue()
+        self._loop.call_soon_threadsafe(lambda: done.put(fn()))
+        return done.get(timeout=timeout)
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+        if self.error is not None:
+            raise self.error

@@ -1,0 +1,277 @@
+"""Real tier: a broker replica against real Mosquitto and Redis, with workers played by plain
+MQTT publishers of capabilities and telemetry (a worker is nothing more to the broker).
+
+Checks placement within the policy, model requirements, sub-health, silent workers, the
+Redis reservation, the job explanation over HTTP, metrics, OpenAPI and the audit chain.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from broker import keys as broker_keys
+from broker.run import serve
+from policies import load_policy, verify, verify_chain
+from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
+from sluicegate import topics, wire
+from sluicegate.campus import Campus, write_campus
+from sluicegate.config import Settings, load_settings
+from sluicegate.servers import ServerProcess, free_port
+from sluicegate.vision.runtime import default_models_dir
+from sluicegate.wire_pool import (
+    ModelCapability,
+    PlacementReply,
+    PlacementRequest,
+    WorkerCapabilities,
+    WorkerTelemetry,
+)
+from tests.policies.policy_testkit import key
+from tests.support import PlainClient, ServiceThread
+
+pytestmark = pytest.mark.integration
+
+FAB = "campus/fab-north"
+WORKERS = {
+    "north-a": (f"{FAB}/dc", "x86-cpu"),
+    "north-b": (f"{FAB}/dc", "x86-cpu"),
+    "north-gpu": (f"{FAB}/dc", "nvidia-l4"),
+    "cloud-1": ("offsite/cloud-east", "x86-cpu"),
+}
+DIGEST = "ab" * 32
+
+
+@pytest.fixture(scope="module")
+def campus(
+    tmp_path_factory: pytest.TempPathFactory, mosquitto: ServerProcess, redis_server: ServerProcess
+) -> Campus:
+    root = tmp_path_factory.mktemp("campus")
+    redis_url = f"redis://127.0.0.1:{redis_server.port}/0"
+    made = write_campus(root, key, mqtt_port=mosquitto.port, redis_url=redis_url, workers=WORKERS)
+    # A second model that only a CUDA worker may run.
+    models = root / "models"
+    models.mkdir()
+    manifest = json.loads((default_models_dir() / "defect-v1.json").read_text())
+    shutil.copy(default_models_dir() / manifest["file"], models / manifest["file"])
+    (models / "defect-v1.json").write_text(json.dumps(manifest))
+    gpu_only = {
+        **manifest,
+        "name": "defect-gpu",
+        "requirements": {"providers": ["CUDAExecutionProvider"], "memory_mb": 2048},
+    }
+    (models / "defect-gpu.json").write_text(json.dumps(gpu_only))
+    return made
+
+
+@pytest.fixture(scope="module")
+def broker(campus: Campus) -> Iterator[tuple[ServiceThread, Settings]]:
+    settings = load_settings(
+        campus.node_config("broker-1"),
+        broker={"http_port": free_port(), "models_dir": str(campus.root / "models")},
+    )
+    watcher = PlainClient(settings.mqtt.port)
+    watcher.subscribe(topics.broker_status("broker-1"))
+    thread = ServiceThread(lambda stop: serve(settings, stop, connect_timeout=10)).start()
+    while b'"online"' not in watcher.next(timeout=20).payload:
+        pass
+    watcher.close()
+    yield thread, settings
+    thread.stop()
+
+
+class Fleet:
+    """Plays workers: publishes their capabilities and telemetry like real ones would."""
+
+    def __init__(self, port: int) -> None:
+        self.client = PlainClient(port)
+
+    def capabilities(self, worker: str, *, providers: list[str], memory_mb: int = 16000) -> None:
+        zone, device = WORKERS[worker]
+        caps = WorkerCapabilities(
+            worker_id=worker,
+            zone=zone,
+            device_class=device,
+            providers=providers,
+            memory_total_mb=memory_mb,
+            max_batch=8,
+            concurrency=1,
+            models={m: ModelCapability(version="1.0.0") for m in ("defect-v1", "defect-gpu")},
+        )
+        info = self.client.client.publish(
+            topics.worker_capabilities(worker), wire.dump(caps), qos=1, retain=True
+        )
+        info.wait_for_publish(10)
+
+    def telemetry(
+        self,
+        worker: str,
+        *,
+        queue: int = 0,
+        util: float = 0.1,
+        bandwidth: float = 0.1,
+        capacity: int = 16,
+    ) -> None:
+        zone, device = WORKERS[worker]
+        tel = WorkerTelemetry(
+            node=worker,
+            zone=zone,
+            ts=time.time(),
+            device_class=device,
+            utilisation=util,
+            memory_used_mb=1000,
+            memory_total_mb=16000,
+            memory_bandwidth=bandwidth,
+            queue_depth=queue,
+            in_flight=0,
+            capacity=capacity,
+            models={},
+            results={},
+            refused={},
+        )
+        self.client.client.publish(topics.worker_telemetry(worker), wire.dump(tel), qos=1)
+
+
+@pytest.fixture
+def fleet(mosquitto: ServerProcess) -> Iterator[Fleet]:
+    f = Fleet(mosquitto.port)
+    yield f
+    f.client.close()
+
+
+def ask(
+    mosquitto: ServerProcess,
+    *,
+    data_class: str = "wafer-image",
+    model: str = "defect-v1",
+    origin: str = f"{FAB}/line-1",
+) -> PlacementReply:
+    client = PlainClient(mosquitto.port)
+    reply_topic = topics.placement_replies(f"t-{uuid.uuid4().hex[:6]}")
+    client.subscribe(reply_topic)
+    job_id = uuid.uuid4().hex
+    req = PlacementRequest(
+        job_id=job_id,
+        edge_id="line-1-pc",
+        origin_zone=origin,
+        model=model,
+        data_class=data_class,
+        payload_sha256=DIGEST,
+        payload_bytes=80_000,
+        priority=5,
+        deadline_at=time.time() + 5.0,
+        submitted_at=time.time(),
+        local_estimate_ms=2000.0,
+    )
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+    props.ResponseTopic = reply_topic
+    props.CorrelationData = job_id.encode()
+    client.client.publish(topics.placement_requests(), wire.dump(req), qos=1, properties=props)
+    got = client.next(timeout=15)
+    client.close()
+    assert got.correlation_data == job_id.encode()
+    return PlacementReply.model_validate_json(got.payload)
+
+
+def http(settings: Settings, path: str) -> tuple[int, Any]:
+    url = f"http://127.0.0.1:{settings.broker.http_port}{path}"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            body = resp.read()
+            status = resp.status
+    except urllib.error.HTTPError as exc:
+        body, status = exc.read(), exc.code
+    ctype = "json" if body[:1] in (b"{", b"[") else "text"
+    return status, json.loads(body) if ctype == "json" else body.decode()
+
+
+def wait_until(check: Any, timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)  # polling the broker's HTTP state for an expected change
+    raise AssertionError("condition not reached in time")
+
+
+def test_placement_within_policy_explained_reserved_and_audited(
+    broker: tuple[ServiceThread, Settings],
+    fleet: Fleet,
+    campus: Campus,
+    mosquitto: ServerProcess,
+    redis_server: ServerProcess,
+) -> None:
+    _thread, settings = broker
+    for worker in WORKERS:
+        fleet.capabilities(worker, providers=["CPUExecutionProvider"])
+        fleet.telemetry(worker)
+    wait_until(lambda: len(http(settings, "/fleet")[1]["workers"]) == len(WORKERS))
+    reply = ask(mosquitto)
+    assert reply.status == "placed", reply
+    assert reply.worker_id in ("north-a", "north-b", "north-gpu")
+    assert reply.work_topic == topics.pool_work(f"{FAB}/dc", reply.worker_id)
+    policy = load_policy(campus.policy_file)
+    claims = verify(
+        reply.token or "",
+        policy,
+        now=time.time(),
+        job_id=reply.job_id,
+        payload_sha256=bytes.fromhex(DIGEST),
+        worker_id=reply.worker_id,
+    )
+    assert claims.data_class == "wafer-image"
+    r = redis.Redis(port=redis_server.port)
+    assert r.zscore(broker_keys.reservations(reply.worker_id), reply.job_id) is not None
+    status, job = wait_until(lambda: (s := http(settings, f"/jobs/{reply.job_id}"))[0] == 200 and s)
+    assert job["status"] == "placed"
+    assert job["decision"]["candidates"]["ranked"][0]["worker_id"] == reply.worker_id
+    assert http(settings, "/jobs/nope")[0] == 404
+    assert http(settings, "/health") == (200, http(settings, "/health")[1])
+    assert http(settings, "/health")[1]["ready"] is True
+    assert http(settings, "/policy")[1]["campus"] == "demo-campus"
+    assert set(http(settings, "/openapi.json")[1]["paths"]) >= {"/fleet", "/jobs/{job_id}"}
+    metrics = http(settings, "/metrics")[1]
+    assert 'sluicegate_placement_decisions_total{outcome="placed"}' in metrics
+    store = RedisStreamAuditStore(r, audit_stream_key("broker-1"))
+    entries = wait_until(lambda: list(store.entries()))
+    summary = verify_chain(entries, [key("broker-1").public])
+    assert summary.count >= 1
+    assert summary.signers == {key("broker-1").public}
+
+
+def test_campus_only_class_never_goes_offsite_even_when_only_cloud_is_free(
+    broker: tuple[ServiceThread, Settings],
+    fleet: Fleet,
+    mosquitto: ServerProcess,
+) -> None:
+    for worker in ("north-a", "north-b", "north-gpu"):
+        fleet.capabilities(worker, providers=["CPUExecutionProvider"])
+        fleet.telemetry(worker, queue=16, capacity=16)  # full
+    fleet.capabilities("cloud-1", providers=["CPUExecutionProvider"])
+    fleet.telemetry("cloud-1")
+    _thread, settings = broker
+    wait_until(
+        lambda: all(
+            w["load"]["queue_depth"] == 16
+            for w in http(settings, "/fleet")[1]["workers"]
+            if w["id"].startswith("north")
+        )
+    )
+    wafer = ask(mosquitto, data_class="wafer-image")
+    assert wafer.status == "refused"
+    assert wafer.code == "no_capacity"
+    ocr = ask(mosquitto, data_class="ocr-crop")
+    assert ocr.status == "placed"
+    assert ocr.worker_id == "cloud-1"
