@@ -13,7 +13,6 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -275,3 +274,90 @@ def test_campus_only_class_never_goes_offsite_even_when_only_cloud_is_free(
     ocr = ask(mosquitto, data_class="ocr-crop")
     assert ocr.status == "placed"
     assert ocr.worker_id == "cloud-1"
+
+
+def _ready(settings: Settings, check: Any) -> None:
+    wait_until(lambda: check({w["id"]: w for w in http(settings, "/fleet")[1]["workers"]}))
+
+
+def test_model_needing_a_provider_or_memory_goes_only_where_it_fits(
+    broker: tuple[ServiceThread, Settings],
+    fleet: Fleet,
+    mosquitto: ServerProcess,
+) -> None:
+    _thread, settings = broker
+    fleet.capabilities("north-a", providers=["CPUExecutionProvider"])
+    fleet.capabilities("north-b", providers=["CUDAExecutionProvider"], memory_mb=1024)
+    fleet.capabilities("north-gpu", providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    fleet.capabilities("cloud-1", providers=["CUDAExecutionProvider"])
+    for worker in WORKERS:
+        fleet.telemetry(worker)
+    _ready(
+        settings,
+        lambda ws: (
+            "CUDAExecutionProvider" in ws["north-b"]["capabilities"]["providers"]
+            and ws["north-b"]["load"]["queue_depth"] == 0
+        ),
+    )
+    for _ in range(5):
+        reply = ask(mosquitto, model="defect-gpu")
+        assert reply.status == "placed"
+        # north-a lacks CUDA; north-b has it but 1 GiB is less than the 2 GiB the model
+        # needs; cloud-1 is off-site for a wafer image.
+        assert reply.worker_id == "north-gpu"
+
+
+def test_subhealthy_worker_gets_nothing_while_a_healthy_one_has_room(
+    broker: tuple[ServiceThread, Settings],
+    fleet: Fleet,
+    mosquitto: ServerProcess,
+) -> None:
+    _thread, settings = broker
+    for worker in WORKERS:
+        fleet.capabilities(worker, providers=["CPUExecutionProvider"])
+    fleet.telemetry("north-a", util=0.8, bandwidth=0.95)  # memory-bound: sub-healthy
+    fleet.telemetry("north-b", queue=10)  # healthy but busier
+    fleet.telemetry("north-gpu", queue=16, capacity=16)  # full
+    fleet.telemetry("cloud-1")
+    _ready(
+        settings,
+        lambda ws: (
+            ws["north-a"]["health"]["subhealthy"] and ws["north-b"]["load"]["queue_depth"] == 10
+        ),
+    )
+    placed = [ask(mosquitto).worker_id for _ in range(4)]
+    assert placed == ["north-b"] * 4
+    fleet.telemetry("north-b", queue=16, capacity=16)  # now the healthy one is full too
+    _ready(settings, lambda ws: ws["north-b"]["load"]["queue_depth"] == 16)
+    assert ask(mosquitto).worker_id == "north-a"  # sub-healthy, but the only one with room
+
+
+def test_silent_worker_stops_getting_placements(
+    broker: tuple[ServiceThread, Settings],
+    fleet: Fleet,
+    mosquitto: ServerProcess,
+) -> None:
+    _thread, settings = broker
+    for worker in WORKERS:
+        fleet.capabilities(worker, providers=["CPUExecutionProvider"])
+    for worker in ("north-b", "north-gpu"):
+        fleet.telemetry(worker, queue=16, capacity=16)
+    fleet.telemetry("north-a")
+    _ready(settings, lambda ws: ws["north-b"]["load"]["queue_depth"] == 16)
+    assert ask(mosquitto).worker_id == "north-a"
+    silent_since = time.monotonic()
+
+    def north_a_gone() -> bool:
+        # The others keep reporting (as live workers do); north-a has gone silent.
+        fleet.telemetry("north-b", queue=16, capacity=16)
+        fleet.telemetry("north-gpu", queue=16, capacity=16)
+        workers = {w["id"]: w for w in http(settings, "/fleet")[1]["workers"]}
+        return not workers["north-a"]["online"]
+
+    wait_until(north_a_gone, timeout=15)
+    gone_after = time.monotonic() - silent_since
+    reply = ask(mosquitto)
+    assert reply.status == "refused"
+    assert reply.worker_id is None
+    # 3 telemetry intervals of 1 s, plus the housekeeping tick that notices.
+    assert gone_after < 3 * settings.broker.telemetry_interval_s + 2.0
