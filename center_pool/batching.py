@@ -14,6 +14,7 @@ Pure bookkeeping: the clock is passed in, nothing here runs models, sleeps or ar
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
@@ -123,12 +124,13 @@ class BatchQueue(Generic[T]):
             return None
         _, model, reason = best
         group = self._groups[model]
-        group.entries.sort(key=_order)
-        taken, rest = group.entries[: self.max_batch], group.entries[self.max_batch :]
-        if rest:
-            group.entries = sorted(rest, key=lambda pair: pair[0])
-        else:
+        if len(group.entries) <= self.max_batch:
+            taken = sorted(group.entries, key=_order)
             del self._groups[model]
+        else:  # the rest keeps arrival order; picking costs O(n log max_batch)
+            taken = heapq.nsmallest(self.max_batch, group.entries, key=_order)
+            chosen = {seq for seq, _ in taken}
+            group.entries = [pair for pair in group.entries if pair[0] not in chosen]
         self._size -= len(taken)
         return Batch(model, tuple(e.item for _, e in taken), reason)
 

@@ -85,7 +85,8 @@ class PoolSettings(_Section):
     providers: list[str] | None = None  # None: every ONNX Runtime provider available here
     max_batch: int = Field(8, ge=1, le=1024)
     batch_window_ms: float = Field(2.0, ge=0.0, le=1000.0)
-    concurrency: int = Field(1, ge=1, le=64)
+    # Batches in progress at once: two let one batch decode while the other runs.
+    concurrency: int = Field(2, ge=1, le=64)
     queue_size: int = Field(512, ge=1)
     intra_op_threads: int = Field(1, ge=1, le=64)
     max_payload_bytes: int = Field(8 * MIB, ge=1024, le=256 * MIB)

@@ -300,7 +300,7 @@ async def test_telemetry_reports_load_refusals_and_service_time(pool: Harness) -
     assert doc["results"] == {"ok": 1, "rejected": 1}
     assert doc["models"]["defect-v1"]["completed"] == 1
     assert doc["models"]["defect-v1"]["service_ms"] > 0
-    assert doc["capacity"] == 512 + 8
+    assert doc["capacity"] == 512 + 2 * 8
     assert 0 <= doc["utilisation"] <= 1
     assert doc["memory_total_mb"] > 0
 
