@@ -353,11 +353,13 @@ def test_cli_worker_serves_and_shares_the_replay_cache_across_restarts(
     assert anchor["version"] == 1
 
 
-def start_pool_process(port: int, config: Path) -> subprocess.Popen[bytes]:
+def start_pool_process(
+    port: int, config: Path, *, worker: tuple[str, str] = (WORKER, WORKER_ZONE)
+) -> subprocess.Popen[bytes]:
     """``sluicegate pool run`` as its own process; returns once it is online."""
     watcher = PlainClient(port)
     try:
-        watcher.subscribe(topics.worker_status(WORKER))
+        watcher.subscribe(topics.worker_status(worker[0]))
         proc = subprocess.Popen(
             sluicegate_cmd(
                 "pool",
@@ -367,9 +369,9 @@ def start_pool_process(port: int, config: Path) -> subprocess.Popen[bytes]:
                 "--port",
                 str(port),
                 "--id",
-                WORKER,
+                worker[0],
                 "--zone",
-                WORKER_ZONE,
+                worker[1],
                 "--device-class",
                 "x86-cpu",
             )
@@ -410,3 +412,43 @@ def test_after_a_broker_restart_the_worker_re_announces_and_serves(
                 app.client.close()
         finally:
             thread.stop()
+
+
+def test_a_killed_worker_is_marked_offline_by_its_last_will(
+    broker: ServerProcess, tmp_path: Path
+) -> None:
+    config = tmp_path / "pool.toml"
+    config.write_text(f'[pool]\npolicy_file = "{write_policy_file(tmp_path)}"\n')
+    proc = start_pool_process(broker.port, config, worker=("cloud-gpu-1", "offsite/cloud-east"))
+    watcher = PlainClient(broker.port)
+    try:
+        watcher.subscribe(topics.worker_status("cloud-gpu-1"))
+        assert json.loads(watcher.next().payload)["state"] == "online"
+        proc.kill()
+        proc.wait(10)
+        status = json.loads(watcher.next(timeout=20).payload)
+        assert (status["node"], status["kind"], status["state"]) == (
+            "cloud-gpu-1",
+            "pool",
+            "offline",
+        )
+    finally:
+        watcher.close()
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_cli_names_the_providers_it_would_accept(tmp_path: Path) -> None:
+    config = tmp_path / "pool.toml"
+    config.write_text('[pool]\nproviders = ["CANNExecutionProvider"]\n')
+    done = subprocess.run(
+        sluicegate_cmd("pool", "run", "--config", str(config), "--port", "1"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "CANNExecutionProvider" in done.stderr
+    assert "available: " in done.stderr
+    assert "Traceback" not in done.stderr
