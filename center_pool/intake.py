@@ -108,7 +108,9 @@ def refuse(work: Work, code: str, reason: str, *, token_passed: bool = False) ->
 
 def read_work(msg: Message, *, limits: Limits, now: float, worker_id: str) -> Work | Refusal:
     """Step 1: what the token is checked against; never raises for bad input."""
-    props = dict(msg.user_properties)
+    props: dict[str, str] = {}
+    for name, value in msg.user_properties:  # the first of a repeated property counts
+        props.setdefault(name, value)
     work = Work(
         job_id=props.get(topics.PROP_JOB_ID, ""),
         token=props.get(topics.PROP_TOKEN, ""),

@@ -81,6 +81,7 @@ class PoolWorker:
         self._executor = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="sg-pool")
         self._intake: deque[tuple[Message, float]] = deque()
         self._intake_wake = asyncio.Event()
+        self._screening = 0  # messages taken off the intake, not yet admitted or refused
         self._running = 0  # batches on the executor
         self.in_flight = 0  # jobs in those batches
         self._timer: asyncio.TimerHandle | None = None
@@ -120,11 +121,14 @@ class PoolWorker:
                 await self.audit.room()
                 size = min(len(self._intake), INTAKE_CHUNK)
                 chunk = [self._intake.popleft() for _ in range(size)]
+                self._screening += len(chunk)
+                verdicts: list[Passed | Stopped] = []
                 try:
                     verdicts = await self._gate.screen(chunk, accepting=self._accepting)
                 except Exception:
                     log.exception("intake failed for %d work message(s)", len(chunk))
-                    continue
+                finally:
+                    self._screening -= len(chunk)
                 for verdict in verdicts:
                     if isinstance(verdict, Passed):
                         self._admit(verdict.work, verdict.claims)
@@ -183,7 +187,7 @@ class PoolWorker:
             future = self._executor.submit(run_batch, model, jobs, limits=self._limits)
             future.add_done_callback(partial(self._from_thread, live, now))
         self._arm_timer(now)
-        if not self._running and not len(self._queue) and not self._intake:
+        if not (self._running or len(self._queue) or self._intake or self._screening):
             self._idle.set()
 
     def _arm_timer(self, now: float) -> None:

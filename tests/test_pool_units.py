@@ -298,3 +298,11 @@ def test_service_stats_amortise_a_batch_over_its_jobs() -> None:
 def test_capacity_counts_queue_and_running_batches() -> None:
     settings = PoolSettings(queue_size=10, concurrency=2, max_batch=4)
     assert reporting.capacity(settings) == 18
+
+
+def test_a_repeated_property_counts_once_the_first_time() -> None:
+    msg = _spec().message()
+    doubled = replace(msg, user_properties=(*msg.user_properties, ("job-id", "job-2")))
+    work = read_work(doubled, limits=LIMITS, now=NOW, worker_id=WORKER)
+    assert isinstance(work, Work)
+    assert work.job_id == "job-1"
