@@ -10,8 +10,9 @@ the HTTP explanation. Nothing here decides anything.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 RefusalCode = Literal["policy_denied", "no_worker", "no_capacity", "no_faster_worker"]
 
@@ -29,10 +30,10 @@ FILTER_REASONS = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
+class Candidate(NamedTuple):
     """One scored worker: ``score_ms = predicted_ms + penalty_ms`` and
-    ``predicted_ms = transfer_ms + queue_ms + service_ms``."""
+    ``predicted_ms = transfer_ms + queue_ms + service_ms``. (A named tuple: one is built
+    per ranked worker per decision, and it is four times cheaper than a dataclass.)"""
 
     worker_id: str
     zone: str
@@ -49,10 +50,24 @@ class Candidate:
 
 
 @dataclass(frozen=True, slots=True)
+class Summary:
+    """Workers counted by filter reason for one (data class, origin zone, model)."""
+
+    counts: Mapping[str, int]  # every reason of FILTER_REASONS, plus "eligible"
+    eligible: int
+    filtered: tuple[tuple[str, int], ...]  # (reason, workers) where workers > 0, in order
+
+    @classmethod
+    def of(cls, counts: Mapping[str, int]) -> Summary:
+        filtered = tuple((r, counts[r]) for r in FILTER_REASONS if counts.get(r, 0) > 0)
+        return cls(counts, counts.get("eligible", 0), filtered)
+
+
+@dataclass(frozen=True, slots=True)
 class Candidates:
-    """The why of a decision. ``ranked``: best first; the fast path lists the best worker
-    of each of the best (zone, device class) groups. ``eligible``: workers that passed
-    every filter. ``filtered``: (reason, workers) for each reason that removed any."""
+    """The why of a decision. ``ranked``: the best scored workers, best first (of the
+    sub-healthy ones when no healthy worker had room). ``eligible``: healthy workers that
+    passed every filter. ``filtered``: (reason, workers) for each reason that removed any."""
 
     ranked: tuple[Candidate, ...]
     eligible: int
@@ -87,7 +102,7 @@ def as_record(decision: Decision) -> dict[str, object]:
     out = asdict(decision)
     cands = decision.candidates
     out["candidates"] = {
-        "ranked": [asdict(c) for c in cands.ranked],
+        "ranked": [c._asdict() for c in cands.ranked],
         "eligible": cands.eligible,
         "filtered": dict(cands.filtered),
     }

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from broker.decision import FILTER_REASONS, Candidate, Candidates, Decision, Placed, Refused
+from broker.decision import Candidate, Candidates, Decision, Placed, Refused, Summary
 from broker.scoring import Need
 from policies.model import Policy, Verdict
 from sluicegate.wire_pool import PlacementRequest
@@ -31,11 +31,6 @@ def _names(items: Sequence[str]) -> str:
     head = ", ".join(items[:SHOWN])
     more = len(items) - SHOWN
     return f"{head} and {more} more" if more > 0 else head
-
-
-def candidates_of(ranked: Sequence[Candidate], counts: Mapping[str, int]) -> Candidates:
-    filtered = tuple((r, counts[r]) for r in FILTER_REASONS if counts.get(r, 0) > 0)
-    return Candidates(tuple(ranked), counts.get("eligible", 0), filtered)
 
 
 def accepts(request: PlacementRequest, predicted_ms: float, now: float) -> bool:
@@ -53,7 +48,7 @@ def conclude(
     *,
     now: float,
     ranked: Sequence[Candidate],
-    counts: Mapping[str, int],
+    summary: Summary,
     denied: Sequence[Verdict],
     allowed_zones: Sequence[str],
     need: Need,
@@ -62,7 +57,8 @@ def conclude(
     """The decision for ``request`` given its best candidates (best first), the filter
     counts and the policy verdicts of denied zones that hold online workers with the model
     (sorted by zone)."""
-    cands = candidates_of(ranked, counts)
+    cands = Candidates(tuple(ranked), summary.eligible, summary.filtered)
+    counts = summary.counts
     if ranked:
         best = ranked[0]
         if accepts(request, best.predicted_ms, now):

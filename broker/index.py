@@ -2,17 +2,17 @@
 
 A *bucket* is one (model, zone, device class): every worker of that device class whose
 zone (as the policy declares it) is that zone and that has the model loaded. Inside a
-bucket, eligible workers sit in two heaps, healthy and sub-healthy, ordered by their
-*key* (``scoring.load_key``: 1 + jobs ahead per slot, times the forecast penalty), then
-worker id. All workers of a bucket share the transfer cost and the service time of a
-request, so the head of the healthy heap is the bucket's best worker. Each bucket also
-counts its workers by status, so explanations need no scan.
+bucket, eligible workers sit in two sorted lists, healthy and sub-healthy, ordered by
+their *key* (``scoring.load_key``: 1 + jobs ahead per slot, times the forecast penalty),
+then worker id. All workers of a bucket share the transfer cost and the service time of a
+request, so the first healthy entry is the bucket's best worker. Each bucket also counts
+its workers by status, so explanations need no scan.
 
-Heaps are updated lazily: every change to a worker bumps its stamp and pushes fresh
-entries; an entry whose stamp is old is dropped when it reaches the head, and a heap that
-grows past twice its live size is compacted in place. A *route* caches, per (data class,
-origin zone, model), the buckets the policy allows and the ones it denies; it is rebuilt
-when a bucket appears or the policy changes.
+A change to a worker (telemetry, reservation) moves its entry in each of its buckets:
+a binary search, a delete and an insert, O(log n) comparisons plus a memmove of a list
+that holds one bucket's workers. A *route* caches, per (data class, origin zone, model),
+the buckets the policy allows, grouped by link and device class, and the ones it denies;
+it is rebuilt when a bucket appears or the policy changes.
 
 Mutable, but pure: no clock, no I/O. Only ``broker.fleet`` writes to it and only
 ``broker.placement`` reads routes and heads; it must never decide anything itself.
@@ -20,11 +20,12 @@ Mutable, but pure: no clock, no I/O. Only ``broker.fleet`` writes to it and only
 
 from __future__ import annotations
 
-import heapq
 import math
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 
 from broker import forecast
+from broker.decision import Summary
 from broker.params import FleetParams
 from broker.scoring import (
     NO_NEEDS,
@@ -60,7 +61,6 @@ class Slot:
         "reserved",
         "sample",
         "slope",
-        "stamp",
         "statuses",
         "unzoned",
         "worker_id",
@@ -70,7 +70,6 @@ class Slot:
 
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
-        self.stamp = 0
         self.caps: Capabilities | None = None
         self.sample: TelemetrySample | None = None
         self.online = False
@@ -87,8 +86,8 @@ class Slot:
         self.zone_counted: str | None = None  # zone whose online count includes this worker
 
 
-# (key, worker id, stamp, slot): ordered by key, then worker id; stamps make it unique.
-Entry = tuple[float, str, int, Slot]
+# (key, worker id, slot): ordered by key, then worker id (one entry per worker per list).
+Entry = tuple[float, str, Slot]
 
 
 class Bucket:
@@ -102,15 +101,22 @@ class Bucket:
         self.sub: list[Entry] = []
         self.counts = [0] * N_STATUS
 
+    def tier(self, status: int) -> list[Entry] | None:
+        """The sorted list a worker with ``status`` sits in, if any."""
+        if status == OK:
+            return self.healthy
+        return self.sub if status == SUBHEALTHY else None
 
-def head(heap: list[Entry]) -> Entry | None:
-    """The best live entry of a bucket heap, dropping stale ones on the way."""
-    while heap:
-        entry = heap[0]
-        if entry[3].stamp == entry[2]:
-            return entry
-        heapq.heappop(heap)
-    return None
+
+@dataclass(slots=True)
+class Group:
+    """The allowed buckets of a route that share a link class and a device class, so
+    every worker in them has the same transfer cost and service time for a request."""
+
+    link: int
+    device_class: str
+    healthy: list[tuple[list[Entry], Bucket]] = field(default_factory=list)
+    sub: list[tuple[list[Entry], Bucket]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -122,14 +128,12 @@ class Route:
     model: str
     topology: int
     campus_prefix: str
-    # (healthy heap, sub-healthy heap, link class, device class index, bucket)
-    allowed: list[tuple[list[Entry], list[Entry], int, int, Bucket]]
-    device_classes: tuple[str, ...]
+    groups: list[Group]
+    allowed: list[Bucket]
     denied: list[tuple[Bucket, Verdict]]
     allowed_zones: tuple[str, ...]
-    zone_verdicts: dict[str, Verdict]
     summary_epoch: int = -1
-    summary: dict[str, int] = field(default_factory=dict)
+    summary: Summary | None = None
 
 
 class PlacementIndex:
@@ -233,27 +237,22 @@ class PlacementIndex:
         same_status = statuses == slot.statuses
         if same_status and key == slot.key:
             return
+        worker_id = slot.worker_id
         for bucket, status in slot.statuses.values():
             bucket.counts[status] -= 1
+            tier = bucket.tier(status)
+            if tier is not None:
+                del tier[bisect_left(tier, (slot.key, worker_id))]
+        entry: Entry = (key, worker_id, slot)
         for bucket, status in statuses.values():
             bucket.counts[status] += 1
+            tier = bucket.tier(status)
+            if tier is not None:
+                insort(tier, entry)
         if not same_status:
             self.epoch += 1
         slot.statuses = statuses
         slot.key = key
-        slot.stamp += 1
-        entry: Entry = (key, slot.worker_id, slot.stamp, slot)
-        for bucket, status in statuses.values():
-            if status == OK:
-                heap = bucket.healthy
-            elif status == SUBHEALTHY:
-                heap = bucket.sub
-            else:
-                continue
-            heapq.heappush(heap, entry)
-            if len(heap) > 2 * bucket.counts[status] + 16:
-                heap[:] = [e for e in heap if e[3].stamp == e[2]]
-                heapq.heapify(heap)
 
     def _count(self, slot: Slot, unzoned: tuple[str, ...], zone_counted: str | None) -> None:
         if unzoned != slot.unzoned:
@@ -295,38 +294,39 @@ class PlacementIndex:
         self, policy: Policy, data_class: str, origin_zone: str, model: str, campus_prefix: str
     ) -> Route:
         verdicts = {z: allowed(policy, data_class, origin_zone, z) for z in sorted(policy.zones)}
-        device_classes: list[str] = []
-        allowed_buckets: list[tuple[list[Entry], list[Entry], int, int, Bucket]] = []
+        groups: dict[tuple[int, str], Group] = {}
+        allowed_buckets: list[Bucket] = []
         denied: list[tuple[Bucket, Verdict]] = []
         for (zone, dc), bucket in sorted(self.buckets.get(model, {}).items()):
             verdict = verdicts.get(zone) or allowed(policy, data_class, origin_zone, zone)
             if not verdict.allowed:
                 denied.append((bucket, verdict))
                 continue
-            if dc not in device_classes:
-                device_classes.append(dc)
+            allowed_buckets.append(bucket)
             link = link_class(origin_zone, zone, campus_prefix)
-            dc_index = device_classes.index(dc)
-            allowed_buckets.append((bucket.healthy, bucket.sub, link, dc_index, bucket))
+            group = groups.get((link, dc))
+            if group is None:
+                group = groups[(link, dc)] = Group(link, dc)
+            group.healthy.append((bucket.healthy, bucket))
+            group.sub.append((bucket.sub, bucket))
         return Route(
             data_class=data_class,
             origin_zone=origin_zone,
             model=model,
             topology=self.topology,
             campus_prefix=campus_prefix,
+            groups=[groups[k] for k in sorted(groups)],
             allowed=allowed_buckets,
-            device_classes=tuple(device_classes),
             denied=denied,
             allowed_zones=tuple(z for z, v in verdicts.items() if v.allowed),
-            zone_verdicts=verdicts,
         )
 
-    def summary(self, route: Route) -> dict[str, int]:
+    def summary(self, route: Route) -> Summary:
         """Workers by reason for this route (cached until any status changes)."""
-        if route.summary_epoch == self.epoch:
+        if route.summary is not None and route.summary_epoch == self.epoch:
             return route.summary
         totals = [0] * N_STATUS
-        for _, _, _, _, bucket in route.allowed:
+        for bucket in route.allowed:
             for i, n in enumerate(bucket.counts):
                 totals[i] += n
         placed_online = sum(totals) - totals[OFFLINE]
@@ -344,6 +344,6 @@ class PlacementIndex:
             "no_model": zone_online - placed_online,
             "not_in_policy": self.unzoned.get(route.model, 0),
         }
-        route.summary = out
+        route.summary = Summary.of(out)
         route.summary_epoch = self.epoch
-        return out
+        return route.summary

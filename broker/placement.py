@@ -32,7 +32,7 @@ from bisect import insort
 from broker.decision import Candidate, Candidates, Decision, Placed, Refused, as_record
 from broker.explain import conclude
 from broker.fleet import Fleet
-from broker.index import Bucket, Entry, Route, Slot, head
+from broker.index import Bucket, Route, Slot
 from broker.params import PlacementParams
 from broker.scoring import NO_NEEDS, OFFLINE, transfer_costs
 from policies.model import Policy, Verdict
@@ -49,42 +49,69 @@ __all__ = [
     "decide",
 ]
 
-# (score, key, worker id, slot, bucket, link class, device class index)
-_Scored = tuple[float, float, str, Slot, Bucket, int, int]
+# (score, key, worker id, slot, bucket, transfer ms, service ms)
+_Scored = tuple[float, float, str, Slot, Bucket, float, float]
 
 
 def _scan(
-    route: Route, tx: tuple[float, float, float], sv: list[float], sub: bool, k: int
+    route: Route, tx: tuple[float, float, float], services: dict[str, float], sub: bool, k: int
 ) -> list[_Scored]:
-    """The best ``k`` bucket heads of one tier, best first, ordered by (score, key, id)."""
+    """The best ``k`` bucket heads of one tier, best first, by (score, key, worker id).
+
+    Groups are visited in order of their lowest possible score (transfer + service: a key
+    is at least 1), and a group that cannot beat the ``k``-th best so far is skipped."""
+    groups = route.groups
+    order = sorted([(tx[g.link] + services[g.device_class], i) for i, g in enumerate(groups)])
     top: list[_Scored] = []
     cut = math.inf
-    for healthy, subheap, link, dci, bucket in route.allowed:
-        heap = subheap if sub else healthy
-        if not heap:
-            continue
-        entry: Entry = heap[0]
-        if entry[3].stamp != entry[2]:
-            fresh = head(heap)
-            if fresh is None:
+    for floor, i in order:
+        if floor > cut:
+            break
+        group = groups[i]
+        transfer = tx[group.link]
+        service = services[group.device_class]
+        for tier, bucket in group.sub if sub else group.healthy:
+            if not tier:
                 continue
-            entry = fresh
-        key = entry[0]
-        score = tx[link] + sv[dci] * key
-        if score > cut:
-            continue
-        insort(top, (score, key, entry[1], entry[3], bucket, link, dci))
-        if len(top) > k:
-            top.pop()
-        if len(top) == k:
-            cut = top[-1][0]
+            key, worker_id, slot = tier[0]
+            score = transfer + service * key
+            if score > cut:
+                continue
+            insort(top, (score, key, worker_id, slot, bucket, transfer, service))
+            if len(top) > k:
+                top.pop()
+            if len(top) == k:
+                cut = top[-1][0]
     return top
 
 
-def _candidate(item: _Scored, tx: tuple[float, float, float], sv: list[float]) -> Candidate:
-    score, _, worker_id, slot, bucket, link, dci = item
-    service = sv[dci]
-    transfer = tx[link]
+def _best_workers(heads: list[_Scored], sub: bool, k: int) -> list[_Scored]:
+    """The ``k`` best workers overall, given the ``k`` best bucket heads (best first).
+
+    Any of the ``k`` best is one of these heads or sits right behind one in its bucket
+    (anything behind another bucket's head scores worse than ``k`` heads)."""
+    if k == 1 or not heads:
+        return heads
+    pool = list(heads)
+    cut = pool[-1][0] if len(pool) == k else math.inf
+    for _, _, _, _, bucket, transfer, service in heads:
+        for key, worker_id, slot in (bucket.sub if sub else bucket.healthy)[1:k]:
+            score = transfer + service * key
+            if score > cut:
+                break  # the rest of this bucket scores no better
+            pool.append((score, key, worker_id, slot, bucket, transfer, service))
+    if len(pool) > len(heads):
+        pool.sort(key=_order)
+        del pool[k:]
+    return pool
+
+
+def _order(item: _Scored) -> tuple[float, float, str]:
+    return item[0], item[1], item[2]
+
+
+def _candidate(item: _Scored) -> Candidate:
+    score, _, worker_id, slot, bucket, transfer, service = item
     predicted = transfer + service * slot.base
     sample = slot.sample
     load = (
@@ -93,18 +120,18 @@ def _candidate(item: _Scored, tx: tuple[float, float, float], sv: list[float]) -
         else math.inf
     )
     return Candidate(
-        worker_id=worker_id,
-        zone=bucket.zone,
-        device_class=bucket.device_class,
-        score_ms=score,
-        predicted_ms=predicted,
-        transfer_ms=transfer,
-        queue_ms=service * (slot.base - 1.0),
-        service_ms=service,
-        penalty_ms=score - predicted,
-        load=load,
-        forecast_load=slot.predicted,
-        subhealthy=slot.health.subhealthy,
+        worker_id,
+        bucket.zone,
+        bucket.device_class,
+        score,
+        predicted,
+        transfer,
+        service * (slot.base - 1.0),
+        service,
+        score - predicted,
+        load,
+        slot.predicted,
+        slot.health.subhealthy,
     )
 
 
@@ -139,12 +166,15 @@ def decide(
     )
     tx = transfer_costs(request.payload_bytes, params)
     estimate = fleet.service.estimate
-    sv = [estimate(model, dc) for dc in route.device_classes]
-    top = _scan(route, tx, sv, False, params.top_k)
+    services = {g.device_class: estimate(model, g.device_class) for g in route.groups}
+    k = params.top_k
+    sub = False
+    top = _scan(route, tx, services, sub, k)
     if not top:
-        top = _scan(route, tx, sv, True, params.top_k)
-    counts = index.summary(route)
-    ranked = [_candidate(item, tx, sv) for item in top]
+        sub = True
+        top = _scan(route, tx, services, sub, k)
+    summary = index.summary(route)
+    ranked = [_candidate(item) for item in _best_workers(top, sub, k)]
     if ranked:
         # Placed or no_faster_worker: neither sentence needs the refusal context below.
         return conclude(
@@ -152,7 +182,7 @@ def decide(
             policy,
             now=now,
             ranked=ranked,
-            counts=counts,
+            summary=summary,
             denied=(),
             allowed_zones=(),
             need=NO_NEEDS,
@@ -163,7 +193,7 @@ def decide(
         policy,
         now=now,
         ranked=ranked,
-        counts=counts,
+        summary=summary,
         denied=_denied(route),
         allowed_zones=route.allowed_zones,
         need=index.needs.get(model, NO_NEEDS),

@@ -11,7 +11,7 @@ only the rule definitions (``broker.scoring``, ``broker.forecast``) and the conc
 
 from __future__ import annotations
 
-from broker.decision import Candidate, Decision
+from broker.decision import Candidate, Decision, Summary
 from broker.explain import conclude
 from broker.fleet import Fleet
 from broker.forecast import forecast
@@ -113,7 +113,7 @@ def decide_reference(
         policy,
         now=now,
         ranked=ranked,
-        counts=counts,
+        summary=Summary.of(counts),
         denied=[denied[z] for z in sorted(denied)],
         allowed_zones=tuple(
             z
