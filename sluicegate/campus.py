@@ -102,6 +102,7 @@ def write_campus(
     version: int = 1,
     now: float | None = None,
     workers: dict[str, tuple[str, str]] | None = None,
+    http_port: int = 0,
 ) -> Campus:
     """Write the policy (signed by the officer), node keys and node configs under ``root``."""
     root.mkdir(parents=True, exist_ok=True)
@@ -145,15 +146,16 @@ def write_campus(
     campus = Campus(root, policy_file, key_files)
     mqtt = f"[mqtt]\nport = {mqtt_port}\nkeepalive_s = 5\nreconnect_max_s = 2\n"
     (root / f"{BROKER}.toml").write_text(
-        mqtt + f'\n[broker]\nid = "{BROKER}"\nredis_url = "{redis_url}"\nhttp_port = 0\n'
+        mqtt + f'\n[broker]\nid = "{BROKER}"\nredis_url = "{redis_url}"\nhttp_port = {http_port}\n'
         f'key_file = "{key_files[BROKER]}"\npolicy_file = "{policy_file}"\n'
         f'state_dir = "{root / "state" / BROKER}"\n'
     )
     for edge, zone in LINES.items():
+        # A line PC is modest: one job at a time, and more than a few waiting is a burst.
         campus.node_config(edge).write_text(
-            mqtt + f'\n[edge]\nid = "{edge}"\nzone = "{zone}"\n'
-            f'\n[offload]\nstate_dir = "{root / "state" / edge}"\n'
-            f'policy_file = "{policy_file}"\n'
+            mqtt + f'\n[edge]\nid = "{edge}"\nzone = "{zone}"\nconcurrency = 1\n'
+            f"\n[offload]\nqueue_bound = 4\n"
+            f'state_dir = "{root / "state" / edge}"\npolicy_file = "{policy_file}"\n'
         )
     for worker, (zone, device_class) in workers.items():
         campus.node_config(worker).write_text(

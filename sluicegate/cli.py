@@ -235,15 +235,18 @@ def models_list(
 
 @app.command()
 def demo(
-    rate: Annotated[float, typer.Option(help="Images per second to submit.")] = 20.0,
+    rate: Annotated[float, typer.Option(help="Images per second per line (burst: 10x).")] = 15.0,
     seconds: Annotated[float, typer.Option(help="Stop after this long (0: until Ctrl-C).")] = 0.0,
-    port: Annotated[int | None, typer.Option(help="Use a broker already on this port.")] = None,
+    port: Annotated[int | None, typer.Option(help="Use a Mosquitto already on this port.")] = None,
+    redis_port: Annotated[
+        int | None, typer.Option(help="Use a Redis already on this port.")
+    ] = None,
 ) -> None:
-    """Full local demo: Mosquitto, an edge agent, a stream of generated images, live results."""
+    """Full local demo: Mosquitto, Redis, a broker, two edges, two workers, a burst, live."""
     from sluicegate.demo import run_demo
 
     try:
-        code = run_demo(rate=rate, seconds=seconds, port=port)
+        code = run_demo(rate=rate, seconds=seconds, port=port, redis_port=redis_port)
     except SluicegateError as exc:
         _fail(str(exc))
         return

@@ -64,6 +64,7 @@ class AsyncClient:
         self._pending: dict[bytes, asyncio.Future[wire.JobResult]] = {}
         self._transport = MqttTransport(self._mqtt, client_id=self.client_id)
         self._lost = asyncio.Event()
+        self.unmatched = 0  # results for no waiting call: late (after a timeout) or duplicate
 
     async def connect(self, timeout: float = 10.0) -> None:
         self._transport.on_disconnect(self._lost.set)
@@ -86,7 +87,8 @@ class AsyncClient:
         key = msg.correlation_data
         fut = self._pending.get(key) if key is not None else None
         if fut is None or fut.done():
-            return  # a late or duplicate answer for a call that has already finished
+            self.unmatched += 1  # late or duplicate: the call has already finished
+            return
         try:
             fut.set_result(wire.JobResult.model_validate_json(msg.payload))
         except ValidationError as exc:

@@ -1,23 +1,26 @@
-"""The local demo behind ``sluicegate demo``: everything on one machine, on defaults.
+"""The local demo behind ``sluicegate demo``: the whole campus on one machine, on defaults.
 
-It starts a Mosquitto on a free port (or uses one the user names), an edge agent as a
-separate ``sluicegate edge run`` process, and streams generated inspection images at it
-through the Python client, showing results live: counts by status, accuracy against the
-generator's ground truth, latency percentiles and the agent's own telemetry. Ctrl-C stops
-the stream, waits for every outstanding result, then stops the agent and the broker.
+It starts a Mosquitto and a Redis on free ports (or uses ones the user names), then a local
+campus (:mod:`sluicegate.localcampus`: a broker, edge agents on two lines, a worker in the
+fab's data centre and one off-site), with a policy signed by keys made for this run. It
+streams generated inspection images at both lines — wafer images that must stay on campus
+and OCR crops that may leave — and, part-way through, a 10x burst on line 1. The live view
+shows jobs run locally versus offloaded and where, latency percentiles, deadline
+attainment, why jobs were not offloaded, and the count of wafer images that reached the
+off-site worker (it must stay 0). Ctrl-C stops the stream, waits for every outstanding
+result, then stops the campus, Redis and Mosquitto.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
-import subprocess
-import sys
+import tempfile
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from rich.console import Console, Group
@@ -25,37 +28,55 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 
-from sluicegate import topics, wire
+from sluicegate import wire
+from sluicegate.campus import LINES
 from sluicegate.client import AsyncClient
 from sluicegate.config import MqttSettings
 from sluicegate.errors import SluicegateError
-from sluicegate.mqtt import Message, MqttTransport
-from sluicegate.servers import ServerProcess, running, start_mosquitto
+from sluicegate.localcampus import LocalCampus
+from sluicegate.servers import ServerProcess, running, start_mosquitto, start_redis
 from sluicegate.vision.synth import encode_jpeg, generate
 
-EDGE_ID = "demo-edge"
-EDGE_ZONE = "campus/fab-north/line-1"
 MODEL = "defect-v1"
+DEADLINE_MS = 200.0
+BURST_LINE = "line-1-pc"
+VOLLEY = 20
 
 
 @dataclass
 class Tally:
     """What the demo has seen so far."""
 
-    submitted: int = 0
+    submitted: Counter[str] = field(default_factory=Counter)  # by line
     statuses: Counter[str] = field(default_factory=Counter)
+    where: Counter[str] = field(default_factory=Counter)  # node that ran the job
+    kinds: Counter[str] = field(default_factory=Counter)  # edge / pool
+    kept_local: Counter[str] = field(default_factory=Counter)  # offload refusal codes
+    in_time: int = 0
     correct: int = 0
-    latencies_ms: deque[float] = field(default_factory=lambda: deque(maxlen=5000))
-    recent: deque[tuple[str, str, str, float, float]] = field(
-        default_factory=lambda: deque(maxlen=8)
-    )
+    wafer_offsite: int = 0
+    unmatched: int = 0  # results that matched no waiting call (late or duplicate)
+    latencies_ms: deque[float] = field(default_factory=lambda: deque(maxlen=20000))
     errors: Counter[str] = field(default_factory=Counter)
-    telemetry: wire.EdgeTelemetry | None = None
     started: float = field(default_factory=time.monotonic)
+    phase: str = "steady"
 
     @property
     def answered(self) -> int:
         return sum(self.statuses.values())
+
+    def record(self, result: wire.JobResult, truth: str, data_class: str, ms: float) -> None:
+        self.statuses[result.status] += 1
+        self.latencies_ms.append(ms)
+        self.where[result.ran_on.node] += 1
+        self.kinds[result.ran_on.kind] += 1
+        self.in_time += result.status == "ok" and ms <= DEADLINE_MS
+        if data_class == "wafer-image" and result.ran_on.zone.startswith("offsite/"):
+            self.wafer_offsite += 1
+        if result.offload is not None and not result.offload.placed:
+            self.kept_local[result.offload.code or "?"] += 1
+        if result.outputs is not None:
+            self.correct += result.outputs.label == truth
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -63,178 +84,149 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def render(t: Tally) -> Group:
-    elapsed = max(time.monotonic() - t.started, 1e-9)
     lat = list(t.latencies_ms)
-    ok = t.statuses.get("ok", 0)
-    summary = Table.grid(padding=(0, 3))
-    summary.add_row(
-        f"[b]submitted[/] {t.submitted}",
+    answered = max(t.answered, 1)
+    jobs = Table.grid(padding=(0, 3))
+    jobs.add_row(
+        f"[b]phase[/] {t.phase}",
+        f"[b]submitted[/] {sum(t.submitted.values())}",
         f"[b]answered[/] {t.answered}",
-        f"[b]outstanding[/] {t.submitted - t.answered - sum(t.errors.values())}",
-        f"[b]rate[/] {t.answered / elapsed:.1f}/s",
-    )
-    summary.add_row(
-        *(f"[b]{s}[/] {t.statuses.get(s, 0)}" for s in ("ok", "rejected", "failed", "expired"))
-    )
-    summary.add_row(
-        f"[b]accuracy[/] {100.0 * t.correct / ok:.1f}%" if ok else "[b]accuracy[/] -",
-        f"[b]p50[/] {_pct(lat, 50):.1f} ms",
-        f"[b]p99[/] {_pct(lat, 99):.1f} ms",
         f"[b]client errors[/] {sum(t.errors.values())}",
     )
-    agent = Table.grid(padding=(0, 3))
-    tel = t.telemetry
-    if tel is not None:
-        service = ", ".join(f"{k} {v.service_ms:.2f} ms" for k, v in tel.models.items()) or "-"
-        agent.add_row(
-            f"[b]queue[/] {tel.queue_depth}/{tel.queue_capacity}",
-            f"[b]in flight[/] {tel.in_flight}/{tel.concurrency}",
-            f"[b]cpu[/] {tel.cpu_percent:.0f}%",
-            f"[b]rss[/] {tel.memory_rss_mb:.0f} MB",
-        )
-        agent.add_row(f"[b]service time[/] {service}")
-    recent = Table("job", "truth", "model says", "score", "latency", box=None)
-    for job, truth, label, score, ms in t.recent:
-        mark = "[green]" if truth == label else "[red]"
-        recent.add_row(job[:8], truth, f"{mark}{label}[/]", f"{score:.3f}", f"{ms:.1f} ms")
+    jobs.add_row(
+        *(f"[b]{s}[/] {t.statuses.get(s, 0)}" for s in ("ok", "rejected", "failed", "expired"))
+    )
+    jobs.add_row(
+        f"[b]p50[/] {_pct(lat, 50):.1f} ms",
+        f"[b]p99[/] {_pct(lat, 99):.1f} ms",
+        f"[b]deadline met[/] {100.0 * t.in_time / answered:.1f}%",
+        f"[b]labels right[/] {100.0 * t.correct / max(t.statuses.get('ok', 0), 1):.1f}%",
+    )
+    where = Table("node", "jobs", "share", box=None)
+    for node, count in sorted(t.where.items()):
+        where.add_row(node, str(count), f"{100.0 * count / answered:.1f}%")
+    compliance = Table.grid(padding=(0, 3))
+    colour = "green" if t.wafer_offsite == 0 else "red"
+    compliance.add_row(
+        f"[b]run locally[/] {t.kinds.get('edge', 0)}",
+        f"[b]offloaded[/] {t.kinds.get('pool', 0)}",
+        f"[b]wafer images that reached off-site[/] [{colour}]{t.wafer_offsite}[/]",
+    )
+    reasons = ", ".join(f"{code} {n}" for code, n in t.kept_local.most_common(4)) or "-"
+    compliance.add_row(f"[b]kept local after asking[/] {reasons}")
     return Group(
-        Panel(summary, title="Sluicegate demo: jobs"),
-        Panel(agent, title=f"edge agent {EDGE_ID} ({EDGE_ZONE})"),
-        Panel(recent, title="latest results"),
+        Panel(jobs, title="Sluicegate campus demo: jobs"),
+        Panel(where, title="where jobs ran"),
+        Panel(compliance, title="offload and compliance"),
     )
 
 
-def _start_agent(port: int) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, SLUICEGATE_EDGE__TELEMETRY_INTERVAL_S="0.5")
-    argv = [sys.executable, "-m", "sluicegate.cli", "edge", "run", "--port", str(port)]
-    argv += ["--id", EDGE_ID, "--zone", EDGE_ZONE, "--log-level", "warning"]
-    # Own session: Ctrl-C reaches only the demo, which then stops the agent in order.
-    return subprocess.Popen(argv, env=env, start_new_session=True)
-
-
-async def _wait_online(
-    mqtt: MqttSettings, agent: subprocess.Popen[bytes], tally: Tally
-) -> MqttTransport:
-    """Wait for the agent's retained ``online``; the returned watcher keeps feeding telemetry."""
-    online = asyncio.Event()
-
-    def on_status(msg: Message) -> None:
-        with contextlib.suppress(ValueError):
-            if wire.NodeStatus.model_validate_json(msg.payload).state == "online":
-                online.set()
-
-    def on_telemetry(msg: Message) -> None:
-        with contextlib.suppress(ValueError):
-            tally.telemetry = wire.EdgeTelemetry.model_validate_json(msg.payload)
-
-    watcher = MqttTransport(mqtt, client_id=f"sg-demo-watch-{os.getpid()}")
-    await watcher.connect()
-    await watcher.subscribe(topics.edge_status(EDGE_ID), on_status)
-    await watcher.subscribe(topics.edge_telemetry(EDGE_ID), on_telemetry, qos=0)
-    deadline = time.monotonic() + 60.0
-    try:
-        while not online.is_set():
-            if agent.poll() is not None:
-                raise SluicegateError(f"the edge agent exited with status {agent.returncode}")
-            if time.monotonic() > deadline:
-                raise SluicegateError("the edge agent did not come online within 60 s")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(online.wait(), 0.5)
-    except BaseException:
-        await watcher.close()
-        raise
-    return watcher
-
-
-async def _one(client: AsyncClient, image: bytes, truth: str, tally: Tally) -> None:
+async def _one(
+    client: AsyncClient, image: bytes, truth: str, data_class: str, tally: Tally
+) -> None:
     t0 = time.perf_counter()
     try:
-        result = await client.infer(image, model=MODEL, deadline_ms=2000.0, timeout=30.0)
+        result = await client.infer(
+            image, model=MODEL, deadline_ms=DEADLINE_MS, data_class=data_class, timeout=60.0
+        )
     except SluicegateError as exc:
         tally.errors[type(exc).__name__] += 1
         return
-    ms = (time.perf_counter() - t0) * 1000.0
-    tally.statuses[result.status] += 1
-    tally.latencies_ms.append(ms)
-    if result.outputs is not None and result.outputs.label is not None:
-        label = result.outputs.label
-        tally.correct += label == truth
-        score = result.outputs.scores.get(label, 0.0)
-        tally.recent.appendleft((result.job_id, truth, label, score, ms))
+    tally.record(result, truth, data_class, (time.perf_counter() - t0) * 1000.0)
 
 
-async def _stream(
-    mqtt: MqttSettings, rate: float, seconds: float, stop: asyncio.Event, tally: Tally
+async def stream(
+    mqtt: MqttSettings,
+    rate: float,
+    seconds: float,
+    stop: asyncio.Event,
+    tally: Tally,
+    *,
+    live: bool = True,
+    burst_at: float = 5.0,
+    burst_for: float = 10.0,
 ) -> None:
+    """Steady ``rate`` per line; for ``burst_for`` seconds from ``burst_at``, line 1 bursts to
+    ten times that, its camera station firing in volleys of 20 images."""
     rng = np.random.default_rng(2026)
     pool = []
-    for _ in range(48):
+    for i in range(48):
         img, truth = generate(rng)
-        pool.append((encode_jpeg(img), truth))
-    console = Console()
+        pool.append((encode_jpeg(img), truth, "ocr-crop" if i % 3 == 0 else "wafer-image"))
     pending: set[asyncio.Task[None]] = set()
-    async with AsyncClient(mqtt, edge=EDGE_ID) as client:
-        tally.started = time.monotonic()
-        with Live(render(tally), console=console, refresh_per_second=4) as live:
-            period = 1.0 / rate
-            next_at = time.monotonic()
-            end = next_at + seconds if seconds > 0 else float("inf")
+    clients = {line: AsyncClient(mqtt, edge=line) for line in LINES}
+    for c in clients.values():
+        await c.connect()
+    view = Live(render(tally), console=Console(), refresh_per_second=4) if live else None
+    try:
+        with view if view is not None else contextlib.nullcontext():
+            tally.started = start = time.monotonic()
+            due = dict.fromkeys(LINES, start)
+            end = start + seconds if seconds > 0 else float("inf")
             while not stop.is_set() and time.monotonic() < end:
-                image, truth = pool[int(rng.integers(len(pool)))]
-                task = asyncio.ensure_future(_one(client, image, truth, tally))
-                pending.add(task)
-                task.add_done_callback(pending.discard)
-                tally.submitted += 1
-                next_at += period
+                now = time.monotonic()
+                burst = burst_at <= now - start < burst_at + burst_for
+                tally.phase = "10x burst on line 1" if burst else "steady"
+                for line, client in clients.items():
+                    volley = VOLLEY if burst and line == BURST_LINE else 1
+                    line_rate = rate * (10.0 if burst and line == BURST_LINE else 1.0)
+                    while due[line] <= now:
+                        for _ in range(volley):
+                            image, truth, data_class = pool[int(rng.integers(len(pool)))]
+                            job = _one(client, image, truth, data_class, tally)
+                            task = asyncio.ensure_future(job)
+                            pending.add(task)
+                            task.add_done_callback(pending.discard)
+                            tally.submitted[line] += 1
+                        due[line] += volley / line_rate
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), max(0.0, next_at - time.monotonic()))
-                live.update(render(tally))
+                    await asyncio.wait_for(
+                        stop.wait(), max(0.0, min(due.values()) - time.monotonic())
+                    )
+                if view is not None:
+                    view.update(render(tally))
             if pending:
-                await asyncio.wait(pending, timeout=35.0)
-            live.update(render(tally))
+                await asyncio.wait(pending, timeout=70.0)
+            tally.unmatched = sum(c.unmatched for c in clients.values())
+            if view is not None:
+                view.update(render(tally))
+    finally:
+        for c in clients.values():
+            await c.close()
 
 
-def run_demo(*, rate: float, seconds: float, port: int | None) -> int:
-    """Run the demo; returns the exit status (0 when every submitted job was answered)."""
+def run_demo(*, rate: float, seconds: float, port: int | None, redis_port: int | None) -> int:
+    """Run the demo; returns the exit status (0 when every job was answered and no wafer
+    image left the campus)."""
     console = Console()
     tally = Tally()
-
-    def stream(broker_port: int) -> None:
-        mqtt = MqttSettings(port=broker_port)
-        agent = _start_agent(broker_port)
+    with contextlib.ExitStack() as stack:
+        mqtt_port = port or stack.enter_context(running(start_mosquitto())).port
+        redis: ServerProcess | None = None
+        if redis_port is None:
+            redis = stack.enter_context(running(start_redis()))
+        redis_url = f"redis://127.0.0.1:{redis_port or (redis.port if redis else 6379)}/0"
+        root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sg-demo-")))
+        campus = LocalCampus(root, mqtt_port=mqtt_port, redis_url=redis_url)
+        console.print(f"[b]campus[/] in {root}: MQTT 127.0.0.1:{mqtt_port}, {redis_url}")
+        console.print("starting broker-1, line-1-pc, line-2-pc, north-cpu-1, cloud-cpu-1 …")
         try:
+            campus.start()
 
             async def main() -> None:
                 stop = asyncio.Event()
                 loop = asyncio.get_running_loop()
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.add_signal_handler(sig, stop.set)
-                console.print(f"[b]broker[/] 127.0.0.1:{broker_port}  waiting for the agent…")
-                watcher = await _wait_online(mqtt, agent, tally)
-                try:
-                    await _stream(mqtt, rate, seconds, stop, tally)
-                finally:
-                    await watcher.close()
+                await stream(MqttSettings(port=mqtt_port), rate, seconds, stop, tally)
 
             asyncio.run(main())
         finally:
-            if agent.poll() is None:
-                agent.send_signal(signal.SIGTERM)
-                try:
-                    agent.wait(15)
-                except subprocess.TimeoutExpired:
-                    agent.kill()
-                    agent.wait()
-
-    if port is not None:
-        stream(port)
-    else:
-        server: ServerProcess = start_mosquitto()
-        with running(server):
-            stream(server.port)
-    lost = tally.submitted - tally.answered
+            campus.stop()
+    lost = sum(tally.submitted.values()) - tally.answered
     console.print(
-        f"[b]done[/]: {tally.submitted} submitted, {tally.answered} answered "
-        f"({dict(tally.statuses)}), {lost} unanswered"
+        f"[b]done[/]: {sum(tally.submitted.values())} submitted, {tally.answered} answered "
+        f"({dict(tally.statuses)}), {lost} unanswered; ran on {dict(tally.where)}; "
+        f"wafer images off-site: {tally.wafer_offsite}"
     )
-    return 0 if lost == 0 else 1
+    return 0 if lost == 0 and tally.wafer_offsite == 0 else 1

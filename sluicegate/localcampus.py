@@ -25,6 +25,7 @@ from sluicegate.campus import BROKER, LINES, WORKERS, Campus, write_campus
 from sluicegate.config import MqttSettings
 from sluicegate.errors import SluicegateError
 from sluicegate.mqtt import MqttTransport
+from sluicegate.servers import free_port
 from sluicegate.transport import Message
 
 ROLE = {BROKER: "broker"} | dict.fromkeys(LINES, "edge") | dict.fromkeys(WORKERS, "pool")
@@ -57,6 +58,7 @@ class LocalCampus:
         self._env = env or {}
         self._log_level = log_level
         self.campus: Campus | None = None
+        self.http_port = free_port()  # the broker's HTTP API
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
 
     @property
@@ -66,7 +68,11 @@ class LocalCampus:
     def start(self, timeout: float = 60.0) -> Campus:
         """Write the campus, start every node, return once all are online."""
         self.campus = write_campus(
-            self.root, self._key_for, mqtt_port=self.mqtt_port, redis_url=self.redis_url
+            self.root,
+            self._key_for,
+            mqtt_port=self.mqtt_port,
+            redis_url=self.redis_url,
+            http_port=self.http_port,
         )
         for node in self.nodes:
             self.spawn(node)
@@ -118,7 +124,9 @@ class LocalCampus:
                 for node in nodes:
                     proc = self.processes.get(node)
                     if proc is not None and proc.poll() is not None:
-                        raise SluicegateError(f"{node} exited with {proc.returncode}: {self.tail(node)}")
+                        raise SluicegateError(
+                            f"{node} exited with {proc.returncode}: {self.tail(node)}"
+                        )
                 if time.monotonic() > deadline:
                     raise SluicegateError(f"not online after {timeout:.0f} s: {sorted(waiting)}")
                 with contextlib.suppress(TimeoutError):

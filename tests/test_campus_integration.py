@@ -1,0 +1,134 @@
+"""Real tier, whole campus: a broker, two edge agents and two pool workers as processes
+(the same :class:`LocalCampus` the demo runs), on real Mosquitto and Redis.
+
+The burst test asserts completeness and placement; how many met their deadline is a
+benchmark figure (bench/campus_burst.py), never a test assertion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from sluicegate import AsyncClient
+from sluicegate.config import MqttSettings
+from sluicegate.demo import Tally, stream
+from sluicegate.localcampus import LocalCampus
+from sluicegate.servers import ServerProcess
+from tests.image_bytes import sample_jpeg
+from tests.policies.policy_testkit import key
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def campus(
+    tmp_path_factory: pytest.TempPathFactory, mosquitto: ServerProcess, redis_server: ServerProcess
+) -> Iterator[LocalCampus]:
+    root = tmp_path_factory.mktemp("local-campus")
+    # Each campus gets its own Redis database, so reservations of other tests never count.
+    lc = LocalCampus(
+        root,
+        mqtt_port=mosquitto.port,
+        redis_url=f"redis://127.0.0.1:{redis_server.port}/3",
+        key_for=key,
+        log_level="info",
+    )
+    lc.start()
+    yield lc
+    lc.stop()
+
+
+def test_burst_on_one_line_completes_and_stays_inside_the_policy(
+    campus: LocalCampus, mosquitto: ServerProcess
+) -> None:
+    tally = Tally()
+
+    async def run() -> None:
+        await stream(
+            MqttSettings(port=mosquitto.port),
+            10.0,
+            11.5,
+            asyncio.Event(),
+            tally,
+            live=False,
+            burst_at=1.0,
+            burst_for=10.0,
+        )
+
+    asyncio.run(run())
+    submitted = sum(tally.submitted.values())
+    assert submitted > 1000
+    assert tally.answered == submitted  # every job ended in a result
+    assert tally.errors == {}
+    assert tally.unmatched == 0  # and in exactly one
+    assert tally.kinds["pool"] > 0  # the burst really was offloaded
+    assert tally.wafer_offsite == 0  # wafer images never left the campus
+    assert set(tally.where) <= {"line-1-pc", "line-2-pc", "north-cpu-1", "cloud-cpu-1"}
+
+
+def test_campus_only_class_with_only_offsite_capacity_runs_locally_and_says_why(
+    campus: LocalCampus, mosquitto: ServerProcess
+) -> None:
+    # Freeze the campus worker: the broker sees it go silent, so the only idle worker left
+    # is off-site, where a wafer image may not go.
+    proc = campus.processes["north-cpu-1"]
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        wait_for_fleet(campus, lambda ws: not ws["north-cpu-1"]["online"], timeout=15)
+        # Three telemetry intervals of 1 s, plus the broker's housekeeping tick.
+        assert time.monotonic() - stopped < 5.0
+        results = asyncio.run(_volley(mosquitto.port, "line-2-pc", "wafer-image", 12))
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    wait_for_fleet(campus, lambda ws: ws["north-cpu-1"]["online"], timeout=15)
+    assert all(r.status == "ok" for r in results)
+    assert all(r.ran_on.node == "line-2-pc" for r in results)
+    asked = [r.offload for r in results if r.offload is not None]
+    assert asked, "a volley of 12 on a one-slot edge must ask the broker"
+    assert all(not o.placed for o in asked)
+    assert {o.code for o in asked} <= {"no_worker", "no_capacity", "policy_denied"}
+
+
+def wait_for_fleet(
+    campus: LocalCampus, check: Callable[[dict[str, Any]], bool], timeout: float
+) -> None:
+    """Poll the broker's GET /fleet until ``check(workers by id)`` holds."""
+    url = f"http://127.0.0.1:{campus.http_port}/fleet"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            workers = {w["id"]: w for w in json.loads(resp.read())["workers"]}
+        if workers and check(workers):
+            return
+        time.sleep(0.1)  # the next poll of the broker's state
+    raise AssertionError(f"fleet condition not met within {timeout} s")
+
+
+async def _volley(port: int, edge: str, data_class: str, n: int) -> list:  # type: ignore[type-arg]
+    image = sample_jpeg(5)[0]
+    async with AsyncClient(MqttSettings(port=port), edge=edge) as client:
+        return list(
+            await asyncio.gather(
+                *(
+                    client.infer(
+                        image,
+                        model="defect-v1",
+                        deadline_ms=200,
+                        data_class=data_class,
+                        job_id=f"v-{uuid.uuid4().hex[:8]}",
+                    )
+                    for _ in range(n)
+                )
+            )
+        )
