@@ -101,15 +101,25 @@ class Driver:
             self.done[corr] = (now, bytes(msg.payload))
             self.cond.notify_all()
 
-    def submit(self, edge: str, corr: bytes, image: bytes) -> None:
+    def submit(
+        self,
+        edge: str,
+        corr: bytes,
+        image: bytes,
+        *,
+        user: list[tuple[str, str]] | None = None,
+        topic: str | None = None,
+    ) -> None:
+        """Publish a job to ``edge``'s submit topic (or straight to ``topic``)."""
         props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
         props.ResponseTopic = self.topic
         props.CorrelationData = corr
         props.ContentType = "image/jpeg"
-        props.UserProperty = [(topics.PROP_MODEL, MODEL)]
+        props.UserProperty = user or [(topics.PROP_MODEL, MODEL)]
         with self.cond:
             self.sent[corr] = time.perf_counter()
-        self.client.publish(topics.edge_submit(edge), image, qos=1, properties=props)
+        target = topic or topics.edge_submit(edge)
+        self.client.publish(target, image, qos=1, properties=props)
 
     def wait(self, corr: bytes, timeout: float = 30.0) -> float:
         with self.cond:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -54,6 +55,10 @@ class PlainClient:
         self.client.on_connect = lambda *a: self._connected.set()
         self.client.on_message = self._on_message
         self.client.on_subscribe = lambda _c, _u, mid, _rc, _p: self._subacks.put(mid)
+        # Like any sensible MQTT client: no Nagle delay on small packets (PUBACKs).
+        self.client.on_socket_open = lambda _c, _u, sock: sock.setsockopt(
+            socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
+        )
         self.client.connect(host, port)
         self.client.loop_start()
         if not self._connected.wait(10):

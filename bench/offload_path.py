@@ -1,0 +1,188 @@
+"""Benchmark: end-to-end offload overhead, beside the same image published straight to the
+same worker (the baseline), interleaved on the same Mosquitto in the same run.
+
+Processes: a Mosquitto and a Redis started for the run; the local campus (a broker, two
+edge agents, an on-campus and an off-site worker, ``sluicegate.localcampus``) with the
+edges told to offload every job (``SLUICEGATE_OFFLOAD__QUEUE_BOUND=0``); this driver, a
+plain paho-mqtt v5 client.
+
+* Subject: a wafer image submitted to edge line-1-pc, which asks the broker, verifies the
+  token, and publishes the image to the chosen worker (north-cpu-1, the only one the
+  policy allows), which answers the app.
+* Baseline: the same image published by the driver straight to north-cpu-1's work topic
+  with a token the driver minted itself with the campus broker key (what a bare worker
+  needs, nothing more).
+
+Open-loop at ``--rate`` jobs/s, A then B in each slot. Prints a table, then the
+``RESULT {...}`` line (BENCHMARKS.md).
+
+    .venv/bin/python bench/offload_path.py                 # about a minute on 2 cores
+    .venv/bin/python bench/offload_path.py --jobs 3000 --rate 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from edge_path import Driver, make_image, pct  # noqa: E402
+
+from policies import load_policy, load_signing_key, mint  # noqa: E402
+from sluicegate import topics  # noqa: E402
+from sluicegate.localcampus import LocalCampus  # noqa: E402
+from sluicegate.servers import running, start_mosquitto, start_redis  # noqa: E402
+
+EDGE, WORKER, ZONE = "line-1-pc", "north-cpu-1", "campus/fab-north/dc"
+ORIGIN = "campus/fab-north/line-1"
+CLASS = "wafer-image"
+TARGET = {"overhead_p50_ms": 1.0, "overhead_p99_ms": 3.0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--jobs", type=int, default=2000, help="samples of each kind after warm-up")
+    ap.add_argument("--rate", type=float, default=100.0, help="slots per second (A then B)")
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--payload-kb", type=int, default=100)
+    args = ap.parse_args()
+    image = make_image(args.payload_kb)
+    digest = hashlib.sha256(image).digest()
+
+    with (
+        running(start_mosquitto()) as mqtt,
+        running(start_redis()) as redis,
+        tempfile.TemporaryDirectory(prefix="sg-bench-") as tmp,
+    ):
+        campus = LocalCampus(
+            Path(tmp),
+            mqtt_port=mqtt.port,
+            redis_url=f"redis://127.0.0.1:{redis.port}/0",
+            env={"SLUICEGATE_OFFLOAD__QUEUE_BOUND": "0"},
+        )
+        files = campus.start()
+        policy = load_policy(files.policy_file)
+        broker_key = load_signing_key(files.key_files["broker-1"])
+        driver = Driver(mqtt.port)
+        work_topic = topics.pool_work(ZONE, WORKER)
+        subject: list[float] = []
+        baseline: list[float] = []
+        where: dict[str, int] = {}
+        try:
+            period = 1.0 / args.rate
+            next_at = time.perf_counter()
+            for i in range(args.warmup + args.jobs):
+                next_at += period
+                job_a, job_b = f"off-{i}", f"dir-{i}"
+                driver.submit(
+                    EDGE,
+                    job_a.encode(),
+                    image,
+                    user=[
+                        (topics.PROP_MODEL, "defect-v1"),
+                        (topics.PROP_DATA_CLASS, CLASS),
+                        (topics.PROP_JOB_ID, job_a),
+                        (topics.PROP_DEADLINE_MS, "200"),
+                    ],
+                )
+                a = driver.wait(job_a.encode())
+                token = mint(
+                    policy,
+                    broker_key,
+                    job_id=job_b,
+                    payload_sha256=digest,
+                    data_class=CLASS,
+                    origin_zone=ORIGIN,
+                    target_worker=WORKER,
+                    now=time.time(),
+                )
+                user = [
+                    (topics.PROP_JOB_ID, job_b),
+                    (topics.PROP_MODEL, "defect-v1"),
+                    (topics.PROP_TOKEN, token),
+                    (topics.PROP_DATA_CLASS, CLASS),
+                    (topics.PROP_ORIGIN_ZONE, ORIGIN),
+                    (topics.PROP_EDGE, EDGE),
+                ]
+                driver.submit(EDGE, job_b.encode(), image, user=user, topic=work_topic)
+                b = driver.wait(job_b.encode())
+                doc_a = json.loads(driver.done[job_a.encode()][1])
+                doc_b = json.loads(driver.done[job_b.encode()][1])
+                if doc_a["status"] != "ok" or doc_b["status"] != "ok":
+                    raise SystemExit(f"a job failed: {doc_a} / {doc_b}")
+                node = doc_a["ran_on"]["node"]
+                if node == EDGE and i >= args.warmup:
+                    raise SystemExit(f"job {job_a} was not offloaded: {doc_a.get('offload')}")
+                where[node] = where.get(node, 0) + 1
+                if i >= args.warmup:
+                    subject.append(a)
+                    baseline.append(b)
+                time.sleep(max(0.0, next_at - time.perf_counter()))  # open-loop pacing
+        finally:
+            driver.close()
+            campus.stop()
+    report(args, image, subject, baseline, where)
+
+
+def report(
+    args: argparse.Namespace,
+    image: bytes,
+    subject: list[float],
+    baseline: list[float],
+    where: dict[str, int],
+) -> None:
+    ov50 = pct(subject, 50) - pct(baseline, 50)
+    ov99 = pct(subject, 99) - pct(baseline, 99)
+    paired = [a - b for a, b in zip(subject, baseline, strict=True)]
+    print(
+        f"offload path: {len(image) / 1024:.0f} KB JPEG, {args.jobs} slots at {args.rate:g}/s, "
+        f"nproc {os.cpu_count()}; subject jobs ran on {where}"
+    )
+    print(f"{'':44}{'p50 ms':>10}{'p99 ms':>10}")
+    print(
+        f"{'edge -> broker -> worker (subject)':44}{pct(subject, 50):10.3f}{pct(subject, 99):10.3f}"
+    )
+    print(
+        f"{'straight to the same worker (baseline)':44}{pct(baseline, 50):10.3f}{pct(baseline, 99):10.3f}"
+    )
+    print(f"{'overhead = subject - baseline':44}{ov50:10.3f}{ov99:10.3f}")
+    print(f"{'paired difference per slot':44}{pct(paired, 50):10.3f}{pct(paired, 99):10.3f}")
+    met = ov50 <= TARGET["overhead_p50_ms"] and ov99 <= TARGET["overhead_p99_ms"]
+    result = {
+        "bench": "offload_path",
+        "subject": {"p50_ms": pct(subject, 50), "p99_ms": pct(subject, 99), "ran_on": where},
+        "baseline": {"p50_ms": pct(baseline, 50), "p99_ms": pct(baseline, 99)},
+        "ratio": {
+            "overhead_p50_ms": ov50,
+            "overhead_p99_ms": ov99,
+            "paired_p50_ms": pct(paired, 50),
+            "paired_p99_ms": pct(paired, 99),
+        },
+        "target": TARGET,
+        "met": met,
+        "params": {"jobs": args.jobs, "rate": args.rate, "payload_bytes": len(image)},
+        "machine": {
+            "nproc": os.cpu_count(),
+            "python": platform.python_version(),
+            "paho": version("paho-mqtt"),
+            "numpy": np.__version__,
+        },
+    }
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
