@@ -152,14 +152,14 @@ def report(
         f"nproc {os.cpu_count()}; subject jobs ran on {where}"
     )
     print(f"{'':44}{'p50 ms':>10}{'p99 ms':>10}")
-    print(
-        f"{'edge -> broker -> worker (subject)':44}{pct(subject, 50):10.3f}{pct(subject, 99):10.3f}"
-    )
-    print(
-        f"{'straight to the same worker (baseline)':44}{pct(baseline, 50):10.3f}{pct(baseline, 99):10.3f}"
-    )
+    rows = [
+        ("edge -> broker -> worker (subject)", subject),
+        ("straight to the same worker (baseline)", baseline),
+        ("paired difference per slot", paired),
+    ]
+    for name, values in rows:
+        print(f"{name:44}{pct(values, 50):10.3f}{pct(values, 99):10.3f}")
     print(f"{'overhead = subject - baseline':44}{ov50:10.3f}{ov99:10.3f}")
-    print(f"{'paired difference per slot':44}{pct(paired, 50):10.3f}{pct(paired, 99):10.3f}")
     met = ov50 <= TARGET["overhead_p50_ms"] and ov99 <= TARGET["overhead_p99_ms"]
     result = {
         "bench": "offload_path",
