@@ -80,7 +80,7 @@ def classify(
         return ZONE_MISMATCH
     if need.providers and need.providers.isdisjoint(caps.providers):
         return NO_PROVIDER
-    if need.memory_mb > caps.memory_total_mb - sample.memory_used_mb:
+    if need.memory_mb and need.memory_mb > caps.memory_total_mb - sample.memory_used_mb:
         return NO_MEMORY
     if sample.queue_depth + sample.in_flight + reserved >= sample.capacity:
         return FULL
