@@ -165,8 +165,8 @@ class Fleet:
         return jobs
 
     def expire(self, now: float, timeout_s: float) -> list[str]:
-        """Take offline every worker silent for more than ``timeout_s``; returns their ids.
-        O(1) when nobody expires (a heap of last-seen times)."""
+        """Take offline every worker silent for more than ``timeout_s``; returns their ids,
+        longest silent first. O(1) when nobody expires (a heap of last-seen times)."""
         cutoff = now - timeout_s
         gone: list[str] = []
         seen = self._seen

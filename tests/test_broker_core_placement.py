@@ -154,7 +154,9 @@ def test_memory_requirement_counts_memory_in_use() -> None:
 
 
 def test_provider_requirement_is_any_of() -> None:
-    needs = {"defect-v1": Requirements(providers=("CANNExecutionProvider", "CUDAExecutionProvider"))}
+    needs = {
+        "defect-v1": Requirements(providers=("CANNExecutionProvider", "CUDAExecutionProvider"))
+    }
     workers = [
         (caps("gpu-1", NDC, providers=("CPUExecutionProvider",)), {}),
         (caps("npu-1", SDC, device_class="ascend-910b", providers=("CANNExecutionProvider",)), {}),
@@ -172,7 +174,9 @@ def test_offline_and_unknown_model() -> None:
     assert decision.candidates.removed("offline") == 2
     unknown = refused(both(three_workers(), request(model="defect-v9")))
     assert unknown.code == "no_worker"
-    assert unknown.reason == "no online worker has model 'defect-v9'; models in the fleet: defect-v1"
+    assert (
+        unknown.reason == "no online worker has model 'defect-v9'; models in the fleet: defect-v1"
+    )
 
 
 def test_subhealthy_worker_gets_nothing_while_a_healthy_one_has_room() -> None:

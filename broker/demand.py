@@ -1,0 +1,104 @@
+"""Predicted demand per pool, the signal an autoscaler (KEDA/HPA via Prometheus) sizes
+pools by.
+
+For each pool of the policy: how many jobs per second its online workers can serve
+(concurrency over the mean learned service time of their models), how many it is asked
+for (the arrival rate the shell measured, plus the backlog the load forecast expects at
+the horizon, to be cleared within one horizon), their ratio, and how many workers would
+serve that demand at a target utilisation. Pure: the shell passes the arrival rates it
+counted, this module only does arithmetic over the fleet; it never scales anything.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from broker import forecast as fc
+from broker.errors import InvalidParams
+from broker.fleet import Fleet
+from broker.state import WorkerState
+from policies.model import Policy
+
+
+@dataclass(frozen=True, slots=True)
+class PoolDemand:
+    pool: str
+    zone: str
+    workers: int  # declared in the policy
+    online: int
+    slots: int  # jobs the online workers can hold (sum of capacity)
+    held: int  # jobs they hold now: queued + running + reserved
+    capacity_jobs_s: float  # jobs/s the online workers serve when busy
+    demand_jobs_s: float  # arrivals + forecast backlog cleared within the horizon
+    load: float  # held / slots
+    forecast_load: float  # expected held / slots at the horizon
+    ratio: float  # demand / capacity; inf when there is demand and no capacity
+    desired_workers: int  # to serve the demand at the target utilisation
+
+
+def worker_rate(fleet: Fleet, state: WorkerState) -> float:
+    """Jobs/s a worker serves when busy: concurrency over its models' mean service time."""
+    caps = state.capabilities
+    if caps is None or not caps.models:
+        return 0.0
+    mean_ms = sum(fleet.service.estimate(m, caps.device_class) for m in caps.models) / len(
+        caps.models
+    )
+    return caps.concurrency * 1000.0 / mean_ms
+
+
+def pool_demand(
+    fleet: Fleet,
+    policy: Policy,
+    *,
+    arrivals_per_s: Mapping[str, float],
+    horizon_s: float | None = None,
+    target_utilisation: float = 0.7,
+) -> tuple[PoolDemand, ...]:
+    """Demand against capacity for every pool of ``policy``, in pool-name order.
+    ``arrivals_per_s``: jobs/s placed on (or meant for) each pool, by pool name."""
+    if not 0.0 < target_utilisation <= 1.0:
+        raise InvalidParams(f"target_utilisation = {target_utilisation!r}; accepted: 0 < t <= 1")
+    horizon = horizon_s if horizon_s is not None else fleet.params.forecast_horizon_s
+    out = []
+    for pool in sorted(policy.pools, key=lambda p: p.name):
+        states = [s for w in pool.workers if (s := fleet.state(w)) is not None]
+        online = [s for s in states if s.placeable]
+        slots = held = 0
+        expected = capacity = 0.0
+        for state in online:
+            sample = state.samples[-1]
+            reserved = fleet.reserved(state.worker_id)
+            outlook = fc.forecast(state.samples, reserved, fleet.params)
+            slots += sample.capacity
+            held += sample.queue_depth + sample.in_flight + reserved
+            expected += outlook.predicted * sample.capacity
+            capacity += worker_rate(fleet, state)
+        demand = arrivals_per_s.get(pool.name, 0.0) + (expected / horizon if horizon > 0 else 0.0)
+        known = [r for s in states if (r := worker_rate(fleet, s)) > 0.0]
+        per_worker = sum(known) / len(known) if known else 0.0
+        if demand <= 0.0:
+            desired = 0
+        elif per_worker > 0.0:
+            desired = math.ceil(demand / (per_worker * target_utilisation))
+        else:
+            desired = len(pool.workers)
+        out.append(
+            PoolDemand(
+                pool=pool.name,
+                zone=pool.zone,
+                workers=len(pool.workers),
+                online=len(online),
+                slots=slots,
+                held=held,
+                capacity_jobs_s=capacity,
+                demand_jobs_s=demand,
+                load=held / slots if slots else 0.0,
+                forecast_load=expected / slots if slots else 0.0,
+                ratio=demand / capacity if capacity > 0 else (math.inf if demand > 0 else 0.0),
+                desired_workers=desired,
+            )
+        )
+    return tuple(out)
