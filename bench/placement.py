@@ -320,12 +320,16 @@ class Clock:
         self.due = self.now
         self.per_worker = 1.0 / len(world.caps)
         self.ingested = 0
+        self.ingest_us: list[float] = []
 
     def tick(self, ingest: bool) -> float:
         self.now += self.step
         while ingest and self.due <= self.now:
             i = self.next_worker
-            self.fleet.apply_telemetry(self.world.telemetry(i, self.due), self.due)
+            message = self.world.telemetry(i, self.due)
+            t0 = time.perf_counter_ns()
+            self.fleet.apply_telemetry(message, self.due)
+            self.ingest_us.append((time.perf_counter_ns() - t0) / 1000)
             self.next_worker = (i + 1) % len(self.world.caps)
             self.due += self.per_worker
             self.ingested += 1
@@ -374,7 +378,7 @@ def measure_latency(
         if start >= args.warmup:
             subject += [t / 1000 for t in times]
             baseline += [t / 1000 for t in base]
-    return {"subject": subject, "baseline": baseline, "codes": codes}
+    return {"subject": subject, "baseline": baseline, "codes": codes, "ingest": clock.ingest_us}
 
 
 def verify(world: World, args: argparse.Namespace, params: PlacementParams) -> dict[str, Any]:
@@ -492,6 +496,7 @@ def main() -> None:
 
     s, b = summary(lat["subject"]), summary(lat["baseline"])
     r = summary(check["reference_us"])
+    ingest = summary(lat["ingest"])
     plain = statistics.median(rounds["plain"])
     mixed = statistics.median(rounds["with_telemetry"])
     tel_rate = statistics.median(rounds["telemetry_per_s"])
@@ -528,6 +533,10 @@ def main() -> None:
     print(f"{'decide, while ingesting telemetry':<44}{mixed:>9,.0f}")
     print(f"{'  telemetry messages ingested':<44}{tel_rate:>9,.0f}")
     print(f"{'scan of all workers (baseline)':<44}{scan_rate:>9,.0f}")
+    print(
+        f"apply_telemetry: p50 {ingest['p50_us']:.1f} µs, p99 {ingest['p99_us']:.1f} µs "
+        f"({len(lat['ingest'])} messages)"
+    )
     print(f"peak RSS {rss_mb:.0f} MiB")
 
     achieved = {"decide_p50_us": s["p50_us"], "decisions_per_s": mixed}
@@ -538,6 +547,7 @@ def main() -> None:
             "decisions_per_s_static": plain,
             "decisions_per_s_with_telemetry": mixed,
             "telemetry_per_s": tel_rate,
+            "apply_telemetry": ingest,
             "outcomes": lat["codes"],
             "agree_with_reference": check["agree_reference"],
             "agree_with_scan": check["agree_scan"],

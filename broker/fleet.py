@@ -239,6 +239,16 @@ class Fleet:
         """Jobs reserved on the worker that its telemetry does not show yet."""
         return len(self._by_worker.get(worker_id, ()))
 
+    def headroom(self, worker_id: str) -> int:
+        """Jobs the worker can still take: capacity minus queued, running and reserved (0
+        when offline or unknown). The shell's atomic Redis reservation may use it as the
+        limit it checks against."""
+        state = self._states.get(worker_id)
+        if state is None or not state.placeable or state.latest is None:
+            return 0
+        s = state.latest
+        return max(0, s.capacity - s.queue_depth - s.in_flight - self.reserved(worker_id))
+
     def reservation(self, job_id: str) -> str | None:
         """The worker ``job_id`` is reserved on, if it still counts."""
         held = self._reservations.get(job_id)

@@ -115,8 +115,9 @@ class Group:
 
     link: int
     device_class: str
-    healthy: list[tuple[list[Entry], Bucket]] = field(default_factory=list)
-    sub: list[tuple[list[Entry], Bucket]] = field(default_factory=list)
+    # The buckets' sorted lists; a bucket is found from an entry's slot when needed.
+    healthy: list[list[Entry]] = field(default_factory=list)
+    sub: list[list[Entry]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -307,8 +308,8 @@ class PlacementIndex:
             group = groups.get((link, dc))
             if group is None:
                 group = groups[(link, dc)] = Group(link, dc)
-            group.healthy.append((bucket.healthy, bucket))
-            group.sub.append((bucket.sub, bucket))
+            group.healthy.append(bucket.healthy)
+            group.sub.append(bucket.sub)
         return Route(
             data_class=data_class,
             origin_zone=origin_zone,

@@ -61,6 +61,7 @@ def _scan(
     Groups are visited in order of their lowest possible score (transfer + service: a key
     is at least 1), and a group that cannot beat the ``k``-th best so far is skipped."""
     groups = route.groups
+    model = route.model
     order = sorted([(tx[g.link] + services[g.device_class], i) for i, g in enumerate(groups)])
     top: list[_Scored] = []
     cut = math.inf
@@ -70,18 +71,16 @@ def _scan(
         group = groups[i]
         transfer = tx[group.link]
         service = services[group.device_class]
-        for tier, bucket in group.sub if sub else group.healthy:
-            if not tier:
-                continue
-            key, worker_id, slot = tier[0]
-            score = transfer + service * key
-            if score > cut:
-                continue
-            insort(top, (score, key, worker_id, slot, bucket, transfer, service))
-            if len(top) > k:
-                top.pop()
-            if len(top) == k:
-                cut = top[-1][0]
+        for tier in group.sub if sub else group.healthy:
+            if tier:
+                key, worker_id, slot = tier[0]
+                score = transfer + service * key
+                if score <= cut:
+                    bucket = slot.statuses[model][0]
+                    insort(top, (score, key, worker_id, slot, bucket, transfer, service))
+                    if len(top) >= k:
+                        del top[k:]
+                        cut = top[-1][0]
     return top
 
 
@@ -95,19 +94,17 @@ def _best_workers(heads: list[_Scored], sub: bool, k: int) -> list[_Scored]:
     pool = list(heads)
     cut = pool[-1][0] if len(pool) == k else math.inf
     for _, _, _, _, bucket, transfer, service in heads:
-        for key, worker_id, slot in (bucket.sub if sub else bucket.healthy)[1:k]:
+        tier = bucket.sub if sub else bucket.healthy
+        for j in range(1, min(k, len(tier))):
+            key, worker_id, slot = tier[j]
             score = transfer + service * key
             if score > cut:
                 break  # the rest of this bucket scores no better
             pool.append((score, key, worker_id, slot, bucket, transfer, service))
     if len(pool) > len(heads):
-        pool.sort(key=_order)
+        pool.sort()  # (score, key, worker id) decide: a worker is in one bucket per model
         del pool[k:]
     return pool
-
-
-def _order(item: _Scored) -> tuple[float, float, str]:
-    return item[0], item[1], item[2]
 
 
 def _candidate(item: _Scored) -> Candidate:
@@ -165,8 +162,9 @@ def decide(
         policy, request.data_class, request.origin_zone, model, params.campus_prefix
     )
     tx = transfer_costs(request.payload_bytes, params)
-    estimate = fleet.service.estimate
-    services = {g.device_class: estimate(model, g.device_class) for g in route.groups}
+    table = fleet.service.table(model)
+    default = fleet.service.default_ms
+    services = {g.device_class: table.get(g.device_class, default) for g in route.groups}
     k = params.top_k
     sub = False
     top = _scan(route, tx, services, sub, k)

@@ -14,15 +14,18 @@ shell may persist :meth:`ServiceModel.snapshot` and hand it back to :meth:`resto
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Literal
 
 Source = Literal["learned", "reported", "default"]
+_EMPTY: Mapping[str, float] = MappingProxyType({})
 
 
 class ServiceModel:
     """EWMA service time per (model, device class), in milliseconds."""
 
-    __slots__ = ("_alpha", "_default_ms", "_learned", "_observed", "_reported")
+    __slots__ = ("_alpha", "_by_model", "_default_ms", "_learned", "_observed", "_reported")
 
     def __init__(self, alpha: float, default_ms: float) -> None:
         self._alpha = alpha
@@ -30,6 +33,8 @@ class ServiceModel:
         self._learned: dict[tuple[str, str], float] = {}
         self._reported: dict[tuple[str, str], float] = {}
         self._observed: dict[tuple[str, str], int] = {}
+        # model -> device class -> current estimate, for classes with any figure
+        self._by_model: dict[str, dict[str, float]] = {}
 
     @staticmethod
     def _usable(value: float) -> bool:
@@ -39,17 +44,35 @@ class ServiceModel:
         old = table.get(key)
         table[key] = ms if old is None else old + self._alpha * (ms - old)
 
+    def _publish(self, model: str, device_class: str) -> None:
+        table = self._by_model.get(model)
+        if table is None:
+            table = self._by_model[model] = {}
+        table[device_class] = self.estimate(model, device_class)
+
     def observe(self, model: str, device_class: str, service_ms: float) -> None:
         """A completed job's service time (from a completion record)."""
         if self._usable(service_ms):
             key = (model, device_class)
             self._blend(self._learned, key, service_ms)
             self._observed[key] = self._observed.get(key, 0) + 1
+            self._publish(model, device_class)
 
     def report(self, model: str, device_class: str, service_ms: float) -> None:
         """A worker's own moving average for ``model`` (from its telemetry)."""
         if self._usable(service_ms):
             self._blend(self._reported, (model, device_class), service_ms)
+            if (model, device_class) not in self._learned:
+                self._publish(model, device_class)
+
+    @property
+    def default_ms(self) -> float:
+        return self._default_ms
+
+    def table(self, model: str) -> Mapping[str, float]:
+        """``estimate(model, dc)`` for every device class with a learned or reported
+        figure (others get :attr:`default_ms`): one lookup per decision on the hot path."""
+        return self._by_model.get(model, _EMPTY)
 
     def estimate(self, model: str, device_class: str) -> float:
         key = (model, device_class)
@@ -88,3 +111,5 @@ class ServiceModel:
         for model, dc, value, _ in snapshot.get("reported", []):
             if self._usable(value):
                 self._reported[(model, dc)] = value
+        for model, dc in (*self._learned, *self._reported):
+            self._publish(model, dc)

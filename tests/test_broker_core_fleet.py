@@ -123,7 +123,10 @@ def test_reservations_count_until_telemetry_shows_them() -> None:
     fleet.reserve("gpu-1", "job-a", NOW)  # idempotent
     fleet.reserve("gpu-1", "job-b", NOW + 0.2)
     assert fleet.reserved("gpu-1") == 2
+    assert fleet.headroom("gpu-1") == 16 - 2
     fleet.apply_telemetry(telemetry("gpu-1", NOW + 0.3, queue_depth=1), NOW + 0.3)
+    assert fleet.headroom("gpu-1") == 16 - 1 - 1
+    assert fleet.headroom("ghost") == 0
     assert fleet.reserved("gpu-1") == 1  # job-a is in that sample now; job-b is too fresh
     assert fleet.reservation("job-b") == "gpu-1"
     assert not fleet.release("job-a")
@@ -166,9 +169,14 @@ def test_service_model_prefers_learned_then_reported_then_default() -> None:
     for bad in (math.nan, math.inf, -1.0, 0.0):
         model.observe("m", "gpu", bad)
     assert model.estimate("m", "gpu") == 8.0
+    model.report("m", "npu", 30.0)
+    model.report("m", "gpu", 99.0)  # learned figures win over reported ones
+    assert dict(model.table("m")) == {"gpu": 8.0, "npu": 30.0}
+    assert dict(model.table("other")) == {}
     copy = ServiceModel(alpha=0.5, default_ms=50.0)
     copy.restore(model.snapshot())
     assert copy.snapshot() == model.snapshot()
+    assert copy.table("m") == model.table("m")
     assert copy.observations("m", "gpu") == 1
 
 
