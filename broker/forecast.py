@@ -40,14 +40,18 @@ def trend(samples: Sequence[TelemetrySample], window: int, min_samples: int) -> 
     if n < min_samples:
         return 0.0
     t0 = recent[0].ts
-    xs = [s.ts - t0 for s in recent]
-    ys = [s.load for s in recent]
-    mx = sum(xs) / n
-    my = sum(ys) / n
-    sxx = sum((x - mx) * (x - mx) for x in xs)
-    if sxx <= 0.0:
+    sx = sy = sxx = sxy = 0.0
+    for s in recent:
+        x = s.ts - t0
+        y = (s.queue_depth + s.in_flight) / s.capacity
+        sx += x
+        sy += y
+        sxx += x * x
+        sxy += x * y
+    var = n * sxx - sx * sx
+    if var <= 1e-12 * n * sxx:  # one timestamp (or as good as): no trend
         return 0.0
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    return (n * sxy - sx * sy) / var
 
 
 def load_now(sample: TelemetrySample, reserved: int) -> float:
