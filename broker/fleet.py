@@ -11,6 +11,7 @@ broker's clock reading ``now``::
     fleet.apply_completion(completion, now) # .../broker/completions: release + learn
     fleet.reserve(worker_id, job_id, now)   # right after a Placed decision
     fleet.release(job_id)                   # the job's Redis reservation ended or failed
+    fleet.mark_full(worker_id, now)         # ... failed: other replicas filled the worker
     fleet.expire(now, timeout_s)            # periodically; decide() also calls it
 
 Reservations are local: they make consecutive decisions see the jobs just placed before
@@ -72,6 +73,7 @@ class Fleet:
         self._by_worker: dict[str, dict[str, float]] = {}  # worker -> job id -> when
         self._seen: list[tuple[float, str]] = []  # (last_seen, worker), a lazy min-heap
         self._models: dict[str, int] = {}  # model -> workers with capabilities that load it
+        self._marked_full: set[str] = set()  # full by a shared reservation, until telemetry
         self.index = PlacementIndex(self.params, self._needs)
         self._policy: Policy | None = None
         if policy is not None:
@@ -104,7 +106,8 @@ class Fleet:
     def _rebuild(self) -> None:
         self.index.reset(self._policy, self._needs)
         for state in self._states.values():
-            self.index.update(state, self.reserved(state.worker_id))
+            wid = state.worker_id
+            self.index.update(state, self.reserved(wid), wid in self._marked_full)
 
     # -- events -----------------------------------------------------------------------------
 
@@ -113,8 +116,9 @@ class Fleet:
         if old is None or old.capabilities is not state.capabilities:
             self._count_models(old, -1)
             self._count_models(state, 1)
-        self._states[state.worker_id] = state
-        self.index.update(state, self.reserved(state.worker_id))
+        wid = state.worker_id
+        self._states[wid] = state
+        self.index.update(state, self.reserved(wid), wid in self._marked_full)
 
     def apply_capabilities(self, caps: WorkerCapabilities, now: float) -> None:
         """A worker's (retained) capabilities. Does not make it online: a retained document
@@ -135,6 +139,7 @@ class Fleet:
         if old.latest is not None and tel.ts <= old.latest.ts:
             old = WorkerState(old.worker_id, old.capabilities)
         self._absorb(tel.node, now - self.params.absorb_after_s)
+        self._marked_full.discard(tel.node)
         state = old.with_sample(sample, self.params.history)
         device_class = state.capabilities.device_class if state.capabilities else tel.device_class
         for model, ms in sample.service_ms.items():
@@ -155,6 +160,7 @@ class Fleet:
         """The worker is gone (Last Will, or silent too long). Returns the job ids still
         reserved on it locally; they are released here, and the shell re-places them."""
         state = self._states.get(worker_id)
+        self._marked_full.discard(worker_id)
         jobs = tuple(self._by_worker.pop(worker_id, {}))
         for job_id in jobs:
             self._reservations.pop(job_id, None)
@@ -239,12 +245,24 @@ class Fleet:
         """Jobs reserved on the worker that its telemetry does not show yet."""
         return len(self._by_worker.get(worker_id, ()))
 
+    def mark_full(self, worker_id: str, now: float) -> None:
+        """The shared (Redis) reservation for this worker was refused: other replicas'
+        jobs fill it. Count it full until its next telemetry sample."""
+        if worker_id in self._states:
+            self._marked_full.add(worker_id)
+            self.index.set_marked_full(worker_id, True)
+
+    def marked_full(self, worker_id: str) -> bool:
+        return worker_id in self._marked_full
+
     def headroom(self, worker_id: str) -> int:
         """Jobs the worker can still take: capacity minus queued, running and reserved (0
         when offline or unknown). The shell's atomic Redis reservation may use it as the
         limit it checks against."""
         state = self._states.get(worker_id)
         if state is None or not state.placeable or state.latest is None:
+            return 0
+        if worker_id in self._marked_full:
             return 0
         s = state.latest
         return max(0, s.capacity - s.queue_depth - s.in_flight - self.reserved(worker_id))

@@ -56,6 +56,7 @@ class Slot:
         "crosses",
         "health",
         "key",
+        "marked_full",
         "online",
         "predicted",
         "reserved",
@@ -75,6 +76,7 @@ class Slot:
         self.online = False
         self.zone: str | None = None  # the policy's zone for this worker
         self.reserved = 0
+        self.marked_full = False
         self.slope = 0.0
         self.health = HEALTHY
         self.base = math.inf
@@ -166,7 +168,7 @@ class PlacementIndex:
         self.topology += 1
         self.epoch += 1
 
-    def update(self, state: WorkerState, reserved: int) -> None:
+    def update(self, state: WorkerState, reserved: int, marked_full: bool) -> None:
         """Take in a worker's new state (capabilities, telemetry, online flag)."""
         slot = self.slots.get(state.worker_id)
         if slot is None:
@@ -177,6 +179,7 @@ class PlacementIndex:
         slot.online = state.online
         slot.zone = policy.worker_zones.get(state.worker_id) if policy is not None else None
         slot.reserved = reserved
+        slot.marked_full = marked_full
         params = self.params
         slot.slope = forecast.trend(state.samples, params.trend_window, params.trend_min_samples)
         if slot.sample is not None and policy is not None and policy.subhealth:
@@ -189,6 +192,12 @@ class PlacementIndex:
         slot = self.slots.get(worker_id)
         if slot is not None and slot.reserved != reserved:
             slot.reserved = reserved
+            self._refresh(slot)
+
+    def set_marked_full(self, worker_id: str, marked_full: bool) -> None:
+        slot = self.slots.get(worker_id)
+        if slot is not None and slot.marked_full != marked_full:
+            slot.marked_full = marked_full
             self._refresh(slot)
 
     def remove(self, worker_id: str) -> None:
@@ -231,7 +240,9 @@ class PlacementIndex:
                 sub = slot.health.subhealthy
                 for model in caps.models:
                     need = self.needs.get(model, NO_NEEDS)
-                    status = classify(caps, sample, slot.online, slot.reserved, need, zone, sub)
+                    status = classify(
+                        caps, sample, slot.online, slot.reserved, need, zone, sub, slot.marked_full
+                    )
                     statuses[model] = (self._bucket(model, zone, caps.device_class), status)
         slot.base = base
         self._count(slot, unzoned, zone_counted)

@@ -75,7 +75,8 @@ def decide_reference(
             and policy.subhealth
             and is_subhealthy(policy.subhealth, sample.metrics()).subhealthy
         )
-        status = classify(caps, sample, state.online, reserved, need, zone, sub)
+        full = fleet.marked_full(state.worker_id)
+        status = classify(caps, sample, state.online, reserved, need, zone, sub, full)
         if not verdict.allowed:
             if status != OFFLINE:
                 counts["policy"] += 1

@@ -72,8 +72,10 @@ def classify(
     need: Need,
     policy_zone: str,
     subhealthy: bool,
+    marked_full: bool = False,
 ) -> int:
-    """The status of one worker for one model it has loaded."""
+    """The status of one worker for one model it has loaded. ``marked_full``: the shell
+    learnt (from a refused shared reservation) that the worker has no room left."""
     if not online or caps is None or sample is None:
         return OFFLINE
     if policy_zone != caps.zone:
@@ -82,7 +84,7 @@ def classify(
         return NO_PROVIDER
     if need.memory_mb and need.memory_mb > caps.memory_total_mb - sample.memory_used_mb:
         return NO_MEMORY
-    if sample.queue_depth + sample.in_flight + reserved >= sample.capacity:
+    if marked_full or sample.queue_depth + sample.in_flight + reserved >= sample.capacity:
         return FULL
     return SUBHEALTHY if subhealthy else OK
 

@@ -135,6 +135,19 @@ def test_reservations_count_until_telemetry_shows_them() -> None:
     assert fleet.reserved("gpu-1") == 0
 
 
+def test_a_worker_another_replica_filled_is_full_until_its_next_telemetry() -> None:
+    fleet = fleet_with(POLICY, [(caps("gpu-1", NDC), {}), (caps("npu-1", SDC), {"queue_depth": 5})])
+    assert where(fleet, NOW) == "gpu-1"
+    fleet.mark_full("gpu-1", NOW)
+    fleet.mark_full("ghost", NOW)  # unknown: ignored
+    assert fleet.marked_full("gpu-1")
+    assert fleet.headroom("gpu-1") == 0
+    assert where(fleet, NOW) == "npu-1"
+    fleet.apply_telemetry(telemetry("gpu-1", NOW + 1), NOW + 1)
+    assert not fleet.marked_full("gpu-1")
+    assert where(fleet, NOW + 1) == "gpu-1"
+
+
 def test_a_reservation_moves_and_unknown_workers_are_refused() -> None:
     fleet = fleet_with(POLICY, [(caps("gpu-1", NDC), {}), (caps("npu-1", SDC), {})])
     fleet.reserve("gpu-1", "job-a", NOW)

@@ -117,7 +117,7 @@ def test_duplicates_removal_and_putting_back_keeps_the_age() -> None:
     [
         (lambda: MLFQ(max_wait_s=-1.0, age_step_s=1.0), "max_wait_s = -1.0"),
         (lambda: MLFQ(max_wait_s=1.0, age_step_s=0.0), "age_step_s = 0.0"),
-        (lambda: MLFQ(1.0, 1.0).push(job("x", 10), T0), "priority = 10; accepted: 0 to 9"),
+        (lambda: MLFQ[str](1.0, 1.0).push(job("x", 10), T0), "priority = 10; accepted: 0 to 9"),
     ],
 )
 def test_bad_arguments_are_refused(make: object, message: str) -> None:

@@ -11,6 +11,7 @@ from broker.params import FleetParams
 from broker.placement import decide
 from broker.reference import decide_reference
 from sluicegate.vision.manifest import Requirements
+from sluicegate.wire_pool import WorkerCapabilities
 from tests.test_broker_core_kit import (
     CLOUD,
     N1,
@@ -19,15 +20,16 @@ from tests.test_broker_core_kit import (
     PARAMS,
     S1,
     SDC,
-    caps,
     campus_policy,
+    caps,
     fleet_with,
     request,
     telemetry,
 )
 
 POLICY = campus_policy()
-HOT = {"utilisation": 0.8, "memory_bandwidth": 0.95}  # the policy's "memory-bound" rule
+# Fires the policy's "memory-bound" sub-health rule.
+HOT: dict[str, Any] = {"utilisation": 0.8, "memory_bandwidth": 0.95}
 
 
 def placed(decision: object) -> Placed:
@@ -48,7 +50,11 @@ def both(fleet: Any, req: Any, policy: Any = POLICY, now: float = NOW) -> Any:
     return fast
 
 
-def three_workers(**kw: dict[str, Any]) -> Any:
+Load = dict[str, Any]
+
+
+def three_workers(loads: dict[str, Load] | None = None) -> Any:
+    kw = loads or {}
     return fleet_with(
         POLICY,
         [
@@ -79,17 +85,17 @@ def test_policy_filter_decides_which_workers_are_candidates(
 
 
 def test_campus_only_class_never_goes_off_site_even_when_it_is_the_only_idle_worker() -> None:
-    busy = {"queue_depth": 15, "in_flight": 0, "capacity": 16}
-    fleet = three_workers(**{"gpu-1": busy, "npu-1": busy})
+    busy: Load = {"queue_depth": 15, "in_flight": 0, "capacity": 16}
+    fleet = three_workers({"gpu-1": busy, "npu-1": busy})
     assert placed(both(fleet, request(data_class="ocr-crop"))).worker_id == "cloud-1"
     decision = placed(both(fleet, request(data_class="wafer-image")))
     assert decision.worker_id != "cloud-1"
-    full = {"queue_depth": 16, "capacity": 16}
-    fleet = three_workers(**{"gpu-1": full, "npu-1": full})
-    decision = refused(both(fleet, request(data_class="wafer-image")))
-    assert decision.code == "no_capacity"
-    assert "all 2 workers" in decision.reason
-    assert decision.candidates.removed("policy") == 1
+    full: Load = {"queue_depth": 16, "capacity": 16}
+    fleet = three_workers({"gpu-1": full, "npu-1": full})
+    refusal = refused(both(fleet, request(data_class="wafer-image")))
+    assert refusal.code == "no_capacity"
+    assert "all 2 workers" in refusal.reason
+    assert refusal.candidates.removed("policy") == 1
 
 
 def test_policy_denied_names_class_origin_zone_and_rule() -> None:
@@ -143,7 +149,7 @@ def test_model_and_requirement_filters(worker_kw: dict[str, Any], code: str, rea
 
 def test_memory_requirement_counts_memory_in_use() -> None:
     needs = {"defect-v1": Requirements(memory_mb=8_000)}
-    workers = [
+    workers: list[tuple[WorkerCapabilities, Load]] = [
         (caps("gpu-1", NDC), {"memory_used_mb": 35_000.0}),  # 5,000 MiB free
         (caps("npu-1", SDC, device_class="ascend-910b"), {"memory_used_mb": 30_000.0}),
     ]
@@ -157,7 +163,7 @@ def test_provider_requirement_is_any_of() -> None:
     needs = {
         "defect-v1": Requirements(providers=("CANNExecutionProvider", "CUDAExecutionProvider"))
     }
-    workers = [
+    workers: list[tuple[WorkerCapabilities, Load]] = [
         (caps("gpu-1", NDC, providers=("CPUExecutionProvider",)), {}),
         (caps("npu-1", SDC, device_class="ascend-910b", providers=("CANNExecutionProvider",)), {}),
     ]
@@ -181,7 +187,7 @@ def test_offline_and_unknown_model() -> None:
 
 def test_subhealthy_worker_gets_nothing_while_a_healthy_one_has_room() -> None:
     # gpu-1 is idle but memory-bound; npu-1 is healthy and busy: npu-1 still gets the job.
-    fleet = three_workers(**{"gpu-1": HOT, "npu-1": {"queue_depth": 12}})
+    fleet = three_workers({"gpu-1": HOT, "npu-1": {"queue_depth": 12}})
     for i in range(3):
         decision = placed(both(fleet, request(f"job-{i}")))
         assert decision.worker_id == "npu-1"
@@ -190,7 +196,7 @@ def test_subhealthy_worker_gets_nothing_while_a_healthy_one_has_room() -> None:
 
 
 def test_subhealthy_worker_is_used_when_it_is_the_only_one_with_room() -> None:
-    fleet = three_workers(**{"gpu-1": HOT, "npu-1": {"queue_depth": 16}})
+    fleet = three_workers({"gpu-1": HOT, "npu-1": {"queue_depth": 16}})
     decision = placed(both(fleet, request()))
     assert decision.worker_id == "gpu-1"
     assert decision.candidates.ranked[0].subhealthy
@@ -205,7 +211,9 @@ def test_subhealthy_worker_is_used_when_it_is_the_only_one_with_room() -> None:
 
 
 def test_reservations_spread_consecutive_decisions() -> None:
-    workers = [(caps(f"gpu-{i}", NDC), {}) for i in range(1, 5)]
+    workers: list[tuple[WorkerCapabilities, Load]] = [
+        (caps(f"gpu-{i}", NDC), {}) for i in range(1, 5)
+    ]
     policy = campus_policy({NDC: [f"gpu-{i}" for i in range(1, 5)]})
     fleet = fleet_with(policy, workers)
     chosen = []
@@ -228,7 +236,7 @@ def test_reservations_fill_a_worker_to_capacity() -> None:
 
 
 def test_score_is_queue_wait_plus_learned_service_plus_transfer() -> None:
-    fleet = three_workers(**{"gpu-1": {"queue_depth": 3, "in_flight": 1}})
+    fleet = three_workers({"gpu-1": {"queue_depth": 3, "in_flight": 1}})
     fleet.service.observe("defect-v1", "nvidia-a100", 10.0)
     fleet.service.observe("defect-v1", "ascend-910b", 40.0)
     decision = placed(both(fleet, request(data_class="wafer-image", payload_bytes=200_000)))
@@ -244,7 +252,7 @@ def test_score_is_queue_wait_plus_learned_service_plus_transfer() -> None:
 
 
 def test_transfer_makes_off_site_slower() -> None:
-    fleet = three_workers(**{"gpu-1": {"queue_depth": 1}})
+    fleet = three_workers({"gpu-1": {"queue_depth": 1}})
     fleet.mark_offline("npu-1", NOW)
     # gpu-1 has one job ahead: 25 ms of queue. 1 MB takes 10.5 ms on campus, 120 ms off site.
     big = placed(both(fleet, request(data_class="ocr-crop", payload_bytes=1_000_000)))

@@ -2,7 +2,8 @@
 
 Random fleets (zones, device classes, models, providers, memory, concurrency, workers
 outside the policy or claiming the wrong zone) go through random event sequences
-(telemetry with random load and health, reservations, releases, completions, Last Wills,
+(telemetry with random load and health, reservations, releases, workers found full by a
+shared reservation, completions, Last Wills,
 silence long enough to expire, new capabilities), and at random points both
 implementations decide a random request. Decisions must be equal: the same worker or
 refusal code, the same sentence, the same ranked candidates and the same filter counts.
@@ -124,6 +125,7 @@ event_st = st.one_of(
     st.tuples(st.just("release"), st.integers(0, 5)),
     st.tuples(st.just("complete"), st.integers(0, 9), st.sampled_from(MODELS), st.floats(1, 80)),
     st.tuples(st.just("offline"), st.integers(0, 9)),
+    st.tuples(st.just("mark_full"), st.integers(0, 9)),
     st.tuples(st.just("silence"), st.sampled_from([0.5, 2.5, 4.0])),
     st.tuples(st.just("recap"), st.integers(0, 9), st.sets(st.sampled_from(MODELS), min_size=1)),
 )
@@ -180,6 +182,8 @@ def run_scenario(
         elif kind == "complete":
             w = fleet_workers[step[1] % len(fleet_workers)]
             fleet.apply_completion(completion("job-x", w.worker_id, step[3], model=step[2]), now)
+        elif kind == "mark_full":
+            fleet.mark_full(fleet_workers[step[1] % len(fleet_workers)].worker_id, now)
         elif kind == "offline":
             fleet.mark_offline(fleet_workers[step[1] % len(fleet_workers)].worker_id, now)
         elif kind == "silence":
@@ -258,6 +262,7 @@ reservation_st = st.one_of(
     st.tuples(st.just("reserve"), st.integers(0, 3), st.integers(0, 3)),
     st.tuples(st.just("reserve_placed"), st.integers(0, 3)),
     st.tuples(st.just("release"), st.integers(0, 3)),
+    st.tuples(st.just("mark_full"), st.integers(0, 3)),
     st.tuples(st.just("telemetry"), st.integers(0, 3), tel_st, st.sampled_from([0.05, 0.5])),
 )
 
