@@ -13,6 +13,11 @@ broker's clock reading ``now``::
     fleet.release(job_id)                   # the job's Redis reservation ended or failed
     fleet.mark_full(worker_id, now)         # ... failed: other replicas filled the worker
     fleet.expire(now, timeout_s)            # periodically; decide() also calls it
+    fleet.use_policy(policy)                # a newly accepted policy; decide() also syncs
+    fleet.service.snapshot() / .restore()   # learned service times, to persist if wanted
+
+and reads it for people: ``state``, ``states``, ``view`` (forecast, health, per-model
+status), ``reserved``, ``headroom`` (a limit for the shared Redis reservation), ``models``.
 
 Reservations are local: they make consecutive decisions see the jobs just placed before
 the workers' telemetry shows them. A reservation stops counting when the worker's next

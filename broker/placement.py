@@ -15,8 +15,10 @@ is taken only if it meets the deadline or beats the edge's own estimate
 (``broker.explain``).
 
 The fast path never looks at every worker: the fleet index keeps, per (model, zone, device
-class), its workers ordered by key; a route caches which of those groups the policy allows
-for (data class, origin zone, model). A decision reads one heap head per allowed group.
+class) bucket, its workers sorted by key; a route caches which buckets the policy allows for
+(data class, origin zone, model), grouped by link and device class. A decision reads the
+first entry of each allowed bucket, skipping whole groups whose lowest possible score cannot
+enter the top ``top_k``, then looks ``top_k`` deep into the best buckets for the ranking.
 ``broker.reference.decide_reference`` is the same decision by brute force, for tests and
 the benchmark's baseline.
 
