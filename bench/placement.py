@@ -21,6 +21,7 @@ Measured, each as subject vs baseline on the same requests, alternating:
 
     .venv/bin/python bench/placement.py                     # defaults: < 1 minute on 2 cores
     .venv/bin/python bench/placement.py --workers 2000 --samples 50000
+    .venv/bin/python bench/placement.py --top-k 1     # no runner-up candidates explained
 """
 
 from __future__ import annotations
@@ -484,9 +485,10 @@ def main() -> None:
     parser.add_argument("--verify", type=int, default=2_000, help="decisions checked")
     parser.add_argument("--reference-every", type=int, default=10)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--top-k", type=int, default=3, help="ranked candidates explained")
     args = parser.parse_args()
 
-    params = PlacementParams()
+    params = PlacementParams(top_k=args.top_k)
     world = World(args.workers, args.zones, random.Random(args.seed))
     lat = measure_latency(world, args, params)
     check = verify(world, args, params)
@@ -571,6 +573,7 @@ def main() -> None:
             "block": args.block,
             "outstanding": args.outstanding,
             "seed": args.seed,
+            "top_k": args.top_k,
         },
         "machine": {
             "nproc": os.cpu_count(),
