@@ -57,13 +57,10 @@ def conclude(
     """The decision for ``request`` given its best candidates (best first), the filter
     counts and the policy verdicts of denied zones that hold online workers with the model
     (sorted by zone)."""
-    cands = Candidates(tuple(ranked), summary.eligible, summary.filtered)
-    counts = summary.counts
     if ranked:
-        best = ranked[0]
-        if accepts(request, best.predicted_ms, now):
-            return Placed(best.worker_id, best.zone, best.predicted_ms, cands)
-        return Refused("no_faster_worker", _slower(request, best, now), cands)
+        return conclude_ranked(request, now, ranked, summary)
+    cands = Candidates((), summary.eligible, summary.filtered)
+    counts = summary.counts
     what = f"model {request.model!r} for data class {request.data_class!r} from zone " + repr(
         request.origin_zone
     )
@@ -95,6 +92,17 @@ def conclude(
     if counts.get("policy", 0):
         return Refused("policy_denied", _denied(request, policy, denied, allowed_zones), cands)
     return Refused("no_worker", _missing(request, counts, known_models, policy), cands)
+
+
+def conclude_ranked(
+    request: PlacementRequest, now: float, ranked: Sequence[Candidate], summary: Summary
+) -> Decision:
+    """Rule 1 alone: placed on the best candidate, or ``no_faster_worker``."""
+    cands = Candidates(tuple(ranked), summary.eligible, summary.filtered)
+    best = ranked[0]
+    if accepts(request, best.predicted_ms, now):
+        return Placed(best.worker_id, best.zone, best.predicted_ms, cands)
+    return Refused("no_faster_worker", _slower(request, best, now), cands)
 
 
 def _slower(request: PlacementRequest, best: Candidate, now: float) -> str:

@@ -32,7 +32,7 @@ import math
 from bisect import insort
 
 from broker.decision import Candidate, Candidates, Decision, Placed, Refused, as_record
-from broker.explain import conclude
+from broker.explain import conclude, conclude_ranked
 from broker.fleet import Fleet
 from broker.index import Bucket, Route, Slot
 from broker.params import PlacementParams
@@ -58,10 +58,11 @@ _Scored = tuple[float, float, str, Slot, Bucket, float, float]
 def _scan(
     route: Route, tx: tuple[float, float, float], services: dict[str, float], sub: bool, k: int
 ) -> list[_Scored]:
-    """The best ``k`` bucket heads of one tier, best first, by (score, key, worker id).
+    """The best ``k`` workers of one tier, best first, by (score, key, worker id).
 
     Groups are visited in order of their lowest possible score (transfer + service: a key
-    is at least 1), and a group that cannot beat the ``k``-th best so far is skipped."""
+    is at least 1), and a group that cannot beat the ``k``-th best so far is skipped. In a
+    bucket, entries are read in order only while they can still enter the best ``k``."""
     groups = route.groups
     model = route.model
     order = sorted([(tx[g.link] + services[g.device_class], i) for i, g in enumerate(groups)])
@@ -74,39 +75,27 @@ def _scan(
         transfer = tx[group.link]
         service = services[group.device_class]
         for tier in group.sub if sub else group.healthy:
-            if tier:
-                key, worker_id, slot = tier[0]
-                score = transfer + service * key
-                if score <= cut:
-                    bucket = slot.statuses[model][0]
-                    insort(top, (score, key, worker_id, slot, bucket, transfer, service))
-                    if len(top) >= k:
-                        del top[k:]
-                        cut = top[-1][0]
-    return top
-
-
-def _best_workers(heads: list[_Scored], sub: bool, k: int) -> list[_Scored]:
-    """The ``k`` best workers overall, given the ``k`` best bucket heads (best first).
-
-    Any of the ``k`` best is one of these heads or sits right behind one in its bucket
-    (anything behind another bucket's head scores worse than ``k`` heads)."""
-    if k == 1 or not heads:
-        return heads
-    pool = list(heads)
-    cut = pool[-1][0] if len(pool) == k else math.inf
-    for _, _, _, _, bucket, transfer, service in heads:
-        tier = bucket.sub if sub else bucket.healthy
-        for j in range(1, min(k, len(tier))):
-            key, worker_id, slot = tier[j]
+            if not tier:
+                continue
+            key, worker_id, slot = tier[0]
             score = transfer + service * key
             if score > cut:
-                break  # the rest of this bucket scores no better
-            pool.append((score, key, worker_id, slot, bucket, transfer, service))
-    if len(pool) > len(heads):
-        pool.sort()  # (score, key, worker id) decide: a worker is in one bucket per model
-        del pool[k:]
-    return pool
+                continue
+            bucket = slot.statuses[model][0]
+            j = 0
+            while True:
+                insort(top, (score, key, worker_id, slot, bucket, transfer, service))
+                if len(top) >= k:
+                    del top[k:]
+                    cut = top[-1][0]
+                j += 1
+                if j >= k or j >= len(tier):
+                    break
+                key, worker_id, slot = tier[j]
+                score = transfer + service * key
+                if score > cut:
+                    break
+    return top
 
 
 def _candidate(item: _Scored) -> Candidate:
@@ -174,25 +163,14 @@ def decide(
         sub = True
         top = _scan(route, tx, services, sub, k)
     summary = index.summary(route)
-    ranked = [_candidate(item) for item in _best_workers(top, sub, k)]
-    if ranked:
-        # Placed or no_faster_worker: neither sentence needs the refusal context below.
-        return conclude(
-            request,
-            policy,
-            now=now,
-            ranked=ranked,
-            summary=summary,
-            denied=(),
-            allowed_zones=(),
-            need=NO_NEEDS,
-            known_models=(),
-        )
+    if top:
+        # Placed or no_faster_worker: neither needs the refusal context below.
+        return conclude_ranked(request, now, [_candidate(item) for item in top], summary)
     return conclude(
         request,
         policy,
         now=now,
-        ranked=ranked,
+        ranked=(),
         summary=summary,
         denied=_denied(route),
         allowed_zones=route.allowed_zones,
