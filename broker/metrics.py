@@ -61,8 +61,14 @@ class BrokerMetrics:
         )
         self.demand = Gauge(
             "sluicegate_pool_predicted_demand",
-            "Predicted demand over capacity per pool zone: a scaling signal (>1: add workers)",
-            ["zone"],
+            "Predicted demand over capacity per pool: a scaling signal (>1: add workers)",
+            ["pool"],
+            registry=r,
+        )
+        self.desired_workers = Gauge(
+            "sluicegate_pool_desired_workers",
+            "Workers each pool needs for its predicted demand at the target utilisation",
+            ["pool"],
             registry=r,
         )
         self.workers = Gauge("sluicegate_workers", "Workers by health state", ["state"], registry=r)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -23,13 +23,16 @@ from typing import Any, Literal, TypeVar
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ValidationError
 
-from broker import keys
 from broker.decision import Decision, Placed, as_record
+from broker.decision_audit import DecisionAudit
+from broker.demand import PoolDemand, pool_demand
 from broker.fleet import Fleet
 from broker.metrics import BrokerMetrics
+from broker.mlfq import MLFQ, Waiting
 from broker.params import FleetParams, PlacementParams
 from broker.placement import decide
 from broker.reservations import Hold, Reservations
+from broker.store import BrokerStore
 from policies import AsyncAuditWriter, Policy, SigningKey, mint
 from policies.errors import PolicyError
 from sluicegate import topics, wire
@@ -47,7 +50,7 @@ from sluicegate.wire_pool import (
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 MAX_ATTEMPTS = 3  # decisions per request when another replica took the chosen slot
-JOB_TTL_S = 24 * 3600  # how long a job's status and explanation stay queryable
+WAIT_TICK_S = 0.005  # how often waiting requests are looked at when nothing else happens
 
 
 @dataclass
@@ -56,6 +59,7 @@ class _Pending:
     reply_topic: str
     correlation: bytes | None
     arrived: float  # perf_counter
+    waiting_since: float | None = None  # unix s, when it first found no room
 
 
 def status_message(settings: BrokerSettings, state: Literal["online", "offline"]) -> bytes:
@@ -83,7 +87,6 @@ class Broker:
         self._redis = redis
         self._key = key
         self._policy = policy
-        self._audit = audit
         self._clock = clock
         self.fleet = Fleet(FleetParams.from_settings(settings), requirements or {})
         self.params = PlacementParams.from_settings(settings)
@@ -91,11 +94,17 @@ class Broker:
         self.metrics = BrokerMetrics()
         self.edges: dict[str, wire.EdgeTelemetry] = {}
         self._inbox: asyncio.Queue[_Pending] = asyncio.Queue()
-        self._audit_queue: asyncio.Queue[tuple[str, dict[str, Any], float]] = asyncio.Queue()
-        self._node_docs: dict[str, bytes] = {}  # latest document per node, flushed to Redis
-        self._ops: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []  # Redis writes
-        self._ops_wanted = asyncio.Event()
-        self.redis_ok = False
+        self.audit = DecisionAudit(audit, clock)
+        wait_s = settings.max_wait_ms / 1000.0
+        self.waiting: MLFQ[_Pending] = MLFQ(max(wait_s, 1e-3), max(wait_s / 10.0, 1e-4))
+        self._room = asyncio.Event()  # capacity may have freed: look at the waiting room
+        self._someone_waits = asyncio.Event()
+        self._placed_by_pool: Counter[str] = Counter()
+        self.arrivals: dict[str, float] = {}  # jobs/s placed per pool (moving average)
+        self._pools: tuple[bytes, dict[str, str]] = (b"", {})  # policy digest, worker -> pool
+        ttl_ms = int(settings.telemetry_interval_s * settings.missed_intervals * 1000)
+        self.store = BrokerStore(redis, ttl_ms)
+        self._reserve_ok = True
 
     # -- intake (event loop, quick) --------------------------------------------------------
 
@@ -121,20 +130,22 @@ class Broker:
         caps = _parse(WorkerCapabilities, msg)
         if caps is not None:
             self.fleet.apply_capabilities(caps, self._clock())
-            self._node_docs[f"{caps.worker_id}:capabilities"] = msg.payload
+            self._room.set()
+            self.store.node_document(caps.worker_id, "capabilities", msg.payload)
 
     def on_worker_telemetry(self, msg: Message) -> None:
         tel = _parse(WorkerTelemetry, msg)
         if tel is not None:
             self.fleet.apply_telemetry(tel, self._clock())
-            self._node_docs[f"{tel.node}:telemetry"] = msg.payload
+            self._room.set()
+            self.store.node_document(tel.node, "telemetry", msg.payload)
 
     def on_worker_status(self, msg: Message) -> None:
         status = _parse(wire.NodeStatus, msg)
         if status is not None and status.state == "offline":
             lost = self.fleet.mark_offline(status.node, self._clock())
             for job_id in lost:
-                self._job_status(job_id, {"status": "worker_lost", "worker": status.node})
+                self.store.job_status(job_id, {"status": "worker_lost", "worker": status.node})
             log.warning(
                 "worker %s went offline; %d placed jobs lost with it", status.node, len(lost)
             )
@@ -144,16 +155,17 @@ class Broker:
         if done is None:
             return
         self.fleet.apply_completion(done, self._clock())
+        self._room.set()
         self.metrics.completions.labels(done.status).inc()
         self.metrics.job_seconds.observe(done.service_ms / 1000.0)
-        self._write("zrem", keys.reservations(done.worker_id), done.job_id)
-        self._job_status(done.job_id, {"status": f"completed:{done.status}"})
+        self.store.release(done.worker_id, done.job_id)
+        self.store.job_status(done.job_id, {"status": f"completed:{done.status}"})
 
     def on_edge_telemetry(self, msg: Message) -> None:
         tel = _parse(wire.EdgeTelemetry, msg)
         if tel is not None:
             self.edges[tel.node] = tel
-            self._node_docs[f"{tel.node}:telemetry"] = msg.payload
+            self.store.node_document(tel.node, "telemetry", msg.payload)
 
     # -- deciding ------------------------------------------------------------------------------
 
@@ -186,15 +198,15 @@ class Broker:
                 if isinstance(decision, Placed):
                     self.fleet.reserve(decision.worker_id, item.request.job_id, now)
                     placed.append((item, decision))
-                else:
+                elif decision.code != "no_capacity" or not self._wait(item, now):
                     self._answer(item, decision, decision.code, decision.reason)
             todo = []
             holds = [self._hold(item.request, d, now) for item, d in placed]
             try:
                 granted = await self.reservations.reserve_many(holds, int(now * 1000))
-                self.redis_ok = True
+                self._reserve_ok = True
             except Exception as exc:  # Redis down: no reservation, no placement
-                self.redis_ok = False
+                self._reserve_ok = False
                 for item, decision in placed:
                     self.fleet.release(item.request.job_id)
                     self._answer(item, decision, "broker_unavailable", f"Redis unavailable: {exc}")
@@ -202,11 +214,51 @@ class Broker:
             for (item, decision), ok in zip(placed, granted, strict=True):
                 if ok:
                     self._grant(item, decision, policy)
-                else:  # another replica filled the slot first: decide again
+                else:  # other replicas filled the worker first: count it full, decide again
                     self.fleet.release(item.request.job_id)
+                    self.fleet.mark_full(decision.worker_id, now)
                     todo.append(item)
         for item in todo:
             self._answer(item, None, "no_capacity", "workers filled up while placing; run locally")
+
+    def _wait(self, item: _Pending, now: float) -> bool:
+        """Hold a request that found no room, if the edge waits long enough; True if held."""
+        req = item.request
+        bound_s = min(self.settings.max_wait_ms, req.max_wait_ms) / 1000.0
+        since = item.waiting_since if item.waiting_since is not None else now
+        answer_by = since + bound_s
+        if req.deadline_at is not None:
+            answer_by = min(answer_by, req.deadline_at)
+        if bound_s <= 0 or answer_by <= now:
+            return False
+        item.waiting_since = since
+        held = self.waiting.push(Waiting(req.job_id, req.priority, answer_by, since, item), now)
+        self._someone_waits.set()
+        return held
+
+    async def _waiting_room(self) -> None:
+        """Give waiting requests another decision whenever capacity may have freed, in
+        multi-level-feedback order; answer those whose wait is over."""
+        while True:
+            self.metrics.waiting.set(len(self.waiting))
+            if not len(self.waiting):
+                self._someone_waits.clear()
+                await self._someone_waits.wait()
+                continue
+            room = True
+            try:
+                await asyncio.wait_for(self._room.wait(), WAIT_TICK_S)
+            except TimeoutError:
+                room = False
+            self._room.clear()
+            now = self._clock()
+            for gone in self.waiting.expired(now):
+                item = gone.item
+                waited = (now - (item.waiting_since or now)) * 1000.0
+                reason = f"no allowed worker had room within {waited:.0f} ms; run locally"
+                self._answer(item, None, "no_capacity", reason)
+            while room and (ready := self.waiting.pop_ready(now)) is not None:
+                self._inbox.put_nowait(ready.item)
 
     def _hold(self, request: PlacementRequest, decision: Placed, now: float) -> Hold:
         state = self.fleet.state(decision.worker_id)
@@ -235,7 +287,7 @@ class Broker:
             )
         except PolicyError as exc:  # the core and the policy library disagree: refuse
             self.fleet.release(req.job_id)
-            self._write("zrem", keys.reservations(decision.worker_id), req.job_id)
+            self.store.release(decision.worker_id, req.job_id)
             self._answer(item, decision, exc.reason, f"token not minted: {exc}")
             return
         reply = PlacementReply(
@@ -248,7 +300,13 @@ class Broker:
             predicted_ms=round(decision.predicted_ms, 3),
             broker_id=self.settings.id,
         )
+        self._placed_by_pool[self._pool_of(policy, decision.worker_id)] += 1
         self._finish(item, decision, reply)
+
+    def _pool_of(self, policy: Policy, worker_id: str) -> str:
+        if self._pools[0] != policy.digest:
+            self._pools = (policy.digest, {w: p.name for p in policy.pools for w in p.workers})
+        return self._pools[1].get(worker_id, "?")
 
     def _answer(self, item: _Pending, decision: Decision | None, code: str, reason: str) -> None:
         reply = PlacementReply(
@@ -277,11 +335,10 @@ class Broker:
             "code": reply.code,
             "reason": reply.reason,
         }
-        explanation = as_record(decision) if decision is not None else None
-        self._audit_queue.put_nowait(
-            ("placement", {**record, "why": json.dumps(explanation, default=str)}, self._clock())
-        )
-        self._job_status(req.job_id, {**record, "decision": explanation})
+        if decision is not None:
+            record["why"] = as_record(decision)
+        self.audit.add(record)
+        self.store.job_status(req.job_id, record)
 
     def _reply(self, topic: str, correlation: bytes | None, reply: PlacementReply) -> None:
         self._transport.publish_nowait(
@@ -294,77 +351,31 @@ class Broker:
 
     # -- Redis upkeep and the audit log ----------------------------------------------------
 
-    def _write(self, command: str, *args: Any, **kwargs: Any) -> None:
-        """Queue a Redis command; the writer sends everything queued in one pipeline."""
-        self._ops.append((command, args, kwargs))
-        self._ops_wanted.set()
+    @property
+    def redis_ok(self) -> bool:
+        return self._reserve_ok and self.store.ok
 
-    def _job_status(self, job_id: str, fields: dict[str, Any]) -> None:
-        data = {k: json.dumps(v, default=str) for k, v in fields.items() if v is not None}
-        self._write("hset", keys.job(job_id), mapping=data)
-        self._write("expire", keys.job(job_id), JOB_TTL_S)
-
-    async def _writer(self) -> None:
-        while True:
-            await self._ops_wanted.wait()
-            self._ops_wanted.clear()
-            ops, self._ops = self._ops, []
-            try:
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    for command, args, kwargs in ops:
-                        getattr(pipe, command)(*args, **kwargs)
-                    await pipe.execute()
-                self.redis_ok = True
-            except Exception as exc:
-                self.redis_ok = False
-                log.warning("Redis write of %d operations failed: %s", len(ops), exc)
-
-    def demand(self) -> dict[str, float]:
-        """Per pool zone, the load the forecast expects over the capacity there: a scaling
-        signal (above 1.0, the zone needs more workers)."""
-        totals: dict[str, list[float]] = {}
-        for state in self.fleet.states():
-            view = self.fleet.view(state.worker_id)
-            if (
-                view is None
-                or not state.online
-                or view.forecast is None
-                or view.policy_zone is None
-            ):
-                continue
-            totals.setdefault(view.policy_zone, []).append(view.forecast.predicted)
-        return {zone: sum(loads) / len(loads) for zone, loads in totals.items()}
+    def demand(self) -> tuple[PoolDemand, ...]:
+        """Per pool: demand against capacity, the scaling signal behind ``/metrics``."""
+        policy = self._policy()
+        if policy is None:
+            return ()
+        return pool_demand(self.fleet, policy, arrivals_per_s=self.arrivals)
 
     async def job(self, job_id: str) -> dict[str, Any] | None:
-        raw = await self._redis.hgetall(keys.job(job_id))
-        if not raw:
-            return None
-        return {_text(k): json.loads(v) for k, v in raw.items()}
-
-    async def _auditor(self) -> None:
-        while True:
-            kind, data, now = await self._audit_queue.get()
-            flat = {
-                k: v if isinstance(v, str | int | float | bool) or v is None else str(v)
-                for k, v in data.items()
-            }
-            try:
-                await self._audit.append(kind, flat, now=now)
-            except Exception:
-                log.exception("audit append failed for %s", data.get("job_id"))
+        return await self.store.job(job_id)
 
     async def _housekeeping(self) -> None:
         interval = self.settings.telemetry_interval_s
-        ttl_ms = int(interval * self.settings.missed_intervals * 1000)
         while True:
             await asyncio.sleep(min(interval, 1.0))
             self.fleet.expire(self._clock(), self.params.stale_after_s)
-            docs, self._node_docs = self._node_docs, {}
-            for name, payload in docs.items():
-                node, kind = name.rsplit(":", 1)
-                self._write("hset", keys.node(node), kind, payload)
-                self._write("pexpire", keys.node(node), ttl_ms)
-            self._write("ping")
+            tick = min(interval, 1.0)
+            for pool in set(self.arrivals) | set(self._placed_by_pool):
+                rate = self._placed_by_pool.get(pool, 0) / tick
+                self.arrivals[pool] = 0.7 * self.arrivals.get(pool, rate) + 0.3 * rate
+            self._placed_by_pool.clear()
+            self.store.flush_nodes()
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -391,9 +402,10 @@ class Broker:
             announce()
         tasks = [
             asyncio.ensure_future(self._placer()),
-            asyncio.ensure_future(self._auditor()),
+            asyncio.ensure_future(self.audit.run()),
             asyncio.ensure_future(self._housekeeping()),
-            asyncio.ensure_future(self._writer()),
+            asyncio.ensure_future(self.store.run()),
+            asyncio.ensure_future(self._waiting_room()),
         ]
         log.info("broker %s serving placements", self.settings.id)
         try:

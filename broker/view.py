@@ -81,6 +81,7 @@ class HttpView:
             "zones": sorted(policy.zones),
             "classes": sorted(policy.classes),
             "pools": {p.name: {"zone": p.zone, "workers": list(p.workers)} for p in policy.pools},
+            "demand": [asdict(d) for d in self._broker.demand()],
         }
 
     def metrics(self) -> bytes:
@@ -106,8 +107,9 @@ class HttpView:
             offloaded += tel.offloaded
             local += sum(tel.results.values())
         m.offload_ratio.set(offloaded / (offloaded + local) if offloaded + local else 0.0)
-        for zone, ratio in self._broker.demand().items():
-            m.demand.labels(zone).set(ratio)
+        for pool in self._broker.demand():
+            m.demand.labels(pool.pool).set(pool.ratio)
+            m.desired_workers.labels(pool.pool).set(pool.desired_workers)
         return m.render()
 
 

@@ -180,6 +180,8 @@ class PlacementClient:
             submitted_at=job.received_at,
             local_estimate_ms=round(local_estimate_s * 1000.0, 3),
             reason="deadline" if reason == "deadline" else "queue",
+            # Half our timeout: an answer after a wait still reaches us before we give up.
+            max_wait_ms=round(self._timeout_s * 500.0, 3),
         )
         key = job.job_id.encode()
         fut: asyncio.Future[PlacementReply] = asyncio.get_running_loop().create_future()

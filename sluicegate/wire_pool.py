@@ -39,6 +39,9 @@ class PlacementRequest(_Wire):
     submitted_at: float  # unix seconds, when the edge accepted the job
     local_estimate_ms: float | None = None  # the edge's own predicted completion
     reason: Literal["deadline", "queue"] = "deadline"
+    # How long the broker may hold the request waiting for room before it must answer:
+    # the edge stops waiting after its own timeout and runs the job itself.
+    max_wait_ms: float = Field(0.0, ge=0.0)
 
 
 class PlacementReply(_Wire):

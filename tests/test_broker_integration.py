@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 import urllib.request
 import uuid
@@ -75,7 +76,11 @@ def campus(
 def broker(campus: Campus) -> Iterator[tuple[ServiceThread, Settings]]:
     settings = load_settings(
         campus.node_config("broker-1"),
-        broker={"http_port": free_port(), "models_dir": str(campus.root / "models")},
+        broker={
+            "http_port": free_port(),
+            "models_dir": str(campus.root / "models"),
+            "max_wait_ms": 5000.0,  # long enough for a test to watch a request wait
+        },
     )
     watcher = PlainClient(settings.mqtt.port)
     watcher.subscribe(topics.broker_status("broker-1"))
@@ -152,6 +157,7 @@ def ask(
     data_class: str = "wafer-image",
     model: str = "defect-v1",
     origin: str = f"{FAB}/line-1",
+    max_wait_ms: float = 0.0,
 ) -> PlacementReply:
     client = PlainClient(mosquitto.port)
     reply_topic = topics.placement_replies(f"t-{uuid.uuid4().hex[:6]}")
@@ -169,6 +175,7 @@ def ask(
         deadline_at=time.time() + 5.0,
         submitted_at=time.time(),
         local_estimate_ms=2000.0,
+        max_wait_ms=max_wait_ms,
     )
     from paho.mqtt.packettypes import PacketTypes
     from paho.mqtt.properties import Properties
@@ -237,7 +244,7 @@ def test_placement_within_policy_explained_reserved_and_audited(
         lambda: (s := http(settings, f"/jobs/{reply.job_id}"))[0] == 200 and s
     )
     assert job["status"] == "placed"
-    assert job["decision"]["candidates"]["ranked"][0]["worker_id"] == reply.worker_id
+    assert job["why"]["candidates"]["ranked"][0]["worker_id"] == reply.worker_id
     assert http(settings, "/jobs/nope")[0] == 404
     health_status, health = http(settings, "/health")
     assert health_status == 200
@@ -364,3 +371,25 @@ def test_silent_worker_stops_getting_placements(
     assert reply.worker_id is None
     # 3 telemetry intervals of 1 s, plus the housekeeping tick that notices.
     assert gone_after < 3 * settings.broker.telemetry_interval_s + 2.0
+
+
+def test_request_waits_for_room_and_is_placed_when_a_worker_frees_up(
+    broker: tuple[ServiceThread, Settings],
+    fleet: Fleet,
+    mosquitto: ServerProcess,
+) -> None:
+    _thread, settings = broker
+    for worker in WORKERS:
+        fleet.capabilities(worker, providers=["CPUExecutionProvider"])
+        fleet.telemetry(worker, queue=16, capacity=16)  # everyone full
+    _ready(settings, lambda ws: all(w["load"]["queue_depth"] == 16 for w in ws.values()))
+    replies: list[PlacementReply] = []
+    asking = threading.Thread(target=lambda: replies.append(ask(mosquitto, max_wait_ms=3000)))
+    asking.start()
+    # The request is held, not refused: wait until the broker reports it waiting.
+    wait_until(lambda: "sluicegate_placement_waiting 1.0" in http(settings, "/metrics")[1])
+    fleet.telemetry("north-b", queue=3, capacity=16)  # room frees up on one campus worker
+    asking.join(15)
+    assert replies
+    assert replies[0].status == "placed"
+    assert replies[0].worker_id == "north-b"

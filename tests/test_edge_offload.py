@@ -95,7 +95,7 @@ class Rig:
     agent: EdgeAgent
     requests: list[PlacementRequest]
 
-    def submit(self, *, deadline_ms: float | None = 0.5, data_class: str = "wafer-image") -> str:
+    def submit(self, *, deadline_ms: float | None = 5000, data_class: str = "wafer-image") -> str:
         job_id = uuid.uuid4().hex
         props = [
             (topics.PROP_MODEL, "defect-v1"),
@@ -157,8 +157,9 @@ async def rig(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
     agent = EdgeAgent(
         settings.edge, transport, REGISTRY, offload=client, offload_settings=settings.offload
     )
-    # Teach the agent its service time so a 0.5 ms deadline is predicted to be missed.
-    agent.service_times.observe("defect-v1", 0.002)
+    # Teach the agent a (pessimistic) 10 s service time: a 5 s deadline is predicted to be
+    # missed here, yet a job kept local still finishes long before it.
+    agent.service_times.observe("defect-v1", 10.0)
     await client.start()
     stop = asyncio.Event()
     runner = asyncio.ensure_future(agent.run(stop))
@@ -211,7 +212,7 @@ async def test_silent_broker_times_out_to_local(rig: Rig) -> None:
     rig.submit()
     result = json.loads((await rig.first("app/results")).payload)
     assert result["offload"]["code"] == "broker_timeout"
-    assert result["status"] in ("ok", "expired")  # its 0.5 ms deadline has long passed
+    assert result["status"] == "ok"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,83 @@
+"""The broker's writes to Redis that are not on a decision's critical path, batched.
+
+Job status and explanations, released reservations and node documents are queued as they
+happen and sent in one pipeline per loop turn by :meth:`BrokerStore.run`, so a burst of
+decisions costs one round trip of bookkeeping. Node documents expire when a node goes
+silent, so Redis holds exactly the fleet that is alive. Reading a job back serves the HTTP
+API of any replica. Nothing here decides anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from broker import keys
+
+log = logging.getLogger(__name__)
+
+JOB_TTL_S = 24 * 3600  # how long a job's status and explanation stay queryable
+
+
+class BrokerStore:
+    def __init__(self, client: aioredis.Redis, node_ttl_ms: int) -> None:
+        self._client = client
+        self._node_ttl_ms = node_ttl_ms
+        self._ops: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+        self._wanted = asyncio.Event()
+        self._nodes: dict[tuple[str, str], bytes] = {}  # latest document per node and kind
+        self.ok = False  # the last round trip succeeded
+
+    def write(self, command: str, *args: Any, **kwargs: Any) -> None:
+        """Queue one Redis command for the next pipeline."""
+        self._ops.append((command, args, kwargs))
+        self._wanted.set()
+
+    def job_status(self, job_id: str, fields: dict[str, Any]) -> None:
+        data = {k: json.dumps(v, default=str) for k, v in fields.items() if v is not None}
+        self.write("hset", keys.job(job_id), mapping=data)
+        self.write("expire", keys.job(job_id), JOB_TTL_S)
+
+    def release(self, worker_id: str, job_id: str) -> None:
+        self.write("zrem", keys.reservations(worker_id), job_id)
+
+    def node_document(self, node: str, kind: str, payload: bytes) -> None:
+        """Remember a node's latest document; flushed (with its expiry) by :meth:`flush_nodes`."""
+        self._nodes[(node, kind)] = payload
+
+    def flush_nodes(self) -> None:
+        nodes, self._nodes = self._nodes, {}
+        for (node, kind), payload in nodes.items():
+            self.write("hset", keys.node(node), kind, payload)
+            self.write("pexpire", keys.node(node), self._node_ttl_ms)
+        self.write("ping")
+
+    async def job(self, job_id: str) -> dict[str, Any] | None:
+        raw = await self._client.hgetall(keys.job(job_id))
+        if not raw:
+            return None
+        return {_text(k): json.loads(v) for k, v in raw.items()}
+
+    async def run(self) -> None:
+        """Send what is queued, one pipeline at a time, for ever."""
+        while True:
+            await self._wanted.wait()
+            self._wanted.clear()
+            ops, self._ops = self._ops, []
+            try:
+                async with self._client.pipeline(transaction=False) as pipe:
+                    for command, args, kwargs in ops:
+                        getattr(pipe, command)(*args, **kwargs)
+                    await pipe.execute()
+                self.ok = True
+            except Exception as exc:
+                self.ok = False
+                log.warning("Redis write of %d operations failed: %s", len(ops), exc)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
