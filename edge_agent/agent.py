@@ -17,7 +17,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from functools import partial
 from typing import Literal
 
@@ -35,6 +35,7 @@ from edge_agent.offload import (
 from sluicegate import topics, wire
 from sluicegate.config import EdgeSettings, OffloadSettings
 from sluicegate.errors import ImageError
+from sluicegate.threads import EDGE_COMPUTE, compute_pool, start_all
 from sluicegate.transport import Message, Transport, Will
 from sluicegate.vision.postprocess import Outputs as VisionOutputs
 from sluicegate.vision.runtime import ModelRegistry, StageTimes
@@ -89,7 +90,7 @@ class EdgeAgent:
         self._limits = Limits(settings.max_payload_bytes, settings.max_pixels, settings.max_side)
         self._queue: JobQueue[Job] = JobQueue(settings.queue_size, queue_key)
         self._in_flight = 0
-        self._executor = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="sg-infer")
+        self._executor = compute_pool(settings.concurrency, EDGE_COMPUTE)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._idle = asyncio.Event()
         self._idle.set()
@@ -357,6 +358,8 @@ class EdgeAgent:
     async def run(self, stop: asyncio.Event, *, drain_timeout: float = 10.0) -> None:
         """Serve until ``stop`` is set, then answer what is queued and go offline."""
         self._loop = asyncio.get_running_loop()
+        # Every compute thread exists before the first job, so none pays for making one.
+        await self._loop.run_in_executor(None, start_all, self._executor, self.settings.concurrency)
         self._process.cpu_percent(None)  # prime: the first reading is always 0
         self._accepting = True
         submit = topics.edge_submit(self.settings.id)

@@ -33,7 +33,7 @@ from sluicegate.campus import LINES
 from sluicegate.client import AsyncClient
 from sluicegate.config import MqttSettings
 from sluicegate.errors import SluicegateError
-from sluicegate.localcampus import LocalCampus
+from sluicegate.localcampus import LocalCampus, cpu_cap_available
 from sluicegate.servers import ServerProcess, running, start_mosquitto, start_redis
 from sluicegate.vision.synth import encode_jpeg, generate
 
@@ -41,6 +41,7 @@ MODEL = "defect-v1"
 DEADLINE_MS = 200.0
 BURST_LINE = "line-1-pc"
 VOLLEY = 20
+EDGE_CPU = 0.15  # share of one core each edge agent gets, where CPU cgroups allow
 
 
 @dataclass
@@ -207,8 +208,11 @@ def run_demo(*, rate: float, seconds: float, port: int | None, redis_port: int |
             redis = stack.enter_context(running(start_redis()))
         redis_url = f"redis://127.0.0.1:{redis_port or (redis.port if redis else 6379)}/0"
         root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sg-demo-")))
-        campus = LocalCampus(root, mqtt_port=mqtt_port, redis_url=redis_url)
+        edge_cpu = EDGE_CPU if cpu_cap_available() else None
+        campus = LocalCampus(root, mqtt_port=mqtt_port, redis_url=redis_url, edge_cpu=edge_cpu)
         console.print(f"[b]campus[/] in {root}: MQTT 127.0.0.1:{mqtt_port}, {redis_url}")
+        if edge_cpu is not None:
+            console.print(f"line PCs emulated as modest machines: {edge_cpu:.0%} of one core each")
         console.print("starting broker-1, line-1-pc, line-2-pc, north-cpu-1, cloud-cpu-1 …")
         try:
             campus.start()

@@ -26,6 +26,7 @@ from sluicegate.config import MqttSettings
 from sluicegate.errors import SluicegateError
 from sluicegate.mqtt import MqttTransport
 from sluicegate.servers import free_port
+from sluicegate.threads import EDGE_COMPUTE
 from sluicegate.transport import Message
 
 ROLE = {BROKER: "broker"} | dict.fromkeys(LINES, "edge") | dict.fromkeys(WORKERS, "pool")
@@ -50,13 +51,19 @@ class LocalCampus:
         key_for: Callable[[str], SigningKey] = lambda _name: SigningKey.generate(),
         env: dict[str, str] | None = None,
         log_level: str = "warning",
+        edge_cpu: float | None = None,
     ) -> None:
+        """``edge_cpu``: emulate line PCs with a modest inference budget by capping each
+        edge agent's compute threads to this share of one core (a CPU cgroup, which leaves
+        its messaging threads alone); None runs them uncapped."""
         self.root = root
         self.mqtt_port = mqtt_port
         self.redis_url = redis_url
         self._key_for = key_for
         self._env = env or {}
         self._log_level = log_level
+        self._edge_cpu = edge_cpu
+        self._cgroups: list[Path] = []
         self.campus: Campus | None = None
         self.http_port = free_port()  # the broker's HTTP API
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
@@ -77,6 +84,7 @@ class LocalCampus:
         for node in self.nodes:
             self.spawn(node)
         asyncio.run(self._wait_online(self.nodes, timeout))
+        self._cap_edges()  # an edge is online once its compute threads exist
         return self.campus
 
     def spawn(self, node: str) -> subprocess.Popen[bytes]:
@@ -95,10 +103,22 @@ class LocalCampus:
         self.processes[node] = proc
         return proc
 
+    def _cap_edges(self) -> None:
+        if self._edge_cpu is None:
+            return
+        for node, role in ROLE.items():
+            proc = self.processes.get(node)
+            if role == "edge" and proc is not None:
+                threads = named_threads(proc.pid, EDGE_COMPUTE)
+                group = cap_cpu(threads, self._edge_cpu, f"sluicegate-{node}-{proc.pid}")
+                self._cgroups.append(group)
+
     def restart(self, node: str, timeout: float = 60.0) -> None:
         self.stop_node(node)
         self.spawn(node)
         asyncio.run(self._wait_online([node], timeout))
+        if ROLE[node] == "edge":
+            self._cap_edges()
 
     async def _wait_online(self, nodes: list[str], timeout: float) -> None:
         waiting = set(nodes)
@@ -164,3 +184,46 @@ class LocalCampus:
             for node, node_role in ROLE.items():
                 if node_role == role:
                     self.stop_node(node)
+        for group in self._cgroups:
+            with contextlib.suppress(OSError):
+                group.rmdir()
+        self._cgroups.clear()
+
+
+CGROUP_V1 = Path("/sys/fs/cgroup/cpu")
+PERIOD_US = 10_000  # short: a slow CPU, not one that stalls for tens of ms
+
+
+def cpu_cap_available() -> bool:
+    """Whether :func:`cap_cpu` can work here (a writable cgroup v1 CPU hierarchy, which is
+    what lets single threads be capped)."""
+    return (CGROUP_V1 / "cpu.cfs_quota_us").exists() and os.access(CGROUP_V1, os.W_OK)
+
+
+def named_threads(pid: int, name: str) -> list[int]:
+    """Thread ids of ``pid`` whose OS name is ``name`` (see :mod:`sluicegate.threads`)."""
+    tids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            if (task / "comm").read_text().strip() == name:
+                tids.append(int(task.name))
+    return tids
+
+
+def cap_cpu(tids: list[int], share: float, name: str) -> Path:
+    """Put threads ``tids`` in a new CPU cgroup limited to ``share`` of one core."""
+    if not tids:
+        raise SluicegateError(f"no threads to cap for {name}")
+    quota = max(1000, int(PERIOD_US * share))  # the kernel refuses less than 1 ms
+    group = CGROUP_V1 / name
+    try:
+        group.mkdir(exist_ok=True)
+        (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+        (group / "cpu.cfs_quota_us").write_text(str(quota))
+        for tid in tids:
+            (group / "tasks").write_text(str(tid))
+    except OSError as exc:
+        raise SluicegateError(
+            f"cannot cap threads {tids} to {share:.0%} of a core: no writable CPU cgroup ({exc})"
+        ) from exc
+    return group
