@@ -153,8 +153,9 @@ class EdgeAgent:
 
     def _offer(self, job: Job) -> bool:
         """Start an offload attempt if this job should leave; True when it was taken."""
-        if self._offload is None or not self._offload_settings.enabled:
-            return False
+        client = self._offload
+        if client is None or not self._offload_settings.enabled or not client.broker_available:
+            return False  # nobody to ask: no task, no hashing, just run it here
         service_s = self.service_times.estimate(job.model) or 0.0
         now = self._clock()
         done = predict_completion(
@@ -169,7 +170,7 @@ class EdgeAgent:
         if reason is None:
             return False
         self._idle.clear()
-        task = asyncio.ensure_future(self._offer_job(self._offload, job, reason, done - now))
+        task = asyncio.ensure_future(self._offer_job(client, job, reason, done - now))
         self._offering.add(task)
         task.add_done_callback(self._offering.discard)
         return True
