@@ -1,9 +1,11 @@
 """Every placement decision into the signed, hash-chained audit log, without slowing them.
 
 Decisions are added as they are answered; a background task writes whatever accumulated
-while the previous record was being signed and stored as one record (``placements``), so
-the cost of a signature and a Redis round trip is shared by a whole burst. Each decision
-keeps its top candidates and the reasons the others were filtered out.
+while the previous record was being signed and stored, packed into as few records
+(``placements``) as the log's record size allows, so the cost of a signature and a Redis
+round trip is shared by a burst. Each decision keeps its top candidates and the reasons the
+others were filtered out. A write that fails (Redis away) is retried, oldest first; nothing
+is dropped unless the backlog passes ``max_backlog``, and then loudly.
 """
 
 from __future__ import annotations
@@ -11,41 +13,85 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from policies import AsyncAuditWriter
-from policies.audit import Scalar
+from policies.audit import MAX_RECORD_BYTES, Scalar
 
 log = logging.getLogger(__name__)
 
+# Room left in a record for its envelope (sequence, hashes, signature, kind, job list).
+BUDGET = MAX_RECORD_BYTES // 2  # JSON-escaping the decisions can at most double them
+RETRY_S = 0.5
+
+
+def encode(decision: dict[str, Any]) -> str:
+    """One decision as compact JSON, its explanation cut if it alone would not fit."""
+    text = json.dumps(decision, default=str, separators=(",", ":"))
+    if len(text) > BUDGET // 2:
+        slim = {**decision, "why": "(explanation too long for the audit record; see the job)"}
+        text = json.dumps(slim, default=str, separators=(",", ":"))
+    return text
+
+
+def pack(decisions: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+    """Group ``(job_id, json)`` pairs into records that each stay within the budget."""
+    records: list[list[tuple[str, str]]] = []
+    size = BUDGET
+    for job_id, text in decisions:
+        cost = len(text) + len(job_id) + 2
+        if size + cost > BUDGET:
+            records.append([])
+            size = 0
+        records[-1].append((job_id, text))
+        size += cost
+    return records
+
 
 class DecisionAudit:
-    def __init__(self, writer: AsyncAuditWriter, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, writer: AsyncAuditWriter, clock: Callable[[], float], max_backlog: int = 100_000
+    ) -> None:
         self._writer = writer
         self._clock = clock
-        self._pending: list[dict[str, Any]] = []
+        self._max_backlog = max_backlog
+        self._pending: deque[tuple[str, str]] = deque()
         self._wanted = asyncio.Event()
         self.written = 0  # decisions stored so far
+        self.dropped = 0  # decisions lost because the backlog overflowed
 
     def add(self, decision: dict[str, Any]) -> None:
-        self._pending.append(decision)
+        self._pending.append((str(decision["job_id"]), encode(decision)))
+        if len(self._pending) > self._max_backlog:
+            self._pending.popleft()
+            self.dropped += 1
+            log.error("audit backlog over %d decisions: the oldest was dropped", self._max_backlog)
         self._wanted.set()
+
+    @property
+    def backlog(self) -> int:
+        return len(self._pending)
 
     async def run(self) -> None:
         while True:
             await self._wanted.wait()
             self._wanted.clear()
-            batch, self._pending = self._pending, []
-            if not batch:
-                continue
-            data: dict[str, Scalar] = {
-                "count": len(batch),
-                "jobs": ",".join(str(d["job_id"]) for d in batch),
-                "decisions": json.dumps(batch, default=str, separators=(",", ":")),
-            }
-            try:
-                await self._writer.append("placements", data, now=self._clock())
-                self.written += len(batch)
-            except Exception:
-                log.exception("audit append of %d decisions failed", len(batch))
+            while self._pending:
+                batch = list(self._pending)
+                for record in pack(batch):
+                    data: dict[str, Scalar] = {
+                        "count": len(record),
+                        "jobs": ",".join(job_id for job_id, _ in record),
+                        "decisions": "[" + ",".join(text for _, text in record) + "]",
+                    }
+                    try:
+                        await self._writer.append("placements", data, now=self._clock())
+                    except Exception as exc:
+                        log.warning("audit append failed (%s); retrying in %.1f s", exc, RETRY_S)
+                        await asyncio.sleep(RETRY_S)
+                        break
+                    for _ in record:
+                        self._pending.popleft()
+                    self.written += len(record)
