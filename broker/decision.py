@@ -11,7 +11,7 @@ the HTTP explanation. Nothing here decides anything.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 RefusalCode = Literal["policy_denied", "no_worker", "no_capacity", "no_faster_worker"]
@@ -98,8 +98,18 @@ Decision = Placed | Refused
 
 
 def as_record(decision: Decision) -> dict[str, object]:
-    """The decision as JSON-able data (for the audit log and ``GET /jobs/{id}/why``)."""
-    out = asdict(decision)
+    """The decision as JSON-able data (for the audit log and ``GET /jobs/{id}/why``).
+    Built field by field: ``dataclasses.asdict`` deep-copies and was a tenth of the
+    broker's time per decision."""
+    if isinstance(decision, Placed):
+        out: dict[str, object] = {
+            "status": decision.status,
+            "worker_id": decision.worker_id,
+            "zone": decision.zone,
+            "predicted_ms": decision.predicted_ms,
+        }
+    else:
+        out = {"status": decision.status, "code": decision.code, "reason": decision.reason}
     cands = decision.candidates
     out["candidates"] = {
         "ranked": [c._asdict() for c in cands.ranked],

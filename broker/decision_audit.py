@@ -62,8 +62,9 @@ class DecisionAudit:
         self.written = 0  # decisions stored so far
         self.dropped = 0  # decisions lost because the backlog overflowed
 
-    def add(self, decision: dict[str, Any]) -> None:
-        self._pending.append((str(decision["job_id"]), encode(decision)))
+    def add(self, job_id: str, text: str) -> None:
+        """Queue one decision, already encoded by :func:`encode`."""
+        self._pending.append((job_id, text))
         if len(self._pending) > self._max_backlog:
             self._pending.popleft()
             self.dropped += 1

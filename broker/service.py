@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ValidationError
 
 from broker.decision import Decision, Placed, as_record
-from broker.decision_audit import DecisionAudit
+from broker.decision_audit import DecisionAudit, encode
 from broker.demand import PoolDemand, pool_demand
 from broker.fleet import Fleet
 from broker.metrics import BrokerMetrics
@@ -92,6 +92,7 @@ class Broker:
         self.params = PlacementParams.from_settings(settings)
         self.reservations = Reservations(redis)
         self.metrics = BrokerMetrics()
+        self._decided = {s: self.metrics.decisions.labels(s) for s in ("placed", "refused")}
         self.edges: dict[str, wire.EdgeTelemetry] = {}
         self._inbox: asyncio.Queue[_Pending] = asyncio.Queue()
         self.audit = DecisionAudit(audit, clock)
@@ -321,7 +322,7 @@ class Broker:
 
     def _finish(self, item: _Pending, decision: Decision | None, reply: PlacementReply) -> None:
         self._reply(item.reply_topic, item.correlation, reply)
-        self.metrics.decisions.labels(reply.status).inc()
+        self._decided[reply.status].inc()
         self.metrics.decision_seconds.observe(time.perf_counter() - item.arrived)
         req = item.request
         record: dict[str, Any] = {
@@ -337,8 +338,9 @@ class Broker:
         }
         if decision is not None:
             record["why"] = as_record(decision)
-        self.audit.add(record)
-        self.store.job_status(req.job_id, record)
+        text = encode(record)  # once, for the audit log and the job's record alike
+        self.audit.add(req.job_id, text)
+        self.store.job_decision(req.job_id, text)
 
     def _reply(self, topic: str, correlation: bytes | None, reply: PlacementReply) -> None:
         self._transport.publish_nowait(

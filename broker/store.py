@@ -38,8 +38,14 @@ class BrokerStore:
         self._wanted.set()
 
     def job_status(self, job_id: str, fields: dict[str, Any]) -> None:
+        """Set some fields of a job's record (each stored as JSON)."""
         data = {k: json.dumps(v, default=str) for k, v in fields.items() if v is not None}
         self.write("hset", keys.job(job_id), mapping=data)
+        self.write("expire", keys.job(job_id), JOB_TTL_S)
+
+    def job_decision(self, job_id: str, record_json: str) -> None:
+        """Store a decision's whole record, already JSON; later fields overlay it."""
+        self.write("hset", keys.job(job_id), "decision", record_json)
         self.write("expire", keys.job(job_id), JOB_TTL_S)
 
     def release(self, worker_id: str, job_id: str) -> None:
@@ -60,7 +66,9 @@ class BrokerStore:
         raw = await self._client.hgetall(keys.job(job_id))
         if not raw:
             return None
-        return {_text(k): json.loads(v) for k, v in raw.items()}
+        fields = {_text(k): json.loads(v) for k, v in raw.items()}
+        decision = fields.pop("decision", None)
+        return {**(decision if isinstance(decision, dict) else {}), **fields}
 
     async def run(self) -> None:
         """Send what is queued, one pipeline at a time, for ever."""

@@ -55,7 +55,7 @@ async def test_a_burst_is_written_completely_in_chained_records_despite_failures
     audit = DecisionAudit(AsyncAuditWriter(store, key("broker-1")), clock=lambda: 1.0e9)
     runner = asyncio.ensure_future(audit.run())
     for i in range(300):
-        audit.add(decision(i, 600))
+        audit.add(f"job-{i}", encode(decision(i, 600)))
     async with asyncio.timeout(20):
         while audit.written < 300:
             store.stored.clear()
