@@ -24,12 +24,10 @@ from typing import Literal
 from policies import PlacementClaims, Policy, payload_digest, verify
 from policies.errors import TokenRefused
 from sluicegate import topics
-from sluicegate.errors import ImageError, ImageTooLargeError
 from sluicegate.transport import Message
-from sluicegate.vision.image import ImageInfo, check_dimensions, probe
+from sluicegate.vision.image import ImageInfo, PayloadProblem, inspect_payload
 
 DEFAULT_PRIORITY = 5
-CONTENT_TYPES = {"image/jpeg": "jpeg", "image/png": "png"}
 TOKEN_MISSING = "token.missing"
 POLICY_MISSING = "policy.missing"
 
@@ -213,28 +211,11 @@ def admit_work(
     )
     if isinstance(deadline_ms, Refusal):
         return deadline_ms
-    declared = None
-    if work.content_type is not None:
-        declared = CONTENT_TYPES.get(work.content_type.split(";")[0].strip().lower())
-        if declared is None:
-            return reject(
-                "bad_content_type",
-                f"content type {work.content_type!r} is not supported; "
-                "send 'image/jpeg' or 'image/png'",
-            )
-    try:
-        info = probe(work.payload)
-        check_dimensions(info, max_pixels=limits.max_pixels, max_side=limits.max_side)
-    except ImageTooLargeError as exc:
-        return reject("image_too_large", str(exc))
-    except ImageError as exc:
-        return reject("bad_image", str(exc))
-    if declared is not None and declared != info.format:
-        return reject(
-            "bad_content_type",
-            f"content type {work.content_type!r} does not match the payload, which is "
-            f"{info.format}",
-        )
+    info = inspect_payload(
+        work.payload, work.content_type, max_pixels=limits.max_pixels, max_side=limits.max_side
+    )
+    if isinstance(info, PayloadProblem):
+        return reject(info.code, info.reason)
     deadline = deadline_ms / 1000.0 if deadline_ms is not None else None
     if deadline is not None and deadline <= now:
         late = (now - deadline) * 1000.0

@@ -18,7 +18,6 @@ from center_pool.hardware import Sample
 from sluicegate import topics, wire
 from sluicegate.config import PoolSettings
 from sluicegate.transport import Will
-from sluicegate.vision.postprocess import Outputs as VisionOutputs
 from sluicegate.vision.runtime import ModelRegistry
 from sluicegate.wire_pool import ModelCapability, WorkerCapabilities, WorkerTelemetry
 
@@ -143,14 +142,4 @@ def telemetry(
         models=service.loads(),
         results=dict(results),
         refused=dict(refused),
-    )
-
-
-def to_wire_outputs(outputs: VisionOutputs) -> wire.Outputs:
-    return wire.Outputs(
-        label=outputs.label,
-        scores=outputs.scores,
-        detections=[
-            wire.Detection(label=d.label, score=d.score, box=d.box) for d in outputs.detections
-        ],
     )

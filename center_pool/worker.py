@@ -244,9 +244,7 @@ class PoolWorker:
                 timings=timings,
                 code=part.code,
                 reason=part.reason,
-                outputs=(
-                    reporting.to_wire_outputs(part.outputs) if part.outputs is not None else None
-                ),
+                outputs=(wire.outputs_of(part.outputs) if part.outputs is not None else None),
             )
             service_ms = part.decode_ms + part.preprocess_ms + run.inference_ms
             self.outbox.completion(

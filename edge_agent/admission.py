@@ -16,11 +16,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from sluicegate import topics
-from sluicegate.errors import ImageError, ImageTooLargeError
 from sluicegate.transport import Message
-from sluicegate.vision.image import ImageInfo, check_dimensions, probe
+from sluicegate.vision.image import ImageInfo, PayloadProblem, inspect_payload
 
-CONTENT_TYPES = {"image/jpeg": "jpeg", "image/png": "png"}
 DEFAULT_PRIORITY = 5
 DEFAULT_DATA_CLASS = "generic"
 
@@ -151,27 +149,11 @@ def admit(
             "payload_too_large",
             f"payload is {size} bytes; the limit is {limits.max_payload_bytes} bytes",
         )
-    declared = None
-    if msg.content_type is not None:
-        declared = CONTENT_TYPES.get(msg.content_type.split(";")[0].strip().lower())
-        if declared is None:
-            return refuse_for_model(
-                "bad_content_type",
-                f"content type {msg.content_type!r} is not supported; "
-                "send 'image/jpeg' or 'image/png'",
-            )
-    try:
-        info = probe(msg.payload)
-        check_dimensions(info, max_pixels=limits.max_pixels, max_side=limits.max_side)
-    except ImageTooLargeError as exc:
-        return refuse_for_model("image_too_large", str(exc))
-    except ImageError as exc:
-        return refuse_for_model("bad_image", str(exc))
-    if declared is not None and declared != info.format:
-        return refuse_for_model(
-            "bad_content_type",
-            f"content type {msg.content_type!r} does not match the payload, which is {info.format}",
-        )
+    info = inspect_payload(
+        msg.payload, msg.content_type, max_pixels=limits.max_pixels, max_side=limits.max_side
+    )
+    if isinstance(info, PayloadProblem):
+        return refuse_for_model(info.code, info.reason)
     deadline = None
     if props.deadline_ms is not None:
         deadline = now + props.deadline_ms / 1000.0

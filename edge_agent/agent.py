@@ -56,16 +56,6 @@ def last_will(settings: EdgeSettings) -> Will:
     return Will(topics.edge_status(settings.id), status_message(settings, "offline"))
 
 
-def to_wire_outputs(outputs: VisionOutputs) -> wire.Outputs:
-    return wire.Outputs(
-        label=outputs.label,
-        scores=outputs.scores,
-        detections=[
-            wire.Detection(label=d.label, score=d.score, box=d.box) for d in outputs.detections
-        ],
-    )
-
-
 class EdgeAgent:
     """One line PC's agent. Create, then ``await run(stop)``."""
 
@@ -304,7 +294,7 @@ class EdgeAgent:
             code=code,
             reason=reason,
             model=job.model,
-            outputs=to_wire_outputs(outputs) if outputs is not None else None,
+            outputs=wire.outputs_of(outputs) if outputs is not None else None,
             ran_on=self._ran_on(),
             timings_ms=timings,
             offload=declined.as_wire() if declined is not None else None,

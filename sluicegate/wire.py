@@ -8,11 +8,14 @@ bytes happens only here.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from sluicegate.errors import SluicegateError
+
+if TYPE_CHECKING:
+    from sluicegate.vision.postprocess import Outputs as VisionOutputs
 
 WIRE_VERSION: Literal[1] = 1
 RESULT_CONTENT_TYPE = "application/json"
@@ -132,6 +135,15 @@ class NodeStatus(_Wire):
     kind: Literal["edge", "pool", "broker"]
     zone: str
     state: Literal["online", "offline"]
+
+
+def outputs_of(outputs: VisionOutputs) -> Outputs:
+    """A model's postprocessed answer as the result document carries it."""
+    return Outputs(
+        label=outputs.label,
+        scores=outputs.scores,
+        detections=[Detection(label=d.label, score=d.score, box=d.box) for d in outputs.detections],
+    )
 
 
 def dump(model: BaseModel) -> bytes:

@@ -94,6 +94,46 @@ def check_dimensions(info: ImageInfo, *, max_pixels: int, max_side: int) -> None
         )
 
 
+CONTENT_TYPES = {"image/jpeg": "jpeg", "image/png": "png"}
+
+
+@dataclass(frozen=True)
+class PayloadProblem:
+    """Why a payload will not be decoded: a result code and words a person can act on."""
+
+    code: str
+    reason: str
+
+
+def inspect_payload(
+    payload: bytes, content_type: str | None, *, max_pixels: int, max_side: int
+) -> ImageInfo | PayloadProblem:
+    """The checks every node makes before it decodes an image it was sent: the declared
+    content type, the header (format and dimensions: the decompression-bomb guard), and
+    that the two agree. Reads the header only."""
+    declared = None
+    if content_type is not None:
+        declared = CONTENT_TYPES.get(content_type.split(";")[0].strip().lower())
+        if declared is None:
+            return PayloadProblem(
+                "bad_content_type",
+                f"content type {content_type!r} is not supported; send 'image/jpeg' or 'image/png'",
+            )
+    try:
+        info = probe(payload)
+        check_dimensions(info, max_pixels=max_pixels, max_side=max_side)
+    except ImageTooLargeError as exc:
+        return PayloadProblem("image_too_large", str(exc))
+    except ImageError as exc:
+        return PayloadProblem("bad_image", str(exc))
+    if declared is not None and declared != info.format:
+        return PayloadProblem(
+            "bad_content_type",
+            f"content type {content_type!r} does not match the payload, which is {info.format}",
+        )
+    return info
+
+
 def decode(data: bytes, *, reduce: int = 1) -> npt.NDArray[np.uint8]:
     """Decode JPEG/PNG bytes to a BGR uint8 array (grey and alpha become 3-channel BGR).
 
