@@ -42,7 +42,7 @@ class Hold:
 
 
 class Reservations:
-    """The Redis side of placement: reserve, release, count."""
+    """The Redis side of placement: atomic reservations (released by the broker's store)."""
 
     def __init__(self, client: aioredis.Redis) -> None:
         self._client = client
@@ -61,12 +61,3 @@ class Reservations:
                 )
             replies = await pipe.execute()
         return [bool(int(r)) for r in replies]
-
-    async def release(self, worker_id: str, job_id: str) -> bool:
-        """Free the slot ``job_id`` held on ``worker_id``; False if it was not held."""
-        return bool(await self._client.zrem(keys.reservations(worker_id), job_id))
-
-    async def held(self, worker_id: str, now_ms: int) -> int:
-        """How many unexpired reservations ``worker_id`` has now."""
-        key = keys.reservations(worker_id)
-        return int(await self._client.zcount(key, now_ms, "+inf"))

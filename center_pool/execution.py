@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from center_pool.intake import Limits
 from sluicegate.errors import ImageError
 from sluicegate.vision.image import ImageInfo
+from sluicegate.vision.image import PayloadLimits as Limits
 from sluicegate.vision.postprocess import Outputs
 from sluicegate.vision.runtime import LoadedModel
 

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 from center_pool.intake import (
     POLICY_MISSING,
-    Limits,
     Refusal,
     Work,
     check_token,
@@ -30,6 +29,7 @@ from policies.replay import AsyncReplayCache
 from sluicegate import topics
 from sluicegate.policy_feed import PolicyFeed
 from sluicegate.transport import Message
+from sluicegate.vision.image import PayloadLimits as Limits
 
 REPLAY_UNAVAILABLE = "token.replay_unavailable"
 SHUTTING_DOWN = "shutting_down"

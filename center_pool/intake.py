@@ -26,17 +26,11 @@ from policies.errors import TokenRefused
 from sluicegate import topics
 from sluicegate.transport import Message
 from sluicegate.vision.image import ImageInfo, PayloadProblem, inspect_payload
+from sluicegate.vision.image import PayloadLimits as Limits
 
 DEFAULT_PRIORITY = 5
 TOKEN_MISSING = "token.missing"
 POLICY_MISSING = "policy.missing"
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    max_payload_bytes: int
-    max_pixels: int
-    max_side: int
 
 
 @dataclass(frozen=True, slots=True)

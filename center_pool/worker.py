@@ -29,7 +29,7 @@ from center_pool.execution import BatchRun, ItemRun, run_batch
 from center_pool.gate import Gate, Passed, Stopped, audit_data
 from center_pool.guard import POLICY_ACCEPTED, REFUSED, AuditSink
 from center_pool.hardware import Probe
-from center_pool.intake import Limits, Refusal, Work, WorkItem, admit_work, refuse
+from center_pool.intake import Refusal, Work, WorkItem, admit_work, refuse
 from center_pool.outbox import Outbox
 from policies import PlacementClaims, Policy
 from policies.replay import AsyncReplayCache
@@ -37,6 +37,7 @@ from sluicegate import topics, wire
 from sluicegate.config import PoolSettings
 from sluicegate.policy_feed import PolicyFeed
 from sluicegate.transport import Message, Transport
+from sluicegate.vision.image import PayloadLimits as Limits
 from sluicegate.vision.runtime import ModelRegistry
 from sluicegate.wire_pool import WorkerTelemetry
 

@@ -18,16 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from sluicegate import topics
 from sluicegate.transport import Message
 from sluicegate.vision.image import ImageInfo, PayloadProblem, inspect_payload
+from sluicegate.vision.image import PayloadLimits as Limits
 
 DEFAULT_PRIORITY = 5
 DEFAULT_DATA_CLASS = "generic"
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    max_payload_bytes: int
-    max_pixels: int
-    max_side: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from typing import Literal
 
 import psutil
 
-from edge_agent.admission import Job, Limits, Refusal, admit, queue_key
+from edge_agent.admission import Job, Refusal, admit, queue_key
 from edge_agent.load import JobQueue, ServiceTimes
 from edge_agent.offload import (
     Declined,
@@ -37,6 +37,7 @@ from sluicegate.config import EdgeSettings, OffloadSettings
 from sluicegate.errors import ImageError
 from sluicegate.threads import EDGE_COMPUTE, compute_pool, start_all
 from sluicegate.transport import Message, Transport, Will
+from sluicegate.vision.image import PayloadLimits as Limits
 from sluicegate.vision.postprocess import Outputs as VisionOutputs
 from sluicegate.vision.runtime import ModelRegistry, StageTimes
 

@@ -97,6 +97,15 @@ def check_dimensions(info: ImageInfo, *, max_pixels: int, max_side: int) -> None
 CONTENT_TYPES = {"image/jpeg": "jpeg", "image/png": "png"}
 
 
+@dataclass(frozen=True, slots=True)
+class PayloadLimits:
+    """What a node accepts before decoding: payload bytes, pixels, and pixels a side."""
+
+    max_payload_bytes: int
+    max_pixels: int
+    max_side: int
+
+
 @dataclass(frozen=True)
 class PayloadProblem:
     """Why a payload will not be decoded: a result code and words a person can act on."""
