@@ -22,6 +22,11 @@ PROP_JOB_ID = "job-id"
 PROP_TOKEN = "placement-token"
 PROP_ORIGIN_ZONE = "origin-zone"
 PROP_EDGE = "edge-id"
+# The attempt a work message (edge -> worker) or a returned result (worker -> edge) belongs
+# to: 1 for the first placement of a job, one more for each re-placement. Results from an
+# earlier attempt than the edge's current one are discarded (fencing).
+PROP_ATTEMPT = "attempt"
+PROP_WORKER = "worker-id"
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -59,6 +64,18 @@ def edge_telemetry_all() -> str:
 def edge_status_all() -> str:
     """Subscription filter for every edge agent's status."""
     return f"{ROOT}/edge/+/status"
+
+
+def edge_returns(edge_id: str) -> str:
+    """Where pool workers return the results of jobs an edge agent offloaded (QoS 1). The
+    edge owns each accepted job until it is terminal, so every result reaches the app
+    through it: that is where duplicates and stale attempts are dropped."""
+    return f"{ROOT}/edge/{edge_id}/returns"
+
+
+def edge_notices(edge_id: str) -> str:
+    """Broker -> edge: a placed job's worker was lost, or the job is dead-lettered (QoS 1)."""
+    return f"{ROOT}/edge/{edge_id}/notices"
 
 
 def client_results(client_id: str) -> str:

@@ -42,6 +42,9 @@ class PlacementRequest(_Wire):
     # How long the broker may hold the request waiting for room before it must answer:
     # the edge stops waiting after its own timeout and runs the job itself.
     max_wait_ms: float = Field(0.0, ge=0.0)
+    # 1 for a job's first placement, one more each time the edge asks again for the same
+    # job (its worker was lost, or no result came back in time).
+    attempt: int = Field(1, ge=1, le=1000)
 
 
 class PlacementReply(_Wire):
@@ -116,3 +119,22 @@ class Completion(_Wire):
     queue_ms: float
     batch_size: int = Field(ge=1)
     ts: float
+    attempt: int = Field(1, ge=1, le=1000)
+    edge_id: str | None = None
+
+
+class JobNotice(_Wire):
+    """Broker → edge on ``sluicegate/v1/edge/{id}/notices``: what happened to a placed job.
+
+    ``worker_lost``: the worker holding ``attempt`` died; place the job again (or run it
+    locally) as the next attempt. ``dead_letter``: the job has now been on ``crashes``
+    workers that died with it; stop retrying and answer the app ``failed`` with ``reason``.
+    """
+
+    v: Literal[1] = WIRE_VERSION
+    job_id: str
+    attempt: int = Field(ge=1)
+    kind: Literal["worker_lost", "dead_letter"]
+    worker_id: str
+    crashes: int = Field(ge=0)
+    reason: str
