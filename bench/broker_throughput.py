@@ -50,6 +50,10 @@ from sluicegate.wire_pool import (  # noqa: E402
 ZONE, ORIGIN = "campus/fab-north/dc", "campus/fab-north/line-1"
 RELAY_TOPIC = "bench/relay/placement"
 TARGET = {"decisions_per_s": 3000.0}
+# DESIGN.md's floor for the same bare paho relay on its 2-core reference machine. The
+# target is 3,000/7,000 of that floor; scaled by the relay measured here, it says what
+# 3,000/s means on this machine. Both verdicts are printed; ``met`` is the absolute one.
+DESIGN_RELAY_PER_S = 7000.0
 
 
 class Driver:
@@ -223,14 +227,22 @@ def report(
     )
     print(f"  broker decisions/s   {med_s:8.0f}   rounds {[round(x) for x in subject]}")
     print(f"  bare paho relay /s   {med_b:8.0f}   rounds {[round(x) for x in baseline]}")
-    print(f"  broker / relay       {med_s / med_b:8.2f}")
+    ratio = med_s / med_b
+    scaled = TARGET["decisions_per_s"] * med_b / DESIGN_RELAY_PER_S
+    print(f"  broker / relay       {ratio:8.2f}")
+    print(
+        f"  target               {TARGET['decisions_per_s']:8.0f}   absolute; scaled by this "
+        f"machine's relay ({med_b:.0f} vs DESIGN's {DESIGN_RELAY_PER_S:.0f}/s): {scaled:.0f}/s, "
+        f"ratio {TARGET['decisions_per_s'] / DESIGN_RELAY_PER_S:.2f} of the relay"
+    )
     result = {
         "bench": "broker_throughput",
         "subject": {"decisions_per_s": med_s, "rounds": subject, "statuses": statuses},
         "baseline": {"relay_per_s": med_b, "rounds": baseline},
-        "ratio": {"broker_over_relay": med_s / med_b},
-        "target": TARGET,
+        "ratio": {"broker_over_relay": ratio},
+        "target": {**TARGET, "scaled_to_this_machine": scaled},
         "met": med_s >= TARGET["decisions_per_s"],
+        "met_scaled": med_s >= scaled,
         "params": vars(args),
         "machine": {
             "nproc": os.cpu_count(),
