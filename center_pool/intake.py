@@ -1,8 +1,9 @@
 """Intake: the pure decisions on one work message, in the order that keeps images sealed.
 
 1. :func:`read_work` takes only what the placement token is checked against (job id, token,
-   size, declared data class and origin zone) from the MQTT properties; no token, no job id
-   or an oversized payload stop here.
+   size, declared data class and origin zone) and where the result must go back (the edge
+   that placed the job, and the attempt) from the MQTT properties; no token, no job id, no
+   edge id, a bad attempt number or an oversized payload stop here.
 2. :func:`check_token` runs ``policies.verify`` over the payload's sha256 and this worker's
    id: signature, policy version, expiry, job, payload hash, class, origin, target and zone.
    (The replay check needs state, so the shell runs it next.)
@@ -11,7 +12,9 @@
 
 Nothing here decodes an image, does I/O or reads a clock; each refusal carries a code and a
 reason a person can act on, and says whether the token had passed (only then does the broker
-get a completion record: before that, the job was never placed here).
+get a completion record: before that, the job was never placed here). Results, refusals
+included, go back to the owning edge (``topics.edge_returns``), never to the app: a refusal
+whose message names no valid edge cannot be returned, only counted and audited.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from sluicegate.vision.image import PayloadLimits as Limits
 DEFAULT_PRIORITY = 5
 TOKEN_MISSING = "token.missing"
 POLICY_MISSING = "policy.missing"
+EDGE_MISSING = "no_edge_id"
+MAX_ATTEMPT = 1000  # as in wire_pool.PlacementRequest.attempt
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +46,8 @@ class Work:
     token: str
     payload: bytes
     props: dict[str, str]
-    response_topic: str | None
+    edge_id: str | None  # None unless the property is a valid id: nowhere to return to
+    attempt: int
     correlation_data: bytes | None
     content_type: str | None
     received_at: float
@@ -58,7 +64,8 @@ class Refusal:
     status: Literal["rejected", "expired"]
     code: str
     reason: str
-    response_topic: str | None
+    edge_id: str | None  # the edge it is returned to; None: counted and audited only
+    attempt: int
     correlation_data: bytes | None
     model: str | None
     token_passed: bool
@@ -73,12 +80,12 @@ class WorkItem:
     model: str
     payload: bytes
     image: ImageInfo
-    response_topic: str
+    edge_id: str  # the result goes back to this edge (topics.edge_returns)
+    attempt: int
     correlation_data: bytes | None
     priority: int
     data_class: str
     origin_zone: str
-    edge_id: str | None
     received_at: float
     deadline: float | None
 
@@ -90,7 +97,8 @@ def refuse(work: Work, code: str, reason: str, *, token_passed: bool = False) ->
         status,
         code,
         reason,
-        work.response_topic,
+        work.edge_id,
+        work.attempt,
         work.correlation_data,
         work.prop(topics.PROP_MODEL),
         token_passed,
@@ -103,12 +111,15 @@ def read_work(msg: Message, *, limits: Limits, now: float, worker_id: str) -> Wo
     props: dict[str, str] = {}
     for name, value in msg.user_properties:  # the first of a repeated property counts
         props.setdefault(name, value)
+    edge = props.get(topics.PROP_EDGE)
+    attempt = _attempt(props.get(topics.PROP_ATTEMPT))
     work = Work(
         job_id=props.get(topics.PROP_JOB_ID, ""),
         token=props.get(topics.PROP_TOKEN, ""),
         payload=msg.payload,
         props=props,
-        response_topic=msg.response_topic,
+        edge_id=edge if edge is not None and _valid_id(edge) else None,
+        attempt=attempt or 1,
         correlation_data=msg.correlation_data,
         content_type=msg.content_type,
         received_at=now,
@@ -127,6 +138,28 @@ def read_work(msg: Message, *, limits: Limits, now: float, worker_id: str) -> Wo
             f"user property {topics.PROP_JOB_ID!r}={work.job_id!r} is invalid: expected the "
             "job id the placement token was minted for (1 to 128 characters)",
         )
+    if edge is None:
+        return refuse(
+            work,
+            EDGE_MISSING,
+            f"no {topics.PROP_EDGE!r} user property: worker {worker_id} returns every result "
+            "through the edge agent that placed the job (its returns topic); submit to your "
+            "edge agent, which asks for a placement",
+        )
+    if work.edge_id is None:
+        return refuse(
+            work,
+            "bad_property",
+            f"user property {topics.PROP_EDGE!r}={edge!r} is invalid: expected an edge id of "
+            "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit",
+        )
+    if attempt is None:
+        return refuse(
+            work,
+            "bad_property",
+            f"user property {topics.PROP_ATTEMPT!r}={props.get(topics.PROP_ATTEMPT)!r} is "
+            f"invalid: expected an integer 1 to {MAX_ATTEMPT} (1 for a job's first placement)",
+        )
     if len(msg.payload) > limits.max_payload_bytes:
         return refuse(
             work,
@@ -135,6 +168,23 @@ def read_work(msg: Message, *, limits: Limits, now: float, worker_id: str) -> Wo
             f"{limits.max_payload_bytes} bytes",
         )
     return work
+
+
+def _valid_id(value: str) -> bool:
+    try:
+        topics.check_id("edge id", value)
+    except ValueError:
+        return False
+    return True
+
+
+def _attempt(raw: str | None) -> int | None:
+    """The attempt number of a work message: 1 when absent, None when not 1..MAX_ATTEMPT."""
+    if raw is None:
+        return 1
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 4) or not 1 <= int(raw) <= MAX_ATTEMPT:
+        return None
+    return int(raw)
 
 
 def check_token(
@@ -183,8 +233,7 @@ def admit_work(
     def reject(code: str, reason: str) -> Refusal:
         return refuse(work, code, reason, token_passed=True)
 
-    if not work.response_topic:
-        return reject("no_response_topic", "the work message has no MQTT v5 Response Topic")
+    assert work.edge_id is not None  # read_work refused the message otherwise
     model = work.prop(topics.PROP_MODEL)
     if model is None or model not in models:
         known = ", ".join(sorted(models)) or "none loaded"
@@ -219,12 +268,12 @@ def admit_work(
         model=model,
         payload=work.payload,
         image=info,
-        response_topic=work.response_topic,
+        edge_id=work.edge_id,
+        attempt=work.attempt,
         correlation_data=work.correlation_data,
         priority=int(priority) if priority is not None else DEFAULT_PRIORITY,
         data_class=claims.data_class,
         origin_zone=claims.origin_zone,
-        edge_id=work.prop(topics.PROP_EDGE),
         received_at=work.received_at,
         deadline=deadline,
     )

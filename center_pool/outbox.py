@@ -1,11 +1,15 @@
-"""Everything a worker says about a job: the result for the vision app, on the app's own
-response topic with its correlation data, and the completion record for the broker on
-``sluicegate/v1/broker/completions`` (no outputs, no image).
+"""Everything a worker says about a job: the result, returned to the edge agent that placed
+it (``topics.edge_returns``, never the app's own topic: the edge owns each accepted job until
+it is terminal, drops duplicates and stale attempts, and answers the app), and the
+completion record for the broker on ``sluicegate/v1/broker/completions`` (no outputs, no
+image). A result carries the work message's correlation data unchanged and the user
+properties job id, attempt and worker id, so the edge can fence it without decoding it.
 
 Both go out QoS 1 through ``publish_nowait`` (the client retries until acked). A refusal gets
 a completion only when its token had passed: before that, nothing was placed here for the
-broker to release. Publishing never raises into the caller: a message that cannot be queued
-is logged with its job id.
+broker to release. A result with no edge to return to is counted (``unreturned``) and
+logged; its refusal was audited by the gate. Publishing never raises into the caller: a
+message that cannot be queued is logged with its job id.
 """
 
 from __future__ import annotations
@@ -34,11 +38,13 @@ class Outbox:
         self._clock = clock
         self._ran_on = wire.RanOn(kind="pool", node=settings.id, zone=settings.zone)
         self.results: Counter[str] = Counter()
+        self.unreturned = 0  # results with no valid edge id to return them to
 
     def result(
         self,
         job_id: str,
-        topic: str | None,
+        edge_id: str | None,
+        attempt: int,
         correlation_data: bytes | None,
         *,
         status: wire.Status,
@@ -49,9 +55,11 @@ class Outbox:
         reason: str | None = None,
         outputs: wire.Outputs | None = None,
     ) -> None:
-        """The app's result; counted even when there is no response topic to send it to."""
+        """The job's result, back to its edge; counted even when there is no edge to send it to."""
         self.results[status] += 1
-        if not topic:
+        if edge_id is None:
+            self.unreturned += 1
+            log.warning("result %s of job %r has no edge to return to", status, job_id[:128])
             return
         result = wire.JobResult(
             job_id=job_id,
@@ -64,7 +72,14 @@ class Outbox:
             timings_ms=timings,
             offload=wire.Offload(requested=True, placed=placed, worker=self._settings.id),
         )
-        self._publish(topic, wire.dump(result), correlation_data, job_id)
+        props = (
+            (topics.PROP_JOB_ID, job_id),
+            (topics.PROP_ATTEMPT, str(attempt)),
+            (topics.PROP_WORKER, self._settings.id),
+        )
+        self._publish(
+            topics.edge_returns(edge_id), wire.dump(result), correlation_data, job_id, props
+        )
 
     def completion(
         self,
@@ -72,6 +87,8 @@ class Outbox:
         status: wire.Status,
         model: str,
         *,
+        edge_id: str | None,
+        attempt: int,
         service_ms: float,
         queue_ms: float,
         batch_size: int,
@@ -85,6 +102,8 @@ class Outbox:
             queue_ms=round(queue_ms, 3),
             batch_size=max(1, batch_size),
             ts=self._clock(),
+            attempt=attempt,
+            edge_id=edge_id,
         )
         self._publish(topics.completions(), wire.dump(record), None, job_id)
 
@@ -93,7 +112,8 @@ class Outbox:
         elapsed = (self._clock() - refusal.received_at) * 1000.0
         self.result(
             refusal.job_id,
-            refusal.response_topic,
+            refusal.edge_id,
+            refusal.attempt,
             refusal.correlation_data,
             status=refusal.status,
             model=refusal.model,
@@ -105,10 +125,24 @@ class Outbox:
         if refusal.token_passed:
             model = refusal.model or ""
             self.completion(
-                refusal.job_id, refusal.status, model, service_ms=0.0, queue_ms=0.0, batch_size=1
+                refusal.job_id,
+                refusal.status,
+                model,
+                edge_id=refusal.edge_id,
+                attempt=refusal.attempt,
+                service_ms=0.0,
+                queue_ms=0.0,
+                batch_size=1,
             )
 
-    def _publish(self, topic: str, payload: bytes, correlation: bytes | None, job: str) -> None:
+    def _publish(
+        self,
+        topic: str,
+        payload: bytes,
+        correlation: bytes | None,
+        job: str,
+        props: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         try:
             self._transport.publish_nowait(
                 topic,
@@ -116,6 +150,7 @@ class Outbox:
                 qos=1,
                 correlation_data=correlation,
                 content_type=wire.RESULT_CONTENT_TYPE,
+                user_properties=props,
             )
         except Exception as exc:
             log.error("could not publish to %s for job %s: %s", topic, job, exc)

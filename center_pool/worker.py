@@ -6,10 +6,11 @@ anything looks at the image; a refusal is answered, counted and (before the toke
 audited, and the worker keeps serving. Admitted jobs wait in the pure
 :class:`~center_pool.batching.BatchQueue`; a loop-side dispatcher hands each ready batch to a
 bounded thread pool (OpenCV and ONNX Runtime release the GIL) and takes the outcome back with
-``call_soon_threadsafe``. Results and completion records go out through the
-:class:`~center_pool.outbox.Outbox`. Capabilities and status are retained (re-published on
-reconnect, offline as Last Will); telemetry goes out every interval. It must never block the
-loop on compute or I/O, and never let one bad message stop it serving the others.
+``call_soon_threadsafe``. Results (back to the edge that placed each job, never to the app)
+and completion records go out through the :class:`~center_pool.outbox.Outbox`. Capabilities
+and status are retained (re-published on reconnect, offline as Last Will); telemetry goes
+out every interval. It must never block the loop on compute or I/O, and never let one bad
+message stop it serving the others.
 """
 
 from __future__ import annotations
@@ -238,7 +239,8 @@ class PoolWorker:
                 status = "rejected"
             self.outbox.result(
                 item.job_id,
-                item.response_topic,
+                item.edge_id,
+                item.attempt,
                 item.correlation_data,
                 status=status,
                 model=item.model,
@@ -252,6 +254,8 @@ class PoolWorker:
                 item.job_id,
                 status,
                 item.model,
+                edge_id=item.edge_id,
+                attempt=item.attempt,
                 service_ms=service_ms,
                 queue_ms=queue_ms,
                 batch_size=run.batch_size,
@@ -264,7 +268,8 @@ class PoolWorker:
         queue_ms = (now - item.received_at) * 1000.0
         self.outbox.result(
             item.job_id,
-            item.response_topic,
+            item.edge_id,
+            item.attempt,
             item.correlation_data,
             status="expired",
             model=item.model,
@@ -273,7 +278,14 @@ class PoolWorker:
             timings=wire.Timings(queue_ms=round(queue_ms, 3), total_ms=round(queue_ms, 3)),
         )
         self.outbox.completion(
-            item.job_id, "expired", item.model, service_ms=0.0, queue_ms=queue_ms, batch_size=1
+            item.job_id,
+            "expired",
+            item.model,
+            edge_id=item.edge_id,
+            attempt=item.attempt,
+            service_ms=0.0,
+            queue_ms=queue_ms,
+            batch_size=1,
         )
 
     # -- policy, telemetry and status --------------------------------------------------------

@@ -1,5 +1,6 @@
 """Shared by the pool worker tests: the test policy, tokens minted with the published test
-broker key, and work messages built the way an edge agent sends them."""
+broker key, and work messages built the way an edge agent sends them (results come back on
+the edge's returns topic, ``topics.edge_returns(spec.edge)``)."""
 
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ class WorkSpec:
     deadline_at_ms: float | None = None
     priority: int | None = None
     content_type: str | None = "image/jpeg"
-    response_topic: str | None = "app/results"
+    edge: str | None = EDGE  # None: no edge-id property
+    attempt: str | None = None  # the attempt property as sent; None: absent (attempt 1)
     correlation: bytes = b""
 
     def user_properties(self, job_id: str) -> list[tuple[str, str]]:
@@ -91,8 +93,11 @@ class WorkSpec:
             (topics.PROP_MODEL, self.model),
             (topics.PROP_DATA_CLASS, DATA_CLASS),
             (topics.PROP_ORIGIN_ZONE, ORIGIN),
-            (topics.PROP_EDGE, EDGE),
         ]
+        if self.edge is not None:
+            props.append((topics.PROP_EDGE, self.edge))
+        if self.attempt is not None:
+            props.append((topics.PROP_ATTEMPT, self.attempt))
         if tok:
             props.append((topics.PROP_TOKEN, tok))
         if self.deadline_at_ms is not None:
@@ -107,7 +112,6 @@ class WorkSpec:
             topics.pool_work(zone, worker),
             self.payload,
             qos=1,
-            response_topic=self.response_topic,
             correlation_data=self.correlation or job_id.encode(),
             content_type=self.content_type,
             user_properties=tuple(self.user_properties(job_id)),

@@ -99,10 +99,9 @@ def wait_online(watcher: PlainClient, failed: Any) -> None:
             return
 
 
-def publish_work(client: PlainClient, msg: Message, response_topic: str) -> None:
+def publish_work(client: PlainClient, msg: Message) -> None:
     """Publish ``msg`` (built by ``WorkSpec``) to its work topic with a bare paho client."""
     props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
-    props.ResponseTopic = response_topic
     if msg.correlation_data is not None:
         props.CorrelationData = msg.correlation_data
     if msg.content_type is not None:
@@ -155,17 +154,25 @@ def pool(
 
 
 class App:
-    """A vision app's response topic plus the broker's completions, on one plain client."""
+    """Plays the edge agent that placed the jobs: its returns topic (where workers send
+    results) plus the broker's completions, on one plain client. Each test's messages name
+    an edge of its own."""
 
     def __init__(self, port: int, unique: str) -> None:
         self.client = PlainClient(port)
-        self.response_topic = f"tests/{unique}/results"
-        self.client.subscribe(self.response_topic)
+        self.edge = f"edge-{unique}"
+        self.returns = topics.edge_returns(self.edge)
+        self.client.subscribe(self.returns)
         self.client.subscribe(topics.completions())
         self.seen: list[Received] = []
 
     def send(self, msg: Message) -> Message:
-        publish_work(self.client, msg, self.response_topic)
+        """Publish ``msg`` as this test's edge (its edge-id property is replaced)."""
+        props = tuple(
+            (k, self.edge if k == topics.PROP_EDGE else v) for k, v in msg.user_properties
+        )
+        msg = replace(msg, user_properties=props)
+        publish_work(self.client, msg)
         return msg
 
     def _take(self, want: Any) -> Received:
@@ -181,7 +188,7 @@ class App:
 
     def result(self, msg: Message) -> dict[str, Any]:
         got = self._take(
-            lambda r: r.topic == self.response_topic and r.correlation_data == msg.correlation_data
+            lambda r: r.topic == self.returns and r.correlation_data == msg.correlation_data
         )
         assert got.content_type == "application/json"
         doc: dict[str, Any] = json.loads(got.payload)
@@ -217,6 +224,7 @@ def test_placed_job_gets_its_result_and_the_broker_a_completion(
     assert result["offload"] == {"requested": True, "placed": True, "worker": WORKER}
     record = app.completion(_job_id(msg))
     assert (record["status"], record["worker_id"], record["model"]) == ("ok", WORKER, "defect-v1")
+    assert (record["attempt"], record["edge_id"]) == (1, app.edge)
     assert record["batch_size"] >= 1
     assert record["service_ms"] > 0
 

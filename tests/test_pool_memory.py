@@ -31,6 +31,7 @@ from sluicegate.policy_feed import PolicyFeed
 from sluicegate.transport import Message
 from sluicegate.vision.runtime import LoadedModel, ModelRegistry, default_models_dir
 from tests.pool_kit import (
+    EDGE,
     JPEG,
     TRUTH,
     WORKER,
@@ -42,7 +43,7 @@ from tests.pool_kit import (
 )
 
 REGISTRY = ModelRegistry.from_dir(default_models_dir())
-RESULTS = "app/results"
+RESULTS = topics.edge_returns(EDGE)  # results go back to the edge that placed the job
 
 
 class GatedModel(LoadedModel):
@@ -77,11 +78,14 @@ class Harness:
     def completions(self) -> list[dict[str, Any]]:
         return [json.loads(m.payload) for m in self.broker.log if m.topic == topics.completions()]
 
-    async def result_for(self, msg: Message) -> dict[str, Any]:
-        got = await self.broker.wait_for(
+    async def returned(self, msg: Message) -> Message:
+        """The message that returned ``msg``'s result to its edge."""
+        return await self.broker.wait_for(
             lambda m: m.topic == RESULTS and m.correlation_data == msg.correlation_data
         )
-        result: dict[str, Any] = json.loads(got.payload)
+
+    async def result_for(self, msg: Message) -> dict[str, Any]:
+        result: dict[str, Any] = json.loads((await self.returned(msg)).payload)
         return result
 
     async def close(self) -> None:
@@ -140,6 +144,45 @@ async def test_good_job_result_completion_capabilities_and_status(pool: Harness)
     assert (caps["zone"], caps["device_class"], caps["max_batch"]) == (WORKER_ZONE, "x86-cpu", 8)
     status = json.loads(pool.broker.retained[topics.worker_status(WORKER)].payload)
     assert (status["kind"], status["state"]) == ("pool", "online")
+
+
+async def test_results_return_to_the_edge_with_job_attempt_and_worker(pool: Harness) -> None:
+    msg = pool.send(WorkSpec(job_id="job-a3", attempt="3", correlation=b"\x00app\xff"))
+    back = await pool.returned(msg)
+    assert back.qos == 1
+    assert back.correlation_data == b"\x00app\xff"  # the app's, unchanged
+    assert dict(back.user_properties) == {
+        topics.PROP_JOB_ID: "job-a3",
+        topics.PROP_ATTEMPT: "3",
+        topics.PROP_WORKER: WORKER,
+    }
+    assert json.loads(back.payload)["status"] == "ok"
+    done = await pool.broker.wait_for(lambda m: m.topic == topics.completions())
+    record = json.loads(done.payload)
+    assert (record["job_id"], record["attempt"], record["edge_id"]) == ("job-a3", 3, EDGE)
+    # Nothing goes anywhere but the edge's returns topic and the broker's completions.
+    sent = {m.topic for m in pool.broker.log if m.correlation_data == b"\x00app\xff"}
+    assert sent == {RESULTS}
+
+
+async def test_work_without_an_edge_id_is_refused_counted_and_audited(pool: Harness) -> None:
+    pool.send(WorkSpec(job_id="lost-1", edge=None))
+    refused = pool.send(WorkSpec(job_id="lost-2", edge="bad/edge"))
+    # A refusal that can be returned proves the two before it were screened first.
+    after = await pool.result_for(pool.send(WorkSpec(job_id="after", token="")))
+    assert after["code"] == "token.missing"
+    assert pool.worker.refused["no_edge_id"] == 1
+    assert pool.worker.refused["bad_property"] == 1
+    assert pool.worker.outbox.unreturned == 2
+    assert pool.worker.decode_attempts == 0
+    assert not [m for m in pool.broker.log if m.correlation_data == refused.correlation_data]
+    await pool.worker.audit.flush(5)
+    audited = {
+        str(decode_record(e).data["job_id"]): decode_record(e).data for e in pool.store.entries[1:]
+    }
+    assert audited["lost-1"]["reason"] == "no_edge_id"
+    assert audited["lost-2"]["reason"] == "bad_property"
+    assert "'bad/edge'" in str(audited["lost-2"]["message"])
 
 
 async def test_refusals_are_answered_counted_audited_and_never_decoded(pool: Harness) -> None:

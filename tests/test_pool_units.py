@@ -59,6 +59,11 @@ def _through_token(spec: WorkSpec) -> tuple[Work, PlacementClaims]:
             False,
             "payload_too_large",
         ),
+        (WorkSpec(job_id="j", token="x", edge=None), False, "no_edge_id"),
+        (WorkSpec(job_id="j", token="x", edge="no/slash"), False, "bad_property"),
+        (WorkSpec(job_id="j", token="x", attempt="0"), False, "bad_property"),
+        (WorkSpec(job_id="j", token="x", attempt="2.5"), False, "bad_property"),
+        (WorkSpec(job_id="j", token="x", attempt="9" * 5000), False, "bad_property"),
     ],
 )
 def test_read_work_refuses_before_the_token_is_checked(
@@ -71,6 +76,31 @@ def test_read_work_refuses_before_the_token_is_checked(
     work = read_work(msg, limits=LIMITS, now=NOW, worker_id=WORKER)
     assert isinstance(work, Refusal)
     assert (work.code, work.token_passed, work.received_at) == (code, False, NOW)
+
+
+@pytest.mark.parametrize(
+    ("edge", "attempt", "returned_to"),
+    [
+        ("north-l1-pc", None, ("north-l1-pc", 1)),
+        ("north-l1-pc", "3", ("north-l1-pc", 3)),
+        (None, "2", (None, 2)),  # refused: nowhere to return it, only counted and audited
+        ("a/b", "2", (None, 2)),
+    ],
+)
+def test_a_refusal_goes_back_to_the_valid_edge_named_with_its_attempt(
+    edge: str | None, attempt: str | None, returned_to: tuple[str | None, int]
+) -> None:
+    got = _read(WorkSpec(job_id="j", token="", edge=edge, attempt=attempt))
+    assert isinstance(got, Refusal)
+    assert (got.edge_id, got.attempt) == returned_to
+
+
+def test_a_missing_edge_id_is_refused_with_a_reason_that_says_where_results_go() -> None:
+    got = _read(WorkSpec(job_id="j", token="x", edge=None))
+    assert isinstance(got, Refusal)
+    assert "'edge-id'" in got.reason
+    assert WORKER in got.reason
+    assert "edge agent" in got.reason
 
 
 @pytest.mark.parametrize(
@@ -118,7 +148,6 @@ def test_a_non_image_with_a_valid_token_passes_the_token_and_fails_the_header() 
         (_spec(deadline_at_ms=(NOW - 1) * 1000), "expired"),
         (_spec(content_type="text/plain"), "bad_content_type"),
         (_spec(content_type="image/png"), "bad_content_type"),
-        (_spec(response_topic=None), "no_response_topic"),
         (
             _spec(
                 payload=png_header_only(9000, 9000),
@@ -142,11 +171,19 @@ def test_admit_work_takes_class_and_origin_from_the_verified_claims() -> None:
     item = admit_work(work, claims, models=MODELS, limits=LIMITS, now=NOW)
     assert not isinstance(item, Refusal)
     assert (item.priority, item.deadline) == (0, NOW + 5)
-    assert (item.data_class, item.origin_zone, item.edge_id) == (
+    assert (item.data_class, item.origin_zone, item.edge_id, item.attempt) == (
         claims.data_class,
         claims.origin_zone,
         "north-l1-pc",
+        1,
     )
+
+
+def test_admit_work_keeps_the_attempt_of_the_work_message() -> None:
+    work, claims = _through_token(_spec(attempt="4"))
+    item = admit_work(work, claims, models=MODELS, limits=LIMITS, now=NOW)
+    assert not isinstance(item, Refusal)
+    assert (item.edge_id, item.attempt) == ("north-l1-pc", 4)
 
 
 @pytest.mark.parametrize(
