@@ -115,10 +115,18 @@ def test_acl_lets_an_edge_write_only_where_some_class_may_go() -> None:
     assert "topic read sluicegate/v1/worker/north-gpu-1/telemetry" in broker
     assert "topic read sluicegate/v1/broker/completions" in broker
     assert "/pool/" not in broker  # the broker never reads a work topic: no images
+    assert "topic write sluicegate/v1/edge/north-l1-pc/notices" in broker
+    assert "topic write sluicegate/v1/edge/lost-pc/notices" in broker
     worker = text.split("user north-gpu-1\n")[1].split("\n\n")[0]
     assert "topic read sluicegate/v1/pool/campus/fab-north/dc/north-gpu-1/work" in worker
     assert "topic write sluicegate/v1/broker/completions" in worker
     assert "topic write sluicegate/v1/worker/north-gpu-1/capabilities" in worker
+    # Results go back only to the edges that may place work here, never to an app topic.
+    assert "topic write sluicegate/v1/edge/north-l1-pc/returns" in worker
+    assert "lost-pc" not in worker
+    assert "results" not in worker
+    south = text.split("user south-npu-1\n")[1].split("\n\n")[0]
+    assert "/returns" not in south  # no edge's data may go to its zone
 
 
 class _Client:
@@ -189,6 +197,20 @@ def test_real_mosquitto_enforces_the_generated_acl(acl_mosquitto: ServerProcess)
         received = [worker.messages.get(timeout=5)]
         received += [worker.messages.get(timeout=5)]  # once for each matching subscription
         assert received == [(own, b"north image")] * 2
+        # The worker returns results to the edge, the broker sends it notices; nobody else
+        # may write to that edge's topics.
+        returns = V1.edge_returns.format(edge_id="north-l1-pc")
+        notices = V1.edge_notices.format(edge_id="north-l1-pc")
+        edge.subscribe(returns)
+        edge.subscribe(notices)
+        edge.publish(returns, b"forged by the edge itself")
+        broker.publish(returns, b"forged by the broker")
+        worker.publish(notices, b"forged by a worker")
+        worker.publish(returns, b"result")
+        broker.publish(notices, b"notice")
+        got = {edge.messages.get(timeout=5), edge.messages.get(timeout=5)}
+        assert got == {(returns, b"result"), (notices, b"notice")}
+        assert edge.messages.empty()
         assert worker.messages.empty()
         assert broker.messages.empty()
     finally:
