@@ -11,6 +11,18 @@ and can register a Last Will.
 Hand-off is bounded: when handlers fall ``max_pending`` messages behind, paho's thread
 waits, so TCP pushes back on the sender instead of memory growing. Handlers must therefore
 be quick and must never wait on the transport themselves.
+
+Acknowledgements are ours, not paho's (``Client(manual_ack=True)``): a message of an
+ordinary subscription is acked on paho's thread as it is handed over, as paho itself would;
+one matching a ``manual_ack`` subscription carries an ack handle and is acked only when its
+handler calls :meth:`MqttTransport.ack`. ``client.ack`` only appends a packet to paho's
+outgoing deque (as ``publish`` does from the loop), so it is safe from the loop thread. A
+handle remembers the connection it arrived on: an ack after that connection was lost is
+dropped, since the broker redelivers the message on the new connection under a packet id
+that may by then name another message. A QoS ≥ 1 message that no subscription of this
+process claims yet (a persistent session delivers queued messages right after CONNACK,
+before the role has subscribed again) is parked unacked and handed to the first matching
+subscription made on the same connection.
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 
 from sluicegate.config import MqttSettings
 from sluicegate.errors import TransportError
+from sluicegate.topics import matches
 from sluicegate.transport import Handler, Message, UserProperties, Will
 
 __all__ = ["Message", "MqttTransport", "Will", "to_message"]
@@ -71,7 +84,17 @@ def _properties(
     return props
 
 
-def to_message(msg: paho.MQTTMessage) -> Message:
+@dataclass(frozen=True, slots=True)
+class _AckHandle:
+    """What :meth:`MqttTransport.ack` needs: the packet id on the connection it came on."""
+
+    owner: object
+    generation: int
+    mid: int
+    qos: int
+
+
+def to_message(msg: paho.MQTTMessage, ack_handle: object = None) -> Message:
     """Convert a paho message into our own :class:`Message` (called on paho's thread)."""
     props = msg.properties
     response_topic = correlation = content_type = expiry = None
@@ -92,6 +115,7 @@ def to_message(msg: paho.MQTTMessage) -> Message:
         content_type=content_type,
         user_properties=user,
         message_expiry_s=expiry,
+        ack_handle=ack_handle,
     )
 
 
@@ -103,11 +127,15 @@ def _matching(topic_filter: str) -> str:
     return topic_filter
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Subscription:
     topic_filter: str
     qos: int
     handler: Handler
+    manual_ack: bool = False
+
+    def matches(self, topic: str) -> bool:
+        return matches(_matching(self.topic_filter), topic)
 
 
 class _AckTable:
@@ -183,6 +211,7 @@ class MqttTransport:
         self._client_id = client_id
         self._clean_start = clean_start
         self._session_expiry_s = session_expiry_s
+        # Replaced, never mutated, so paho's thread can read it without a lock.
         self._subs: dict[str, _Subscription] = {}
         self._connect_hooks: list[Callable[[], None]] = []
         self._disconnect_hooks: list[Callable[[], None]] = []
@@ -196,11 +225,20 @@ class MqttTransport:
         self._connected = asyncio.Event()
         self._closing = False
         self._last_error: str | None = None
+        # Connection generation: bumped on paho's thread at every connect and disconnect,
+        # under _ack_lock, which an ack holds while it checks and queues its PUBACK.
+        self._ack_lock = threading.Lock()
+        self._generation = 0
+        self._max_parked = max_pending
+        self._parked: deque[tuple[paho.MQTTMessage, int]] = deque()  # (message, generation)
+        self._park_lock = threading.Lock()
+        self.stale_acks = 0  # acks dropped because their connection was lost
         self._client = paho.Client(
             CallbackAPIVersion.VERSION2,
             client_id=client_id,
             protocol=paho.MQTTv5,
             reconnect_on_failure=True,
+            manual_ack=True,
         )
         self._client.reconnect_delay_set(settings.reconnect_min_s, settings.reconnect_max_s)
         if settings.username:
@@ -216,6 +254,7 @@ class MqttTransport:
         self._client.on_publish = self._on_publish
         self._client.on_subscribe = self._on_subscribe
         self._client.on_socket_open = self._on_socket_open
+        self._client.on_message = self._on_message
 
     # -- lifecycle (loop thread) -------------------------------------------------------------
 
@@ -334,14 +373,25 @@ class MqttTransport:
         if wait and qos > 0:
             await self._await_ack(self._acks, mid)
 
-    async def subscribe(self, topic_filter: str, handler: Handler, *, qos: int = 1) -> None:
+    async def subscribe(
+        self, topic_filter: str, handler: Handler, *, qos: int = 1, manual_ack: bool = False
+    ) -> None:
         """Call ``handler(message)`` on the loop for each message matching ``topic_filter``.
 
-        When connected, returns once the broker has acknowledged the subscription (SUBACK);
-        otherwise it is made on the next (re)connect, before any on-connect hook runs.
+        With ``manual_ack`` the handler must :meth:`ack` each QoS ≥ 1 message; until it
+        does, the broker holds the message for this session and redelivers it after a
+        reconnect. When connected, returns once the broker has acknowledged the subscription
+        (SUBACK); otherwise it is made on the next (re)connect, before any on-connect hook.
         """
-        self._subs[topic_filter] = _Subscription(topic_filter, qos, handler)
-        self._client.message_callback_add(_matching(topic_filter), self._make_dispatch(handler))
+        sub = _Subscription(topic_filter, qos, handler, manual_ack)
+        with self._park_lock:
+            self._subs = {**self._subs, topic_filter: sub}
+            claimed = [p for p in self._parked if sub.matches(p[0].topic)]
+            for parked in claimed:
+                self._parked.remove(parked)
+        loop = asyncio.get_running_loop()
+        for msg, generation in claimed:
+            loop.call_soon(self._call, sub.handler, self._convert(msg, [sub], generation))
         if not self.connected:
             return
         result, mid = self._client.subscribe(topic_filter, qos=qos)
@@ -352,10 +402,26 @@ class MqttTransport:
         await self._await_ack(self._sub_acks, mid)
 
     async def unsubscribe(self, topic_filter: str) -> None:
-        self._subs.pop(topic_filter, None)
-        self._client.message_callback_remove(_matching(topic_filter))
+        with self._park_lock:
+            self._subs = {f: s for f, s in self._subs.items() if f != topic_filter}
         if self.connected:
             self._client.unsubscribe(topic_filter)
+
+    def ack(self, message: Message) -> None:
+        """PUBACK a message of a ``manual_ack`` subscription (loop thread).
+
+        A no-op for QoS 0 and for messages acked automatically; dropped (and counted in
+        ``stale_acks``) when the connection it arrived on is gone, since the broker then
+        redelivers it and the old packet id may already name another message.
+        """
+        handle = message.ack_handle
+        if not isinstance(handle, _AckHandle) or handle.owner is not self or handle.qos == 0:
+            return
+        with self._ack_lock:
+            if handle.generation != self._generation:
+                self.stale_acks += 1
+                return
+            self._client.ack(handle.mid, handle.qos)
 
     async def _await_ack(self, table: _AckTable, mid: int) -> None:
         fut = table.expect(mid, asyncio.get_running_loop())
@@ -390,25 +456,59 @@ class MqttTransport:
             for fn, args in batch:
                 fn(*args)
 
-    def _make_dispatch(
-        self, handler: Handler
-    ) -> Callable[[paho.Client, Any, paho.MQTTMessage], None]:
-        def dispatch(_client: paho.Client, _userdata: Any, msg: paho.MQTTMessage) -> None:
-            message = to_message(msg)
+    def _on_message(self, _client: paho.Client, _userdata: Any, msg: paho.MQTTMessage) -> None:
+        with self._park_lock:
+            subs = [s for s in self._subs.values() if s.matches(msg.topic)]
+            if not subs:
+                self._park(msg)
+                return
+        message = self._convert(msg, subs, self._generation)
+        for sub in subs:
             while not self._slots.acquire(timeout=0.5):
                 if self._closing:
                     return
-            self._hand_off(self._deliver, handler, message)
+            self._hand_off(self._deliver, sub.handler, message)
 
-        return dispatch
+    def _park(self, msg: paho.MQTTMessage) -> None:
+        """Keep an unclaimed QoS ≥ 1 message, unacked, for a subscription still to come
+        (paho's thread, holding _park_lock)."""
+        if msg.qos == 0:
+            return
+        self._parked.append((msg, self._generation))
+        if len(self._parked) > self._max_parked:
+            dropped, _ = self._parked.popleft()
+            log.warning(
+                "no subscription claimed a message on %s; left unacked for the broker to "
+                "redeliver after a reconnect",
+                dropped.topic,
+            )
+
+    def _convert(
+        self, msg: paho.MQTTMessage, subs: list[_Subscription], generation: int
+    ) -> Message:
+        """Our message, with an ack handle when a manual-ack subscription wants it; acked
+        here otherwise (any thread: ``client.ack`` only queues a packet)."""
+        handle = None
+        if msg.qos > 0:
+            if any(s.manual_ack for s in subs):
+                handle = _AckHandle(self, generation, msg.mid, msg.qos)
+            else:
+                with self._ack_lock:
+                    if generation == self._generation:
+                        self._client.ack(msg.mid, msg.qos)
+        return to_message(msg, handle)
 
     def _deliver(self, handler: Handler, message: Message) -> None:
+        try:
+            self._call(handler, message)
+        finally:
+            self._slots.release()
+
+    def _call(self, handler: Handler, message: Message) -> None:
         try:
             handler(message)
         except Exception:
             log.exception("handler for %s failed; the transport keeps serving", message.topic)
-        finally:
-            self._slots.release()
 
     def _on_socket_open(self, _client: paho.Client, _userdata: Any, sock: Any) -> None:
         with contextlib.suppress(OSError, AttributeError):
@@ -426,6 +526,7 @@ class MqttTransport:
             self._last_error = f"broker refused the connection: {reason_code}"
             log.warning("MQTT connect refused by %s: %s", self._settings.host, reason_code)
             return
+        self._new_generation()
         subs = list(self._subs.values())
         if subs:
             client.subscribe([(s.topic_filter, s.qos) for s in subs])
@@ -444,10 +545,19 @@ class MqttTransport:
         reason_code: ReasonCode,
         _properties: Properties | None,
     ) -> None:
+        self._new_generation()
         if not self._closing:
             self._last_error = f"disconnected: {reason_code}"
             log.warning("MQTT connection lost (%s); reconnecting with backoff", reason_code)
         self._hand_off(self._set_connected, False)
+
+    def _new_generation(self) -> None:
+        """A connection began or ended (paho's thread): acks of earlier messages are void,
+        and parked messages come again from the broker if they are still owed."""
+        with self._ack_lock:
+            self._generation += 1
+        with self._park_lock:
+            self._parked.clear()
 
     def _on_subscribe(
         self,

@@ -4,12 +4,18 @@
 :class:`Transport` is the small protocol the shells are written against. The real
 implementation (paho) lives in :mod:`sluicegate.mqtt`; :mod:`sluicegate.memory_transport`
 implements the same protocol in memory for the middle tier of tests.
+
+Acknowledgement: a subscription is acknowledged automatically (the PUBACK leaves as soon as
+the message is handed over) unless it is made with ``manual_ack=True``; then the handler
+owns the PUBACK and calls :meth:`Transport.ack` once it has made the message durable. A
+message never acked is redelivered by the broker when the same persistent session
+reconnects, which is how "accepted only once durable" survives a crash.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 UserProperties = tuple[tuple[str, str], ...]
@@ -29,6 +35,9 @@ class Message:
     content_type: str | None = None
     user_properties: UserProperties = ()
     message_expiry_s: int | None = None
+    # What the transport needs to acknowledge this very delivery (manual-ack subscriptions
+    # only); opaque to everyone else and no part of the message's value.
+    ack_handle: object = field(default=None, compare=False, repr=False)
 
     def user_property(self, name: str) -> str | None:
         """The first user property called ``name``, or None."""
@@ -80,8 +89,16 @@ class Transport(Protocol):
     ) -> None:
         """Publish; with ``wait`` and QoS ≥ 1, return once the broker has acked."""
 
-    async def subscribe(self, topic_filter: str, handler: Handler, *, qos: int = 1) -> None:
-        """Deliver each matching message to ``handler`` on the loop."""
+    async def subscribe(
+        self, topic_filter: str, handler: Handler, *, qos: int = 1, manual_ack: bool = False
+    ) -> None:
+        """Deliver each matching message to ``handler`` on the loop; with ``manual_ack`` the
+        handler must call :meth:`ack` for each message (QoS ≥ 1) once it is safe to."""
+
+    def ack(self, message: Message) -> None:
+        """Acknowledge a message from a manual-ack subscription; a no-op for QoS 0, for a
+        message of an automatically acked subscription, and for one that arrived over a
+        connection since lost (the broker redelivers it on the new one)."""
 
     def on_connect(self, hook: Callable[[], None]) -> None:
         """Run ``hook`` on the loop after every (re)connect, once subscriptions are renewed."""

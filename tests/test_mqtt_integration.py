@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -130,3 +131,122 @@ async def test_connect_to_nothing_is_a_clear_error() -> None:
     t = MqttTransport(settings, client_id="nobody")
     with pytest.raises(TransportError, match=r"no MQTT broker answered at 127\.0\.0\.1:\d+"):
         await t.connect(timeout=1.0)
+
+
+async def test_unacked_message_comes_back_after_the_connection_dies(
+    mosquitto: ServerProcess, unique: str
+) -> None:
+    settings = MqttSettings(port=mosquitto.port, reconnect_min_s=1, reconnect_max_s=1)
+    topic = f"ack/{unique}"
+    got: asyncio.Queue[Message] = asyncio.Queue()
+    async with MqttTransport(settings, client_id=f"p-{unique}") as publisher:
+        durable = MqttTransport(
+            settings, client_id=f"m-{unique}", clean_start=False, session_expiry_s=60
+        )
+        await durable.connect()
+        await durable.subscribe(topic, got.put_nowait, qos=1, manual_ack=True)
+        await publisher.publish(topic, b"job", qos=1, wait=True)
+        first = await _next(got)
+        assert first.payload == b"job"
+        assert first.ack_handle is not None
+        assert first == Message(topic, b"job", qos=1)  # the handle is not part of the value
+        back = asyncio.Event()
+        durable.on_connect(back.set)
+        sock = durable._client.socket()
+        assert isinstance(sock, socket.socket)
+        sock.shutdown(socket.SHUT_RDWR)  # dies without DISCONNECT, before the ack
+        again = await _next(got, 15)
+        assert again.payload == b"job"  # redelivered on the new connection
+        await asyncio.wait_for(back.wait(), 10)
+        durable.ack(first)  # from the lost connection: dropped, never sent
+        assert durable.stale_acks == 1
+        durable.ack(again)
+        await durable.close()
+        # While the session is offline a second job is queued for it; the first was acked.
+        await publisher.publish(topic, b"second", qos=1, wait=True)
+        later: asyncio.Queue[Message] = asyncio.Queue()
+        resumed = MqttTransport(
+            settings, client_id=f"m-{unique}", clean_start=False, session_expiry_s=60
+        )
+        await resumed.connect()
+        await resumed.subscribe(topic, later.put_nowait, qos=1, manual_ack=True)
+        await publisher.publish(topic, b"marker", qos=1, wait=True)
+        assert [(await _next(later)).payload for _ in range(2)] == [b"second", b"marker"]
+        await resumed.close()
+
+
+async def test_auto_acked_subscription_is_not_redelivered(
+    mosquitto: ServerProcess, unique: str
+) -> None:
+    settings = MqttSettings(port=mosquitto.port)
+    topic = f"auto/{unique}"
+    got: asyncio.Queue[Message] = asyncio.Queue()
+    async with MqttTransport(settings, client_id=f"p-{unique}") as publisher:
+        for round_ in ("first", "second"):
+            t = MqttTransport(
+                settings, client_id=f"a-{unique}", clean_start=False, session_expiry_s=60
+            )
+            await t.connect()
+            await t.subscribe(topic, got.put_nowait, qos=1)
+            await publisher.publish(topic, round_.encode(), qos=1, wait=True)
+            assert (await _next(got)).payload == round_.encode()
+            await t.close()
+        assert got.empty()
+
+
+_SUBSCRIBER = """
+import asyncio, sys
+from sluicegate.config import MqttSettings
+from sluicegate.mqtt import MqttTransport
+
+async def main():
+    port, client_id, topic = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    t = MqttTransport(MqttSettings(port=port), client_id=client_id, clean_start=False,
+                      session_expiry_s=60)
+    await t.connect()
+    got = asyncio.Event()
+    await t.subscribe(topic, lambda m: got.set(), qos=1, manual_ack=True)
+    print("subscribed", flush=True)
+    await got.wait()
+    print("got", flush=True)  # and never acks: SIGKILL comes next
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+async def test_message_a_killed_process_never_acked_goes_to_its_next_session(
+    mosquitto: ServerProcess, unique: str
+) -> None:
+    topic = f"kill/{unique}"
+    client_id = f"k-{unique}"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _SUBSCRIBER,
+        str(mosquitto.port),
+        client_id,
+        topic,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        assert await asyncio.wait_for(proc.stdout.readline(), 20) == b"subscribed\n"
+        settings = MqttSettings(port=mosquitto.port)
+        async with MqttTransport(settings, client_id=f"p-{unique}") as publisher:
+            await publisher.publish(topic, b"job", qos=1, wait=True)
+            assert await asyncio.wait_for(proc.stdout.readline(), 10) == b"got\n"
+            proc.kill()
+            await proc.wait()
+            got: asyncio.Queue[Message] = asyncio.Queue()
+            resumed = MqttTransport(
+                settings, client_id=client_id, clean_start=False, session_expiry_s=60
+            )
+            await resumed.connect()
+            await resumed.subscribe(topic, got.put_nowait, qos=1, manual_ack=True)
+            assert (await _next(got)).payload == b"job"
+            await resumed.close()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
