@@ -1,0 +1,256 @@
+"""The edge agent's SQLite outbox: idempotent by job id, group commits, survives SIGKILL,
+and says which file is wrong when it cannot be used."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sqlite3
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from edge_agent.admission import Job
+from edge_agent.errors import OutboxError
+from edge_agent.outbox import Outbox
+from sluicegate.vision.image import ImageInfo
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def job(job_id: str, *, topic: str = "app/r", corr: bytes | None = b"c1") -> Job:
+    return Job(
+        job_id,
+        "defect-v1",
+        b"\xff\xd8jpeg" + job_id.encode(),
+        ImageInfo("jpeg", 8, 8),
+        topic,
+        corr,
+        5,
+        "generic",
+        1_000.0,
+        1_005.0,
+    )
+
+
+@pytest.fixture
+async def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+async def outbox(tmp_path: Path, clock: Clock) -> AsyncIterator[Outbox]:
+    box = Outbox(
+        tmp_path / "edge.db", result_retention_s=60, tombstone_s=600, max_tombstones=3, clock=clock
+    )
+    assert await box.open() == []
+    yield box
+    await box.close()
+
+
+async def test_accept_is_idempotent_by_job_id(outbox: Outbox) -> None:
+    assert (await outbox.accept(job("a"))).outcome == "new"
+    again = await outbox.accept(job("a"))
+    assert again.outcome == "known"
+    assert again.stored is not None
+    assert again.stored.state == "queued"
+    assert again.stored.job == job("a")
+    # A resubmission under the same id from a new request moves where the result goes.
+    moved = await outbox.accept(job("a", topic="app/other", corr=b"c2"))
+    assert moved.stored is not None
+    assert (moved.stored.job.response_topic, moved.stored.job.correlation_data) == (
+        "app/other",
+        b"c2",
+    )
+
+
+async def test_only_the_first_result_counts_and_stale_attempts_do_not_match(
+    outbox: Outbox,
+) -> None:
+    await outbox.accept(job("a"))
+    assert await outbox.offloaded("a", 1)
+    assert await outbox.offloaded("a", 2)
+    assert not await outbox.offloaded("a", 2)  # attempts only go up
+    assert not await outbox.finish("a", b'{"r":1}', attempt=1)  # stale: fenced
+    assert await outbox.finish("a", b'{"r":2}', attempt=2)
+    assert not await outbox.finish("a", b'{"r":3}', attempt=2)  # duplicate return
+    assert not await outbox.finish("a", b'{"r":4}')  # nor a local result afterwards
+    stored = await outbox.get("a")
+    assert stored is not None
+    assert (stored.state, stored.result, stored.job.payload) == ("done", b'{"r":2}', b"")
+    assert await outbox.start_run("a") is None  # a finished job is not run again
+
+
+async def test_local_runs_are_counted_before_running(outbox: Outbox) -> None:
+    await outbox.accept(job("a"), start_run=True)
+    await outbox.accept(job("b"))
+    assert await outbox.start_run("a") == 2
+    assert await outbox.start_run("b") == 1
+    await outbox.offloaded("b", 1)
+    assert await outbox.start_run("b") == 2  # back to local: state queued again
+    stored = await outbox.get("b")
+    assert stored is not None
+    assert (stored.state, stored.attempt, stored.local_runs) == ("queued", 1, 2)
+
+
+async def test_one_loop_tick_is_one_commit(outbox: Outbox) -> None:
+    before = outbox.commits
+    outcomes = await asyncio.gather(*(outbox.accept(job(f"j{i}")) for i in range(20)))
+    assert [o.outcome for o in outcomes] == ["new"] * 20
+    assert outbox.commits == before + 1
+    assert outbox.commit_stats().operations >= 20
+
+
+async def test_delivered_results_become_tombstones_then_are_forgotten(
+    outbox: Outbox, clock: Clock
+) -> None:
+    for name in ("a", "b", "c", "d", "e"):
+        await outbox.accept(job(name))
+        await outbox.finish(name, b"{}")
+        assert await outbox.delivered(name)
+        clock.now += 1
+    assert not await outbox.delivered("a")  # once
+    known = await outbox.accept(job("a"))
+    assert known.stored is not None
+    assert (known.stored.state, known.stored.result) == ("delivered", b"{}")
+    clock.now += 100  # past the 60 s retention: results dropped, ids kept (at most 3)
+    assert await outbox.prune() == (5, 2)
+    assert await outbox.get("e") is None
+    assert (await outbox.accept(job("e"))).outcome == "forgotten"
+    assert (await outbox.accept(job("a"))).outcome == "new"  # beyond the cap: unknown again
+    clock.now += 1000
+    assert await outbox.prune() == (0, 3)
+    assert (await outbox.accept(job("e"))).outcome == "new"
+
+
+async def test_reopen_returns_unfinished_jobs_in_order(tmp_path: Path) -> None:
+    path = tmp_path / "edge.db"
+    box = Outbox(path)
+    await box.open()
+    for name in ("z", "y", "x", "w"):
+        await box.accept(job(name))
+    await box.offloaded("y", 3)
+    await box.finish("x", b'{"done":1}')
+    await box.finish("w", b"{}")
+    await box.delivered("w")
+    await box.close()
+    again = Outbox(path, synchronous="NORMAL")
+    rows = await again.open()
+    await again.close()
+    assert [(r.job.job_id, r.state, r.attempt) for r in rows] == [
+        ("z", "queued", 0),
+        ("y", "offloaded", 3),
+        ("x", "done", 0),
+    ]
+    assert rows[0].job == job("z")
+    assert rows[2].result == b'{"done":1}'
+
+
+async def test_kill_loses_what_was_not_committed(tmp_path: Path) -> None:
+    path = tmp_path / "edge.db"
+    box = Outbox(path)
+    await box.open()
+    await box.accept(job("kept"))
+    lost = box.accept(job("lost"))  # submitted, never handed to the writer
+    box.kill()
+    await asyncio.sleep(0)
+    assert not lost.done()  # a killed outbox never reports back
+    again = Outbox(path)
+    assert [r.job.job_id for r in await again.open()] == ["kept"]
+    await again.close()
+
+
+_CHILD = """
+import asyncio, sys, time
+from edge_agent.admission import Job
+from edge_agent.outbox import Outbox
+from sluicegate.vision.image import ImageInfo
+
+async def main():
+    box = Outbox(sys.argv[1])
+    await box.open()
+    for i in range(50):
+        j = Job(f"job-{i}", "m", b"payload", ImageInfo("png", 1, 1), "r", b"c", 5, "g",
+                time.time(), None)
+        await box.accept(j, start_run=True)
+    await box.finish("job-7", b"{}")
+    print("committed", flush=True)
+    while True:
+        box.accept(Job("late", "m", b"p", ImageInfo("png", 1, 1), "r", None, 5, "g", 0.0, None))
+        await asyncio.sleep(0.001)
+
+asyncio.run(main())
+"""
+
+
+async def test_commits_survive_sigkill(tmp_path: Path) -> None:
+    path = tmp_path / "edge.db"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _CHILD, str(path), stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert proc.stdout is not None
+        assert await asyncio.wait_for(proc.stdout.readline(), 30) == b"committed\n"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        await proc.wait()
+    box = Outbox(path)
+    rows = {r.job.job_id: r for r in await box.open()}
+    await box.close()
+    assert {f"job-{i}" for i in range(50)} <= set(rows)
+    assert rows["job-7"].state == "done"
+    assert rows["job-3"].local_runs == 1
+
+
+async def test_corrupt_file_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "edge.db"
+    path.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(OutboxError, match=rf"outbox {path} is not a usable SQLite file"):
+        await Outbox(path).open()
+
+
+async def test_unwritable_places_are_named(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(OutboxError, match=rf"outbox {blocker}/edge\.db: cannot create its dir"):
+        await Outbox(blocker / "edge.db").open()
+    folder = tmp_path / "folder.db"
+    folder.mkdir()
+    with pytest.raises(OutboxError, match=rf"outbox {folder} cannot be"):
+        await Outbox(folder).open()
+
+
+async def test_second_agent_on_the_same_outbox_is_refused(outbox: Outbox) -> None:
+    with pytest.raises(OutboxError, match=rf"outbox {outbox.path} is in use by another process"):
+        await Outbox(outbox.path).open()
+
+
+async def test_newer_schema_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "edge.db"
+    with sqlite3.connect(path) as db:
+        db.execute("PRAGMA user_version = 99")
+    with pytest.raises(OutboxError, match="newer Sluicegate"):
+        await Outbox(path).open()
+
+
+def test_synchronous_is_checked() -> None:
+    with pytest.raises(ValueError, match="'OFF'"):
+        Outbox("x.db", synchronous="OFF")  # type: ignore[arg-type]
+
+
+async def test_closed_outbox_refuses_writes(tmp_path: Path) -> None:
+    box = Outbox(tmp_path / "edge.db")
+    await box.open()
+    await box.close()
+    with pytest.raises(OutboxError, match="is closed"):
+        await box.accept(replace(job("a"), received_at=time.time()))
