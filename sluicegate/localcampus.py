@@ -1,10 +1,13 @@
 """A whole campus on one machine: a broker, two edge agents and two pool workers, each
 its own ``sluicegate`` process, on a Mosquitto and a Redis the caller provides.
 
-The demo runs it, and so do the end-to-end tests, so what the tests prove is what the demo
-shows. It writes the campus (policy signed with keys made for the run, one config per
-node), starts the processes in their own sessions (Ctrl-C reaches only the caller, who then
-stops them in order) and waits until every node's retained status says ``online``.
+The demo runs it, and so do the end-to-end and fault tests, so what the tests prove is what
+the demo shows. It writes the campus (policy signed with keys made for the run, one config
+per node), starts the processes in their own sessions (Ctrl-C reaches only the caller, who
+then stops them in order) and waits until every node's retained status says ``online``.
+For fault injection it can SIGKILL any node, or the Mosquitto and Redis it was given, and
+start it again on the same ports, configuration and state directory (an edge's outbox
+survives). It never deletes a node's state: the caller owns ``root``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 from policies import SigningKey
@@ -25,11 +28,12 @@ from sluicegate.campus import BROKER, LINES, WORKERS, Campus, write_campus
 from sluicegate.config import MqttSettings
 from sluicegate.errors import SluicegateError
 from sluicegate.mqtt import MqttTransport
-from sluicegate.servers import free_port
+from sluicegate.servers import ServerProcess, free_port
 from sluicegate.threads import EDGE_COMPUTE
 from sluicegate.transport import Message
 
 ROLE = {BROKER: "broker"} | dict.fromkeys(LINES, "edge") | dict.fromkeys(WORKERS, "pool")
+SERVERS = ("mosquitto", "redis")  # what :meth:`LocalCampus.kill` accepts beside the nodes
 
 
 def status_topic(node: str) -> str:
@@ -40,7 +44,7 @@ def status_topic(node: str) -> str:
 
 
 class LocalCampus:
-    """Start, watch and stop the campus processes."""
+    """Start, watch, crash, restart and stop the campus processes."""
 
     def __init__(
         self,
@@ -52,25 +56,41 @@ class LocalCampus:
         env: dict[str, str] | None = None,
         log_level: str = "warning",
         edge_cpu: float | None = None,
+        nodes: Collection[str] | None = None,
+        node_env: Mapping[str, Mapping[str, str]] | None = None,
+        servers: Mapping[str, ServerProcess] | None = None,
     ) -> None:
         """``edge_cpu``: emulate line PCs with a modest inference budget by capping each
         edge agent's compute threads to this share of one core (a CPU cgroup, which leaves
-        its messaging threads alone); None runs them uncapped."""
+        its messaging threads alone); None runs them uncapped. ``nodes``: start only these
+        (default: all of :data:`ROLE`). ``node_env``: extra environment for one node, e.g.
+        ``{"line-1-pc": {"SLUICEGATE_MQTT__PORT": "..."}}`` to route it through a proxy.
+        ``servers``: the ``mosquitto`` / ``redis`` processes the campus runs on, so that
+        :meth:`kill` and :meth:`restart` reach them too."""
+        unknown = set(nodes or ()) - set(ROLE)
+        if unknown:
+            raise SluicegateError(f"unknown nodes {sorted(unknown)}; known: {', '.join(ROLE)}")
+        unknown = set(servers or {}) - set(SERVERS)
+        if unknown:
+            raise SluicegateError(f"unknown servers {sorted(unknown)}; known: mosquitto, redis")
         self.root = root
         self.mqtt_port = mqtt_port
         self.redis_url = redis_url
         self._key_for = key_for
         self._env = env or {}
+        self._node_env = {node: dict(extra) for node, extra in (node_env or {}).items()}
         self._log_level = log_level
         self._edge_cpu = edge_cpu
-        self._cgroups: list[Path] = []
+        self._cgroups: dict[int, Path] = {}  # edge pid -> its CPU cgroup
+        self._nodes = [node for node in ROLE if nodes is None or node in nodes]
+        self.servers: dict[str, ServerProcess] = dict(servers or {})
         self.campus: Campus | None = None
         self.http_port = free_port()  # the broker's HTTP API
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
 
     @property
     def nodes(self) -> list[str]:
-        return list(ROLE)
+        return list(self._nodes)
 
     def start(self, timeout: float = 60.0) -> Campus:
         """Write the campus, start every node, return once all are online."""
@@ -88,6 +108,7 @@ class LocalCampus:
         return self.campus
 
     def spawn(self, node: str) -> subprocess.Popen[bytes]:
+        """Start ``node``'s process (its config and state directory as before)."""
         assert self.campus is not None
         log = (self.root / f"{node}.log").open("ab")
         argv = [sys.executable, "-m", "sluicegate.cli", ROLE[node], "run"]
@@ -95,7 +116,7 @@ class LocalCampus:
         with log:
             proc = subprocess.Popen(
                 argv,
-                env={**os.environ, **self._env},
+                env={**os.environ, **self._env, **self._node_env.get(node, {})},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -106,19 +127,79 @@ class LocalCampus:
     def _cap_edges(self) -> None:
         if self._edge_cpu is None:
             return
-        for node, role in ROLE.items():
+        for node in self.nodes:
             proc = self.processes.get(node)
-            if role == "edge" and proc is not None:
-                threads = named_threads(proc.pid, EDGE_COMPUTE)
-                group = cap_cpu(threads, self._edge_cpu, f"sluicegate-{node}-{proc.pid}")
-                self._cgroups.append(group)
+            if ROLE[node] != "edge" or proc is None or proc.poll() is not None:
+                continue
+            if proc.pid in self._cgroups:
+                continue
+            threads = named_threads(proc.pid, EDGE_COMPUTE)
+            group = cap_cpu(threads, self._edge_cpu, f"sluicegate-{node}-{proc.pid}")
+            self._cgroups[proc.pid] = group
 
-    def restart(self, node: str, timeout: float = 60.0) -> None:
-        self.stop_node(node)
-        self.spawn(node)
-        asyncio.run(self._wait_online([node], timeout))
-        if ROLE[node] == "edge":
+    def pid(self, name: str) -> int | None:
+        """The process id of a node or server now, or None when it is not running."""
+        if name in self.servers:
+            server = self.servers[name]
+            return server.pid if server.alive else None
+        proc = self.processes.get(name)
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    def alive(self, name: str) -> bool:
+        return self.pid(name) is not None
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one node (its Last Will fires) or server, as a crash would."""
+        if name in self.servers:
+            self.servers[name].kill()
+            return
+        if name not in ROLE:
+            raise SluicegateError(f"unknown node {name!r}; known: {', '.join(ROLE)}, {SERVERS}")
+        proc = self.processes.get(name)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def restart(self, name: str, timeout: float = 60.0, *, kill: bool = False) -> None:
+        """Stop ``name`` (SIGTERM, or SIGKILL with ``kill``) if it runs, start it again on
+        the same ports, configuration and state, and return once it is back: a node once
+        its new process says ``online``, a server once it answers its protocol's ping."""
+        if name in self.servers:
+            self.servers[name].restart(timeout, kill=kill)
+            return
+        if kill:
+            self.kill(name)
+        else:
+            self.stop_node(name)
+        asyncio.run(self._respawn(name, timeout))
+        if ROLE[name] == "edge":
             self._cap_edges()
+
+    async def _respawn(self, node: str, timeout: float) -> None:
+        # Subscribe first and count only a live (not retained) "online": the retained copy
+        # may still be the dead process's, before Mosquitto has published its Last Will.
+        online = asyncio.Event()
+
+        def seen(msg: Message) -> None:
+            with contextlib.suppress(ValueError):
+                status = wire.NodeStatus.model_validate_json(msg.payload)
+                if not msg.retain and status.node == node and status.state == "online":
+                    online.set()
+
+        watcher = self._watcher(f"restart-{node}")
+        await watcher.connect()
+        try:
+            await watcher.subscribe(status_topic(node), seen)
+            self.spawn(node)
+            await self._until(online, [node], timeout, lambda: [node])
+        finally:
+            await watcher.close()
+
+    def _watcher(self, purpose: str) -> MqttTransport:
+        return MqttTransport(
+            MqttSettings(port=self.mqtt_port),
+            client_id=f"sg-campus-{purpose}-{os.getpid()}-{time.monotonic_ns() % 10**9}",
+        )
 
     async def _wait_online(self, nodes: list[str], timeout: float) -> None:
         waiting = set(nodes)
@@ -132,40 +213,40 @@ class LocalCampus:
             if not waiting:
                 done.set()
 
-        watcher = MqttTransport(
-            MqttSettings(port=self.mqtt_port), client_id=f"sg-campus-watch-{os.getpid()}"
-        )
+        watcher = self._watcher("watch")
         await watcher.connect()
         try:
             for node in nodes:
                 await watcher.subscribe(status_topic(node), seen)
-            deadline = time.monotonic() + timeout
-            while not done.is_set():
-                for node in nodes:
-                    proc = self.processes.get(node)
-                    if proc is not None and proc.poll() is not None:
-                        raise SluicegateError(
-                            f"{node} exited with {proc.returncode}: {self.tail(node)}"
-                        )
-                if time.monotonic() > deadline:
-                    raise SluicegateError(f"not online after {timeout:.0f} s: {sorted(waiting)}")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(done.wait(), 0.5)
+            await self._until(done, nodes, timeout, lambda: sorted(waiting))
         finally:
             await watcher.close()
+
+    async def _until(
+        self,
+        done: asyncio.Event,
+        nodes: list[str],
+        timeout: float,
+        waiting: Callable[[], list[str]],
+    ) -> None:
+        deadline = time.monotonic() + timeout
+        while not done.is_set():
+            for node in nodes:
+                proc = self.processes.get(node)
+                if proc is not None and proc.poll() is not None:
+                    raise SluicegateError(
+                        f"{node} exited with {proc.returncode}: {self.tail(node)}"
+                    )
+            if time.monotonic() > deadline:
+                raise SluicegateError(f"not online after {timeout:.0f} s: {waiting()}")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), 0.5)
 
     def tail(self, node: str, lines: int = 20) -> str:
         path = self.root / f"{node}.log"
         if not path.exists():
             return ""
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-    def kill(self, node: str) -> None:
-        """SIGKILL one node, as a crash would (its Last Will fires)."""
-        proc = self.processes[node]
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
     def stop_node(self, node: str, timeout: float = 15.0) -> None:
         proc = self.processes.get(node)
@@ -179,12 +260,13 @@ class LocalCampus:
             proc.wait()
 
     def stop(self) -> None:
-        """Edges first (they drain their queues), then workers, then the broker."""
+        """Edges first (they drain their queues), then workers, then the broker. The
+        servers given in ``servers`` are the caller's to stop."""
         for role in ("edge", "pool", "broker"):
-            for node, node_role in ROLE.items():
-                if node_role == role:
+            for node in self.nodes:
+                if ROLE[node] == role:
                     self.stop_node(node)
-        for group in self._cgroups:
+        for group in self._cgroups.values():
             with contextlib.suppress(OSError):
                 group.rmdir()
         self._cgroups.clear()

@@ -3,7 +3,9 @@
 The demo and the test fixtures use this to run against real servers. It owns the
 configuration those servers get (no Nagle delay, anonymous loopback access, no disk
 persistence unless asked) and the readiness check: a server counts as started once it
-accepts a TCP connection and answers its protocol's ping, never after a fixed sleep.
+accepts a TCP connection and answers its protocol's ping, never after a fixed sleep. A
+server can be killed or stopped and started again on the same port with the same data
+directory, which is how the fault tests and ``bench/chaos.py`` crash and restart them.
 """
 
 from __future__ import annotations
@@ -72,11 +74,30 @@ class ServerProcess:
             self.process.kill()
             self.process.wait()
 
-    def restart(self, timeout: float = 10.0) -> None:
-        """Start the same server again on the same port (after stop or kill)."""
-        self.stop()
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Start the server again on the same port and data directory, after a stop or a
+        kill; a server that is still running is left alone."""
+        if self.alive:
+            return
         self.process = _spawn(self.argv, self.workdir)
         _wait_ready(self, timeout)
+
+    def restart(self, timeout: float = 10.0, *, kill: bool = False) -> None:
+        """Stop (SIGTERM: a graceful stop, which saves state; ``kill``: SIGKILL, a crash)
+        and start the same server again on the same port and data directory."""
+        if kill:
+            self.kill()
+        else:
+            self.stop()
+        self.start(timeout)
 
 
 def _spawn(argv: list[str], workdir: Path) -> subprocess.Popen[bytes]:
@@ -119,17 +140,37 @@ def _wait_ready(server: ServerProcess, timeout: float) -> None:
     raise ServerError(f"{server.name} did not answer on {server.host}:{server.port} in {timeout}s")
 
 
-def mosquitto_config(port: int, workdir: Path, *, persistence: bool = False) -> str:
-    """The mosquitto.conf the demo and tests use."""
+def mosquitto_config(
+    port: int,
+    workdir: Path,
+    *,
+    persistence: bool = False,
+    autosave_interval_s: int = 1,
+    max_queued_messages: int = 1_000_000,
+    max_inflight_messages: int = 0,
+) -> str:
+    """The mosquitto.conf the demo and tests use.
+
+    With ``persistence`` Mosquitto keeps retained messages, persistent sessions and their
+    queued QoS 1 messages in ``workdir/mosquitto.db``, written every ``autosave_interval_s``
+    and on a graceful stop (SIGTERM); a SIGKILL loses what arrived since the last save. A
+    client's session may hold up to ``max_queued_messages`` messages while it is away (0: no
+    limit); ``max_inflight_messages`` bounds unacknowledged QoS 1 deliveries per client (0:
+    no limit).
+    """
+    if autosave_interval_s < 1:
+        raise ServerError(f"autosave_interval_s must be >= 1 s, got {autosave_interval_s}")
     lines = [
         f"listener {port} 127.0.0.1",
         "allow_anonymous true",
         "set_tcp_nodelay true",
-        "max_inflight_messages 0",
-        "max_queued_messages 100000",
+        f"max_inflight_messages {max_inflight_messages}",
+        f"max_queued_messages {max_queued_messages}",
+        "max_queued_bytes 0",
+        "queue_qos0_messages false",
         f"persistence {'true' if persistence else 'false'}",
         f"persistence_location {workdir}/",
-        "autosave_interval 1",
+        f"autosave_interval {autosave_interval_s}",
         "log_dest stderr",
         "log_type error",
         "log_type warning",
@@ -138,24 +179,59 @@ def mosquitto_config(port: int, workdir: Path, *, persistence: bool = False) -> 
 
 
 def start_mosquitto(
-    *, port: int | None = None, workdir: Path | None = None, persistence: bool = False
+    *,
+    port: int | None = None,
+    workdir: Path | None = None,
+    persistence: bool = False,
+    autosave_interval_s: int = 1,
+    max_queued_messages: int = 1_000_000,
+    max_inflight_messages: int = 0,
 ) -> ServerProcess:
-    """Start ``mosquitto`` on a free loopback port and wait until it answers CONNECT."""
+    """Start ``mosquitto`` on a free loopback port and wait until it answers CONNECT.
+
+    Restart it with :meth:`ServerProcess.restart` (same port, same ``workdir``: with
+    ``persistence`` the sessions and their queued messages survive a graceful restart).
+    """
     binary = find_binary("mosquitto")
     port = port or free_port()
     workdir = workdir or Path(tempfile.mkdtemp(prefix="sg-mosquitto-"))
     conf = workdir / "mosquitto.conf"
-    conf.write_text(mosquitto_config(port, workdir, persistence=persistence))
+    conf.write_text(
+        mosquitto_config(
+            port,
+            workdir,
+            persistence=persistence,
+            autosave_interval_s=autosave_interval_s,
+            max_queued_messages=max_queued_messages,
+            max_inflight_messages=max_inflight_messages,
+        )
+    )
     argv = [binary, "-c", str(conf)]
     server = ServerProcess("mosquitto", "127.0.0.1", port, _spawn(argv, workdir), workdir, argv)
     _wait_ready(server, 10.0)
     return server
 
 
+APPENDFSYNC = ("always", "everysec", "no")
+
+
 def start_redis(
-    *, port: int | None = None, workdir: Path | None = None, appendonly: bool = False
+    *,
+    port: int | None = None,
+    workdir: Path | None = None,
+    appendonly: bool = False,
+    appendfsync: str = "everysec",
 ) -> ServerProcess:
-    """Start ``redis-server`` on a free loopback port and wait until it answers PING."""
+    """Start ``redis-server`` on a free loopback port and wait until it answers PING.
+
+    With ``appendonly`` every write goes to an append-only file in ``workdir``, flushed to
+    disk per ``appendfsync``: ``always`` (each write; nothing acknowledged is lost, even to
+    a power cut), ``everysec`` (up to a second of writes lost to a power cut; none to a
+    crash of Redis alone, since the file is in the OS cache) or ``no``. Restart it with
+    :meth:`ServerProcess.restart`: the same port and ``workdir``, so it reloads the file.
+    """
+    if appendfsync not in APPENDFSYNC:
+        raise ServerError(f"appendfsync {appendfsync!r} is not one of {', '.join(APPENDFSYNC)}")
     binary = find_binary("redis-server")
     port = port or free_port()
     workdir = workdir or Path(tempfile.mkdtemp(prefix="sg-redis-"))
@@ -170,7 +246,7 @@ def start_redis(
         "--appendonly",
         "yes" if appendonly else "no",
         "--appendfsync",
-        "always",
+        appendfsync,
         "--dir",
         str(workdir),
         "--protected-mode",
