@@ -89,10 +89,15 @@ class Driver:
         self.client.connect("127.0.0.1", self.port)
         self.client.loop_start()
         connected.wait(10)
+        self.listen(self.topic)
+
+    def listen(self, topic: str) -> None:
+        """Also collect results published on ``topic`` (by correlation data)."""
         subscribed = threading.Event()
         self.client.on_subscribe = lambda *a: subscribed.set()
-        self.client.subscribe(self.topic, qos=1)
-        subscribed.wait(10)
+        self.client.subscribe(topic, qos=1)
+        if not subscribed.wait(10):
+            raise TimeoutError(f"no SUBACK for {topic}")
 
     def _on_message(self, _c: paho.Client, _u: object, msg: paho.MQTTMessage) -> None:
         now = time.perf_counter()

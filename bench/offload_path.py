@@ -11,7 +11,9 @@ plain paho-mqtt v5 client.
   policy allows), which answers the app.
 * Baseline: the same image published by the driver straight to north-cpu-1's work topic
   with a token the driver minted itself with the campus broker key (what a bare worker
-  needs, nothing more).
+  needs, nothing more). The worker returns that result to the returns topic of the edge id
+  the work message names, as it does for a real edge; the driver plays that edge
+  (``bench-direct``) and listens there.
 
 Open-loop at ``--rate`` jobs/s, A then B in each slot. Prints a table, then the
 ``RESULT {...}`` line (BENCHMARKS.md).
@@ -49,6 +51,7 @@ from sluicegate.servers import running, start_mosquitto, start_redis  # noqa: E4
 EDGE, WORKER, ZONE = "line-1-pc", "north-cpu-1", "campus/fab-north/dc"
 ORIGIN = "campus/fab-north/line-1"
 CLASS = "wafer-image"
+DIRECT_EDGE = "bench-direct"  # the edge id the baseline's work names; the driver plays it
 TARGET = {"overhead_p50_ms": 1.0, "overhead_p99_ms": 3.0}
 
 
@@ -77,6 +80,7 @@ def main() -> None:
         policy = load_policy(files.policy_file)
         broker_key = load_signing_key(files.key_files["broker-1"])
         driver = Driver(mqtt.port)
+        driver.listen(topics.edge_returns(DIRECT_EDGE))
         work_topic = topics.pool_work(ZONE, WORKER)
         subject: list[float] = []
         baseline: list[float] = []
@@ -115,7 +119,8 @@ def main() -> None:
                     (topics.PROP_TOKEN, token),
                     (topics.PROP_DATA_CLASS, CLASS),
                     (topics.PROP_ORIGIN_ZONE, ORIGIN),
-                    (topics.PROP_EDGE, EDGE),
+                    (topics.PROP_EDGE, DIRECT_EDGE),
+                    (topics.PROP_ATTEMPT, "1"),
                 ]
                 driver.submit(EDGE, job_b.encode(), image, user=user, topic=work_topic)
                 b = driver.wait(job_b.encode())

@@ -76,7 +76,9 @@ class Driver:
     cond: threading.Condition = field(default_factory=threading.Condition)
 
     def __post_init__(self) -> None:
-        self.topic = f"bench/{os.getpid()}/results"
+        # The workers return results to the edge a work message names; the driver plays it.
+        self.edge = f"bench-{os.getpid()}"
+        self.topic = topics.edge_returns(self.edge)
         self.digest = payload_digest(self.image)
         self.client = paho.Client(CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
         # TCP_NODELAY, as every Sluicegate client sets it.
@@ -135,6 +137,8 @@ class Driver:
             (topics.PROP_TOKEN, token),
             (topics.PROP_DATA_CLASS, DATA_CLASS),
             (topics.PROP_ORIGIN_ZONE, ORIGIN),
+            (topics.PROP_EDGE, self.edge),
+            (topics.PROP_ATTEMPT, "1"),
         ]
         with self.cond:
             self.sent[job.encode()] = time.perf_counter()
