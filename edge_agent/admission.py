@@ -4,10 +4,16 @@ It checks the request against the public wire contract (response topic, user pro
 content type, size, image header) without decoding the image, and returns either a
 :class:`Job` or a :class:`Refusal` whose reason a person can act on. The clock and the id
 source are passed in. This module must never do I/O, decode pixels or import the transport.
+
+A job's id is the app's ``job-id`` user property when it gives one; otherwise it is derived
+from the request itself (:func:`derive_job_id`), so an app that resubmits the same request
+(same response topic, correlation data and image) gets the same id and the edge answers it
+once. Only a request with nowhere to answer (no response topic) gets a random id.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -103,6 +109,22 @@ def _explain(exc: ValidationError, raw: dict[str, str]) -> str:
     return "; ".join(parts)
 
 
+def derive_job_id(response_topic: str, correlation_data: bytes | None, payload: bytes) -> str:
+    """The first 32 hex digits of sha256(response topic, NUL, correlation data, NUL, image)."""
+    digest = hashlib.sha256(response_topic.encode())
+    digest.update(b"\0")
+    digest.update(correlation_data or b"")
+    digest.update(b"\0")
+    digest.update(payload)
+    return digest.hexdigest()[:32]
+
+
+def _job_id(msg: Message, new_id: Callable[[], str]) -> str:
+    if msg.response_topic:
+        return derive_job_id(msg.response_topic, msg.correlation_data, msg.payload)
+    return new_id()  # nowhere to answer: the id only names it in the log
+
+
 def admit(
     msg: Message,
     *,
@@ -114,7 +136,7 @@ def admit(
     """Decide whether ``msg`` is an acceptable job; never raises for bad input."""
     raw = dict(msg.user_properties)
     # A malformed job-id is still echoed back in the refusal, so the sender can match it.
-    job_id = raw.get(topics.PROP_JOB_ID) or new_id()
+    job_id = raw.get(topics.PROP_JOB_ID) or _job_id(msg, new_id)
 
     def refuse(code: str, reason: str, model: str | None = None) -> Refusal:
         status: Literal["rejected", "expired"] = "expired" if code == "expired" else "rejected"
@@ -168,6 +190,27 @@ def admit(
         data_class=props.data_class,
         received_at=now,
         deadline=deadline,
+    )
+
+
+def refuse_job(job: Job, code: str, reason: str) -> Refusal:
+    """A refusal of a request that passed admission but cannot be accepted now."""
+    return Refusal(
+        job.job_id, "rejected", code, reason, job.response_topic, job.correlation_data, job.model
+    )
+
+
+def refuse_request(msg: Message, code: str, reason: str, new_id: Callable[[], str]) -> Refusal:
+    """A refusal of a request that was not even admitted (the agent is stopping)."""
+    job_id = msg.user_property(topics.PROP_JOB_ID) or _job_id(msg, new_id)
+    return Refusal(
+        job_id,
+        "rejected",
+        code,
+        reason,
+        msg.response_topic,
+        msg.correlation_data,
+        msg.user_property(topics.PROP_MODEL),
     )
 
 

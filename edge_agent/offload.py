@@ -6,7 +6,9 @@ The shell part, :class:`PlacementClient`, is a request/response over MQTT (corre
 job id, every wait racing a timeout) and the publish of the image straight to the chosen
 worker's zone-scoped work topic. It never blocks the loop and never loses a job: every
 path that does not end in a verified placement hands the job back to run locally, with the
-reason, so its result can say why it was not offloaded.
+reason, so its result can say why it was not offloaded. Each placement of a job is numbered
+(``attempt``, in the request and on the work message); the worker returns the result to this
+edge's returns topic, named as the work message's response topic.
 """
 
 from __future__ import annotations
@@ -162,8 +164,11 @@ class PlacementClient:
         except ValidationError as exc:
             fut.set_exception(exc)
 
-    async def place(self, job: Job, reason: str, local_estimate_s: float) -> Placement | Declined:
-        """Ask for a placement and verify it; any failure is a :class:`Declined`."""
+    async def place(
+        self, job: Job, reason: str, local_estimate_s: float, *, attempt: int = 1
+    ) -> Placement | Declined:
+        """Ask for placement ``attempt`` of ``job`` and verify it; any failure is a
+        :class:`Declined`."""
         if not self.broker_available:
             return Declined("no_broker", "no campus broker is online; the job runs locally")
         digest = hashlib.sha256(job.payload).digest()
@@ -182,6 +187,7 @@ class PlacementClient:
             reason="deadline" if reason == "deadline" else "queue",
             # Half our timeout: an answer after a wait still reaches us before we give up.
             max_wait_ms=round(self._timeout_s * 500.0, 3),
+            attempt=attempt,
         )
         key = job.job_id.encode()
         fut: asyncio.Future[PlacementReply] = asyncio.get_running_loop().create_future()
@@ -209,8 +215,9 @@ class PlacementClient:
             reply, job, digest, self._policy(), origin_zone=self._zone, now=self._clock()
         )
 
-    def send(self, job: Job, placement: Placement) -> None:
-        """Publish the image straight to the worker, with everything it needs to verify it."""
+    def send(self, job: Job, placement: Placement, *, attempt: int = 1) -> None:
+        """Publish the image straight to the worker, with everything it needs to verify it
+        and to return the result to this edge as ``attempt``."""
         props = [
             (topics.PROP_JOB_ID, job.job_id),
             (topics.PROP_MODEL, job.model),
@@ -219,6 +226,7 @@ class PlacementClient:
             (topics.PROP_ORIGIN_ZONE, self._zone),
             (topics.PROP_EDGE, self._edge_id),
             (topics.PROP_PRIORITY, str(job.priority)),
+            (topics.PROP_ATTEMPT, str(attempt)),
         ]
         if job.deadline is not None:
             props.append((topics.PROP_DEADLINE_AT, repr(job.deadline * 1000.0)))
@@ -226,7 +234,7 @@ class PlacementClient:
             placement.work_topic,
             job.payload,
             qos=1,
-            response_topic=job.response_topic,
+            response_topic=topics.edge_returns(self._edge_id),
             correlation_data=job.correlation_data,
             content_type=f"image/{job.image.format}",
             user_properties=tuple(props),

@@ -12,6 +12,7 @@ is no longer current does not match. Delivered rows keep their result for
 tombstone, for ``tombstone_s`` (at most ``max_tombstones``), so a late resubmission is still
 recognised. It must never hold an unfinished job only in memory, nor let a failed write
 pass for a committed one: a write that fails is an :class:`OutboxError` naming the file.
+(The path ``:memory:`` gives a database in memory, for tests: it survives nothing.)
 
 Writes never run on the event loop. Operations submitted during one loop tick travel as one
 batch to a single writer thread, which also merges batches that queued up while it was busy,
@@ -168,6 +169,9 @@ class Outbox:
         self._killed = False
         self._closed = False
         self._commit_s: deque[float] = deque(maxlen=4096)
+        self._handed = 0  # batches given to the writer (loop thread) ...
+        self._written = 0  # ... and committed, their results on the way to the loop
+        self._progress = threading.Condition()
         self.commits = 0
         self.operations = 0
 
@@ -200,6 +204,8 @@ class Outbox:
         self._closed = True
         self._batch = []
         self._queue.put(None)
+        with self._progress:
+            self._progress.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(30.0)
 
@@ -395,7 +401,16 @@ class Outbox:
     def _flush(self) -> None:
         batch, self._batch = self._batch, []
         if batch and not self._killed:
+            with self._progress:
+                self._handed += 1
             self._queue.put(batch)
+
+    def wait_written(self, timeout: float = 10.0) -> bool:
+        """Block until every batch handed to the writer so far is committed and its results
+        are queued for the loop (tests stage crashes with it); False on timeout."""
+        with self._progress:
+            target = self._handed
+            return self._progress.wait_for(lambda: self._written >= target or self._killed, timeout)
 
     def _resolve(self, batch: _Batch, results: list[Any]) -> None:
         if self._killed:
@@ -419,6 +434,7 @@ class Outbox:
         opened.set_result(unfinished)
         try:
             while (batch := self._queue.get()) is not None:
+                merged = 1
                 stop = False
                 while True:  # group commit: take whatever else queued meanwhile
                     try:
@@ -429,6 +445,7 @@ class Outbox:
                         stop = True
                         break
                     batch.extend(more)
+                    merged += 1
                 if self._killed:
                     break
                 results = self._commit(batch)
@@ -436,6 +453,9 @@ class Outbox:
                 if loop is not None and not loop.is_closed():
                     with contextlib.suppress(RuntimeError):  # the loop closed under us
                         loop.call_soon_threadsafe(self._resolve, batch, results)
+                with self._progress:
+                    self._written += merged
+                    self._progress.notify_all()
                 if stop:
                     break
         finally:
@@ -444,8 +464,10 @@ class Outbox:
 
     def _connect(self) -> list[Stored]:
         where = f"outbox {self.path}"
+        in_memory = str(self.path) == ":memory:"
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if not in_memory:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise OutboxError(
                 f"{where}: cannot create its directory ({exc.strerror}); set [edge] "
@@ -461,7 +483,7 @@ class Outbox:
         try:
             db.execute("PRAGMA locking_mode = EXCLUSIVE")
             mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
+            if str(mode).lower() != ("memory" if in_memory else "wal"):
                 raise OutboxError(f"{where} cannot use WAL journaling (got {mode!r})")
             db.execute(f"PRAGMA synchronous = {self.synchronous}")
             version = db.execute("PRAGMA user_version").fetchone()[0]

@@ -1,15 +1,19 @@
-"""Wires a real edge agent together: settings, the MQTT transport with its Last Will, the
-verified model registry, the node's policy feed and the placement client for offloading.
-``sluicegate edge run`` and the demo call :func:`serve`.
+"""Wires a real edge agent together: settings, the outbox file, the MQTT transport with its
+Last Will and a persistent session (so requests and returns that arrive while the agent is
+down wait for it, and unacked ones come again), the verified model registry, the node's
+policy feed and the placement client for offloading. ``sluicegate edge run`` and the demo
+call :func:`serve`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 from edge_agent.agent import EdgeAgent, last_will
 from edge_agent.offload import PlacementClient
+from edge_agent.outbox import Outbox
 from sluicegate.config import Settings
 from sluicegate.mqtt import MqttTransport
 from sluicegate.policy_feed import PolicyFeed
@@ -20,6 +24,28 @@ def load_registry(settings: Settings) -> ModelRegistry:
     edge = settings.edge
     return ModelRegistry.from_dir(
         edge.models_dir or default_models_dir(), intra_op_threads=edge.intra_op_threads
+    )
+
+
+def outbox_path(settings: Settings) -> Path:
+    """Where this edge's outbox lives: ``[edge] outbox_path``; else a file named after the
+    edge id in the node's state directory (``[offload] state_dir``), or in the user's
+    (~/.local/state/sluicegate)."""
+    edge = settings.edge
+    if edge.outbox_path is not None:
+        return edge.outbox_path
+    folder = settings.offload.state_dir or Path.home() / ".local" / "state" / "sluicegate"
+    return folder / f"edge-{edge.id}.outbox.db"
+
+
+def open_outbox(settings: Settings) -> Outbox:
+    edge = settings.edge
+    return Outbox(
+        outbox_path(settings),
+        synchronous=edge.outbox_synchronous,
+        result_retention_s=edge.result_retention_s,
+        tombstone_s=edge.tombstone_s,
+        max_tombstones=edge.max_tombstones,
     )
 
 
@@ -59,7 +85,14 @@ async def serve(
     if feed is not None and client is not None:
         await feed.start(transport)
         await client.start()
-    agent = EdgeAgent(edge, transport, registry, offload=client, offload_settings=offload)
+    agent = EdgeAgent(
+        edge,
+        transport,
+        registry,
+        offload=client,
+        offload_settings=offload,
+        outbox=open_outbox(settings),
+    )
     try:
         await agent.run(stop)
     finally:

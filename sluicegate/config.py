@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from pydantic_settings import (
@@ -58,6 +58,20 @@ class EdgeSettings(_Section):
     intra_op_threads: int = Field(1, ge=1, le=64)
     telemetry_interval_s: float = Field(1.0, gt=0.0, le=3600.0)
     service_time_alpha: float = Field(0.2, gt=0.0, le=1.0)
+    # The outbox: every accepted job on disk until its result is delivered. None: a file
+    # named after the edge id in [offload] state_dir, else in ~/.local/state/sluicegate/.
+    # "FULL" survives power loss; "NORMAL" survives a killed agent but may lose the last
+    # commits on power loss.
+    outbox_path: Path | None = None
+    outbox_synchronous: Literal["FULL", "NORMAL"] = "FULL"
+    # A job whose local runs were started this many times (each ended by the agent dying)
+    # is answered failed/dead_letter instead of being run again.
+    max_local_runs: int = Field(3, ge=1, le=100)
+    # Delivered results are kept this long (a resubmission gets the same result), then only
+    # their job ids, for tombstone_s and at most max_tombstones, to recognise resubmissions.
+    result_retention_s: float = Field(600.0, ge=0.0)
+    tombstone_s: float = Field(86_400.0, ge=0.0)
+    max_tombstones: int = Field(100_000, ge=0, le=10_000_000)
 
 
 class OffloadSettings(_Section):
@@ -73,6 +87,12 @@ class OffloadSettings(_Section):
     # the last accepted policy version is kept across restarts (rollback protection).
     policy_file: Path | None = None
     state_dir: Path | None = None
+    # An offloaded job whose result has not come back this long after it was sent (or by its
+    # deadline, if sooner) is offered again as the next attempt, or run here.
+    result_timeout_s: float = Field(3.0, gt=0.0, le=3600.0)
+    # Placement attempts per job before it runs here instead (the broker dead-letters a job
+    # that kills its workers sooner: max_worker_crashes).
+    max_attempts: int = Field(4, ge=1, le=1000)
 
 
 class PoolSettings(_Section):

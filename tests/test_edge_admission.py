@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from edge_agent.admission import Job, Limits, Refusal, admit, queue_key
+from edge_agent.admission import Job, Limits, Refusal, admit, derive_job_id, queue_key
 from edge_agent.load import JobQueue
 from sluicegate import topics
 from sluicegate.transport import Message
@@ -56,7 +56,33 @@ def test_defaults_when_optional_properties_are_absent() -> None:
     job = _admit(_msg(content_type=None))
     assert isinstance(job, Job)
     assert (job.priority, job.data_class, job.deadline) == (5, "generic", None)
-    assert job.job_id.startswith("id")
+    # No job-id given: derived from the request, so a resubmission gets the same id.
+    assert job.job_id == derive_job_id("app/results", b"corr-1", JPEG)
+    assert len(job.job_id) == 32
+    again = _admit(_msg(content_type=None))
+    assert isinstance(again, Job)
+    assert again.job_id == job.job_id
+
+
+@pytest.mark.parametrize(
+    ("topic", "corr", "payload"),
+    [
+        ("app/other", b"corr-1", JPEG),
+        ("app/results", b"corr-2", JPEG),
+        ("app/results", None, JPEG),
+        ("app/results", b"corr-1", JPEG + b"\0"),
+    ],
+)
+def test_derived_ids_differ_when_the_request_differs(
+    topic: str, corr: bytes | None, payload: bytes
+) -> None:
+    assert derive_job_id(topic, corr, payload) != derive_job_id("app/results", b"corr-1", JPEG)
+
+
+def test_request_with_nowhere_to_answer_gets_a_fresh_id() -> None:
+    refusal = _admit(_msg(response_topic=None))
+    assert isinstance(refusal, Refusal)
+    assert refusal.job_id.startswith("id")
 
 
 def test_deadline_at_and_deadline_ms_take_the_earlier() -> None:
@@ -111,8 +137,10 @@ def test_refusal_echoes_a_caller_job_id_even_when_other_properties_are_bad() -> 
 
 
 def test_queue_order_priority_then_deadline_then_fifo() -> None:
+    ids = itertools.count()
+
     def job(priority: int, deadline: float | None) -> Job:
-        j = _admit(_msg(priority=str(priority)))
+        j = _admit(_msg(priority=str(priority), job_id=f"q{next(ids)}"))
         assert isinstance(j, Job)
         return Job(**{**{f: getattr(j, f) for f in Job.__slots__}, "deadline": deadline})
 

@@ -8,10 +8,19 @@ agent process SIGKILLed mid-burst against a real Mosquitto) follows.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sqlite3
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
+import pytest
+
+from sluicegate import topics
 from sluicegate.errors import TransportError
 from sluicegate.memory_transport import MemoryBroker, MemoryTransport
 from sluicegate.transport import Message
+from tests.edge_kit import APP_TOPIC, EDGE, EdgeRig
 
 
 async def _settle() -> None:
@@ -68,3 +77,183 @@ async def test_clean_session_forgets_and_held_pubacks_fail_on_crash() -> None:
     await _settle()
     assert broker.release_pubacks() == 1
     await done
+
+
+# -- the agent over a real outbox file, crashed at chosen points ---------------------------
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture
+def rig_factory(
+    loop: asyncio.AbstractEventLoop, tmp_path: Path
+) -> Iterator[Callable[..., EdgeRig]]:
+    made: list[EdgeRig] = []
+
+    def make(**options: Any) -> EdgeRig:
+        rig = EdgeRig(loop, tmp_path / f"edge-{len(made)}.db", **options)
+        made.append(rig)
+        return rig
+
+    yield make
+    for rig in made:
+        rig.stop()
+
+
+def _stored_rows(db: Path) -> dict[str, tuple[str, int, int]]:
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        rows = conn.execute("SELECT job_id, state, attempt, local_runs FROM jobs").fetchall()
+    return {job_id: (state, attempt, runs) for job_id, state, attempt, runs in rows}
+
+
+@pytest.mark.parametrize("hold_pubacks", [False, True])
+@pytest.mark.parametrize("crash_after", range(10))
+def test_one_result_whatever_tick_the_edge_dies_at(
+    rig_factory: Callable[..., EdgeRig], crash_after: int, hold_pubacks: bool
+) -> None:
+    rig = rig_factory(hold_pubacks=hold_pubacks)
+    rig.start()
+    rig.submit("job-1", correlation=b"c1")
+    for _ in range(crash_after):
+        rig.tick()
+        rig.executor.run_all()
+    published = any(m.topic == APP_TOPIC for m in rig.broker.log)  # the broker has it
+    rig.crash()
+    # The documented window: published, but the agent died before recording the PUBACK.
+    window = published and _stored_rows(rig.db).get("job-1", ("",))[0] == "done"
+    rig.start()
+    rig.broker.release_pubacks()
+    rig.settle()
+    rig.broker.release_pubacks()
+    rig.settle()
+    assert rig.per_job() == {"job-1": 1 + window}  # a raw duplicate only from that window
+    assert {r["status"] for r in rig.results()} == {"ok"}
+    assert rig.agent is not None
+    assert rig.agent.unfinished == 0
+    assert rig.transport is not None
+    assert rig.transport.unacked == []
+    rig.crash()
+    assert _stored_rows(rig.db)["job-1"][0] == "delivered"
+
+
+def test_job_that_kills_the_edge_k_times_is_dead_lettered(
+    rig_factory: Callable[..., EdgeRig],
+) -> None:
+    rig = rig_factory(max_local_runs=2)
+    rig.start()
+    rig.submit("poison", correlation=b"p")
+    for _ in range(2):
+        rig.settle(compute=False)  # its run starts and never ends: the edge dies in it
+        assert len(rig.executor.held) == 1
+        rig.crash()
+        rig.start()
+    rig.settle()
+    (result,) = rig.results()
+    assert (result["status"], result["code"]) == ("failed", "dead_letter")
+    assert "started 2 times on edge" in result["reason"]
+    assert rig.agent is not None
+    assert rig.agent.counters["dead_letters"] == 1
+
+
+def test_resubmitted_job_is_answered_from_the_outbox_not_run_again(
+    rig_factory: Callable[..., EdgeRig],
+) -> None:
+    rig = rig_factory()
+    rig.start()
+    rig.submit(None, correlation=b"same")  # derived id: the same request, the same job
+    rig.settle()
+    rig.submit(None, correlation=b"same")
+    rig.settle()
+    first, again = rig.received
+    assert first.payload == again.payload
+    assert rig.agent is not None
+    assert rig.agent.counters["accepted"] == 1
+    assert rig.agent.counters["duplicates"] == 1
+    rig.submit(None, correlation=b"other")  # a different request: a new job
+    rig.settle()
+    assert len(rig.per_job()) == 2
+
+
+def test_resubmission_long_after_delivery_is_refused_by_its_tombstone(
+    rig_factory: Callable[..., EdgeRig],
+) -> None:
+    rig = rig_factory()
+    rig.start()
+    rig.submit("j", correlation=b"1")
+    rig.settle()
+    assert rig.agent is not None
+    rig.clock.now += rig.agent.outbox.result_retention_s + 1
+    assert rig.run_until(rig.agent.outbox.prune()) == (1, 0)
+    rig.submit("j", correlation=b"2")
+    rig.settle()
+    refused = rig.results()[-1]
+    assert (refused["status"], refused["code"]) == ("rejected", "duplicate_job")
+
+
+def test_refused_requests_are_answered_but_not_stored(
+    rig_factory: Callable[..., EdgeRig],
+) -> None:
+    rig = rig_factory()
+    rig.start()
+    rig.call(
+        lambda: rig.app.publish_nowait(
+            topics.edge_submit(EDGE),
+            b"not an image",
+            qos=1,
+            response_topic=APP_TOPIC,
+            content_type="image/jpeg",
+            user_properties=((topics.PROP_MODEL, "defect-v1"),),
+        )
+    )
+    rig.settle()
+    (refusal,) = rig.results()
+    assert refusal["status"] == "rejected"
+    assert rig.transport is not None
+    assert rig.transport.unacked == []  # answered, so acked
+    rig.crash()
+    assert _stored_rows(rig.db) == {}
+
+
+def test_offloaded_job_waits_for_its_return_across_a_restart(
+    rig_factory: Callable[..., EdgeRig],
+) -> None:
+    rig = rig_factory(offload=True)
+    rig.start()
+    rig.submit("far", correlation=b"f")
+    rig.settle()
+    assert rig.placement is not None
+    assert rig.placement.sent == [("far", 1)]
+    rig.crash()
+    rig.give_back("far", 1)  # the worker answers while the edge is down: the session keeps it
+    rig.start()
+    rig.settle()
+    (result,) = rig.results()
+    assert result["ran_on"]["kind"] == "pool"
+    assert rig.agent is not None
+    assert rig.agent.counters["replayed"] == 1
+
+
+def test_offloaded_job_is_offered_again_after_the_timeout_following_a_restart(
+    rig_factory: Callable[..., EdgeRig],
+) -> None:
+    rig = rig_factory(offload=True)
+    rig.start()
+    rig.submit("far", correlation=b"f")
+    rig.settle()
+    rig.crash()
+    agent = rig.start()
+    rig.clock.now += 10.0
+    rig.call(agent.check_offloaded)
+    rig.settle()
+    assert rig.placement is not None
+    assert rig.placement.sent == [("far", 1), ("far", 2)]
+    rig.give_back("far", 1)  # the first worker, too late: fenced
+    rig.give_back("far", 2)
+    rig.settle()
+    assert rig.per_job() == {"far": 1}
+    assert agent.counters["fenced_returns"] == 1

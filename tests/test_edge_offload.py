@@ -27,7 +27,7 @@ from sluicegate.config import load_settings
 from sluicegate.memory_transport import MemoryBroker, MemoryTransport
 from sluicegate.transport import Message
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir
-from sluicegate.wire_pool import PlacementReply, PlacementRequest
+from sluicegate.wire_pool import JobNotice, PlacementReply, PlacementRequest
 from tests.image_bytes import sample_jpeg
 from tests.policies.policy_testkit import base_doc, key, policy_of
 
@@ -94,6 +94,48 @@ class Rig:
     broker: MemoryBroker
     agent: EdgeAgent
     requests: list[PlacementRequest]
+    pool: MemoryTransport  # speaks for the broker and the workers
+
+    def give_back(self, job_id: str, attempt: int, payload: bytes | None = None) -> bytes:
+        """A worker returns its result for ``attempt`` of ``job_id``; returns the bytes."""
+        payload = payload or pool_result(job_id)
+        self.pool.publish_nowait(
+            topics.edge_returns(self.agent.settings.id),
+            payload,
+            qos=1,
+            correlation_data=job_id.encode(),
+            user_properties=(
+                (topics.PROP_JOB_ID, job_id),
+                (topics.PROP_ATTEMPT, str(attempt)),
+                (topics.PROP_WORKER, "north-gpu-1"),
+            ),
+        )
+        return payload
+
+    def notify(self, job_id: str, attempt: int, kind: str, reason: str = "gone") -> None:
+        notice = JobNotice(
+            job_id=job_id,
+            attempt=attempt,
+            kind=kind,  # type: ignore[arg-type]
+            worker_id="north-gpu-1",
+            crashes=attempt,
+            reason=reason,
+        )
+        topic = topics.edge_notices(self.agent.settings.id)
+        self.pool.publish_nowait(topic, wire.dump(notice), qos=1)
+
+    async def results(self, n: int = 1) -> list[Message]:
+        async with asyncio.timeout(10):
+            while len(got := [m for m in self.broker.log if m.topic == "app/results"]) < n:
+                await self.broker.wait_for(lambda m: m not in got and m.topic == "app/results")
+        return got
+
+    async def work(self, n: int) -> list[Message]:
+        """The first ``n`` work messages sent to workers."""
+        async with asyncio.timeout(10):
+            while len(got := [m for m in self.broker.log if "/pool/" in m.topic]) < n:
+                await self.broker.wait_for(lambda m: m not in got and "/pool/" in m.topic)
+        return got
 
     def submit(self, *, deadline_ms: float | None = 5000, data_class: str = "wafer-image") -> str:
         job_id = uuid.uuid4().hex
@@ -121,8 +163,29 @@ class Rig:
         return await self.broker.wait_for(lambda m: topics.matches(topic_filter, m.topic), 10)
 
 
+def pool_result(
+    job_id: str, status: str = "ok", code: str | None = None, placed: bool = True
+) -> bytes:
+    return wire.dump(
+        wire.JobResult(
+            job_id=job_id,
+            status=status,  # type: ignore[arg-type]
+            code=code,
+            model="defect-v1",
+            outputs=wire.Outputs(label="scratch", scores={"scratch": 0.9}) if not code else None,
+            ran_on=wire.RanOn(kind="pool", node="north-gpu-1", zone="campus/fab-north/dc"),
+            offload=wire.Offload(requested=True, placed=placed, worker="north-gpu-1"),
+        )
+    )
+
+
 @pytest.fixture
-async def rig(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
+def result_timeout() -> float:
+    return 3.0
+
+
+@pytest.fixture
+async def rig(request: pytest.FixtureRequest, result_timeout: float) -> AsyncIterator[Rig]:
     responder: Responder | None = getattr(request, "param", placed())
     broker = MemoryBroker()
     requests: list[PlacementRequest] = []
@@ -142,7 +205,7 @@ async def rig(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
     broker_side.publish_nowait(topics.broker_status("b1"), wire.dump(online), retain=True)
     settings = load_settings(
         edge={"id": "north-l1-pc", "zone": ZONE, "concurrency": 1},
-        offload={"placement_timeout_ms": 200.0},
+        offload={"placement_timeout_ms": 200.0, "result_timeout_s": result_timeout},
     )
     transport = MemoryTransport(broker)
     policy: Policy = POLICY
@@ -165,7 +228,7 @@ async def rig(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
     runner = asyncio.ensure_future(agent.run(stop))
     await asyncio.wait_for(agent.ready.wait(), 10)
     await broker.wait_for(lambda m: m.topic == topics.broker_status("b1"))
-    yield Rig(broker, agent, requests)
+    yield Rig(broker, agent, requests, broker_side)
     stop.set()
     await asyncio.wait_for(runner, 30)
 
@@ -179,8 +242,11 @@ async def test_late_job_is_placed_verified_and_sent_to_the_worker(rig: Rig) -> N
     assert req.reason == "deadline"
     assert len(wire.dump(req)) < 1024  # metadata and a hash, never the image
     assert work.payload == JPEG
-    assert work.response_topic == "app/results"
+    # The worker answers this edge, which owns the job, not the app.
+    assert work.response_topic == topics.edge_returns("north-l1-pc")
     assert work.correlation_data == job_id.encode()
+    assert work.user_property(topics.PROP_ATTEMPT) == "1"
+    assert req.attempt == 1
     assert work.user_property(topics.PROP_TOKEN)
     assert work.user_property(topics.PROP_ORIGIN_ZONE) == ZONE
     assert work.user_property(topics.PROP_JOB_ID) == job_id
@@ -266,3 +332,82 @@ def test_offload_reason(deadline: float | None, waiting: int, expected: str | No
     job = Job("j", "m", b"", ImageInfo("jpeg", 1, 1), "r", None, 5, "c", 0.0, deadline)
     done = predict_completion(0.0, waiting, 0, 2, 0.25)
     assert offload_reason(job, predicted_done=done, waiting=waiting, queue_bound=8) == expected
+
+
+async def test_the_workers_result_reaches_the_app_unchanged_once(rig: Rig) -> None:
+    job_id = rig.submit()
+    await rig.work(1)
+    sent = rig.give_back(job_id, 1)
+    rig.give_back(job_id, 1)  # the same return again (a redelivery): discarded
+    rig.give_back(job_id, 7)  # an attempt that never was: discarded
+    (result,) = await rig.results(1)
+    assert result.payload == sent  # forwarded unchanged, ran_on the pool
+    assert result.correlation_data == job_id.encode()
+    barrier = rig.submit()  # everything before it has been handled once this is answered
+    await rig.work(2)
+    rig.give_back(barrier, 1)
+    await rig.results(2)
+    assert rig.agent.counters["fenced_returns"] == 2
+    assert [m.payload for m in rig.broker.log if m.topic == "app/results"].count(sent) == 1
+    assert rig.agent.unfinished == 0
+
+
+async def test_lost_worker_means_a_new_attempt_and_the_old_one_is_fenced(rig: Rig) -> None:
+    job_id = rig.submit()
+    await rig.work(1)
+    rig.notify(job_id, 1, "worker_lost")
+    second = (await rig.work(2))[1]
+    assert second.user_property(topics.PROP_ATTEMPT) == "2"
+    assert [r.attempt for r in rig.requests] == [1, 2]
+    rig.give_back(job_id, 1, pool_result(job_id, code=None))  # the lost worker, late: fenced
+    rig.notify(job_id, 1, "worker_lost")  # a stale notice changes nothing
+    sent = rig.give_back(job_id, 2)
+    (result,) = await rig.results(1)
+    assert result.payload == sent
+    assert rig.agent.counters["fenced_returns"] == 1
+    assert rig.agent.counters["stale_notices"] == 1
+    assert rig.agent.counters["workers_lost"] == 1
+
+
+async def test_dead_letter_notice_answers_failed_with_the_reason(rig: Rig) -> None:
+    job_id = rig.submit()
+    await rig.work(1)
+    rig.notify(job_id, 1, "dead_letter", "3 workers died running this job")
+    (result,) = await rig.results(1)
+    doc = json.loads(result.payload)
+    assert (doc["status"], doc["code"]) == ("failed", "dead_letter")
+    assert doc["reason"] == "3 workers died running this job"
+    rig.give_back(job_id, 1)  # too late: the job is concluded
+    barrier = rig.submit()
+    await rig.work(2)
+    rig.give_back(barrier, 1)
+    await rig.results(2)
+    assert rig.agent.counters["fenced_returns"] == 1
+
+
+@pytest.mark.parametrize("result_timeout", [0.2])
+async def test_no_return_in_time_means_a_new_attempt(rig: Rig) -> None:
+    job_id = rig.submit()
+    first, second = await rig.work(2)  # nobody answers the first: the edge asks again
+    assert (
+        first.user_property(topics.PROP_ATTEMPT),
+        second.user_property(topics.PROP_ATTEMPT),
+    ) == (
+        "1",
+        "2",
+    )
+    rig.give_back(job_id, 2)
+    await rig.results(1)
+    assert rig.agent.counters["offload_timeouts"] >= 1
+
+
+async def test_work_the_worker_refused_runs_here(rig: Rig) -> None:
+    job_id = rig.submit()
+    await rig.work(1)
+    rig.give_back(job_id, 1, pool_result(job_id, "rejected", code="queue_full"))
+    (result,) = await rig.results(1)
+    doc = json.loads(result.payload)
+    assert doc["status"] == "ok"
+    assert doc["ran_on"]["kind"] == "edge"
+    assert doc["offload"]["code"] == "queue_full"
+    assert rig.agent.counters["not_run_returns"] == 1

@@ -1,0 +1,298 @@
+"""A crashable edge agent for the in-memory tier: the real EdgeAgent and a real SQLite
+outbox file, over the memory transport's persistent sessions, with compute and offloading
+the test controls.
+
+``EdgeRig`` starts an agent, kills it (as SIGKILL would: the outbox keeps what it
+committed, the session keeps what was not acked) and starts another on the same outbox and
+client id. Compute runs on a :class:`HeldExecutor` (work waits until the test runs it) and
+placements come from a :class:`FakePlacement` (every offer placed, or declined on request),
+so a test decides where each crash falls. ``tick`` advances the loop one step and waits for
+the outbox's writer, which makes the interleavings reproducible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edge_agent.admission import Job
+from edge_agent.agent import EdgeAgent
+from edge_agent.offload import Declined, Placement
+from edge_agent.outbox import Outbox
+from sluicegate import topics, wire
+from sluicegate.config import load_settings
+from sluicegate.memory_transport import MemoryBroker, MemoryTransport
+from sluicegate.transport import Message
+from sluicegate.vision.image import ImageInfo
+from sluicegate.vision.postprocess import Outputs
+from sluicegate.vision.runtime import StageTimes
+from sluicegate.wire_pool import JobNotice
+from tests.image_bytes import sample_jpeg
+
+EDGE = "rig-edge"
+APP_TOPIC = "app/results"
+JPEG, _ = sample_jpeg(5)
+
+
+class FakeModel:
+    def infer_bytes(self, payload: bytes, info: ImageInfo | None = None) -> tuple[Any, Any]:
+        return Outputs("ok", {"ok": 1.0}), StageTimes(0.1, 0.1, 0.1)
+
+
+class FakeRegistry:
+    def names(self) -> list[str]:
+        return ["defect-v1"]
+
+    def get(self, name: str) -> FakeModel:
+        return FakeModel()
+
+
+class HeldExecutor(Executor):
+    """Compute that starts only when the test says so (on the test's thread)."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], Future[Any]]]
+        self.held = []
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        fut: Future[Any] = Future()
+        self.held.append((fn, args, kwargs, fut))
+        return fut
+
+    def run_all(self) -> int:
+        held, self.held = self.held, []
+        for fn, args, kwargs, fut in held:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args, **kwargs))
+                except Exception as exc:
+                    fut.set_exception(exc)
+        return len(held)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        if cancel_futures:
+            for *_, fut in self.held:
+                fut.cancel()
+            self.held = []
+
+
+@dataclass
+class FakePlacement:
+    """Stands in for PlacementClient: places every offer unless its job id is in
+    ``decline``; records each work message sent as (job id, attempt)."""
+
+    decline: set[str] = field(default_factory=set)
+    sent: list[tuple[str, int]] = field(default_factory=list)
+    broker_available: bool = True
+
+    async def place(
+        self, job: Job, reason: str, local_estimate_s: float, *, attempt: int = 1
+    ) -> Placement | Declined:
+        if job.job_id in self.decline:
+            return Declined("no_capacity", "the test declined it")
+        return Placement("w1", "campus/dc", topics.pool_work("campus/dc", "w1"), "tok", b"")
+
+    def send(self, job: Job, placement: Placement, *, attempt: int = 1) -> None:
+        self.sent.append((job.job_id, attempt))
+
+    async def start(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class Clock:
+    def __init__(self, now: float = 1_800_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pool_result(job_id: str) -> bytes:
+    result = wire.JobResult(
+        job_id=job_id,
+        status="ok",
+        model="defect-v1",
+        outputs=wire.Outputs(label="ok", scores={"ok": 1.0}),
+        ran_on=wire.RanOn(kind="pool", node="w1", zone="campus/dc"),
+    )
+    return wire.dump(result)
+
+
+class EdgeRig:
+    """One edge (restartable), one app, one pool, all on one memory broker and loop."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        db: Path,
+        *,
+        offload: bool = False,
+        max_local_runs: int = 3,
+        hold_pubacks: bool = False,
+    ) -> None:
+        self.loop = loop
+        self.db = db
+        self.clock = Clock()
+        self.broker = MemoryBroker(hold_pubacks=hold_pubacks)
+        self.app = MemoryTransport(self.broker, client_id="app")
+        self.pool = MemoryTransport(self.broker, client_id="pool")
+        self.received: list[Message] = []
+        self.run_until(self.app.subscribe(APP_TOPIC, self.received.append))
+        self.executor = HeldExecutor()
+        self.placement = FakePlacement() if offload else None
+        self.settings = load_settings(
+            edge={
+                "id": EDGE,
+                "concurrency": 2,
+                "queue_size": 10_000,
+                "telemetry_interval_s": 3600.0,
+                "max_local_runs": max_local_runs,
+            },
+            offload={"queue_bound": 0, "result_timeout_s": 3.0},
+        )
+        self.agent: EdgeAgent | None = None
+        self.transport: MemoryTransport | None = None
+        self._runner: asyncio.Future[None] | None = None
+        self.crashes = 0
+
+    # -- driving the loop ------------------------------------------------------------------
+
+    def run_until(self, aw: Any) -> Any:
+        return self.loop.run_until_complete(aw)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn()`` inside the loop (what it schedules runs on later ticks)."""
+
+        async def inside() -> Any:
+            return fn()
+
+        return self.run_until(inside())
+
+    def tick(self) -> None:
+        """One step of the loop, then wait until the outbox wrote what it was given."""
+        self.run_until(asyncio.sleep(0))
+        if self.agent is not None:
+            assert self.agent.outbox.wait_written(10.0), "the outbox writer is stuck"
+
+    def settle(self, *, compute: bool = True, max_ticks: int = 500) -> None:
+        """Tick until nothing changes: nothing being written or sent and, with ``compute``,
+        no compute held (without, held compute stays held: a run that never ends)."""
+        for _ in range(max_ticks):
+            before = self._fingerprint()
+            self.tick()
+            if compute and self.executor.run_all():
+                continue
+            if self._fingerprint() == before:
+                return
+        raise AssertionError("the edge did not settle")
+
+    def _fingerprint(self) -> tuple[int, ...]:
+        agent = self.agent
+        if agent is None:
+            return (len(self.broker.log),)
+        return (
+            len(self.broker.log),
+            agent.unfinished,
+            agent.delivering,
+            agent.outbox.commits,
+            len(self.executor.held),
+            sum(agent.counters.values()),
+        )
+
+    # -- the edge's life -------------------------------------------------------------------
+
+    def start(self) -> EdgeAgent:
+        assert self.agent is None
+        self.transport = MemoryTransport(self.broker, client_id="edge", persistent=True)
+        outbox = Outbox(self.db, synchronous="NORMAL", clock=self.clock)
+        agent = EdgeAgent(
+            self.settings.edge,
+            self.transport,
+            FakeRegistry(),  # type: ignore[arg-type]
+            clock=self.clock,
+            offload=self.placement,  # type: ignore[arg-type]
+            offload_settings=self.settings.offload,
+            outbox=outbox,
+            executor=self.executor,
+        )
+        self.agent = agent
+        self._runner = asyncio.ensure_future(agent.run(asyncio.Event()), loop=self.loop)
+        self.run_until(asyncio.wait_for(agent.ready.wait(), 10.0))
+        return agent
+
+    def crash(self) -> None:
+        """SIGKILL, in memory: nothing more leaves the agent; disk and session stay."""
+        assert self.agent is not None
+        assert self.transport is not None
+        self.call(self.agent.kill)
+        self.transport.crash()
+        self.executor.shutdown(cancel_futures=True)
+        assert self._runner is not None
+        self.run_until(self._runner)
+        self.agent = None
+        self.crashes += 1
+
+    def stop(self) -> None:
+        if self.agent is not None:
+            self.crash()
+        for task in asyncio.all_tasks(self.loop):
+            task.cancel()
+        self.run_until(asyncio.sleep(0))
+
+    # -- the app and the pool ----------------------------------------------------------------
+
+    def submit(self, job_id: str | None, *, correlation: bytes) -> None:
+        props = [(topics.PROP_MODEL, "defect-v1")]
+        if job_id is not None:
+            props.append((topics.PROP_JOB_ID, job_id))
+        self.call(
+            lambda: self.app.publish_nowait(
+                topics.edge_submit(EDGE),
+                JPEG,
+                qos=1,
+                response_topic=APP_TOPIC,
+                correlation_data=correlation,
+                content_type="image/jpeg",
+                user_properties=tuple(props),
+            )
+        )
+
+    def give_back(self, job_id: str, attempt: int) -> None:
+        props = (
+            (topics.PROP_JOB_ID, job_id),
+            (topics.PROP_ATTEMPT, str(attempt)),
+            (topics.PROP_WORKER, "w1"),
+        )
+        topic = topics.edge_returns(EDGE)
+        self.call(
+            lambda: self.pool.publish_nowait(
+                topic, pool_result(job_id), qos=1, user_properties=props
+            )
+        )
+
+    def notify(self, job_id: str, attempt: int, kind: str = "worker_lost") -> None:
+        notice = JobNotice(
+            job_id=job_id,
+            attempt=attempt,
+            kind=kind,  # type: ignore[arg-type]
+            worker_id="w1",
+            crashes=1,
+            reason="the worker died",
+        )
+        topic = topics.edge_notices(EDGE)
+        self.call(lambda: self.pool.publish_nowait(topic, wire.dump(notice), qos=1))
+
+    def results(self) -> list[dict[str, Any]]:
+        return [json.loads(m.payload) for m in self.received]
+
+    def per_job(self) -> Counter[str]:
+        return Counter(r["job_id"] for r in self.results())
