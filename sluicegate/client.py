@@ -5,6 +5,12 @@ and matches results to waiting calls by MQTT correlation data (``dict[bytes, Fut
 each entry removed in ``finally``). Every wait races a timeout and the loss of the
 connection. ``Client`` is the blocking face of the same thing, running an event loop on a
 background thread. Any MQTT v5 client can submit without this module; it is a convenience.
+
+The edge answers each accepted job exactly once, except that a result it published just
+before dying may be published again after its restart. The client remembers the job ids it
+has handed to callers (the most recent ``remember`` of them) and drops such a second result,
+counting it in ``duplicates``; a result nobody waits for any more (it came after a timeout)
+is counted in ``unmatched``.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import asyncio
 import contextlib
 import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -55,6 +62,7 @@ class AsyncClient:
         edge: str = "edge-1",
         client_id: str | None = None,
         default_timeout: float = 30.0,
+        remember: int = 10_000,
     ) -> None:
         self._mqtt = mqtt or MqttSettings()
         self.edge = topics.check_id("edge id", edge)
@@ -64,7 +72,10 @@ class AsyncClient:
         self._pending: dict[bytes, asyncio.Future[wire.JobResult]] = {}
         self._transport = MqttTransport(self._mqtt, client_id=self.client_id)
         self._lost = asyncio.Event()
-        self.unmatched = 0  # results for no waiting call: late (after a timeout) or duplicate
+        self.unmatched = 0  # results for no waiting call: late, after a timeout
+        self.duplicates = 0  # a second result for a job id already handed to a caller
+        self._delivered: OrderedDict[str, None] = OrderedDict()  # job ids, oldest first
+        self._remember = remember
 
     async def connect(self, timeout: float = 10.0) -> None:
         self._transport.on_disconnect(self._lost.set)
@@ -86,13 +97,23 @@ class AsyncClient:
     def _on_result(self, msg: Message) -> None:
         key = msg.correlation_data
         fut = self._pending.get(key) if key is not None else None
-        if fut is None or fut.done():
-            self.unmatched += 1  # late or duplicate: the call has already finished
-            return
         try:
-            fut.set_result(wire.JobResult.model_validate_json(msg.payload))
+            result = wire.JobResult.model_validate_json(msg.payload)
         except ValidationError as exc:
-            fut.set_exception(WireError(f"malformed result on {msg.topic}: {exc}"))
+            if fut is not None and not fut.done():
+                fut.set_exception(WireError(f"malformed result on {msg.topic}: {exc}"))
+            return
+        if fut is None or fut.done():
+            if result.job_id in self._delivered:
+                self.duplicates += 1  # the edge published it again after a restart
+            else:
+                self.unmatched += 1  # late: the call has already finished
+            return
+        fut.set_result(result)
+        self._delivered[result.job_id] = None
+        self._delivered.move_to_end(result.job_id)
+        if len(self._delivered) > self._remember:
+            self._delivered.popitem(last=False)
 
     async def infer(
         self,
@@ -168,6 +189,7 @@ class Client:
         client_id: str | None = None,
         default_timeout: float = 30.0,
         connect_timeout: float = 10.0,
+        remember: int = 10_000,
     ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -175,7 +197,8 @@ class Client:
         )
         self._thread.start()
         try:
-            self._async = self._call(_make_async(mqtt, edge, client_id, default_timeout), None)
+            make = _make_async(mqtt, edge, client_id, default_timeout, remember)
+            self._async = self._call(make, None)
             self._call(self._async.connect(connect_timeout), None)
         except BaseException:
             self._stop_loop()
@@ -187,6 +210,11 @@ class Client:
     def infer(self, image: Image, *, model: str, **kwargs: Any) -> wire.JobResult:
         """Submit one image and block until its result arrives (or the timeout)."""
         return self._call(self._async.infer(image, model=model, **kwargs), None)
+
+    @property
+    def duplicates(self) -> int:
+        """Second results for job ids already returned, dropped (see AsyncClient)."""
+        return self._async.duplicates
 
     def close(self) -> None:
         if self._loop.is_running():
@@ -209,7 +237,9 @@ class Client:
 
 
 async def _make_async(
-    mqtt: MqttSettings | None, edge: str, client_id: str | None, timeout: float
+    mqtt: MqttSettings | None, edge: str, client_id: str | None, timeout: float, remember: int
 ) -> AsyncClient:
     # The AsyncClient creates asyncio primitives, so it is built on the client's own loop.
-    return AsyncClient(mqtt, edge=edge, client_id=client_id, default_timeout=timeout)
+    return AsyncClient(
+        mqtt, edge=edge, client_id=client_id, default_timeout=timeout, remember=remember
+    )

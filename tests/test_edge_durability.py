@@ -16,11 +16,15 @@ from typing import Any
 
 import pytest
 
-from sluicegate import topics
+from sluicegate import topics, wire
+from sluicegate.client import AsyncClient
+from sluicegate.config import MqttSettings
 from sluicegate.errors import TransportError
 from sluicegate.memory_transport import MemoryBroker, MemoryTransport
+from sluicegate.mqtt import MqttTransport
+from sluicegate.servers import ServerProcess
 from sluicegate.transport import Message
-from tests.edge_kit import APP_TOPIC, EDGE, EdgeRig
+from tests.edge_kit import APP_TOPIC, EDGE, JPEG, EdgeRig
 
 
 async def _settle() -> None:
@@ -257,3 +261,45 @@ def test_offloaded_job_is_offered_again_after_the_timeout_following_a_restart(
     rig.settle()
     assert rig.per_job() == {"far": 1}
     assert agent.counters["fenced_returns"] == 1
+
+
+# -- the Python client drops a result published again after an edge restart -------------
+
+
+@pytest.mark.integration
+async def test_client_hands_over_one_result_per_job_and_counts_the_repeat(
+    mosquitto: ServerProcess, unique: str
+) -> None:
+    settings = MqttSettings(port=mosquitto.port)
+    edge_id = f"dup-{unique}"
+
+    def answer_twice(msg: Message) -> None:
+        result = wire.JobResult(
+            job_id=msg.user_property(topics.PROP_JOB_ID) or "derived",
+            status="ok",
+            ran_on=wire.RanOn(kind="edge", node=edge_id, zone="campus/x"),
+        )
+        assert msg.response_topic is not None
+        for _ in range(2):  # as an edge that died between the PUBACK and recording it
+            fake_edge.publish_nowait(
+                msg.response_topic,
+                wire.dump(result),
+                qos=1,
+                correlation_data=msg.correlation_data,
+            )
+
+    async with (
+        MqttTransport(settings, client_id=f"fake-{unique}") as fake_edge,
+        AsyncClient(settings, edge=edge_id, remember=2) as client,
+    ):
+        await fake_edge.subscribe(topics.edge_submit(edge_id), answer_twice)
+        first = await client.infer(JPEG, model="defect-v1", job_id="j-1", timeout=10)
+        second = await client.infer(JPEG, model="defect-v1", job_id="j-2", timeout=10)
+        # Asking for j-1 again is a new call: it gets its answer.
+        again = await client.infer(JPEG, model="defect-v1", job_id="j-1", timeout=10)
+        await client.infer(JPEG, model="defect-v1", job_id="j-3", timeout=10)
+    assert (first.job_id, second.job_id, again.job_id) == ("j-1", "j-2", "j-1")
+    # Each call's repeat arrived after its result: dropped and counted (the repeat of the
+    # last may still be on its way when the client closes).
+    assert client.duplicates >= 3
+    assert client.unmatched == 0
