@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import shutil
 import socket
 import subprocess
@@ -162,6 +163,9 @@ def mosquitto_config(
         raise ServerError(f"autosave_interval_s must be >= 1 s, got {autosave_interval_s}")
     lines = [
         f"listener {port} 127.0.0.1",
+        # Started as root, Mosquitto would switch to the user "mosquitto", which may not
+        # write ``workdir``: persistence would then fail on every save (a log line only).
+        f"user {pwd.getpwuid(os.geteuid()).pw_name}",
         "allow_anonymous true",
         "set_tcp_nodelay true",
         f"max_inflight_messages {max_inflight_messages}",
