@@ -563,8 +563,24 @@ class EdgeAgent:
         if stored is None:
             self.counters["outbox_errors"] += 1
         elif not stored:
+            # The outbox refused a result this agent thought it could take: trust the disk.
             self.counters["late_results"] += 1
+            self._resync(tracked.job.job_id)
         self._update_idle()
+
+    def _resync(self, job_id: str) -> None:
+        """Track a job again as the outbox holds it, if it is still pending there."""
+
+        def read(fut: asyncio.Future[Stored | None]) -> None:
+            if self._killed or fut.cancelled() or fut.exception() is not None:
+                return
+            stored = fut.result()
+            if stored is not None and stored.pending and job_id not in self._jobs:
+                log.warning("job %s is still %s on disk; tracking it again", job_id, stored.state)
+                for action in self._replay([stored]):
+                    action()
+
+        self.outbox.get(job_id).add_done_callback(read)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)

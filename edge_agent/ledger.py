@@ -33,9 +33,10 @@ from sluicegate.wire_pool import JobNotice
 
 Phase = Literal["queued", "starting", "running", "offering", "offloaded", "finishing"]
 
-# A return is taken for the job's current attempt while the job is not running here and not
-# already concluding; the outbox takes it only if the job is still offloaded as that attempt.
-TAKES_RETURN: frozenset[Phase] = frozenset({"queued", "offering", "offloaded"})
+# A return is taken for the job's current attempt while the job waits on it, or waits here
+# (rerouted, not started): then the outbox still holds it as offloaded as that attempt. Not
+# while a new attempt is being placed: that attempt may be on disk already.
+TAKES_RETURN: frozenset[Phase] = frozenset({"queued", "offloaded"})
 # A lost worker matters only while the job is on it; a dead letter while no local run is on.
 TAKES_WORKER_LOST: frozenset[Phase] = frozenset({"offloaded"})
 TAKES_DEAD_LETTER: frozenset[Phase] = frozenset({"queued", "offering", "offloaded"})
@@ -67,7 +68,7 @@ def return_verdict(tracked: Tracked | None, attempt: int) -> Verdict:
     if attempt != tracked.attempt or tracked.attempt == 0:
         return "stale"
     if tracked.phase not in TAKES_RETURN:
-        return "busy"  # running here, or its result is being committed
+        return "busy"  # placed anew, running here, or its result is being committed
     return "accept"
 
 

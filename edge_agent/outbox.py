@@ -181,6 +181,8 @@ class Outbox:
         """Open (or create) the file and return the jobs not yet delivered, oldest first."""
         self._loop = asyncio.get_running_loop()
         opened: ThreadFuture[list[Stored]] = ThreadFuture()
+        with self._progress:
+            self._handed += 1  # opening is the writer's first task
         self._thread = threading.Thread(
             target=self._serve, args=(opened,), name="sg-outbox", daemon=True
         )
@@ -400,10 +402,15 @@ class Outbox:
 
     def _flush(self) -> None:
         batch, self._batch = self._batch, []
-        if batch and not self._killed:
-            with self._progress:
-                self._handed += 1
-            self._queue.put(batch)
+        if batch:
+            self._hand(batch)
+
+    def _hand(self, batch: _Batch) -> None:
+        if self._killed:
+            return
+        with self._progress:
+            self._handed += 1
+        self._queue.put(batch)
 
     def wait_written(self, timeout: float = 10.0) -> bool:
         """Block until every batch handed to the writer so far is committed and its results
@@ -430,8 +437,10 @@ class Outbox:
             unfinished = self._connect()
         except OutboxError as exc:
             opened.set_exception(exc)
+            self._wrote(1)
             return
-        opened.set_result(unfinished)
+        opened.set_result(unfinished)  # queues its result for the loop
+        self._wrote(1)
         try:
             while (batch := self._queue.get()) is not None:
                 merged = 1
@@ -453,14 +462,17 @@ class Outbox:
                 if loop is not None and not loop.is_closed():
                     with contextlib.suppress(RuntimeError):  # the loop closed under us
                         loop.call_soon_threadsafe(self._resolve, batch, results)
-                with self._progress:
-                    self._written += merged
-                    self._progress.notify_all()
+                self._wrote(merged)
                 if stop:
                     break
         finally:
             if self._conn is not None:
                 self._conn.close()
+
+    def _wrote(self, batches: int) -> None:
+        with self._progress:
+            self._written += batches
+            self._progress.notify_all()
 
     def _connect(self) -> list[Stored]:
         where = f"outbox {self.path}"

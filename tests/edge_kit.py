@@ -108,6 +108,26 @@ class FakePlacement:
         return None
 
 
+class SteppedOutbox(Outbox):
+    """An outbox whose writer gets batches only between loop iterations (``release``), so
+    its answers never land on the loop in the middle of one: the interleaving of the loop's
+    callbacks and the disk's answers is the same on every run."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._staged: list[Any] = []
+
+    def _flush(self) -> None:
+        batch, self._batch = self._batch, []
+        if batch:
+            self._staged.append(batch)
+
+    def release(self) -> None:
+        staged, self._staged = self._staged, []
+        for batch in staged:
+            self._hand(batch)
+
+
 class Clock:
     def __init__(self, now: float = 1_800_000_000.0) -> None:
         self.now = now
@@ -170,28 +190,40 @@ class EdgeRig:
         return self.loop.run_until_complete(aw)
 
     def call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn()`` inside the loop (what it schedules runs on later ticks)."""
-
-        async def inside() -> Any:
-            return fn()
-
-        return self.run_until(inside())
+        """Run ``fn()`` on the loop now, in a tick of its own; returns what it returned
+        (what it schedules runs on later ticks)."""
+        out: list[Any] = []
+        self.loop.call_soon(lambda: out.append(fn()))
+        self.tick()
+        return out[0]
 
     def tick(self) -> None:
-        """One step of the loop, then wait until the outbox wrote what it was given."""
-        self.run_until(asyncio.sleep(0))
+        """Wait until the outbox's writer has committed all it was given (its answers are
+        then queued on the loop), then run exactly one iteration of the loop. Nothing else
+        runs concurrently, so a sequence of ticks always interleaves the same way."""
         if self.agent is not None:
-            assert self.agent.outbox.wait_written(10.0), "the outbox writer is stuck"
+            outbox = self.agent.outbox
+            assert isinstance(outbox, SteppedOutbox)
+            outbox.release()
+            assert outbox.wait_written(10.0), "the outbox writer is stuck"
+        # stop() before run_forever(): poll I/O once without waiting, run what is ready, return.
+        self.loop.stop()
+        self.loop.run_forever()
 
     def settle(self, *, compute: bool = True, max_ticks: int = 500) -> None:
         """Tick until nothing changes: nothing being written or sent and, with ``compute``,
         no compute held (without, held compute stays held: a run that never ends)."""
+        quiet = 0
         for _ in range(max_ticks):
             before = self._fingerprint()
             self.tick()
             if compute and self.executor.run_all():
+                quiet = 0
                 continue
-            if self._fingerprint() == before:
+            if self.agent is not None:
+                self.agent.outbox.wait_written(10.0)
+            quiet = quiet + 1 if self._fingerprint() == before else 0
+            if quiet >= 3:
                 return
         raise AssertionError("the edge did not settle")
 
@@ -213,7 +245,7 @@ class EdgeRig:
     def start(self) -> EdgeAgent:
         assert self.agent is None
         self.transport = MemoryTransport(self.broker, client_id="edge", persistent=True)
-        outbox = Outbox(self.db, synchronous="NORMAL", clock=self.clock)
+        outbox = SteppedOutbox(self.db, synchronous="NORMAL", clock=self.clock)
         agent = EdgeAgent(
             self.settings.edge,
             self.transport,
@@ -226,8 +258,11 @@ class EdgeRig:
         )
         self.agent = agent
         self._runner = asyncio.ensure_future(agent.run(asyncio.Event()), loop=self.loop)
-        self.run_until(asyncio.wait_for(agent.ready.wait(), 10.0))
-        return agent
+        for _ in range(1000):  # until the outbox is open and the agent subscribed
+            self.tick()
+            if agent.ready.is_set():
+                return agent
+        raise AssertionError("the edge did not start")
 
     def crash(self) -> None:
         """SIGKILL, in memory: nothing more leaves the agent; disk and session stay."""
@@ -236,17 +271,16 @@ class EdgeRig:
         self.call(self.agent.kill)
         self.transport.crash()
         self.executor.shutdown(cancel_futures=True)
-        assert self._runner is not None
-        self.run_until(self._runner)
         self.agent = None
         self.crashes += 1
 
     def stop(self) -> None:
         if self.agent is not None:
             self.crash()
-        for task in asyncio.all_tasks(self.loop):
+        tasks = asyncio.all_tasks(self.loop)
+        for task in tasks:
             task.cancel()
-        self.run_until(asyncio.sleep(0))
+        self.run_until(asyncio.gather(*tasks, return_exceptions=True))
 
     # -- the app and the pool ----------------------------------------------------------------
 
