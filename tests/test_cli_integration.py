@@ -100,7 +100,13 @@ def test_readme_mosquitto_example_works(mosquitto: ServerProcess, tmp_path: Path
     cmds = _readme_example()
     assert set(cmds) == {"mosquitto_sub", "sluicegate", "mosquitto_pub"}
     port = ["-p", str(mosquitto.port)]
-    agent = start_agent_process(mosquitto.port, "line-3", "--zone", "campus/fab-north/line-3")
+    # The agent's outbox lives in this test's folder: "line-3" is a fixed id, and a job id
+    # derived from the README's request is the same on every run.
+    config = tmp_path / "edge.toml"
+    config.write_text(f'[edge]\noutbox_path = "{tmp_path / "line-3.db"}"\n')
+    agent = start_agent_process(
+        mosquitto.port, "line-3", "--zone", "campus/fab-north/line-3", "--config", str(config)
+    )
     # -d makes mosquitto_sub report its SUBACK, so the job is published only once it listens;
     # stdbuf makes it write each line as it happens, as it does on a terminal.
     sub = subprocess.Popen(
