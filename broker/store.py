@@ -1,10 +1,12 @@
 """The broker's writes to Redis that are not on a decision's critical path, batched.
 
-Job status and explanations, released reservations and node documents are queued as they
-happen and sent in one pipeline per loop turn by :meth:`BrokerStore.run`, so a burst of
-decisions costs one round trip of bookkeeping. Node documents expire when a node goes
-silent, so Redis holds exactly the fleet that is alive. Reading a job back serves the HTTP
-API of any replica. Nothing here decides anything.
+Job status and explanations, released reservations, node documents and the in-flight
+bookkeeping of ``broker.inflight`` (Lua scripts included, with a callback for a reply that
+someone needs) are queued as they happen and sent in one pipeline per loop turn by
+:meth:`BrokerStore.run`, so a burst of decisions or completions costs one round trip of
+bookkeeping. Node documents expire when a node goes silent, so Redis holds exactly the
+fleet that is alive. Reading a job back serves the HTTP API of any replica. Every queued
+operation must be safe to send twice (see ``broker.lua``). Nothing here decides anything.
 """
 
 from __future__ import annotations
@@ -12,29 +14,53 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 
 from broker import keys
+from broker.lua import Lua, check_cancelled, execute
 
 log = logging.getLogger(__name__)
 
 JOB_TTL_S = 24 * 3600  # how long a job's status and explanation stay queryable
+# (command or script, args, kwargs or the script's keys, callback for the reply)
+_Op = tuple[str | Lua, tuple[Any, ...], Any, Callable[[Any], None] | None]
 
 
 class BrokerStore:
     def __init__(self, client: aioredis.Redis, node_ttl_ms: int) -> None:
         self._client = client
         self._node_ttl_ms = node_ttl_ms
-        self._ops: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+        self._ops: list[_Op] = []
+        self._scripts: dict[str, Lua] = {}
         self._wanted = asyncio.Event()
         self._nodes: dict[tuple[str, str], bytes] = {}  # latest document per node and kind
         self.ok = False  # the last round trip succeeded
 
     def write(self, command: str, *args: Any, **kwargs: Any) -> None:
         """Queue one Redis command for the next pipeline."""
-        self._ops.append((command, args, kwargs))
+        self._ops.append((command, args, kwargs, None))
+        self._wanted.set()
+
+    def read(self, then: Callable[[Any], None], command: str, *args: Any) -> None:
+        """Queue one command whose reply ``then`` gets once the pipeline ran (not at all
+        if it failed: Redis away)."""
+        self._ops.append((command, args, {}, then))
+        self._wanted.set()
+
+    def script(
+        self,
+        script: Lua,
+        keys: Sequence[str],
+        args: Sequence[Any],
+        then: Callable[[Any], None] | None = None,
+    ) -> None:
+        """Queue one call of ``script``; ``then`` (if any) gets its reply."""
+        self._scripts[script.sha] = script
+        self._ops.append((script, tuple(args), tuple(keys), then))
         self._wanted.set()
 
     def job_status(self, job_id: str, fields: dict[str, Any]) -> None:
@@ -49,6 +75,13 @@ class BrokerStore:
         self.write("expire", keys.job(job_id), JOB_TTL_S)
 
     def release(self, worker_id: str, job_id: str) -> None:
+        """The job holds no slot on the worker any more, and is not in flight there."""
+        self.release_slot(worker_id, job_id)
+        self.write("zrem", keys.inflight_on(worker_id), job_id)
+
+    def release_slot(self, worker_id: str, job_id: str) -> None:
+        """The job holds no slot on the worker any more (its in-flight listing is left to
+        the completion's fencing)."""
         self.write("zrem", keys.reservations(worker_id), job_id)
 
     def node_document(self, node: str, kind: str, payload: bytes) -> None:
@@ -76,15 +109,28 @@ class BrokerStore:
             await self._wanted.wait()
             self._wanted.clear()
             ops, self._ops = self._ops, []
-            try:
-                async with self._client.pipeline(transaction=False) as pipe:
-                    for command, args, kwargs in ops:
+
+            def build(pipe: Pipeline, ops: list[_Op] = ops) -> None:
+                for command, args, kwargs, _then in ops:
+                    if isinstance(command, str):
                         getattr(pipe, command)(*args, **kwargs)
-                    await pipe.execute()
+                    else:
+                        command.queue(pipe, kwargs, args)
+
+            try:
+                replies = await execute(self._client, list(self._scripts.values()), build)
                 self.ok = True
             except Exception as exc:
                 self.ok = False
                 log.warning("Redis write of %d operations failed: %s", len(ops), exc)
+                check_cancelled()
+                continue
+            for (_command, _args, _kwargs, then), reply in zip(ops, replies, strict=True):
+                if then is not None:
+                    try:
+                        then(reply)
+                    except Exception:
+                        log.exception("handling a Redis reply failed")
 
 
 def _text(value: bytes | str) -> str:

@@ -138,6 +138,11 @@ class BrokerSettings(_Section):
     missed_intervals: int = Field(3, ge=1, le=100)  # silent this long: out of the fleet
     token_ttl_s: float = Field(10.0, gt=0.0, le=300.0)
     max_wait_ms: float = Field(50.0, ge=0.0, le=60_000.0)  # hold a job waiting for room
+    # A job whose workers died holding it this many times is dead-lettered, not re-placed.
+    max_worker_crashes: int = Field(3, ge=1, le=100)
+    # How long a placed job's in-flight record outlives its deadline (or its token, for a
+    # job without one): the crash count must survive until the edge asks again.
+    inflight_margin_s: float = Field(3600.0, ge=60.0, le=7 * 24 * 3600.0)
 
 
 class Settings(BaseSettings):
