@@ -1,4 +1,5 @@
-"""The broker's HTTP API (aiohttp): health, fleet, jobs, policy, Prometheus metrics, OpenAPI.
+"""The broker's HTTP API (aiohttp): health, fleet, jobs, dead letters, policy, Prometheus
+metrics, OpenAPI.
 
 A thin shell: every handler asks the :class:`BrokerView` for plain data and renders it as
 JSON; nothing here decides anything or touches Redis directly. The OpenAPI description is
@@ -24,6 +25,8 @@ class BrokerView(Protocol):
 
     async def job(self, job_id: str) -> dict[str, Any] | None: ...
 
+    async def dead_letters(self, limit: int) -> list[dict[str, Any]]: ...
+
     def policy(self) -> dict[str, Any] | None: ...
 
     def metrics(self) -> bytes: ...
@@ -37,6 +40,29 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 def _error(status: int, message: str) -> web.Response:
     return _json({"error": message}, status)
+
+
+DEAD_LETTERS_DEFAULT = 100
+DEAD_LETTERS_MAX = 1000
+
+# What /metrics exposes beyond the placement histograms, for the OpenAPI description.
+METRICS_DOC = (
+    "Prometheus text format. Counters are per replica (sum them for the campus): "
+    "sluicegate_placement_decisions_total{outcome}, sluicegate_placement_refusals_total{code}, "
+    "sluicegate_completions_total{status}, "
+    "sluicegate_worker_losses_total{cause} (worker deaths this replica acted on; cause "
+    "last_will or silent), "
+    "sluicegate_replacements_total{reason} (jobs whose worker died, sent back to their edge "
+    "to be placed again; reason last_will or silent), "
+    "sluicegate_dead_letters_total (jobs dead-lettered after max_worker_crashes workers died "
+    "holding them), "
+    "sluicegate_stale_completions_total (completions of an attempt older than the job's "
+    "current one, or after its dead letter: discarded and audited). Histograms: "
+    "sluicegate_placement_decision_seconds, sluicegate_offloaded_job_seconds. Gauges: "
+    "sluicegate_queue_depth{node,kind}, sluicegate_placement_waiting, sluicegate_workers{state}, "
+    "sluicegate_offload_ratio, sluicegate_pool_predicted_demand{pool}, "
+    "sluicegate_pool_desired_workers{pool}."
+)
 
 
 OPENAPI: dict[str, Any] = {
@@ -64,13 +90,52 @@ OPENAPI: dict[str, Any] = {
         },
         "/jobs/{job_id}": {
             "get": {
-                "summary": "A job's placement status and the decision's explanation",
+                "summary": "A job's placement status, the decision's explanation and its attempts",
+                "description": (
+                    "status is placed, refused, completed:<status>, worker_lost or "
+                    "dead_letter. 'inflight' (while the job is placed and not completed, and "
+                    "for a dead letter) holds edge, worker, attempt, crashes (workers that "
+                    "died holding the job), crashed_on, deadline_at, placed_at, "
+                    "lost_attempt and, once dead-lettered, dead_letter {reason, at}."
+                ),
                 "parameters": [
                     {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}}
                 ],
                 "responses": {
-                    "200": {"description": "status, worker, top candidates and why"},
+                    "200": {"description": "status, worker, top candidates and why; in flight"},
                     "404": {"description": "no placement request with this id is known"},
+                },
+            }
+        },
+        "/dead-letters": {
+            "get": {
+                "summary": "Dead-lettered jobs, newest first, each with its reason",
+                "description": (
+                    "A job is dead-lettered when max_worker_crashes workers died holding it; "
+                    "its edge is told and answers the app status failed, code dead_letter. "
+                    "Kept for seven days."
+                ),
+                "parameters": [
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "required": False,
+                        "schema": {
+                            "type": "integer",
+                            "minimum": 1,
+                            "maximum": DEAD_LETTERS_MAX,
+                            "default": DEAD_LETTERS_DEFAULT,
+                        },
+                    }
+                ],
+                "responses": {
+                    "200": {
+                        "description": (
+                            "{dead_letters: [{job_id, reason, at, edge, worker, attempt, "
+                            "crashes, crashed_on, ...}], limit}"
+                        )
+                    },
+                    "400": {"description": "limit is not an integer 1..1000"},
                 },
             }
         },
@@ -86,6 +151,7 @@ OPENAPI: dict[str, Any] = {
         "/metrics": {
             "get": {
                 "summary": "Prometheus metrics (text exposition format)",
+                "description": METRICS_DOC,
                 "responses": {"200": {"description": "metrics"}},
             }
         },
@@ -116,6 +182,15 @@ def make_app(view: BrokerView) -> web.Application:
             return _error(404, f"no placement request for job {job_id!r} is known")
         return _json(data)
 
+    async def dead_letters(request: web.Request) -> web.Response:
+        raw = request.query.get("limit", str(DEAD_LETTERS_DEFAULT))
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 4) or not (
+            1 <= int(raw) <= DEAD_LETTERS_MAX
+        ):
+            return _error(400, f"limit={raw[:40]!r}: expected an integer 1 to {DEAD_LETTERS_MAX}")
+        limit = int(raw)
+        return _json({"dead_letters": await view.dead_letters(limit), "limit": limit})
+
     async def policy(_request: web.Request) -> web.Response:
         data = view.policy()
         if data is None:
@@ -132,6 +207,7 @@ def make_app(view: BrokerView) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/fleet", fleet)
     app.router.add_get("/jobs/{job_id}", job)
+    app.router.add_get("/dead-letters", dead_letters)
     app.router.add_get("/policy", policy)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)

@@ -4,8 +4,10 @@ Decisions are added as they are answered; a background task writes whatever accu
 while the previous record was being signed and stored, packed into as few records
 (``placements``) as the log's record size allows, so the cost of a signature and a Redis
 round trip is shared by a burst. Each decision keeps its top candidates and the reasons the
-others were filtered out. A write that fails (Redis away) is retried, oldest first; nothing
-is dropped unless the backlog passes ``max_backlog``, and then loudly.
+others were filtered out. What becomes of placed jobs afterwards (a worker lost with them,
+a dead letter, a stale completion: ``broker.reaper``) goes through the same queue under a
+kind of its own, so the chain has one writer. A write that fails (Redis away) is retried,
+oldest first; nothing is dropped unless the backlog passes ``max_backlog``, and then loudly.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from broker.lua import check_cancelled
 from policies import AsyncAuditWriter
 from policies.audit import MAX_RECORD_BYTES, Scalar
 
@@ -25,6 +28,7 @@ log = logging.getLogger(__name__)
 # Room left in a record for its envelope (sequence, hashes, signature, kind, job list).
 BUDGET = MAX_RECORD_BYTES // 2  # JSON-escaping the decisions can at most double them
 RETRY_S = 0.5
+PLACEMENTS = "placements"
 
 
 def encode(decision: dict[str, Any]) -> str:
@@ -57,14 +61,15 @@ class DecisionAudit:
         self._writer = writer
         self._clock = clock
         self._max_backlog = max_backlog
-        self._pending: deque[tuple[str, str]] = deque()
+        self._pending: deque[tuple[str, str, str]] = deque()  # (kind, job id, json)
         self._wanted = asyncio.Event()
         self.written = 0  # decisions stored so far
         self.dropped = 0  # decisions lost because the backlog overflowed
 
-    def add(self, job_id: str, text: str) -> None:
-        """Queue one decision, already encoded by :func:`encode`."""
-        self._pending.append((job_id, text))
+    def add(self, job_id: str, text: str, kind: str = PLACEMENTS) -> None:
+        """Queue one decision (or, with ``kind``, another event about a job), already
+        encoded by :func:`encode`."""
+        self._pending.append((kind, job_id, text))
         if len(self._pending) > self._max_backlog:
             self._pending.popleft()
             self.dropped += 1
@@ -80,7 +85,12 @@ class DecisionAudit:
             await self._wanted.wait()
             self._wanted.clear()
             while self._pending:
-                batch = list(self._pending)
+                kind = self._pending[0][0]
+                batch = []
+                for item_kind, job_id, text in self._pending:
+                    if item_kind != kind:
+                        break
+                    batch.append((job_id, text))
                 for record in pack(batch):
                     data: dict[str, Scalar] = {
                         "count": len(record),
@@ -88,11 +98,13 @@ class DecisionAudit:
                         "decisions": "[" + ",".join(text for _, text in record) + "]",
                     }
                     try:
-                        await self._writer.append("placements", data, now=self._clock())
+                        await self._writer.append(kind, data, now=self._clock())
                     except Exception as exc:
                         log.warning("audit append failed (%s); retrying in %.1f s", exc, RETRY_S)
                         await asyncio.sleep(RETRY_S)
                         break
+                    finally:
+                        check_cancelled()  # the store may be redis-py (see broker.lua)
                     for _ in record:
                         self._pending.popleft()
                     self.written += len(record)

@@ -72,6 +72,30 @@ class BrokerMetrics:
             registry=r,
         )
         self.workers = Gauge("sluicegate_workers", "Workers by health state", ["state"], registry=r)
+        # What became of placed jobs (this replica's share: sum over replicas for the campus).
+        self.worker_losses = Counter(
+            "sluicegate_worker_losses",
+            "Worker deaths this replica acted on (claimed their jobs in flight), by cause",
+            ["cause"],
+            registry=r,
+        )
+        self.replacements = Counter(
+            "sluicegate_replacements",
+            "Jobs whose worker died, sent back to their edge to be placed again, by cause",
+            ["reason"],
+            registry=r,
+        )
+        self.dead_letters = Counter(
+            "sluicegate_dead_letters",
+            "Jobs dead-lettered after max_worker_crashes workers died holding them",
+            registry=r,
+        )
+        self.stale_completions = Counter(
+            "sluicegate_stale_completions",
+            "Completions of an attempt older than the job's current one (or after its dead "
+            "letter): discarded and audited",
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -3,10 +3,12 @@
 It feeds the pure :class:`~broker.fleet.Fleet` from worker capabilities, telemetry, status
 and completion records; answers each placement request (job metadata and the image's hash,
 never the image) with a signed token or a refusal that says why; and keeps what other
-replicas and a restart need in Redis: atomic reservations, node documents that expire when
-a node goes silent, each job's status and explanation. Requests are decided in batches —
-whatever arrived while the previous batch was in Redis — so a burst costs one round trip.
-Every decision is written to the signed, hash-chained audit log. It decides nothing itself.
+replicas and a restart need in Redis: atomic reservations, each placement in flight (edge,
+worker, attempt), node documents that expire when a node goes silent, each job's status and
+explanation. Requests are decided in batches — whatever arrived while the previous batch
+was in Redis — so a burst costs one round trip. What happens to a placed job afterwards (its
+worker dies, a stale completion) is the :class:`~broker.reaper.Reaper`'s. Every decision is
+written to the signed, hash-chained audit log. It decides nothing itself.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from broker.decision import Decision, Placed, as_record
 from broker.decision_audit import DecisionAudit, encode
 from broker.demand import PoolDemand, pool_demand
 from broker.fleet import Fleet
+from broker.inflight import InflightStore
 from broker.metrics import BrokerMetrics
 from broker.mlfq import MLFQ, Waiting
 from broker.params import FleetParams, PlacementParams
 from broker.placement import decide
+from broker.reaper import Reaper
 from broker.reservations import Hold, Reservations
 from broker.store import BrokerStore
 from policies import AsyncAuditWriter, Policy, SigningKey, mint
@@ -90,7 +94,9 @@ class Broker:
         self._clock = clock
         self.fleet = Fleet(FleetParams.from_settings(settings), requirements or {})
         self.params = PlacementParams.from_settings(settings)
-        self.reservations = Reservations(redis)
+        self.reservations = Reservations(
+            redis, inflight_margin_ms=int(settings.inflight_margin_s * 1000)
+        )
         self.metrics = BrokerMetrics()
         self._decided = {s: self.metrics.decisions.labels(s) for s in ("placed", "refused")}
         self.edges: dict[str, wire.EdgeTelemetry] = {}
@@ -106,6 +112,17 @@ class Broker:
         ttl_ms = int(settings.telemetry_interval_s * settings.missed_intervals * 1000)
         self.store = BrokerStore(redis, ttl_ms)
         self._reserve_ok = True
+        self.inflight = InflightStore(redis, self.store)
+        self.reaper = Reaper(
+            settings,
+            transport,
+            self.inflight,
+            self.store,
+            self.fleet,
+            self.metrics,
+            self.audit,
+            clock,
+        )
 
     # -- intake (event loop, quick) --------------------------------------------------------
 
@@ -144,12 +161,9 @@ class Broker:
     def on_worker_status(self, msg: Message) -> None:
         status = _parse(wire.NodeStatus, msg)
         if status is not None and status.state == "offline":
-            lost = self.fleet.mark_offline(status.node, self._clock())
-            for job_id in lost:
-                self.store.job_status(job_id, {"status": "worker_lost", "worker": status.node})
-            log.warning(
-                "worker %s went offline; %d placed jobs lost with it", status.node, len(lost)
-            )
+            self.fleet.mark_offline(status.node, self._clock())
+            self.reaper.worker_gone(status.node, "last_will")
+            log.warning("worker %s went offline", status.node)
 
     def on_completion(self, msg: Message) -> None:
         done = _parse(Completion, msg)
@@ -159,8 +173,7 @@ class Broker:
         self._room.set()
         self.metrics.completions.labels(done.status).inc()
         self.metrics.job_seconds.observe(done.service_ms / 1000.0)
-        self.store.release(done.worker_id, done.job_id)
-        self.store.job_status(done.job_id, {"status": f"completed:{done.status}"})
+        self.reaper.completed(done)  # releases the worker's slot, then fences the attempt
 
     def on_edge_telemetry(self, msg: Message) -> None:
         tel = _parse(wire.EdgeTelemetry, msg)
@@ -269,7 +282,15 @@ class Broker:
         if request.deadline_at is not None:
             horizon = max(horizon, request.deadline_at - now)
         until_ms = int((now + horizon + 5.0) * 1000)
-        return Hold(decision.worker_id, request.job_id, capacity, until_ms)
+        return Hold(
+            decision.worker_id,
+            request.job_id,
+            capacity,
+            until_ms,
+            request.edge_id,
+            request.attempt,
+            request.deadline_at,
+        )
 
     def _grant(self, item: _Pending, decision: Placed, policy: Policy | None) -> None:
         assert policy is not None
@@ -408,6 +429,7 @@ class Broker:
             asyncio.ensure_future(self._housekeeping()),
             asyncio.ensure_future(self.store.run()),
             asyncio.ensure_future(self._waiting_room()),
+            asyncio.ensure_future(self.reaper.run()),
         ]
         log.info("broker %s serving placements", self.settings.id)
         try:

@@ -2,8 +2,9 @@
 
 Implements :class:`broker.api.BrokerView` over a :class:`~broker.service.Broker` and its
 policy feed: readiness, the fleet (nodes, zones, capabilities, load, health state,
-forecast), a job's status and explanation, the policy in force, and metrics with the fleet
-gauges refreshed at scrape time. Reads only; changes nothing.
+forecast), a job's status and explanation with its placement in flight (attempt, worker,
+crashes, dead letter), dead letters, the policy in force, and metrics with the fleet gauges
+refreshed at scrape time. Reads only; changes nothing.
 """
 
 from __future__ import annotations
@@ -31,7 +32,15 @@ class HttpView:
         }
         missing = [name for name, ok in checks.items() if not ok]
         detail = {"policy": self._feed.why_none()} if not checks["policy"] else {}
-        return {"ready": not missing, "checks": checks, "missing": missing, **detail}
+        workers, jobs = self._broker.reaper.carried_over
+        return {
+            "ready": not missing,
+            "checks": checks,
+            "missing": missing,
+            **detail,
+            # Placements in flight this replica found in Redis when it started (a restart).
+            "inflight_at_start": {"workers": workers, "jobs": jobs},
+        }
 
     def fleet(self) -> dict[str, Any]:
         fleet = self._broker.fleet
@@ -67,7 +76,19 @@ class HttpView:
         return {"workers": workers, "edges": edges, "zones": dict(zones)}
 
     async def job(self, job_id: str) -> dict[str, Any] | None:
-        return await self._broker.job(job_id)
+        data = await self._broker.job(job_id)
+        inflight = await self._broker.inflight.record(job_id)
+        if data is None and inflight is None:
+            return None
+        data = data or {"job_id": job_id}
+        if inflight is not None:
+            data["inflight"] = inflight
+            if "dead_letter" in inflight:
+                data["status"] = "dead_letter"
+        return data
+
+    async def dead_letters(self, limit: int) -> list[dict[str, Any]]:
+        return await self._broker.inflight.dead_letters(limit)
 
     def policy(self) -> dict[str, Any] | None:
         policy = self._feed.current

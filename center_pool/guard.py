@@ -31,6 +31,14 @@ REFUSED = "work.refused"
 POLICY_ACCEPTED = "policy.accepted"
 
 
+def check_cancelled() -> None:
+    """Raise the cancellation the current task was sent if an await swallowed it: redis-py's
+    asyncio client can (redis/redis-py#2028), and a loop over Redis would never end."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 def load_worker_key(path: Path | None, worker_id: str) -> SigningKey:
     """The key that signs this worker's audit records; an ephemeral one if none is set."""
     if path is None:
@@ -133,6 +141,7 @@ class AuditSink:
                     self.failed += 1
                     log.error("audit record %s %s could not be written: %s", kind, data, exc)
                 self._pending.popleft()
+                check_cancelled()
                 if len(self._pending) < self.high_water:
                     self._room.set()
             self._drained.set()

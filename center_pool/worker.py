@@ -28,7 +28,7 @@ from center_pool import reporting
 from center_pool.batching import BatchQueue, Entry
 from center_pool.execution import BatchRun, ItemRun, run_batch
 from center_pool.gate import Gate, Passed, Stopped, audit_data
-from center_pool.guard import POLICY_ACCEPTED, REFUSED, AuditSink
+from center_pool.guard import POLICY_ACCEPTED, REFUSED, AuditSink, check_cancelled
 from center_pool.hardware import Probe
 from center_pool.intake import Refusal, Work, WorkItem, admit_work, refuse
 from center_pool.outbox import Outbox
@@ -131,6 +131,7 @@ class PoolWorker:
                     log.exception("intake failed for %d work message(s)", len(chunk))
                 finally:
                     self._screening -= len(chunk)
+                check_cancelled()  # the replay cache may be redis-py, which can lose it
                 for verdict in verdicts:
                     if isinstance(verdict, Passed):
                         self._admit(verdict.work, verdict.claims)

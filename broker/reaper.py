@@ -1,0 +1,266 @@
+"""The broker's asyncio shell for placed jobs after the decision: worker deaths, fencing of
+completions, dead letters.
+
+A worker's Last Will arrives through :meth:`Reaper.worker_gone`; silence is found by a sweep
+every interval over the workers that hold jobs in flight campus-wide (``broker.inflight``),
+so a restarted replica, or one that never placed those jobs, still finds them. For each
+dead worker the atomic claim hands the jobs to exactly one replica, which asks
+:func:`broker.recovery.after_death` what to do and tells each job's edge
+(``topics.edge_notices``, QoS 1): place it again, or stop (dead letter). Each completion is
+fenced by :func:`broker.recovery.judge_completion` against the job's record. Every outcome
+is counted, written to the job's record and audited. The edge also re-offers a job whose
+result does not come back in time, which covers a replica that dies between its claim and
+its notices. It never decides a placement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from functools import partial
+
+from broker.decision_audit import DecisionAudit, encode
+from broker.fleet import Fleet
+from broker.inflight import InflightStore
+from broker.lua import check_cancelled
+from broker.metrics import BrokerMetrics
+from broker.recovery import (
+    Cause,
+    Current,
+    Notify,
+    after_death,
+    judge_completion,
+    worker_gone,
+)
+from broker.store import BrokerStore
+from sluicegate import topics, wire
+from sluicegate.config import BrokerSettings
+from sluicegate.transport import Transport
+from sluicegate.wire_pool import Completion, JobNotice
+
+log = logging.getLogger(__name__)
+
+AUDIT_KINDS = {
+    "worker_lost": "job.worker_lost",
+    "dead_letter": "job.dead_letter",
+    "stale": "completion.stale",
+    "after_loss": "completion.after_loss",
+}
+
+
+class Reaper:
+    """Finds dead workers, has their jobs placed again, fences completions."""
+
+    def __init__(
+        self,
+        settings: BrokerSettings,
+        transport: Transport,
+        inflight: InflightStore,
+        store: BrokerStore,
+        fleet: Fleet,
+        metrics: BrokerMetrics,
+        audit: DecisionAudit,
+        clock: Callable[[], float],
+    ) -> None:
+        self.settings = settings
+        self._transport = transport
+        self._inflight = inflight
+        self._store = store
+        self._fleet = fleet
+        self._metrics = metrics
+        self._audit = audit
+        self._clock = clock
+        self.stale_after_s = settings.telemetry_interval_s * settings.missed_intervals
+        self.sweep_s = min(settings.telemetry_interval_s, 1.0)
+        self._gone: dict[str, Cause] = {}  # dead workers whose jobs are not claimed yet
+        self._wake = asyncio.Event()
+        self._started: float | None = None
+        self.carried_over = (0, 0)  # (workers, jobs) in flight found in Redis at start
+
+    # -- events (event loop, quick) ------------------------------------------------------------
+
+    def worker_gone(self, worker_id: str, cause: Cause) -> None:
+        """The worker is dead (its Last Will, or silence): claim its jobs soon."""
+        self._gone.setdefault(worker_id, cause)
+        self._wake.set()
+
+    def completed(self, done: Completion) -> None:
+        """A completion record: free the worker's slot now, fence it once the job's record
+        is read (in the store's next pipeline)."""
+        self._store.release_slot(done.worker_id, done.job_id)
+        self._inflight.current(done.job_id, partial(self._judge, done))
+
+    def _judge(self, done: Completion, current: Current | None) -> None:
+        judged = judge_completion(current, attempt=done.attempt, worker_id=done.worker_id)
+        if judged.drop:
+            assert current is not None
+            self._inflight.finish(done.job_id, current.attempt, done.worker_id)
+        elif judged.unlist:
+            self._inflight.unlist(done.job_id, done.worker_id)
+        if judged.verdict in ("current", "unknown"):
+            self._store.job_status(
+                done.job_id, {"status": f"completed:{done.status}", "attempt": done.attempt}
+            )
+            return
+        if judged.verdict == "stale":
+            self._metrics.stale_completions.inc()
+        record = {
+            "job_id": done.job_id,
+            "status": judged.verdict,
+            "worker": done.worker_id,
+            "attempt": done.attempt,
+            "current_attempt": current.attempt if current is not None else None,
+            "result": done.status,
+            "reason": judged.reason,
+        }
+        log.warning("job %s: %s", done.job_id, judged.reason)
+        self._audit.add(done.job_id, encode(record), AUDIT_KINDS[judged.verdict])
+        self._store.job_status(done.job_id, {judged.verdict: record})
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Load what is in flight, then claim dead workers' jobs as they are found, for ever."""
+        self._started = self._clock()
+        try:
+            await self._load()
+        except Exception as exc:  # Redis away: the sweep finds the same workers later
+            log.warning("could not read the jobs in flight from Redis: %s", exc)
+        swept = self._clock()
+        loop = asyncio.get_running_loop()
+        while True:
+            # Not asyncio.wait_for: on Python 3.11 it can swallow a cancellation that comes
+            # as the event is set (a Last Will during shutdown), and the task never ends.
+            timer = loop.call_later(self.sweep_s, self._wake.set)
+            try:
+                await self._wake.wait()
+            finally:
+                timer.cancel()
+            self._wake.clear()
+            try:
+                if self._clock() - swept >= self.sweep_s:
+                    swept = self._clock()
+                    await self._sweep(swept)
+                await self._reap()
+            except Exception:
+                log.exception("recovery of lost workers' jobs failed; retrying")
+            check_cancelled()
+
+    async def _load(self) -> None:
+        now_ms = int(self._clock() * 1000)
+        workers = await self._inflight.watched(now_ms)
+        jobs = sum(await self._inflight.jobs_on(workers))
+        self.carried_over = (len(workers), jobs)
+        if workers:
+            log.info(
+                "%d jobs in flight on %d workers (%s) found in Redis; watching those workers",
+                jobs,
+                len(workers),
+                ", ".join(sorted(workers)[:20]),
+            )
+
+    async def _sweep(self, now: float) -> None:
+        """Find silent workers: this replica's fleet, then every worker holding jobs."""
+        for worker_id in self._fleet.expire(now, self.stale_after_s):
+            self._gone.setdefault(worker_id, "silent")
+        watched = [w for w in await self._inflight.watched(int(now * 1000)) if w not in self._gone]
+        states = {w: self._fleet.state(w) for w in watched}
+        # A worker known only from its retained capabilities has never been seen alive here.
+        unseen = [w for w, s in states.items() if s is None or not s.samples]
+        listed = dict(zip(unseen, await self._inflight.listed(unseen), strict=True))
+        assert self._started is not None
+        for worker_id, state in states.items():
+            if worker_gone(
+                online=state is not None and state.online,
+                seen=state is not None and bool(state.samples),
+                node_listed=listed.get(worker_id, True),
+                watching_s=now - self._started,
+                stale_after_s=self.stale_after_s,
+            ):
+                self._gone.setdefault(worker_id, "silent")
+
+    async def _reap(self) -> None:
+        if not self._gone:
+            return
+        gone, self._gone = self._gone, {}
+        now = self._clock()
+        try:
+            claimed = await self._inflight.claim(sorted(gone), int(now * 1000))
+        except Exception:
+            for worker_id, cause in gone.items():  # try again next time
+                self._gone.setdefault(worker_id, cause)
+            raise
+        for worker_id, jobs in claimed.items():
+            cause = gone[worker_id]
+            self._metrics.worker_losses.labels(cause).inc()
+            if jobs:
+                log.warning(
+                    "worker %s is lost (%s) holding %d job(s) in flight: %s",
+                    worker_id,
+                    cause,
+                    len(jobs),
+                    ", ".join(j.job_id for j in jobs[:20]),
+                )
+            for job in jobs:
+                notify = after_death(
+                    job,
+                    worker_id,
+                    cause=cause,
+                    max_crashes=self.settings.max_worker_crashes,
+                    now=now,
+                )
+                self._carry_out(notify, cause, now)
+
+    def _carry_out(self, notify: Notify, cause: Cause, now: float) -> None:
+        record = {
+            "job_id": notify.job_id,
+            "status": notify.kind,
+            "edge": notify.edge_id,
+            "worker": notify.worker_id,
+            "attempt": notify.attempt,
+            "crashes": notify.crashes,
+            "cause": cause,
+            "reason": notify.reason,
+        }
+        if notify.kind == "dead_letter":
+            self._metrics.dead_letters.inc()
+            self._inflight.dead_letter(notify.job_id, notify.reason, now)
+            log.error("job %s: %s", notify.job_id, notify.reason)
+        else:
+            self._metrics.replacements.labels(cause).inc()
+        self._store.job_status(notify.job_id, record)
+        self._audit.add(notify.job_id, encode(record), AUDIT_KINDS[notify.kind])
+        self._send(notify)
+
+    def _send(self, notify: Notify) -> None:
+        try:
+            topic = topics.edge_notices(topics.check_id("edge id", notify.edge_id))
+        except ValueError as exc:
+            log.error(
+                "job %s: no notice sent (%s); its edge re-offers it on its own timeout",
+                notify.job_id,
+                exc,
+            )
+            return
+        notice = JobNotice(
+            job_id=notify.job_id,
+            attempt=notify.attempt,
+            kind=notify.kind,
+            worker_id=notify.worker_id,
+            crashes=notify.crashes,
+            reason=notify.reason,
+        )
+        try:
+            self._transport.publish_nowait(
+                topic,
+                wire.dump(notice),
+                qos=1,
+                content_type=wire.RESULT_CONTENT_TYPE,
+                user_properties=(
+                    (topics.PROP_JOB_ID, notify.job_id),
+                    (topics.PROP_ATTEMPT, str(notify.attempt)),
+                ),
+            )
+        except Exception as exc:
+            log.error("job %s: notice to %s not sent: %s", notify.job_id, topic, exc)
