@@ -101,5 +101,5 @@ def test_broker_sigkill_while_placing_then_restart(rig: Rig) -> None:
 def in_flight(timeline: Timeline, worker: str) -> int:
     """Jobs sent to ``worker`` that it has not reported complete."""
     sent = {e.job_id for e in timeline.events if e.kind == "work" and e.node == worker}
-    done = {j for j, runs in timeline.completions.items() if any(w == worker for w, _ in runs)}
+    done = {j for j, runs in timeline.completions.items() if any(run[0] == worker for run in runs)}
     return len(sent - done)

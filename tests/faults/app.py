@@ -161,7 +161,10 @@ class Event:
 @dataclass
 class Timeline:
     events: list[Event] = field(default_factory=list)
-    completions: dict[str, list[tuple[str, int]]] = field(default_factory=lambda: defaultdict(list))
+    # job id -> (worker, attempt, status) of each completion a worker reported
+    completions: dict[str, list[tuple[str, int, str]]] = field(
+        default_factory=lambda: defaultdict(list)
+    )
 
     def count(self, kind: str, node: str | None = None, since: float = 0.0) -> int:
         return sum(
@@ -215,7 +218,7 @@ class Observer:
     def _on_completion(self, msg: Message) -> None:
         with contextlib.suppress(ValueError):
             c = wire_pool.Completion.model_validate_json(msg.payload)
-            self.timeline.completions[c.job_id].append((c.worker_id, c.attempt))
+            self.timeline.completions[c.job_id].append((c.worker_id, c.attempt, c.status))
             self._add(Event(time.monotonic(), "completion", c.worker_id, c.job_id, c.attempt))
 
     def _on_request(self, msg: Message) -> None:

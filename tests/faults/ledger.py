@@ -23,6 +23,7 @@ class JobRecord:
     edge: str
     published_at: float
     accepted_at: float | None = None
+    last_published_at: float = 0.0
     resubmits: int = 0
     deliveries: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
 
@@ -95,6 +96,7 @@ class Ledger:
             record = self.jobs[job_id] = JobRecord(job_id, edge, at)
         else:
             record.resubmits += 1
+        record.last_published_at = at
         return record
 
     def acked(self, job_id: str, at: float) -> None:
