@@ -20,8 +20,12 @@ def check_exactly_once(out: Outcome, rig: Rig, *, min_accepted: int) -> None:
     carries the verdict and, for the first lost jobs, what the campus did with them."""
     verdict = out.verdict
     summary = verdict.explain()
-    print(f"fault verdict: {summary}; phases {out.seconds}")
+    print(
+        f"fault verdict: {summary}; {out.pending_at_fault} accepted jobs unanswered when the "
+        f"fault struck; phases {out.seconds}"
+    )
     assert verdict.accepted >= min_accepted, f"too few jobs accepted to prove anything: {summary}"
+    assert out.pending_at_fault > 0 or not out.triggered, "the fault struck no job in flight"
     assert not verdict.lost, f"accepted jobs without a result: {summary}\n{out.diagnose(rig)}"
     assert not verdict.duplicated, f"jobs with more than one distinct result: {summary}"
     assert verdict.unexpected == 0, f"results for jobs never submitted: {summary}"

@@ -32,6 +32,7 @@ class Outcome:
     missing: list[str]
     seconds: dict[str, float] = field(default_factory=dict)
     started: float = 0.0  # time.monotonic() when the burst began
+    pending_at_fault: int = 0  # accepted jobs still without a result when the fault struck
 
     def trace(self, job_id: str) -> str:
         """What the campus's traffic shows of one job, times from the burst's start."""
@@ -92,6 +93,7 @@ async def run_fault(
         )
         triggered = await _wait(app.ledger, observer, trigger, trigger_timeout, load)
         seconds["trigger"] = time.monotonic() - t0
+        pending_at_fault = len(app.ledger.pending())
         if triggered:
             await fault(app, observer)
         seconds["fault_done"] = time.monotonic() - t0
@@ -99,7 +101,15 @@ async def run_fault(
         seconds["burst_done"] = time.monotonic() - t0
         missing = await app.wait_results(settle_timeout)
         seconds["settled"] = time.monotonic() - t0
-        return Outcome(app.ledger.verdict(), observer.timeline, triggered, missing, seconds, t0)
+        return Outcome(
+            app.ledger.verdict(),
+            observer.timeline,
+            triggered,
+            missing,
+            seconds,
+            t0,
+            pending_at_fault,
+        )
     finally:
         await observer.close()
         await app.close()
