@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sluicegate.campus import BROKER, LINES, WORKERS  # noqa: E402
+from sluicegate.localcampus import ROLE  # noqa: E402
 from tests.faults.app import App, Observer, Timeline  # noqa: E402
 from tests.faults.ledger import JobRecord, Ledger, Verdict  # noqa: E402
 from tests.faults.rig import Rig, RssSampler, image_for  # noqa: E402
@@ -274,6 +275,18 @@ def summary(run: Run) -> dict[str, object]:
         "recovery_p50_s": pct(recovered, 50),
         "recovery_p99_s": pct(recovered, 99),
         "downtime_p50_s": pct([d for d in down if d is not None], 50),
+        "recovery_p50_s_by_role": {
+            role: pct(
+                [
+                    r
+                    for k, r in zip(run.kills, rec, strict=True)
+                    if r is not None and ROLE[k.target] == role
+                ],
+                50,
+            )
+            for role in ("edge", "broker", "pool")
+            if any(ROLE[k.target] == role for k in run.kills)
+        },
         "latency_p50_ms": run.latency_ms["p50"],
         "latency_p99_ms": run.latency_ms["p99"],
         "throughput_jobs_s": v.accepted / run.seconds if run.seconds else float("nan"),
@@ -319,6 +332,10 @@ def print_tables(runs: list[Run], args: argparse.Namespace) -> None:
         print(f"[{run.name}] statuses {s['statuses']} codes {s['codes']} ran on {s['ran_on']}")
         print(f"[{run.name}] executions per job {s['executions_per_job']}")
         print(f"[{run.name}] peak RSS MiB {s['peak_rss_mib']}")
+        by_role = s["recovery_p50_s_by_role"]
+        if isinstance(by_role, dict) and by_role:
+            shown = ", ".join(f"{role} {x:.2f} s" for role, x in by_role.items())
+            print(f"[{run.name}] recovery p50 by role: {shown}")
         for k in run.kills:
             rec, down = k.recovery_s(), k.downtime_s()
             print(
