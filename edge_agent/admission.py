@@ -193,21 +193,40 @@ def admit(
     )
 
 
-def refuse_job(job: Job, code: str, reason: str) -> Refusal:
-    """A refusal of a request that passed admission but cannot be accepted now."""
+def _refuse_job(job: Job, code: str, reason: str) -> Refusal:
     return Refusal(
         job.job_id, "rejected", code, reason, job.response_topic, job.correlation_data, job.model
     )
 
 
-def refuse_request(msg: Message, code: str, reason: str, new_id: Callable[[], str]) -> Refusal:
-    """A refusal of a request that was not even admitted (the agent is stopping)."""
-    job_id = msg.user_property(topics.PROP_JOB_ID) or _job_id(msg, new_id)
+def queue_full(job: Job, edge_id: str, queue_size: int) -> Refusal:
+    reason = f"edge agent {edge_id} has {queue_size} jobs queued; retry later or lower the rate"
+    return _refuse_job(job, "queue_full", reason)
+
+
+def outbox_unavailable(job: Job, edge_id: str, error: Exception) -> Refusal:
+    reason = f"edge agent {edge_id} cannot store jobs now ({error}); resubmit later"
+    return _refuse_job(job, "outbox_unavailable", reason)
+
+
+def forgotten(job: Job, retention_s: float) -> Refusal:
+    """A resubmission of a job whose result was delivered so long ago that only its id is
+    left: it is not run twice."""
+    reason = (
+        f"job {job.job_id} already ran and its result was delivered more than "
+        f"{retention_s:.0f} s ago; to run it again, give it a job-id of its own (or, without "
+        "one, new correlation data)"
+    )
+    return _refuse_job(job, "duplicate_job", reason)
+
+
+def shutting_down(msg: Message, edge_id: str, new_id: Callable[[], str]) -> Refusal:
+    """A request that arrives while the agent stops: not admitted, answered at once."""
     return Refusal(
-        job_id,
+        msg.user_property(topics.PROP_JOB_ID) or _job_id(msg, new_id),
         "rejected",
-        code,
-        reason,
+        "shutting_down",
+        f"edge agent {edge_id} is shutting down; resubmit shortly",
         msg.response_topic,
         msg.correlation_data,
         msg.user_property(topics.PROP_MODEL),

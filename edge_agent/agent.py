@@ -13,6 +13,10 @@ broker's PUBACK. After a restart the outbox is replayed: queued jobs run (or are
 again, offloaded ones wait for their return until the timeout, undelivered results are
 published again. It also publishes telemetry and a retained online/offline status. It must
 never block the event loop on compute or disk and never let one bad message stop the rest.
+
+The agent owns the table of jobs in progress and every decision about them; its parts do the
+work: ``admission`` (pure), ``outbox`` (disk), ``compute`` (local runs), ``offloading``
+(attempts, returns, notices) and ``answers`` (refusals and results out).
 """
 
 from __future__ import annotations
@@ -23,32 +27,33 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Coroutine
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Executor
 from functools import partial
-from typing import Any, Literal
 
 import psutil
 
 from edge_agent import ledger
-from edge_agent.admission import Job, Refusal, admit, queue_key, refuse_job, refuse_request
+from edge_agent.admission import (
+    Job,
+    Refusal,
+    admit,
+    forgotten,
+    outbox_unavailable,
+    queue_full,
+    shutting_down,
+)
 from edge_agent.answers import Answers, local_result
+from edge_agent.compute import LocalRuns, RunHooks
 from edge_agent.errors import OutboxError
 from edge_agent.ledger import Tracked
-from edge_agent.load import JobQueue, ServiceTimes
-from edge_agent.offload import (
-    Declined,
-    Placement,
-    PlacementClient,
-    offload_reason,
-    predict_completion,
-)
+from edge_agent.offload import Declined, PlacementClient, offload_reason
+from edge_agent.offloading import Hooks, Offloads
 from edge_agent.outbox import Accepted, Outbox, Stored
+from edge_agent.reporting import Load, status_message, telemetry
 from sluicegate import topics, wire
 from sluicegate.config import EdgeSettings, OffloadSettings
-from sluicegate.errors import ImageError
-from sluicegate.threads import EDGE_COMPUTE, compute_pool, start_all
-from sluicegate.transport import Message, Transport, Will
+from sluicegate.transport import Message, Transport
 from sluicegate.vision.image import PayloadLimits as Limits
 from sluicegate.vision.postprocess import Outputs as VisionOutputs
 from sluicegate.vision.runtime import ModelRegistry, StageTimes
@@ -57,17 +62,6 @@ log = logging.getLogger(__name__)
 
 Inference = tuple[VisionOutputs, StageTimes]
 PRUNE_INTERVAL_S = 60.0
-
-
-def status_message(settings: EdgeSettings, state: Literal["online", "offline"]) -> bytes:
-    """The retained status document (``online``/``offline``) for this agent."""
-    return wire.dump(
-        wire.NodeStatus(node=settings.id, kind="edge", zone=settings.zone, state=state)
-    )
-
-
-def last_will(settings: EdgeSettings) -> Will:
-    return Will(topics.edge_status(settings.id), status_message(settings, "offline"))
 
 
 class EdgeAgent:
@@ -98,14 +92,8 @@ class EdgeAgent:
         self._clock = clock
         self._new_id = new_id
         self._limits = Limits(settings.max_payload_bytes, settings.max_pixels, settings.max_side)
-        self._queue: JobQueue[Tracked] = JobQueue(settings.queue_size, self._queue_key)
-        self._in_flight = 0
-        self._own_executor = executor is None
-        self._executor = executor or compute_pool(settings.concurrency, EDGE_COMPUTE)
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._idle = asyncio.Event()
         self._idle.set()
-        self.service_times = ServiceTimes(settings.service_time_alpha)
         # accepted, duplicates, replayed, republished, fenced_returns, bad_returns,
         # not_run_returns, workers_lost, offload_timeouts, stale_notices, dead_letters, ...
         self.counters: Counter[str] = Counter()
@@ -128,10 +116,32 @@ class EdgeAgent:
         self._jobs: dict[str, Tracked] = {}  # accepted and not yet concluded
         self._admitting: Counter[str] = Counter()  # job id -> requests awaiting their commit
         self._admitting_total = 0
-        self._tasks: set[asyncio.Task[None]] = set()  # offers in progress
-        self._offering = 0
         self._finishing = 0
-        self.offloaded = 0
+        run_hooks = RunHooks(
+            current=self._current,
+            forget=self._forget,
+            conclude=self._conclude_local,
+            dead_letter=self._dead_letter_locally,
+            settled=self._update_idle,
+        )
+        self._runs = LocalRuns(
+            settings, registry, self.outbox, clock, run_hooks, self.counters, executor
+        )
+        self.service_times = self._runs.service_times
+        hooks = Hooks(
+            tracked=self._jobs.get,
+            current=self._current,
+            run_here=self._run_here,
+            reroute=lambda tracked, why: self._route(tracked, retry=why),
+            take=self._take_return,
+            dead_letter=self._dead_letter,
+            settled=self._runs.dispatch,
+        )
+        self._offloads = Offloads(
+            hooks, offload, self._offload_settings, transport, self.outbox, clock, self.counters
+        )
+        self.on_return = self._offloads.on_return
+        self.on_notice = self._offloads.on_notice
 
     @property
     def results(self) -> Counter[str]:
@@ -141,6 +151,11 @@ class EdgeAgent:
     @property
     def dropped_no_response_topic(self) -> int:
         return self._answers.dropped_no_response_topic
+
+    @property
+    def offloaded(self) -> int:
+        """Work messages sent to pool workers since start."""
+        return self._offloads.offloaded
 
     @property
     def unfinished(self) -> int:
@@ -158,9 +173,7 @@ class EdgeAgent:
         """Admission of one request; called by the transport for each submit message."""
         edge = self.settings.id
         if not self._accepting:
-            reason = f"edge agent {edge} is shutting down; resubmit shortly"
-            refusal = refuse_request(msg, "shutting_down", reason, self._new_id)
-            self._answers.refuse(refusal, msg)
+            self._answers.refuse(shutting_down(msg, edge, self._new_id), msg)
             return
         decision = admit(
             msg, models=self._models, limits=self._limits, now=self._clock(), new_id=self._new_id
@@ -170,20 +183,25 @@ class EdgeAgent:
             return
         job = decision
         known = job.job_id in self._jobs or job.job_id in self._admitting
-        held = len(self._queue) + self._admitting_total + self._in_flight
+        runs = self._runs
+        held = len(runs.queue) + self._admitting_total + runs.in_flight - runs.reserved
         if not known and held >= self.settings.queue_size + self.settings.concurrency:
-            reason = (
-                f"edge agent {edge} has {self.settings.queue_size} jobs queued;"
-                " retry later or lower the submit rate"
-            )
-            self._answers.refuse(refuse_job(job, "queue_full", reason), msg)
+            self._answers.refuse(queue_full(job, edge, self.settings.queue_size), msg)
             return
+        # A job that will run here at once has its run counted in the same commit that
+        # accepts it, its compute slot held meanwhile: one commit less before it starts.
+        run_now = not known and runs.free_now and self._offer_reason(job, None) is None
+        if run_now:
+            runs.reserve()
         self._admitting[job.job_id] += 1
         self._admitting_total += 1
         self._idle.clear()
-        self.outbox.accept(job).add_done_callback(partial(self._accepted, msg, job))
+        accepting = self.outbox.accept(job, start_run=run_now)
+        accepting.add_done_callback(partial(self._accepted, msg, job, run_now))
 
-    def _accepted(self, msg: Message, job: Job, fut: asyncio.Future[Accepted]) -> None:
+    def _accepted(
+        self, msg: Message, job: Job, run_now: bool, fut: asyncio.Future[Accepted]
+    ) -> None:
         """The outbox has the job (or knew it already): only now is the request acked."""
         self._admitting[job.job_id] -= 1
         self._admitting_total -= 1
@@ -196,26 +214,33 @@ class EdgeAgent:
         except OutboxError as exc:
             self.counters["outbox_errors"] += 1
             log.error("could not store job %s: %s", job.job_id, exc)
-            reason = f"edge agent {self.settings.id} cannot store jobs now ({exc}); resubmit later"
-            self._answers.refuse(refuse_job(job, "outbox_unavailable", reason), msg)
+            self._answers.refuse(outbox_unavailable(job, self.settings.id, exc), msg)
+            if run_now:
+                self._runs.reserved_done(keep=False)
             self._update_idle()
             return
+        if run_now:
+            self._runs.reserved_done(keep=accepted.outcome == "new")
         if accepted.outcome == "new":
             self.counters["accepted"] += 1
-            tracked = Tracked(job, "queued")
+            tracked = Tracked(job, "starting" if run_now else "queued", local_runs=int(run_now))
             self._jobs[job.job_id] = tracked
             self._transport.ack(msg)
-            self._route(tracked)
+            if run_now:
+                self._runs.launch(tracked)
+            else:
+                self._route(tracked)
+            return
+        stored = accepted.stored
+        if msg.dup and (stored is None or not stored.pending):
+            # The broker redelivers a request accepted before a crash that came before its
+            # ack: not a resubmission. The job's own result is (or will be) published.
+            self.counters["redelivered"] += 1
+            self._transport.ack(msg)
             return
         self.counters["duplicates"] += 1
-        stored = accepted.stored
         if stored is None:  # delivered long ago: only its id is left
-            reason = (
-                f"job {job.job_id} already ran and its result was delivered more than "
-                f"{self.settings.result_retention_s:.0f} s ago; resubmit under a new job-id "
-                "to run it again"
-            )
-            self._answers.refuse(refuse_job(job, "duplicate_job", reason), msg)
+            self._answers.refuse(forgotten(job, self.settings.result_retention_s), msg)
         elif stored.pending:
             current = self._jobs.get(job.job_id)
             if current is not None:  # the result goes where the latest request asked
@@ -244,99 +269,32 @@ class EdgeAgent:
                 reason = f"{reason}, before the job could start; not run"
             self._conclude_local(tracked, "expired", code="expired", reason=reason)
             return
-        offer = self._offer_reason(job, retry)
-        if offer is not None and self._offload is not None:
-            tracked.phase = "offering"
-            self._offering += 1
+        offer = self._offer_reason(job, tracked if retry is not None else None)
+        if offer is not None:
             self._idle.clear()
-            local_s = self._predict(job) - now
-            self._spawn(self._offer_job(self._offload, tracked, offer, local_s))
+            self._offloads.offer(tracked, offer, self._runs.predict(job) - now)
             return
-        if retry is not None:
-            tracked.declined = tracked.declined or retry
-        tracked.phase = "queued"
-        self._queue.push(tracked, force=True)  # accepted already: never refused now
+        self._run_here(tracked, retry)
+
+    def _run_here(self, tracked: Tracked, why: Declined | None) -> None:
+        """Into the local queue; ``why`` it did not leave goes into its result."""
+        if why is not None:
+            tracked.declined = tracked.declined or why
         self._idle.clear()
-        self._dispatch()
+        self._runs.enqueue(tracked)
 
-    def _predict(self, job: Job) -> float:
-        service_s = self.service_times.estimate(job.model) or 0.0
-        return predict_completion(
-            self._clock(), len(self._queue), self._in_flight, self.settings.concurrency, service_s
-        )
-
-    def _offer_reason(self, job: Job, retry: Declined | None) -> str | None:
-        client = self._offload
-        if client is None or not self._offload_settings.enabled or not client.broker_available:
+    def _offer_reason(self, job: Job, retry_of: Tracked | None) -> str | None:
+        """Why to offer ``job`` (again, after ``retry_of`` lost an attempt), or None."""
+        if not self._offloads.available:
             return None  # nobody to ask: no task, no hashing, just run it here
-        if retry is not None:
-            tracked = self._jobs.get(job.job_id)
-            if tracked is None or tracked.attempt >= self._offload_settings.max_attempts:
-                return None
-            return "deadline" if job.deadline is not None else "queue"
+        if retry_of is not None:
+            return self._offloads.retry_reason(retry_of)
         return offload_reason(
             job,
-            predicted_done=self._predict(job),
-            waiting=len(self._queue),
+            predicted_done=self._runs.predict(job),
+            waiting=len(self._runs.queue),
             queue_bound=self._offload_settings.queue_bound,
         )
-
-    async def _offer_job(
-        self, client: PlacementClient, tracked: Tracked, reason: str, local_s: float
-    ) -> None:
-        job = tracked.job
-        attempt = tracked.attempt + 1
-        try:
-            outcome = await client.place(job, reason, local_s, attempt=attempt)
-            if isinstance(outcome, Placement):
-                declined = await self._send(client, tracked, outcome, attempt, reason)
-                if declined is None:
-                    return
-                outcome = declined
-            if not self._current(tracked, "offering"):
-                return  # concluded meanwhile (a return, a dead letter)
-            log.info("job %s stays local: %s", job.job_id, outcome.reason)
-            tracked.declined = outcome
-            tracked.phase = "queued"
-            self._queue.push(tracked, force=True)  # accepted already: never refused now
-        finally:
-            self._offering -= 1
-            self._dispatch()
-
-    async def _send(
-        self,
-        client: PlacementClient,
-        tracked: Tracked,
-        placement: Placement,
-        attempt: int,
-        reason: str,
-    ) -> Declined | None:
-        """Record the attempt on disk, then send the work; None once sent (or moot)."""
-        job_id = tracked.job.job_id
-        if not self._current(tracked, "offering"):
-            return None
-        try:
-            recorded = await self.outbox.offloaded(job_id, attempt)
-        except OutboxError as exc:
-            return Declined("outbox_error", f"could not record attempt {attempt}: {exc}")
-        if not self._current(tracked, "offering"):
-            return None
-        if not recorded:
-            return Declined("outbox_error", f"attempt {attempt} could not be recorded")
-        tracked.attempt = attempt
-        tracked.phase = "offloaded"
-        timeout = self._offload_settings.result_timeout_s
-        tracked.expires_at = ledger.offload_expiry(self._clock(), timeout, tracked.job.deadline)
-        try:
-            client.send(tracked.job, placement, attempt=attempt)
-        except Exception as exc:  # the attempt is void: the timeout reroutes the job
-            log.warning("job %s: could not send attempt %d: %s", job_id, attempt, exc)
-            return None
-        self.offloaded += 1
-        log.info(
-            "job %s attempt %d offloaded to %s (%s)", job_id, attempt, placement.worker_id, reason
-        )
-        return None
 
     def _current(self, tracked: Tracked, phase: ledger.Phase) -> bool:
         return (
@@ -345,176 +303,32 @@ class EdgeAgent:
             and (tracked.phase == phase)
         )
 
-    # -- returns and notices for offloaded jobs ---------------------------------------------
-
-    def on_return(self, msg: Message) -> None:
-        """A worker's result for a job this edge offloaded (manual ack)."""
-        ret = ledger.read_return(msg)
-        if isinstance(ret, str):
-            self.counters["bad_returns"] += 1
-            log.warning("discarded a return on %s: %s", msg.topic, ret)
-            self._transport.ack(msg)
-            return
-        tracked = self._jobs.get(ret.job_id)
-        verdict = ledger.return_verdict(tracked, ret.attempt)
-        if verdict != "accept" or tracked is None:
-            self.counters["fenced_returns"] += 1
-            current = tracked.attempt if tracked is not None else "none"
-            log.info(
-                "discarded the return of job %s attempt %d from %s (%s; current attempt %s)",
-                ret.job_id,
-                ret.attempt,
-                ret.worker_id,
-                verdict,
-                current,
-            )
-            self._transport.ack(msg)
-            return
-        if ledger.not_run(ret.result):
-            self.counters["not_run_returns"] += 1
-            why = Declined(ret.result.code or "worker_refused", ret.result.reason or "refused")
-            log.info("job %s was refused by %s: %s", ret.job_id, ret.worker_id, why.reason)
-            tracked.declined = why
-            self._transport.ack(msg)
-            tracked.phase = "queued"  # no new offer: run it here
-            self._queue.push(tracked, force=True)
-            self._idle.clear()
-            self._dispatch()
-            return
-        self._conclude(tracked, ret.payload, ret.result.status, attempt=ret.attempt, ack=msg)
-
-    def on_notice(self, msg: Message) -> None:
-        """The broker says a placed job's worker was lost, or the job is dead-lettered."""
-        notice = ledger.read_notice(msg)
-        self._transport.ack(msg)
-        if isinstance(notice, str):
-            self.counters["bad_notices"] += 1
-            log.warning("discarded a notice on %s: %s", msg.topic, notice)
-            return
-        tracked = self._jobs.get(notice.job_id)
-        if notice.kind == "dead_letter":
-            if tracked is None or tracked.phase not in ledger.TAKES_DEAD_LETTER:
-                self.counters["stale_notices"] += 1
-                return
-            self.counters["dead_letters"] += 1
-            self._conclude_local(tracked, "failed", code="dead_letter", reason=notice.reason)
-            return
-        if (
-            tracked is None
-            or tracked.phase not in ledger.TAKES_WORKER_LOST
-            or notice.attempt != tracked.attempt
-        ):
-            self.counters["stale_notices"] += 1
-            return
-        self.counters["workers_lost"] += 1
-        log.info(
-            "job %s attempt %d lost with worker %s", notice.job_id, notice.attempt, notice.worker_id
-        )
-        self._route(tracked, retry=Declined("worker_lost", notice.reason))
-
     def check_offloaded(self) -> None:
-        """Reroute offloaded jobs whose return is overdue (the broker or the message may be
-        gone); runs every fraction of ``result_timeout_s``, callable directly in tests."""
-        now = self._clock()
-        timeout = self._offload_settings.result_timeout_s
-        for tracked in list(self._jobs.values()):
-            if tracked.phase == "offloaded" and (tracked.expires_at or 0.0) <= now:
-                self.counters["offload_timeouts"] += 1
-                log.info(
-                    "job %s attempt %d: no result within %.1f s; rerouting",
-                    tracked.job.job_id,
-                    tracked.attempt,
-                    timeout,
-                )
-                why = Declined("result_timeout", f"no result from the pool within {timeout} s")
-                self._route(tracked, retry=why)
+        """Reroute offloaded jobs whose return is overdue; runs every fraction of
+        ``result_timeout_s``, callable directly in tests."""
+        self._offloads.check_overdue(self._jobs.values())
 
-    # -- execution: the loop hands jobs to the thread pool and takes results back ----------
+    def _take_return(
+        self, tracked: Tracked, payload: bytes, status: str, attempt: int, msg: Message
+    ) -> None:
+        self._conclude(tracked, payload, status, attempt=attempt, ack=msg)
 
-    def _queue_key(self, tracked: Tracked) -> tuple[int, float]:
-        return queue_key(tracked.job)
+    def _dead_letter(self, tracked: Tracked, reason: str) -> None:
+        self._conclude_local(tracked, "failed", code="dead_letter", reason=reason)
 
-    def _dispatch(self) -> None:
-        """Start queued jobs while a compute slot is free (loop thread)."""
-        while not self._killed and self._in_flight < self.settings.concurrency and len(self._queue):
-            tracked = self._queue.pop()
-            if not self._current(tracked, "queued"):
-                continue  # concluded or rerouted while it waited
-            job = tracked.job
-            now = self._clock()
-            if job.deadline is not None and now >= job.deadline:
-                late = (now - job.deadline) * 1000.0
-                reason = f"the deadline passed {late:.0f} ms before the job could start; not run"
-                self._conclude_local(tracked, "expired", code="expired", reason=reason)
-                continue
-            if tracked.local_runs >= self.settings.max_local_runs:
-                self._dead_letter_locally(tracked)
-                continue
-            tracked.phase = "starting"
-            self._in_flight += 1
-            self.outbox.start_run(job.job_id).add_done_callback(partial(self._start, tracked))
-        self._update_idle()
+    # -- conclusions ---------------------------------------------------------------------------
 
-    def _start(self, tracked: Tracked, fut: asyncio.Future[int | None]) -> None:
-        if self._killed:
-            return
-        try:
-            runs = fut.result()
-        except OutboxError as exc:
-            runs = None
-            self.counters["outbox_errors"] += 1
-            log.error("could not count the run of job %s: %s", tracked.job.job_id, exc)
-        if runs is None or not self._current(tracked, "starting"):
-            self._in_flight -= 1
-            if self._current(tracked, "starting"):  # disk trouble: it replays after a restart
-                del self._jobs[tracked.job.job_id]
-            self._dispatch()
-            return
-        tracked.local_runs = runs
-        tracked.phase = "running"
-        model = self._registry.get(tracked.job.model)
-        started = self._clock()
-        future = self._executor.submit(
-            model.infer_bytes, tracked.job.payload, info=tracked.job.image
-        )
-        future.add_done_callback(partial(self._from_worker, tracked, started))
-
-    def _from_worker(self, tracked: Tracked, started: float, future: Future[Inference]) -> None:
-        # Runs on the worker thread: hand the outcome back to the loop, nothing more.
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):  # the loop closed under us
-                loop.call_soon_threadsafe(self._completed, tracked, started, future)
-
-    def _completed(self, tracked: Tracked, started: float, future: Future[Inference]) -> None:
-        if self._killed:
-            return
-        self._in_flight -= 1
-        job = tracked.job
-        try:
-            outputs, times = future.result()
-        except ImageError as exc:
-            self._conclude_local(
-                tracked, "rejected", code="bad_image", reason=str(exc), started=started
-            )
-        except Exception as exc:
-            log.exception("inference failed for job %s", job.job_id)
-            reason = f"inference failed: {type(exc).__name__}: {exc}"
-            self._conclude_local(
-                tracked, "failed", code="inference_error", reason=reason, started=started
-            )
-        else:
-            compute_s = (times.decode_ms + times.preprocess_ms + times.inference_ms) / 1000.0
-            self.service_times.observe(job.model, compute_s)
-            self._conclude_local(tracked, "ok", outputs=outputs, times=times, started=started)
-        self._dispatch()
+    def _forget(self, tracked: Tracked) -> None:
+        """Stop tracking a job the outbox could not update: it replays after a restart."""
+        if self._jobs.get(tracked.job.job_id) is tracked:
+            del self._jobs[tracked.job.job_id]
 
     def _dead_letter_locally(self, tracked: Tracked) -> None:
         self.counters["dead_letters"] += 1
         job_id = tracked.job.job_id
         reason = ledger.dead_letter_reason(job_id, self.settings.id, tracked.local_runs)
         log.error("dead-lettered job %s: %s", job_id, reason)
-        self._conclude_local(tracked, "failed", code="dead_letter", reason=reason)
+        self._dead_letter(tracked, reason)
 
     def _conclude_local(
         self,
@@ -582,16 +396,11 @@ class EdgeAgent:
 
         self.outbox.get(job_id).add_done_callback(read)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     def _update_idle(self) -> None:
         busy = (
-            self._in_flight
-            or len(self._queue)
-            or self._offering
+            self._runs.in_flight
+            or len(self._runs.queue)
+            or self._offloads.offering
             or self._finishing
             or self._admitting
         )
@@ -633,29 +442,20 @@ class EdgeAgent:
     # -- telemetry and status -----------------------------------------------------------------
 
     def telemetry(self) -> wire.EdgeTelemetry:
-        mem = self._process.memory_info()
-        return wire.EdgeTelemetry(
-            node=self.settings.id,
-            zone=self.settings.zone,
-            ts=self._clock(),
-            queue_depth=len(self._queue),
-            queue_capacity=self.settings.queue_size,
-            in_flight=self._in_flight,
-            concurrency=self.settings.concurrency,
-            models={
-                name: wire.ModelLoad(
-                    service_ms=round(fig.service_s * 1000.0, 3), completed=fig.completed
-                )
-                for name, fig in self.service_times.snapshot().items()
-            },
+        load = Load(
+            now=self._clock(),
+            queue_depth=len(self._runs.queue),
+            in_flight=self._runs.in_flight,
+            models=self.service_times.snapshot(),
             cpu_percent=self._process.cpu_percent(None),
-            memory_rss_mb=round(mem.rss / 2**20, 1),
-            memory_percent=round(self._process.memory_percent(), 2),
-            results=dict(self._answers.results),
+            memory_rss_bytes=self._process.memory_info().rss,
+            memory_percent=self._process.memory_percent(),
+            results=self._answers.results,
             dropped_no_response_topic=self._answers.dropped_no_response_topic,
             offloaded=self.offloaded,
-            offload_pending=self._offering,
+            offload_pending=self._offloads.offering,
         )
+        return telemetry(self.settings, load)
 
     async def _every(self, interval_s: float, action: Callable[[], object]) -> None:
         while True:
@@ -690,21 +490,15 @@ class EdgeAgent:
         self._accepting = False
         self.outbox.kill()
         self._answers.kill()
-        for task in list(self._tasks):
-            task.cancel()
-        if self._own_executor:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        self._offloads.kill()
+        self._runs.kill()
         self._halted.set()
 
     async def run(self, stop: asyncio.Event, *, drain_timeout: float = 10.0) -> None:
         """Serve until ``stop`` is set, then answer what is queued and go offline."""
-        self._loop = asyncio.get_running_loop()
         stored = await self.outbox.open()
         replay = self._replay(stored)
-        if self._own_executor and isinstance(self._executor, ThreadPoolExecutor):
-            # Every compute thread exists before the first job, so none pays for making one.
-            pool, threads = self._executor, self.settings.concurrency
-            await self._loop.run_in_executor(None, start_all, pool, threads)
+        await self._runs.start()
         self._process.cpu_percent(None)  # prime: the first reading is always 0
         self._accepting = True
         edge = self.settings.id
@@ -765,8 +559,6 @@ class EdgeAgent:
                 ),
                 2.0,
             )
-        for task in list(self._tasks):
-            task.cancel()
-        if self._own_executor:
-            self._executor.shutdown(wait=True)
+        self._offloads.kill()  # offers still waiting: their jobs replay after a restart
+        self._runs.shutdown()
         await self.outbox.close()

@@ -11,9 +11,10 @@ import asyncio
 import time
 from pathlib import Path
 
-from edge_agent.agent import EdgeAgent, last_will
+from edge_agent.agent import EdgeAgent
 from edge_agent.offload import PlacementClient
 from edge_agent.outbox import Outbox
+from edge_agent.reporting import last_will
 from sluicegate.config import Settings
 from sluicegate.mqtt import MqttTransport
 from sluicegate.policy_feed import PolicyFeed

@@ -15,7 +15,8 @@ It models just enough of sessions and acknowledgement to test crash recovery hon
   to its matching subscriptions as it makes them (as the real transport parks what arrives
   before its roles subscribe again).
 * A ``manual_ack`` subscription's QoS ≥ 1 messages stay owed to the session until
-  :meth:`MemoryTransport.ack`; other subscriptions are acked on delivery.
+  :meth:`MemoryTransport.ack`; other subscriptions are acked on delivery. What was delivered
+  and never acked comes again with ``dup`` set, as a broker marks a redelivery.
 * With :attr:`MemoryBroker.hold_pubacks`, ``publish(wait=True)`` returns only once the test
   calls :meth:`MemoryBroker.release_pubacks` (the message itself is routed at once), so a
   crash between a publish and its PUBACK can be staged.
@@ -136,7 +137,8 @@ class MemoryTransport:
             old = broker.sessions.get(client_id)
         if old is not None and persistent:
             self._session = old
-            self._pending = [*old.unacked.values(), *old.queued]
+            again = [replace(m, dup=True) for m in old.unacked.values()]
+            self._pending = [*again, *old.queued]
             old.unacked.clear()
             old.queued.clear()
         else:

@@ -116,6 +116,7 @@ def to_message(msg: paho.MQTTMessage, ack_handle: object = None) -> Message:
         user_properties=user,
         message_expiry_s=expiry,
         ack_handle=ack_handle,
+        dup=bool(msg.dup),
     )
 
 

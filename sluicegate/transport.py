@@ -38,6 +38,9 @@ class Message:
     # What the transport needs to acknowledge this very delivery (manual-ack subscriptions
     # only); opaque to everyone else and no part of the message's value.
     ack_handle: object = field(default=None, compare=False, repr=False)
+    # The broker delivers this message again (it was sent to this session before and not
+    # acked): delivery metadata, no part of the message's value either.
+    dup: bool = field(default=False, compare=False)
 
     def user_property(self, name: str) -> str | None:
         """The first user property called ``name``, or None."""

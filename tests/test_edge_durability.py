@@ -62,6 +62,7 @@ async def test_memory_session_redelivers_what_a_crashed_client_never_acked() -> 
     await again.subscribe("jobs", seen2.append, manual_ack=True)
     await _settle()
     assert [m.payload for m in seen2] == [b"b", b"c"]
+    assert [m.dup for m in seen2] == [True, False]  # only "b" was delivered before
     assert not [m for m in broker.log if m.topic == "out"]
 
 

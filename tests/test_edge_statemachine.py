@@ -78,6 +78,12 @@ class EdgeLifecycle(RuleBasedStateMachine):
     def compute(self) -> None:
         self.rig.executor.run_all()
 
+    @rule(online=st.booleans())
+    def campus_broker(self, online: bool) -> None:
+        """Offline, nothing is offered: jobs run here, the first ones at once."""
+        assert self.rig.placement is not None
+        self.rig.placement.broker_available = online
+
     @rule()
     def broker_acks(self) -> None:
         self.rig.broker.release_pubacks()
@@ -188,8 +194,8 @@ def _job_id(payload: bytes) -> str:
 
 
 EdgeLifecycle.TestCase.settings = settings(
-    max_examples=100,
-    stateful_step_count=40,
+    max_examples=150,
+    stateful_step_count=50,
     deadline=None,
     derandomize=True,
     database=None,

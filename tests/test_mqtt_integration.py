@@ -156,7 +156,9 @@ async def test_unacked_message_comes_back_after_the_connection_dies(
         assert isinstance(sock, socket.socket)
         sock.shutdown(socket.SHUT_RDWR)  # dies without DISCONNECT, before the ack
         again = await _next(got, 15)
-        assert again.payload == b"job"  # redelivered on the new connection
+        assert again.payload == b"job"  # redelivered on the new connection ...
+        assert again.dup  # ... marked as such
+        assert not first.dup
         await asyncio.wait_for(back.wait(), 10)
         durable.ack(first)  # from the lost connection: dropped, never sent
         assert durable.stale_acks == 1

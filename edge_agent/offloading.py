@@ -1,0 +1,230 @@
+"""The jobs that leave this edge: offered to the campus broker as numbered attempts, sent to
+workers, and taken back, or not, when a worker returns a result, the broker sends a notice,
+or nothing comes back in time.
+
+The agent keeps the job table, the local queue and every conclusion; this part only moves a
+job between ``offering`` and ``offloaded`` and writes one thing to the outbox: the attempt,
+before its work message is sent. Whenever a job will not leave (the broker declined, the
+attempt could not be recorded, the worker refused the work unrun) it goes back to the agent
+to run here; a lost worker or an overdue return sends it back to be routed again (the next
+attempt, or here). A return is taken only for the job's current attempt (fencing); anything
+else is discarded, counted and logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from edge_agent import ledger
+from edge_agent.errors import OutboxError
+from edge_agent.ledger import Tracked
+from edge_agent.offload import Declined, Placement, PlacementClient
+from edge_agent.outbox import Outbox
+from sluicegate.config import OffloadSettings
+from sluicegate.transport import Message, Transport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What the offloading part asks of the agent that owns the jobs."""
+
+    tracked: Callable[[str], Tracked | None]  # the job, if it is being tracked
+    current: Callable[[Tracked, ledger.Phase], bool]  # still tracked, and in that phase
+    run_here: Callable[[Tracked, Declined], None]  # into the local queue, with the reason
+    reroute: Callable[[Tracked, Declined], None]  # route again: next attempt, or here
+    take: Callable[[Tracked, bytes, str, int, Message], None]  # conclude with a return
+    dead_letter: Callable[[Tracked, str], None]  # conclude failed/dead_letter with a reason
+    settled: Callable[[], None]  # an offer ended: dispatch, update idleness
+
+
+class Offloads:
+    """Offers, attempts, returns, notices and timeouts of one edge's offloaded jobs."""
+
+    def __init__(
+        self,
+        hooks: Hooks,
+        client: PlacementClient | None,
+        settings: OffloadSettings,
+        transport: Transport,
+        outbox: Outbox,
+        clock: Callable[[], float],
+        counters: Counter[str],
+    ) -> None:
+        self._hooks = hooks
+        self._client = client
+        self._settings = settings
+        self._transport = transport
+        self._outbox = outbox
+        self._clock = clock
+        self._counters = counters
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.offering = 0  # offers waiting for the broker now
+        self.offloaded = 0  # work messages sent since start
+
+    @property
+    def available(self) -> bool:
+        client = self._client
+        return client is not None and self._settings.enabled and client.broker_available
+
+    def retry_reason(self, tracked: Tracked) -> str | None:
+        """Why to offer a job again after an attempt was lost, or None to run it here."""
+        if not self.available or tracked.attempt >= self._settings.max_attempts:
+            return None
+        return "deadline" if tracked.job.deadline is not None else "queue"
+
+    def offer(self, tracked: Tracked, reason: str, local_s: float) -> None:
+        """Ask the broker for the job's next attempt, in a task of its own."""
+        assert self._client is not None
+        tracked.phase = "offering"
+        self.offering += 1
+        self._spawn(self._offer(self._client, tracked, reason, local_s))
+
+    async def _offer(
+        self, client: PlacementClient, tracked: Tracked, reason: str, local_s: float
+    ) -> None:
+        job = tracked.job
+        attempt = tracked.attempt + 1
+        try:
+            outcome = await client.place(job, reason, local_s, attempt=attempt)
+            if isinstance(outcome, Placement):
+                declined = await self._send(client, tracked, outcome, attempt, reason)
+                if declined is None:
+                    return
+                outcome = declined
+            if self._hooks.current(tracked, "offering"):  # else concluded meanwhile
+                log.info("job %s stays local: %s", job.job_id, outcome.reason)
+                self._hooks.run_here(tracked, outcome)
+        finally:
+            self.offering -= 1
+            self._hooks.settled()
+
+    async def _send(
+        self,
+        client: PlacementClient,
+        tracked: Tracked,
+        placement: Placement,
+        attempt: int,
+        reason: str,
+    ) -> Declined | None:
+        """Record the attempt on disk, then send the work; None once sent (or moot)."""
+        job_id = tracked.job.job_id
+        if not self._hooks.current(tracked, "offering"):
+            return None
+        try:
+            recorded = await self._outbox.offloaded(job_id, attempt)
+        except OutboxError as exc:
+            return Declined("outbox_error", f"could not record attempt {attempt}: {exc}")
+        if not self._hooks.current(tracked, "offering"):
+            return None
+        if not recorded:
+            return Declined("outbox_error", f"attempt {attempt} could not be recorded")
+        tracked.attempt = attempt
+        tracked.phase = "offloaded"
+        timeout = self._settings.result_timeout_s
+        tracked.expires_at = ledger.offload_expiry(self._clock(), timeout, tracked.job.deadline)
+        try:
+            client.send(tracked.job, placement, attempt=attempt)
+        except Exception as exc:  # the attempt is void: the timeout reroutes the job
+            log.warning("job %s: could not send attempt %d: %s", job_id, attempt, exc)
+            return None
+        self.offloaded += 1
+        log.info(
+            "job %s attempt %d offloaded to %s (%s)", job_id, attempt, placement.worker_id, reason
+        )
+        return None
+
+    # -- what comes back -------------------------------------------------------------------------
+
+    def on_return(self, msg: Message) -> None:
+        """A worker's result for a job this edge offloaded (manual ack: acked once it is
+        committed, or at once when it is discarded)."""
+        ret = ledger.read_return(msg)
+        if isinstance(ret, str):
+            self._counters["bad_returns"] += 1
+            log.warning("discarded a return on %s: %s", msg.topic, ret)
+            self._transport.ack(msg)
+            return
+        tracked = self._hooks.tracked(ret.job_id)
+        verdict = ledger.return_verdict(tracked, ret.attempt)
+        if verdict != "accept" or tracked is None:
+            self._counters["fenced_returns"] += 1
+            log.info(
+                "discarded the return of job %s attempt %d from %s (%s; current attempt %s)",
+                ret.job_id,
+                ret.attempt,
+                ret.worker_id,
+                verdict,
+                tracked.attempt if tracked is not None else "none",
+            )
+            self._transport.ack(msg)
+            return
+        if ledger.not_run(ret.result):
+            self._counters["not_run_returns"] += 1
+            why = Declined(ret.result.code or "worker_refused", ret.result.reason or "refused")
+            log.info("job %s was refused by %s: %s", ret.job_id, ret.worker_id, why.reason)
+            self._transport.ack(msg)
+            self._hooks.run_here(tracked, why)  # no new offer: run it here
+            return
+        self._hooks.take(tracked, ret.payload, ret.result.status, ret.attempt, msg)
+
+    def on_notice(self, msg: Message) -> None:
+        """The broker says a placed job's worker was lost, or the job is dead-lettered."""
+        notice = ledger.read_notice(msg)
+        self._transport.ack(msg)
+        if isinstance(notice, str):
+            self._counters["bad_notices"] += 1
+            log.warning("discarded a notice on %s: %s", msg.topic, notice)
+            return
+        tracked = self._hooks.tracked(notice.job_id)
+        if notice.kind == "dead_letter":
+            if tracked is None or tracked.phase not in ledger.TAKES_DEAD_LETTER:
+                self._counters["stale_notices"] += 1
+                return
+            self._counters["dead_letters"] += 1
+            self._hooks.dead_letter(tracked, notice.reason)
+            return
+        if (
+            tracked is None
+            or tracked.phase not in ledger.TAKES_WORKER_LOST
+            or notice.attempt != tracked.attempt
+        ):
+            self._counters["stale_notices"] += 1
+            return
+        self._counters["workers_lost"] += 1
+        log.info(
+            "job %s attempt %d lost with worker %s", notice.job_id, notice.attempt, notice.worker_id
+        )
+        self._hooks.reroute(tracked, Declined("worker_lost", notice.reason))
+
+    def check_overdue(self, jobs: Iterable[Tracked]) -> None:
+        """Reroute offloaded jobs whose return is overdue (the broker, the worker or the
+        message may be gone)."""
+        now = self._clock()
+        timeout = self._settings.result_timeout_s
+        for tracked in list(jobs):
+            if tracked.phase == "offloaded" and (tracked.expires_at or 0.0) <= now:
+                self._counters["offload_timeouts"] += 1
+                log.info(
+                    "job %s attempt %d: no result within %.1f s; rerouting",
+                    tracked.job.job_id,
+                    tracked.attempt,
+                    timeout,
+                )
+                why = Declined("result_timeout", f"no result from the pool within {timeout} s")
+                self._hooks.reroute(tracked, why)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def kill(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
