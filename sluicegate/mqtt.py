@@ -22,7 +22,8 @@ dropped, since the broker redelivers the message on the new connection under a p
 that may by then name another message. A QoS ≥ 1 message that no subscription of this
 process claims yet (a persistent session delivers queued messages right after CONNACK,
 before the role has subscribed again) is parked unacked and handed to the first matching
-subscription made on the same connection.
+subscription made on the same connection. The CONNECT's Receive Maximum (``max_pending``)
+keeps the broker from sending more unacked messages than that, parked ones included.
 """
 
 from __future__ import annotations
@@ -276,6 +277,9 @@ class MqttTransport:
         self._loop = asyncio.get_running_loop()
         props = _new_properties(PacketTypes.CONNECT)
         props.SessionExpiryInterval = self._session_expiry_s
+        # MQTT v5 flow control: the broker keeps at most this many QoS >= 1 messages unacked
+        # with us, so manual acks bound what waits here, parked messages included.
+        props.ReceiveMaximum = self._max_parked
         self._client.connect_async(
             self._settings.host,
             self._settings.port,

@@ -246,9 +246,50 @@ async def test_message_a_killed_process_never_acked_goes_to_its_next_session(
             )
             await resumed.connect()
             await resumed.subscribe(topic, got.put_nowait, qos=1, manual_ack=True)
-            assert (await _next(got)).payload == b"job"
+            again = await _next(got)
+            assert again.payload == b"job"
+            assert again.dup  # the broker marks what it delivers a second time
             await resumed.close()
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_backlog_of_a_session_waits_in_the_broker_not_here(
+    mosquitto: ServerProcess, unique: str
+) -> None:
+    # 1,500 requests queue for an offline session. Its next connection gets at most
+    # max_pending unacked at once (Receive Maximum), parked until the role subscribes; the
+    # rest follow as it acks: none is dropped on the floor.
+    settings = MqttSettings(port=mosquitto.port)
+    topic = f"backlog/{unique}"
+    persistent = {"clean_start": False, "session_expiry_s": 60, "max_pending": 100}
+    durable = MqttTransport(settings, client_id=f"bl-{unique}", **persistent)  # type: ignore[arg-type]
+    await durable.connect()
+    await durable.subscribe(topic, lambda m: None, qos=1, manual_ack=True)
+    await durable.close()
+    async with MqttTransport(settings, client_id=f"pub-{unique}") as publisher:
+        for i in range(1500):
+            publisher.publish_nowait(topic, str(i).encode(), qos=1)
+        await publisher.publish(topic, b"last", qos=1, wait=True)
+    resumed = MqttTransport(settings, client_id=f"bl-{unique}", **persistent)  # type: ignore[arg-type]
+    await resumed.connect()
+    async with asyncio.timeout(10):
+        # No event tells when paho's thread parked them: poll, bounded by the timeout.
+        while len(resumed._parked) < 100:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    got: list[bytes] = []
+    done = asyncio.Event()
+
+    def take(msg: Message) -> None:
+        got.append(msg.payload)
+        resumed.ack(msg)
+        if msg.payload == b"last":
+            done.set()
+
+    await resumed.subscribe(topic, take, qos=1, manual_ack=True)
+    await asyncio.wait_for(done.wait(), 20)
+    await resumed.close()
+    assert len(resumed._parked) == 0
+    assert sorted(set(got) - {b"last"}, key=int) == [str(i).encode() for i in range(1500)]
