@@ -279,7 +279,7 @@ class MqttTransport:
         props.SessionExpiryInterval = self._session_expiry_s
         # MQTT v5 flow control: the broker keeps at most this many QoS >= 1 messages unacked
         # with us, so manual acks bound what waits here, parked messages included.
-        props.ReceiveMaximum = self._max_parked
+        props.ReceiveMaximum = min(self._max_parked, 65_535)  # the most MQTT allows
         self._client.connect_async(
             self._settings.host,
             self._settings.port,
