@@ -8,6 +8,7 @@ call :func:`serve`.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 
@@ -31,11 +32,12 @@ def load_registry(settings: Settings) -> ModelRegistry:
 def outbox_path(settings: Settings) -> Path:
     """Where this edge's outbox lives: ``[edge] outbox_path``; else a file named after the
     edge id in the node's state directory (``[offload] state_dir``), or in the user's
-    (~/.local/state/sluicegate)."""
+    (``$XDG_STATE_HOME/sluicegate``, by default ~/.local/state/sluicegate)."""
     edge = settings.edge
     if edge.outbox_path is not None:
         return edge.outbox_path
-    folder = settings.offload.state_dir or Path.home() / ".local" / "state" / "sluicegate"
+    user_state = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    folder = settings.offload.state_dir or Path(user_state) / "sluicegate"
     return folder / f"edge-{edge.id}.outbox.db"
 
 

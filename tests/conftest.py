@@ -7,12 +7,28 @@ tests never see each other's traffic.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from sluicegate.servers import ServerProcess, running, start_mosquitto, start_redis
+
+
+@pytest.fixture(scope="session", autouse=True)
+def user_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Edge agents started without an outbox path keep it in the user's state directory:
+    point that (and every subprocess's) at the session's temporary folder."""
+    folder = tmp_path_factory.mktemp("xdg-state")
+    before = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(folder)
+    yield folder
+    if before is None:
+        os.environ.pop("XDG_STATE_HOME", None)
+    else:
+        os.environ["XDG_STATE_HOME"] = before
 
 
 @pytest.fixture(scope="session")
