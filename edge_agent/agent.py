@@ -454,6 +454,7 @@ class EdgeAgent:
             dropped_no_response_topic=self._answers.dropped_no_response_topic,
             offloaded=self.offloaded,
             offload_pending=self._offloads.offering,
+            events=self.counters,
         )
         return telemetry(self.settings, load)
 

@@ -43,6 +43,7 @@ class Load:
     dropped_no_response_topic: int
     offloaded: int
     offload_pending: int
+    events: Mapping[str, int]
 
 
 def telemetry(settings: EdgeSettings, load: Load) -> wire.EdgeTelemetry:
@@ -67,4 +68,5 @@ def telemetry(settings: EdgeSettings, load: Load) -> wire.EdgeTelemetry:
         dropped_no_response_topic=load.dropped_no_response_topic,
         offloaded=load.offloaded,
         offload_pending=load.offload_pending,
+        events=dict(load.events),
     )

@@ -125,6 +125,9 @@ class EdgeTelemetry(_Wire):
     dropped_no_response_topic: int
     offloaded: int = 0  # sent to a pool worker since start
     offload_pending: int = 0  # waiting for the broker's answer now
+    # Durability events since start: accepted, duplicates, redelivered, replayed,
+    # republished, fenced_returns, late_results, dead_letters, outbox_errors, ...
+    events: dict[str, int] = Field(default_factory=dict)
 
 
 class NodeStatus(_Wire):
