@@ -8,6 +8,8 @@ cannot hold a slot for ever); a completion releases its entry at once. The same 
 records the placement in flight (``broker.inflight``: job -> edge, worker, attempt,
 deadline; the job in the worker's in-flight set) so that whoever sees the worker die can
 have the job placed again; it never lowers a job's attempt and keeps the job's crash count.
+A dead-lettered job is never reserved again: the script answers with the dead letter's
+reason instead, whichever replica asks.
 Many reservations go to Redis in one pipeline, so a burst of decisions costs one round trip.
 """
 
@@ -26,6 +28,9 @@ from broker.lua import Lua, execute
 # the in-flight workers index. ARGV: job id, now ms, expiry ms, capacity, worker, edge,
 # attempt, deadline ms ('' for none), keep-until ms (in-flight record).
 _RESERVE = """
+if redis.call('HGET', KEYS[2], 'dead') == '1' then
+  return redis.call('HGET', KEYS[2], 'dead_reason') or 'dead-lettered'
+end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[2])
 if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
   if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[4]) then
@@ -80,8 +85,10 @@ class Reservations:
         self._client = client
         self._margin_ms = inflight_margin_ms
 
-    async def reserve_many(self, holds: Sequence[Hold], now_ms: int) -> list[bool]:
-        """Try every hold atomically (each on its own); one round trip for all of them."""
+    async def reserve_many(self, holds: Sequence[Hold], now_ms: int) -> list[bool | str]:
+        """Try every hold atomically (each on its own); one round trip for all of them.
+        Each answer: True (reserved), False (the worker is full) or, for a dead-lettered
+        job, the dead letter's reason."""
         if not holds:
             return []
 
@@ -110,4 +117,10 @@ class Reservations:
                 )
 
         replies = await execute(self._client, (RESERVE,), build)
-        return [bool(int(r)) for r in replies]
+        return [_outcome(r) for r in replies]
+
+
+def _outcome(reply: object) -> bool | str:
+    if isinstance(reply, bytes | str):
+        return reply.decode() if isinstance(reply, bytes) else reply
+    return bool(int(reply))  # type: ignore[call-overload]

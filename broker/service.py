@@ -226,7 +226,10 @@ class Broker:
                     self._answer(item, decision, "broker_unavailable", f"Redis unavailable: {exc}")
                 return
             for (item, decision), ok in zip(placed, granted, strict=True):
-                if ok:
+                if isinstance(ok, str):  # dead-lettered: never placed again
+                    self.fleet.release(item.request.job_id)
+                    self._answer(item, None, "dead_letter", f"the job is dead-lettered: {ok}")
+                elif ok:
                     self._grant(item, decision, policy)
                 else:  # other replicas filled the worker first: count it full, decide again
                     self.fleet.release(item.request.job_id)

@@ -98,9 +98,14 @@ class Offloads:
                 if declined is None:
                     return
                 outcome = declined
-            if self._hooks.current(tracked, "offering"):  # else concluded meanwhile
-                log.info("job %s stays local: %s", job.job_id, outcome.reason)
-                self._hooks.run_here(tracked, outcome)
+            if not self._hooks.current(tracked, "offering"):
+                return  # concluded meanwhile
+            if outcome.code == "dead_letter":  # the broker will not place it again
+                self._counters["dead_letters"] += 1
+                self._hooks.dead_letter(tracked, outcome.reason)
+                return
+            log.info("job %s stays local: %s", job.job_id, outcome.reason)
+            self._hooks.run_here(tracked, outcome)
         finally:
             self.offering -= 1
             self._hooks.settled()

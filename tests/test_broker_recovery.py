@@ -279,7 +279,7 @@ def broker_redis(redis_server: ServerProcess) -> str:
 
 @pytest.fixture
 def campus(tmp_path: Path, mqtt: ServerProcess, broker_redis: str, unique: str) -> Campus:
-    workers = {f"w{i}-{unique}": (ZONE, "x86-cpu") for i in range(1, 4)}
+    workers = {f"w{i}-{unique}": (ZONE, "x86-cpu") for i in range(1, 5)}
     return write_campus(tmp_path, key, mqtt_port=mqtt.port, redis_url=broker_redis, workers=workers)
 
 
@@ -437,7 +437,7 @@ class Edge:
         self.notices: list[JobNotice] = []
         self._replies: dict[bytes, PlacementReply] = {}
 
-    def place(self, job_id: str, attempt: int = 1) -> PlacementReply:
+    def place(self, job_id: str, attempt: int = 1, *, must_place: bool = True) -> PlacementReply:
         req = PlacementRequest(
             job_id=job_id,
             edge_id=EDGE,
@@ -462,7 +462,7 @@ class Edge:
         while props.CorrelationData not in self._replies:
             self._take()
         reply = self._replies.pop(props.CorrelationData)
-        assert reply.status == "placed", reply
+        assert reply.status == "placed" or not must_place, reply
         return reply
 
     def _take(self) -> None:
@@ -576,7 +576,7 @@ def test_the_kth_crash_dead_letters_the_job_with_its_reason_in_api_and_metrics(
 ) -> None:
     broker = BrokerProcess(campus, mqtt, broker_redis, max_worker_crashes="3")
     processes.append(broker)
-    workers = {w.id: w for w in _workers(campus, mqtt, processes, 3)}
+    workers = {w.id: w for w in _workers(campus, mqtt, processes, 4)}  # one survives
     _online(broker, list(workers.values()))
     (job,) = _jobs(1)
     crashed = []
@@ -608,6 +608,10 @@ def test_the_kth_crash_dead_letters_the_job_with_its_reason_in_api_and_metrics(
     assert "/dead-letters" in paths
     assert "sluicegate_dead_letters_total" in paths["/metrics"]["get"]["description"]
     _audited(broker_redis, broker, "job.dead_letter", job)
+    # Asked again (an edge that missed the notice), it is refused, with a worker free.
+    again = edge.place(job, 4, must_place=False)
+    assert (again.status, again.code) == ("refused", "dead_letter")
+    assert again.reason is not None and notice.reason in again.reason
 
 
 def _audited(redis_url: str, broker: BrokerProcess, kind: str, job: str) -> dict[str, Any]:

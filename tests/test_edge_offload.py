@@ -273,6 +273,18 @@ async def test_refusal_keeps_the_job_local_and_says_why(rig: Rig) -> None:
     assert result["outputs"]["label"] == TRUTH
 
 
+@pytest.mark.parametrize(
+    "rig", [refused("dead_letter", "the job is dead-lettered: 3 workers died")], indirect=True
+)
+async def test_a_dead_lettered_refusal_answers_failed_and_does_not_run_here(rig: Rig) -> None:
+    rig.submit()
+    result = json.loads((await rig.first("app/results")).payload)
+    assert (result["status"], result["code"]) == ("failed", "dead_letter")
+    assert "3 workers died" in result["reason"]
+    assert "outputs" not in result  # a poison job is not run on the line PC
+    assert rig.agent.counters["dead_letters"] == 1
+
+
 @pytest.mark.parametrize("rig", [None], indirect=True)
 async def test_silent_broker_times_out_to_local(rig: Rig) -> None:
     rig.submit()
