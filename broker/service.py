@@ -263,8 +263,9 @@ class Broker:
                 await self._someone_waits.wait()
                 continue
             room = True
-            try:
-                await asyncio.wait_for(self._room.wait(), WAIT_TICK_S)
+            try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel
+                async with asyncio.timeout(WAIT_TICK_S):
+                    await self._room.wait()
             except TimeoutError:
                 room = False
             self._room.clear()
