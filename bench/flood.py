@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.faults.flooding import FloodReport, flood_while_serving  # noqa: E402
+from tests.faults.malformed import KINDS  # noqa: E402
 from tests.faults.rig import Rig  # noqa: E402
 
 EDGE = "line-1-pc"
@@ -47,7 +48,7 @@ def print_table(r: FloodReport, args: argparse.Namespace) -> None:
     print(
         f"flood: {args.rate:g} malformed requests/s for {args.seconds:g} s at {EDGE} "
         f"(payload limit {args.payload_limit} B) while {args.real_rate:g} real jobs/s run; "
-        f"nproc {os.cpu_count()}"
+        f"nproc {os.cpu_count()}" + (f"; without {', '.join(args.exclude)}" if args.exclude else "")
     )
     print(
         f"  malformed sent        {sent} ({sent / args.seconds:.0f}/s achieved), "
@@ -88,7 +89,15 @@ def main() -> None:
         "--payload-limit", type=int, default=1024 * 1024, help="the edge's max_payload_bytes"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        choices=[k.name for k in KINDS],
+        help="leave this kind out of the flood (repeatable)",
+    )
     args = ap.parse_args()
+    kinds = [k for k in KINDS if k.name not in args.exclude]
     env = {"SLUICEGATE_EDGE__MAX_PAYLOAD_BYTES": str(args.payload_limit)}
     with (
         tempfile.TemporaryDirectory(prefix="sg-flood-") as tmp,
@@ -105,6 +114,7 @@ def main() -> None:
                 after_s=args.after,
                 payload_limit=args.payload_limit,
                 seed=args.seed,
+                kinds=kinds,
             )
         )
         alive = rig.campus.alive(EDGE)

@@ -26,7 +26,7 @@ from sluicegate.mqtt import MqttTransport
 from sluicegate.transport import Message
 from tests.faults.app import App
 from tests.faults.ledger import Verdict
-from tests.faults.malformed import Flooder
+from tests.faults.malformed import Flooder, Kind
 from tests.faults.rig import Rig, image_for, read_rss
 
 
@@ -102,6 +102,7 @@ async def flood_while_serving(
     payload_limit: int,
     settle_timeout: float = 30.0,
     seed: int = 0,
+    kinds: list[Kind] | None = None,
 ) -> FloodReport:
     """Serve real jobs at ``real_rate`` for ``before_s``, then under the flood for
     ``flood_s``, then for ``after_s``; wait (bounded) for every real result."""
@@ -121,6 +122,7 @@ async def flood_while_serving(
         reply_topic=refusals.topic,
         payload_limit=payload_limit,
         seed=seed,
+        kinds=kinds,
     )
     stop_sampling = asyncio.Event()
 
