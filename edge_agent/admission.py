@@ -59,6 +59,10 @@ class Refusal:
     model: str | None
 
 
+# More than this many user properties on a request is refused: a job needs six at most.
+MAX_USER_PROPERTIES = 32
+
+
 class _Props(BaseModel):
     """The job's user properties, as strings off the wire."""
 
@@ -135,17 +139,34 @@ def admit(
 ) -> Job | Refusal:
     """Decide whether ``msg`` is an acceptable job; never raises for bad input."""
     raw = dict(msg.user_properties)
-    # A malformed job-id is still echoed back in the refusal, so the sender can match it.
-    job_id = raw.get(topics.PROP_JOB_ID) or _job_id(msg, new_id)
+
+    def ident() -> str:
+        # A malformed job-id is still echoed back in a refusal, so the sender can match it.
+        # An id is derived from the image only once its size has passed: never hash 8 MiB
+        # to refuse it.
+        given = raw.get(topics.PROP_JOB_ID)
+        if given:
+            return given
+        if len(msg.payload) <= limits.max_payload_bytes:
+            return _job_id(msg, new_id)
+        return new_id()
 
     def refuse(code: str, reason: str, model: str | None = None) -> Refusal:
         status: Literal["rejected", "expired"] = "expired" if code == "expired" else "rejected"
         return Refusal(
-            job_id, status, code, reason, msg.response_topic, msg.correlation_data, model
+            ident(), status, code, reason, msg.response_topic, msg.correlation_data, model
         )
 
     if not msg.response_topic:
         return refuse("no_response_topic", "the request has no MQTT v5 Response Topic")
+    if len(msg.user_properties) > MAX_USER_PROPERTIES:
+        return refuse(
+            "bad_property",
+            f"the request carries {len(msg.user_properties)} user properties; at most "
+            f"{MAX_USER_PROPERTIES} are accepted (model, deadline-ms, deadline-at, priority, "
+            "data-class, job-id and your own)",
+            raw.get(topics.PROP_MODEL),
+        )
     try:
         props = _Props.model_validate(raw)
     except ValidationError as exc:
@@ -180,7 +201,7 @@ def admit(
         late = (now - deadline) * 1000.0
         return refuse_for_model("expired", f"the deadline passed {late:.0f} ms before receipt")
     return Job(
-        job_id=job_id,
+        job_id=ident(),
         model=props.model,
         payload=msg.payload,
         image=info,

@@ -113,6 +113,11 @@ def test_deadline_at_and_deadline_ms_take_the_earlier() -> None:
         (_msg(jpeg_header_only(20000, 20000)), "image_too_large", "20000"),
         (_msg(jpeg_header_only(12000, 100)), "image_too_large", "12000"),
         (_msg(deadline_at=str((NOW - 1) * 1000)), "expired", "deadline passed"),
+        (
+            _msg(**{f"x_{i}": "y" * 64 for i in range(200)}),
+            "bad_property",
+            "carries 201 user properties; at most 32",
+        ),
     ],
 )
 def test_bad_requests_are_refused_with_a_reason(msg: Message, code: str, words: str) -> None:
@@ -162,3 +167,19 @@ def test_queue_refuses_past_capacity() -> None:
     assert len(queue) == 2
     with pytest.raises(ValueError, match="capacity"):
         JobQueue(0, lambda s: (0, 0.0))
+
+
+def test_an_oversized_payload_is_refused_without_hashing_it_for_an_id() -> None:
+    decision = _admit(_msg(b"\xff" * ((1 << 20) + 1)))
+    assert isinstance(decision, Refusal)
+    assert decision.job_id.startswith("id")  # a fresh id, not one derived from the bytes
+    own = _admit(_msg(b"\xff" * ((1 << 20) + 1), job_id="mine-2"))
+    assert own.job_id == "mine-2"
+
+
+def test_a_refused_request_within_the_size_limit_has_its_derived_id() -> None:
+    bad = _msg(priority="x")
+    decision = _admit(bad)
+    assert isinstance(decision, Refusal)
+    assert bad.response_topic is not None
+    assert decision.job_id == derive_job_id(bad.response_topic, b"corr-1", bad.payload)
