@@ -61,6 +61,12 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=100.0, help="slots per second (A then B)")
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--payload-kb", type=int, default=100)
+    ap.add_argument(
+        "--outbox-sync",
+        choices=["FULL", "NORMAL"],
+        default="FULL",
+        help="the edges' outbox synchronous setting (FULL is their default)",
+    )
     args = ap.parse_args()
     image = make_image(args.payload_kb)
     digest = hashlib.sha256(image).digest()
@@ -74,7 +80,10 @@ def main() -> None:
             Path(tmp),
             mqtt_port=mqtt.port,
             redis_url=f"redis://127.0.0.1:{redis.port}/0",
-            env={"SLUICEGATE_OFFLOAD__QUEUE_BOUND": "0"},
+            env={
+                "SLUICEGATE_OFFLOAD__QUEUE_BOUND": "0",
+                "SLUICEGATE_EDGE__OUTBOX_SYNCHRONOUS": args.outbox_sync,
+            },
         )
         files = campus.start()
         policy = load_policy(files.policy_file)
