@@ -8,8 +8,9 @@ waits for never wakes the loop. The transport reconnects with exponential backof
 re-subscribes after every reconnect, sets ``TCP_NODELAY`` (Nagle would add ~40 ms a hop)
 and can register a Last Will.
 
-Hand-off is bounded: when handlers fall ``max_pending`` messages behind, paho's thread
-waits, so TCP pushes back on the sender instead of memory growing. Handlers must therefore
+Hand-off is bounded: when handlers fall ``max_pending`` messages or ``max_pending_bytes``
+of payload behind (:class:`~sluicegate.handoff.Budget`), paho's thread waits, so TCP pushes
+back on the sender instead of memory growing. Handlers must therefore
 be quick and must never wait on the transport themselves.
 
 Acknowledgements are ours, not paho's (``Client(manual_ack=True)``): a message of an
@@ -46,6 +47,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 
 from sluicegate.config import MqttSettings
 from sluicegate.errors import TransportError
+from sluicegate.handoff import Budget
 from sluicegate.topics import matches
 from sluicegate.transport import Handler, Message, UserProperties, Will
 
@@ -208,6 +210,7 @@ class MqttTransport:
         clean_start: bool = True,
         session_expiry_s: int = 0,
         max_pending: int = 1024,
+        max_pending_bytes: int = 64 * 2**20,
     ) -> None:
         self._settings = settings
         self._client_id = client_id
@@ -219,7 +222,7 @@ class MqttTransport:
         self._disconnect_hooks: list[Callable[[], None]] = []
         self._acks = _AckTable()
         self._sub_acks = _AckTable()
-        self._slots = threading.BoundedSemaphore(max_pending)
+        self._budget = Budget(max_pending, max_pending_bytes)
         self._inbox: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()
         self._inbox_lock = threading.Lock()
         self._drain_scheduled = False
@@ -468,11 +471,14 @@ class MqttTransport:
                 self._park(msg)
                 return
         message = self._convert(msg, subs, self._generation)
+        size = len(message.payload)
         for sub in subs:
-            while not self._slots.acquire(timeout=0.5):
-                if self._closing:
-                    return
+            if not self._budget.take(size, give_up=self._is_closing):
+                return
             self._hand_off(self._deliver, sub.handler, message)
+
+    def _is_closing(self) -> bool:
+        return self._closing
 
     def _park(self, msg: paho.MQTTMessage) -> None:
         """Keep an unclaimed QoS ≥ 1 message, unacked, for a subscription still to come
@@ -507,7 +513,7 @@ class MqttTransport:
         try:
             self._call(handler, message)
         finally:
-            self._slots.release()
+            self._budget.give_back(len(message.payload))
 
     def _call(self, handler: Handler, message: Message) -> None:
         try:
