@@ -262,12 +262,13 @@ class Broker:
                 self._someone_waits.clear()
                 await self._someone_waits.wait()
                 continue
-            room = True
-            try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel
+            # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel. Whether
+            # there is room is read off the event, not the timeout: capacity that frees
+            # as the tick ends must not be cleared unseen (the request would wait it out).
+            with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(WAIT_TICK_S):
                     await self._room.wait()
-            except TimeoutError:
-                room = False
+            room = self._room.is_set()
             self._room.clear()
             now = self._clock()
             for gone in self.waiting.expired(now):
