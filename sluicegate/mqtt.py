@@ -48,6 +48,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 from sluicegate.config import MqttSettings
 from sluicegate.errors import TransportError
 from sluicegate.handoff import Budget
+from sluicegate.mqtt_wire import pack_publish_properties
 from sluicegate.topics import matches
 from sluicegate.transport import Handler, Message, UserProperties, Will
 
@@ -63,7 +64,7 @@ def _new_properties(packet_type: int) -> Properties:
 
 
 class _PublishProperties(Properties):
-    """PUBLISH properties packed once, here, as MQTT v5 lays them out.
+    """PUBLISH properties already packed (:mod:`sluicegate.mqtt_wire`).
 
     paho's :class:`Properties` rebuilds its name tables for every instance and scans all
     27 property names on every ``pack()``: about 60 µs a message on the broker's hot path,
@@ -80,22 +81,6 @@ class _PublishProperties(Properties):
         return packed
 
 
-def _utf8(name: str, value: str) -> bytes:
-    data = value.encode("utf-8")
-    if len(data) > 0xFFFF:
-        raise ValueError(f"{name} is {len(data)} bytes in UTF-8; MQTT allows at most 65535")
-    return len(data).to_bytes(2, "big") + data
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        n, digit = divmod(n, 128)
-        out.append(digit | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 def _properties(
     response_topic: str | None,
     correlation_data: bytes | None,
@@ -103,28 +88,10 @@ def _properties(
     user_properties: UserProperties,
     message_expiry_s: int | None = None,
 ) -> Properties | None:
-    if not (response_topic or content_type or user_properties) and (
-        correlation_data is None and message_expiry_s is None
-    ):
-        return None
-    body = bytearray()
-    if message_expiry_s is not None:
-        if not 0 <= message_expiry_s <= 0xFFFFFFFF:
-            raise ValueError(f"message expiry {message_expiry_s} s is outside 0..4294967295")
-        body += b"\x02" + message_expiry_s.to_bytes(4, "big")
-    if content_type:
-        body += b"\x03" + _utf8("content type", content_type)
-    if response_topic:
-        body += b"\x08" + _utf8("response topic", response_topic)
-    if correlation_data is not None:
-        if len(correlation_data) > 0xFFFF:
-            raise ValueError(
-                f"correlation data is {len(correlation_data)} bytes; MQTT allows at most 65535"
-            )
-        body += b"\x09" + len(correlation_data).to_bytes(2, "big") + correlation_data
-    for key, value in user_properties:
-        body += b"\x26" + _utf8("user property name", key) + _utf8(f"user property {key!r}", value)
-    return _PublishProperties(_varint(len(body)) + bytes(body))
+    packed = pack_publish_properties(
+        response_topic, correlation_data, content_type, user_properties, message_expiry_s
+    )
+    return None if packed is None else _PublishProperties(packed)
 
 
 @dataclass(frozen=True, slots=True)
