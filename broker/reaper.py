@@ -62,6 +62,8 @@ class Reaper:
         metrics: BrokerMetrics,
         audit: DecisionAudit,
         clock: Callable[[], float],
+        *,
+        stale_after_s: float,
     ) -> None:
         self.settings = settings
         self._transport = transport
@@ -71,7 +73,7 @@ class Reaper:
         self._metrics = metrics
         self._audit = audit
         self._clock = clock
-        self.stale_after_s = settings.telemetry_interval_s * settings.missed_intervals
+        self.stale_after_s = stale_after_s  # silence that makes a worker dead
         self.sweep_s = min(settings.telemetry_interval_s, 1.0)
         self._gone: dict[str, Cause] = {}  # dead workers whose jobs are not claimed yet
         self._wake = asyncio.Event()

@@ -109,8 +109,7 @@ class Broker:
         self._placed_by_pool: Counter[str] = Counter()
         self.arrivals: dict[str, float] = {}  # jobs/s placed per pool (moving average)
         self._pools: tuple[bytes, dict[str, str]] = (b"", {})  # policy digest, worker -> pool
-        ttl_ms = int(settings.telemetry_interval_s * settings.missed_intervals * 1000)
-        self.store = BrokerStore(redis, ttl_ms)
+        self.store = BrokerStore(redis, int(self.params.stale_after_s * 1000))
         self._reserve_ok = True
         self.inflight = InflightStore(redis, self.store)
         self.reaper = Reaper(
@@ -122,6 +121,7 @@ class Broker:
             self.metrics,
             self.audit,
             clock,
+            stale_after_s=self.params.stale_after_s,
         )
 
     # -- intake (event loop, quick) --------------------------------------------------------
@@ -396,8 +396,7 @@ class Broker:
     async def _housekeeping(self) -> None:
         interval = self.settings.telemetry_interval_s
         while True:
-            await asyncio.sleep(min(interval, 1.0))
-            self.fleet.expire(self._clock(), self.params.stale_after_s)
+            await asyncio.sleep(min(interval, 1.0))  # silent workers: the reaper's sweep
             tick = min(interval, 1.0)
             for pool in set(self.arrivals) | set(self._placed_by_pool):
                 rate = self._placed_by_pool.get(pool, 0) / tick
