@@ -36,7 +36,7 @@ import socket
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import paho.mqtt.client as paho
@@ -144,9 +144,13 @@ class _Subscription:
     qos: int
     handler: Handler
     manual_ack: bool = False
+    pattern: str = field(init=False)  # what arriving topics match: the filter sans $share
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pattern", _matching(self.topic_filter))
 
     def matches(self, topic: str) -> bool:
-        return matches(_matching(self.topic_filter), topic)
+        return matches(self.pattern, topic)
 
 
 class _AckTable:
