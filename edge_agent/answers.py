@@ -180,7 +180,7 @@ class Answers:
 
     @property
     def delivering(self) -> int:
-        return sum(1 for t in self._tasks if not t.done())
+        return len(self._tasks)  # a task leaves the set as it finishes
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -189,9 +189,8 @@ class Answers:
 
     async def drain(self, timeout: float) -> None:
         """Wait (up to ``timeout``) for the publishes in progress, then cancel the rest."""
-        pending = [t for t in self._tasks if not t.done()]
-        if pending:
-            await asyncio.wait(pending, timeout=timeout)
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout)
         self.cancel()
 
     def cancel(self) -> None:
