@@ -123,11 +123,7 @@ class LocalRuns:
             if not self._hooks.current(tracked, "queued"):
                 continue  # concluded or rerouted while it waited
             job = tracked.job
-            now = self._clock()
-            if job.deadline is not None and now >= job.deadline:
-                late = (now - job.deadline) * 1000.0
-                reason = f"the deadline passed {late:.0f} ms before the job could start; not run"
-                self._hooks.conclude(tracked, "expired", code="expired", reason=reason)
+            if self._expired(tracked, self._clock()):
                 continue
             if tracked.local_runs >= self._settings.max_local_runs:
                 self._hooks.dead_letter(tracked)
@@ -159,17 +155,24 @@ class LocalRuns:
         """Hand a job whose run is counted on disk to a compute thread (its slot is held)."""
         job = tracked.job
         started = self._clock()
-        if job.deadline is not None and started >= job.deadline:
-            late = (started - job.deadline) * 1000.0
-            reason = f"the deadline passed {late:.0f} ms before the job could start; not run"
+        if self._expired(tracked, started):
             self.in_flight -= 1
-            self._hooks.conclude(tracked, "expired", code="expired", reason=reason)
             self.dispatch()
             return
         tracked.phase = "running"
         model = self._registry.get(job.model)
         future = self._executor.submit(model.infer_bytes, job.payload, info=job.image)
         future.add_done_callback(partial(self._from_worker, tracked, started))
+
+    def _expired(self, tracked: Tracked, now: float) -> bool:
+        """Conclude a job whose deadline passed before it could start; True if it did."""
+        deadline = tracked.job.deadline
+        if deadline is None or now < deadline:
+            return False
+        late = (now - deadline) * 1000.0
+        reason = f"the deadline passed {late:.0f} ms before the job could start; not run"
+        self._hooks.conclude(tracked, "expired", code="expired", reason=reason)
+        return True
 
     def _from_worker(self, tracked: Tracked, started: float, future: Future[Inference]) -> None:
         # Runs on the worker thread: hand the outcome back to the loop, nothing more.
