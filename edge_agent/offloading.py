@@ -101,8 +101,7 @@ class Offloads:
             if not self._hooks.current(tracked, "offering"):
                 return  # concluded meanwhile
             if outcome.code == "dead_letter":  # the broker will not place it again
-                self._counters["dead_letters"] += 1
-                self._hooks.dead_letter(tracked, outcome.reason)
+                self._dead_letter(tracked, outcome.reason)
                 return
             log.info("job %s stays local: %s", job.job_id, outcome.reason)
             self._hooks.run_here(tracked, outcome)
@@ -194,8 +193,7 @@ class Offloads:
             if tracked is None or tracked.phase not in ledger.TAKES_DEAD_LETTER:
                 self._counters["stale_notices"] += 1
                 return
-            self._counters["dead_letters"] += 1
-            self._hooks.dead_letter(tracked, notice.reason)
+            self._dead_letter(tracked, notice.reason)
             return
         if (
             tracked is None
@@ -209,6 +207,10 @@ class Offloads:
             "job %s attempt %d lost with worker %s", notice.job_id, notice.attempt, notice.worker_id
         )
         self._hooks.reroute(tracked, Declined("worker_lost", notice.reason))
+
+    def _dead_letter(self, tracked: Tracked, reason: str) -> None:
+        self._counters["dead_letters"] += 1
+        self._hooks.dead_letter(tracked, reason)
 
     def check_overdue(self, jobs: Iterable[Tracked]) -> None:
         """Reroute offloaded jobs whose return is overdue (the broker, the worker or the
