@@ -29,6 +29,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import paho.mqtt.client as paho
+import psutil
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
@@ -77,6 +78,22 @@ class Driver:
         subscribed.wait(10)
         self.payloads = [self._request(i) for i in range(512)]
 
+    def wait_online(self, topic: str, timeout: float = 60.0) -> None:
+        """Wait for a node's retained status to say online (requests sent before its
+        subscriptions exist are lost, and each would stall a round for seconds)."""
+        online = threading.Event()
+
+        def on_status(_c: paho.Client, _u: object, msg: paho.MQTTMessage) -> None:
+            if json.loads(msg.payload).get("state") == "online":
+                online.set()
+
+        self.client.message_callback_add(topic, on_status)
+        self.client.subscribe(topic, qos=1)
+        if not online.wait(timeout):
+            raise SystemExit(f"no online status on {topic} within {timeout:.0f} s")
+        self.client.unsubscribe(topic)
+        self.client.message_callback_remove(topic)
+
     def _request(self, i: int) -> bytes:
         now = time.time()
         return wire.dump(
@@ -102,7 +119,17 @@ class Driver:
                 self.statuses[status] = self.statuses.get(status, 0) + 1
             self.cond.notify_all()
 
-    def round(self, topic: str, seconds: float, window: int, *, count: bool = False) -> float:
+    def round(
+        self,
+        topic: str,
+        seconds: float,
+        window: int,
+        *,
+        count: bool = False,
+        serving: psutil.Process | None = None,
+    ) -> tuple[float, float]:
+        """Requests answered per second, and the answering process's CPU per request (µs)."""
+        cpu0 = _cpu(serving)
         with self.cond:
             self.replies = 0
             self.counting = count
@@ -122,10 +149,19 @@ class Driver:
             sent += 1
         with self.cond:
             self.cond.wait_for(lambda: self.replies >= sent, 30.0)
-        return self.replies / (time.perf_counter() - t0)
+        rate = self.replies / (time.perf_counter() - t0)
+        return rate, (_cpu(serving) - cpu0) * 1e6 / max(self.replies, 1)
 
     def _room(self, limit: int) -> bool:
         return self.replies > limit
+
+
+def _cpu(process: psutil.Process | None) -> float:
+    """CPU seconds (user + system, all threads) the process has used so far."""
+    if process is None:
+        return 0.0
+    times = process.cpu_times()
+    return float(times.user + times.system)
 
 
 def fleet_publisher(port: int, workers: list[str], stop: threading.Event) -> None:
@@ -190,6 +226,8 @@ def main() -> None:
             http_port=free_port(),
         )
         cmd = [sys.executable, "-m", "sluicegate.cli", "broker", "run", "--log-level", "warning"]
+        if profile := os.environ.get("SG_BENCH_PROFILE"):  # a cProfile of the broker, to read
+            cmd[1:1] = ["-m", "cProfile", "-o", profile]
         broker = subprocess.Popen([*cmd, "--config", str(campus.node_config("broker-1"))])
         relay = subprocess.Popen(
             [sys.executable, str(ROOT / "bench" / "relay.py"), str(mqtt.port), "x", RELAY_TOPIC]
@@ -198,15 +236,27 @@ def main() -> None:
         feeder = threading.Thread(target=fleet_publisher, args=(mqtt.port, workers, stop))
         feeder.start()
         driver = Driver(mqtt.port)
+        driver.wait_online(topics.broker_status("broker-1"))
         subject: list[float] = []
         baseline: list[float] = []
+        subject_cpu: list[float] = []  # the broker's CPU µs per decision, each round
+        baseline_cpu: list[float] = []
         try:
             driver.round(topics.placement_requests(), 2.0, args.window)  # warm-up
+            broker_proc, relay_proc = psutil.Process(broker.pid), psutil.Process(relay.pid)
             for _ in range(args.rounds):
-                subject.append(
-                    driver.round(topics.placement_requests(), args.seconds, args.window, count=True)
+                rate, cpu = driver.round(
+                    topics.placement_requests(),
+                    args.seconds,
+                    args.window,
+                    count=True,
+                    serving=broker_proc,
                 )
-                baseline.append(driver.round(RELAY_TOPIC, args.seconds, args.window))
+                subject.append(rate)
+                subject_cpu.append(cpu)
+                rate, cpu = driver.round(RELAY_TOPIC, args.seconds, args.window, serving=relay_proc)
+                baseline.append(rate)
+                baseline_cpu.append(cpu)
         finally:
             stop.set()
             feeder.join()
@@ -214,19 +264,31 @@ def main() -> None:
             relay.kill()
             broker.wait(20)
             relay.wait(20)
-    report(args, subject, baseline, driver.statuses)
+    report(args, subject, baseline, driver.statuses, subject_cpu, baseline_cpu)
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def report(
-    args: argparse.Namespace, subject: list[float], baseline: list[float], statuses: dict[str, int]
+    args: argparse.Namespace,
+    subject: list[float],
+    baseline: list[float],
+    statuses: dict[str, int],
+    subject_cpu: list[float],
+    baseline_cpu: list[float],
 ) -> None:
-    med_s, med_b = sorted(subject)[len(subject) // 2], sorted(baseline)[len(baseline) // 2]
+    med_s, med_b = _median(subject), _median(baseline)
+    cpu_s, cpu_b = _median(subject_cpu), _median(baseline_cpu)
     print(
         f"broker throughput: {args.workers} workers, window {args.window}, {args.rounds} rounds "
         f"of {args.seconds:g} s, nproc {os.cpu_count()}; replies by status {statuses}"
     )
     print(f"  broker decisions/s   {med_s:8.0f}   rounds {[round(x) for x in subject]}")
     print(f"  bare paho relay /s   {med_b:8.0f}   rounds {[round(x) for x in baseline]}")
+    print(f"  broker CPU per decision {cpu_s:5.0f} µs   rounds {[round(x) for x in subject_cpu]}")
+    print(f"  relay CPU per request   {cpu_b:5.0f} µs   rounds {[round(x) for x in baseline_cpu]}")
     ratio = med_s / med_b
     scaled = TARGET["decisions_per_s"] * med_b / DESIGN_RELAY_PER_S
     print(f"  broker / relay       {ratio:8.2f}")
@@ -237,8 +299,13 @@ def report(
     )
     result = {
         "bench": "broker_throughput",
-        "subject": {"decisions_per_s": med_s, "rounds": subject, "statuses": statuses},
-        "baseline": {"relay_per_s": med_b, "rounds": baseline},
+        "subject": {
+            "decisions_per_s": med_s,
+            "rounds": subject,
+            "statuses": statuses,
+            "cpu_us_per_decision": cpu_s,
+        },
+        "baseline": {"relay_per_s": med_b, "rounds": baseline, "cpu_us_per_request": cpu_b},
         "ratio": {"broker_over_relay": ratio},
         "target": {**TARGET, "scaled_to_this_machine": scaled},
         "met": med_s >= TARGET["decisions_per_s"],

@@ -22,8 +22,14 @@ def reservations(worker_id: str) -> str:
 
 
 def job(job_id: str) -> str:
-    """Hash: a job's placement status and the decision's explanation."""
+    """Hash: a job's placement status, as later events set it."""
     return f"{PREFIX}:job:{job_id}"
+
+
+def job_decision(job_id: str) -> str:
+    """String: the job's latest decision record with its explanation (JSON). Its own key,
+    so a decision is one command (``SET .. EX``), not a field write plus an expiry."""
+    return f"{PREFIX}:job:{job_id}:decision"
 
 
 def inflight(job_id: str) -> str:

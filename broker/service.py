@@ -369,10 +369,13 @@ class Broker:
         self.store.job_decision(req.job_id, text)
 
     def _reply(self, topic: str, correlation: bytes | None, reply: PlacementReply) -> None:
+        # QoS 0: a reply is worth something only while its edge waits (its placement
+        # timeout, milliseconds); a lost one costs that wait and the reservation expires.
+        # QoS 1 would add a PUBACK to read per decision, here and at the edge.
         self._transport.publish_nowait(
             topic,
             wire.dump(reply),
-            qos=1,
+            qos=0,
             correlation_data=correlation,
             content_type=wire.RESULT_CONTENT_TYPE,
         )

@@ -70,9 +70,9 @@ class BrokerStore:
         self.write("expire", keys.job(job_id), JOB_TTL_S)
 
     def job_decision(self, job_id: str, record_json: str) -> None:
-        """Store a decision's whole record, already JSON; later fields overlay it."""
-        self.write("hset", keys.job(job_id), "decision", record_json)
-        self.write("expire", keys.job(job_id), JOB_TTL_S)
+        """Store a decision's whole record, already JSON; the job's status fields overlay
+        it when read back."""
+        self.write("set", keys.job_decision(job_id), record_json, ex=JOB_TTL_S)
 
     def release(self, worker_id: str, job_id: str) -> None:
         """The job holds no slot on the worker any more, and is not in flight there."""
@@ -96,11 +96,14 @@ class BrokerStore:
         self.write("ping")
 
     async def job(self, job_id: str) -> dict[str, Any] | None:
-        raw = await self._client.hgetall(keys.job(job_id))
-        if not raw:
+        async with self._client.pipeline(transaction=False) as pipe:
+            pipe.get(keys.job_decision(job_id))
+            pipe.hgetall(keys.job(job_id))
+            raw_decision, raw = await pipe.execute()
+        if not raw and raw_decision is None:
             return None
         fields = {_text(k): json.loads(v) for k, v in raw.items()}
-        decision = fields.pop("decision", None)
+        decision = json.loads(raw_decision) if raw_decision is not None else None
         return {**(decision if isinstance(decision, dict) else {}), **fields}
 
     async def run(self) -> None:
