@@ -1,30 +1,31 @@
 """The one bridge between paho-mqtt (MQTT v5) and asyncio; no other module imports paho.
 
-paho runs its network loop on its own thread. Its callbacks only convert what arrived into
-our own :class:`~sluicegate.transport.Message` and hand it to the event loop with
-``loop.call_soon_threadsafe`` — coalesced, so a burst costs one wake-up of the loop, not
-one per message. Broker acks are matched to waiting callers in an ack table; an ack nobody
-waits for never wakes the loop. The transport reconnects with exponential backoff,
-re-subscribes after every reconnect, sets ``TCP_NODELAY`` (Nagle would add ~40 ms a hop)
-and can register a Last Will.
+paho runs on the event loop, through its external-loop interface: the loop watches paho's
+socket (``loop_read`` when readable, ``loop_write`` while paho has packets to send) and a
+small task calls ``loop_misc`` for keepalive. paho's callbacks therefore run on the loop
+thread, and a message is converted into our own :class:`~sluicegate.transport.Message` and
+handed to its handler at once. There is no network thread: measured under load (the
+broker's placement path), a second thread cost about a third more CPU per message than the
+work itself, in GIL hand-offs and wake-ups (docs/performance.md). Handlers must therefore
+be quick and must never wait on the transport themselves; while one runs, nothing is read,
+so TCP pushes back on the sender instead of memory growing.
 
-Hand-off is bounded: when handlers fall ``max_pending`` messages or ``max_pending_bytes``
-of payload behind (:class:`~sluicegate.handoff.Budget`), paho's thread waits, so TCP pushes
-back on the sender instead of memory growing. Handlers must therefore
-be quick and must never wait on the transport themselves.
+Only the TCP (and TLS) connect, which blocks, runs on a worker thread; the transport
+connects, and reconnects whenever the connection is lost, with exponential backoff between
+failed attempts. It re-subscribes after every reconnect, sets ``TCP_NODELAY`` (Nagle would
+add ~40 ms a hop) and can register a Last Will. Broker acks are matched to waiting callers.
 
 Acknowledgements are ours, not paho's (``Client(manual_ack=True)``): a message of an
-ordinary subscription is acked on paho's thread as it is handed over, as paho itself would;
-one matching a ``manual_ack`` subscription carries an ack handle and is acked only when its
-handler calls :meth:`MqttTransport.ack`. ``client.ack`` only appends a packet to paho's
-outgoing deque (as ``publish`` does from the loop), so it is safe from the loop thread. A
-handle remembers the connection it arrived on: an ack after that connection was lost is
-dropped, since the broker redelivers the message on the new connection under a packet id
-that may by then name another message. A QoS ≥ 1 message that no subscription of this
-process claims yet (a persistent session delivers queued messages right after CONNACK,
-before the role has subscribed again) is parked unacked and handed to the first matching
-subscription made on the same connection. The CONNECT's Receive Maximum (``max_pending``)
-keeps the broker from sending more unacked messages than that, parked ones included.
+ordinary subscription is acked as it is handed over, as paho itself would; one matching a
+``manual_ack`` subscription carries an ack handle and is acked only when its handler calls
+:meth:`MqttTransport.ack`. A handle remembers the connection it arrived on: an ack after
+that connection was lost is dropped, since the broker redelivers the message on the new
+connection under a packet id that may by then name another message. A QoS ≥ 1 message that
+no subscription of this process claims yet (a persistent session delivers queued messages
+right after CONNACK, before the role has subscribed again) is parked unacked and handed to
+the first matching subscription made on the same connection. The CONNECT's Receive Maximum
+(``max_pending``) keeps the broker from sending more unacked messages than that, parked
+ones included.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +49,6 @@ from paho.mqtt.reasoncodes import ReasonCode
 
 from sluicegate.config import MqttSettings
 from sluicegate.errors import TransportError
-from sluicegate.handoff import Budget
 from sluicegate.mqtt_wire import pack_publish_properties
 from sluicegate.topics import matches
 from sluicegate.transport import Handler, Message, UserProperties, Will
@@ -57,6 +58,8 @@ __all__ = ["Message", "MqttTransport", "Will", "to_message"]
 log = logging.getLogger(__name__)
 
 _OK = (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN)
+MISC_INTERVAL_S = 1.0  # how often paho's keepalive bookkeeping runs
+CLOSE_TIMEOUT_S = 2.0  # how long close() waits for its DISCONNECT to go out
 
 
 def _new_properties(packet_type: int) -> Properties:
@@ -105,7 +108,7 @@ class _AckHandle:
 
 
 def to_message(msg: paho.MQTTMessage, ack_handle: object = None) -> Message:
-    """Convert a paho message into our own :class:`Message` (called on paho's thread)."""
+    """Convert a paho message into our own :class:`Message`."""
     props = msg.properties
     response_topic = correlation = content_type = expiry = None
     user: UserProperties = ()
@@ -154,48 +157,35 @@ class _Subscription:
 
 
 class _AckTable:
-    """Matches broker acks (paho's thread) to futures awaited on the loop.
+    """Matches broker acks to the futures of callers that wait for them (all on the loop).
 
-    paho reports an ack while holding its own outgoing-message lock, so this table's lock
-    is only ever taken inside paho's, never around a call into paho: no lock-order cycle.
-    An ack that beats its waiter's registration is remembered briefly in ``early``
-    (bounded; message ids recycle only after 65,535 publishes).
+    A caller registers right after queueing its packet, and paho writes nothing until the
+    loop next runs, so an ack can never arrive before its waiter: an ack nobody waits for
+    (a publish without ``wait``) is simply dropped.
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self._waiting: dict[int, asyncio.Future[None]] = {}
-        self._early: OrderedDict[int, Exception | None] = OrderedDict()
 
     def expect(self, mid: int, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
-        """A future for the ack of ``mid`` (loop thread, right after the packet was queued)."""
+        """A future for the ack of ``mid`` (right after the packet was queued)."""
         fut: asyncio.Future[None] = loop.create_future()
-        with self._lock:
-            if mid in self._early:
-                _settle(fut, self._early.pop(mid))
-            else:
-                self._waiting[mid] = fut
+        self._waiting[mid] = fut
         return fut
 
     def forget(self, mid: int) -> None:
-        with self._lock:
-            self._waiting.pop(mid, None)
+        self._waiting.pop(mid, None)
 
-    def acked(self, mid: int, error: Exception | None) -> asyncio.Future[None] | None:
-        """Record an ack (paho's thread); returns the future to settle on the loop, if any."""
-        with self._lock:
-            fut = self._waiting.pop(mid, None)
-            if fut is None:
-                self._early[mid] = error
-                if len(self._early) > 1024:
-                    self._early.popitem(last=False)
-            return fut
+    def acked(self, mid: int, error: Exception | None) -> None:
+        """Record an ack: settle its waiter, if any."""
+        fut = self._waiting.pop(mid, None)
+        if fut is not None:
+            _settle(fut, error)
 
     def fail_all(self, error: Exception | None) -> None:
-        """Settle every waiter (loop thread): on close, or a SUBACK lost with its connection."""
-        with self._lock:
-            waiting = list(self._waiting.values())
-            self._waiting.clear()
+        """Settle every waiter: on close, or a SUBACK lost with its connection."""
+        waiting = list(self._waiting.values())
+        self._waiting.clear()
         for fut in waiting:
             _settle(fut, error)
 
@@ -210,7 +200,7 @@ def _settle(fut: asyncio.Future[None], error: Exception | None) -> None:
 
 
 class MqttTransport:
-    """An asyncio MQTT v5 client over paho's threaded network loop."""
+    """An asyncio MQTT v5 client: paho driven by the event loop."""
 
     def __init__(
         self,
@@ -221,42 +211,37 @@ class MqttTransport:
         clean_start: bool = True,
         session_expiry_s: int = 0,
         max_pending: int = 1024,
-        max_pending_bytes: int = 64 * 2**20,
     ) -> None:
         self._settings = settings
         self._client_id = client_id
         self._clean_start = clean_start
         self._session_expiry_s = session_expiry_s
-        # Replaced, never mutated, so paho's thread can read it without a lock.
         self._subs: dict[str, _Subscription] = {}
         self._connect_hooks: list[Callable[[], None]] = []
         self._disconnect_hooks: list[Callable[[], None]] = []
         self._acks = _AckTable()
         self._sub_acks = _AckTable()
-        self._budget = Budget(max_pending, max_pending_bytes)
-        self._inbox: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()
-        self._inbox_lock = threading.Lock()
-        self._drain_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
         self._connected = asyncio.Event()
+        self._lost = asyncio.Event()  # the current connection (or attempt) is over
+        self._tasks: list[asyncio.Task[None]] = []
+        self._fd: int | None = None  # paho's socket, while the loop watches it
         self._closing = False
         self._last_error: str | None = None
-        # Connection generation: bumped on paho's thread at every connect and disconnect,
-        # under _ack_lock, which an ack holds while it checks and queues its PUBACK.
-        self._ack_lock = threading.Lock()
+        # Connection generation: bumped at every connect and disconnect; an ack handle
+        # from an earlier generation names a packet id the broker has forgotten.
         self._generation = 0
+        self._connacks = 0  # connections that got as far as a CONNACK
         self._max_parked = max_pending
         self._parked: deque[tuple[paho.MQTTMessage, int]] = deque()  # (message, generation)
-        self._park_lock = threading.Lock()
         self.stale_acks = 0  # acks dropped because their connection was lost
         self._client = paho.Client(
             CallbackAPIVersion.VERSION2,
             client_id=client_id,
             protocol=paho.MQTTv5,
-            reconnect_on_failure=True,
             manual_ack=True,
         )
-        self._client.reconnect_delay_set(settings.reconnect_min_s, settings.reconnect_max_s)
         if settings.username:
             password = settings.password.get_secret_value() if settings.password else None
             self._client.username_pw_set(settings.username, password)
@@ -265,14 +250,16 @@ class MqttTransport:
         if will is not None:
             self._client.will_set(will.topic, will.payload, qos=will.qos, retain=will.retain)
         self._client.on_connect = self._on_connect
-        self._client.on_connect_fail = self._on_connect_fail
         self._client.on_disconnect = self._on_disconnect
         self._client.on_publish = self._on_publish
         self._client.on_subscribe = self._on_subscribe
-        self._client.on_socket_open = self._on_socket_open
         self._client.on_message = self._on_message
+        self._client.on_socket_open = self._on_socket_open
+        self._client.on_socket_close = self._on_socket_close
+        self._client.on_socket_register_write = self._on_register_write
+        self._client.on_socket_unregister_write = self._on_unregister_write
 
-    # -- lifecycle (loop thread) -------------------------------------------------------------
+    # -- lifecycle ----------------------------------------------------------------------------
 
     @property
     def client_id(self) -> str:
@@ -283,12 +270,13 @@ class MqttTransport:
         return self._connected.is_set()
 
     async def connect(self, timeout: float | None = 10.0) -> None:
-        """Start the network thread and wait for the first CONNACK.
+        """Start connecting (and reconnecting) and wait for the first CONNACK.
 
         With ``timeout=None`` it waits for as long as the broker takes to appear, retrying
         with backoff; otherwise a broker that does not answer in time is a TransportError.
         """
         self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         props = _new_properties(PacketTypes.CONNECT)
         props.SessionExpiryInterval = self._session_expiry_s
         # MQTT v5 flow control: the broker keeps at most this many QoS >= 1 messages unacked
@@ -301,7 +289,10 @@ class MqttTransport:
             clean_start=self._clean_start,
             properties=props,
         )
-        self._client.loop_start()
+        self._tasks = [
+            asyncio.ensure_future(self._keep_connected()),
+            asyncio.ensure_future(self._misc()),
+        ]
         try:
             await asyncio.wait_for(self._connected.wait(), timeout)
         except TimeoutError:
@@ -314,10 +305,23 @@ class MqttTransport:
             ) from None
 
     async def close(self) -> None:
-        """Send DISCONNECT (no Last Will), stop the network thread and fail pending waits."""
+        """Send DISCONNECT (no Last Will), stop the connection's tasks and fail pending
+        waits."""
         self._closing = True
-        self._client.disconnect()
-        await asyncio.to_thread(self._client.loop_stop)
+        if self._fd is not None and self.connected:
+            self._lost.clear()
+            self._client.disconnect()  # paho closes the socket once the packet is out
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._lost.wait(), CLOSE_TIMEOUT_S)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        sock = self._client.socket()
+        self._unwatch()
+        if sock is not None:  # a connection that never finished its goodbye
+            with contextlib.suppress(OSError):
+                sock.close()
         self._connected.clear()
         closed = TransportError("transport closed before the broker acked")
         self._acks.fail_all(closed)
@@ -338,7 +342,93 @@ class MqttTransport:
         """Run ``hook`` on the loop whenever an established connection is lost."""
         self._disconnect_hooks.append(hook)
 
-    # -- publish / subscribe (loop thread) -----------------------------------------------------
+    async def _keep_connected(self) -> None:
+        """Connect; whenever the connection is lost, connect again, waiting between
+        attempts with exponential backoff (from the shortest wait again once connected).
+
+        Even after a connection that was up it waits the shortest delay first: the broker
+        may not yet have let go of the old connection of this client id (a session taken
+        over mid-delivery would deliver a message again)."""
+        where = f"{self._settings.host}:{self._settings.port}"
+        delay = float(self._settings.reconnect_min_s)
+        while not self._closing:
+            self._lost.clear()
+            connacks = self._connacks
+            try:
+                # The TCP (and TLS) connect blocks; paho queues the CONNECT, which goes out
+                # once the loop watches the new socket.
+                rc = await asyncio.to_thread(self._client.reconnect)
+            except (OSError, ValueError) as exc:
+                rc, self._last_error = None, f"cannot reach {where}: {exc}"
+            if rc == MQTTErrorCode.MQTT_ERR_SUCCESS and not self._closing:
+                self._watch()
+                await self._lost.wait()
+                if self._connacks > connacks:  # it was up: back to the shortest wait
+                    delay = float(self._settings.reconnect_min_s)
+            elif rc is not None:
+                self._last_error = f"connecting to {where} failed: {paho.error_string(rc)}"
+            if self._closing:
+                return
+            log.warning("MQTT broker at %s: connecting again in %.0f s", where, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2.0, float(self._settings.reconnect_max_s))
+
+    async def _misc(self) -> None:
+        """paho's periodic work: PINGREQ when idle, and noticing a broker gone silent."""
+        while True:
+            await asyncio.sleep(MISC_INTERVAL_S)
+            if self._fd is not None:
+                self._client.loop_misc()
+
+    # -- the socket, watched by the loop ---------------------------------------------------
+
+    def _watch(self) -> None:
+        """Watch the socket paho has just connected: read when readable, and write what
+        paho queued meanwhile (the CONNECT at least)."""
+        sock = self._client.socket()
+        loop = self._loop
+        if sock is None or loop is None:
+            return
+        self._fd = sock.fileno()
+        loop.add_reader(self._fd, self._readable)
+        loop.add_writer(self._fd, self._client.loop_write)
+
+    def _unwatch(self) -> None:
+        fd, self._fd = self._fd, None
+        loop = self._loop
+        if fd is not None and loop is not None and not loop.is_closed():
+            loop.remove_reader(fd)
+            loop.remove_writer(fd)
+
+    def _readable(self) -> None:
+        self._client.loop_read()
+        sock = self._client.socket()
+        # TLS: records already decrypted wait inside the SSL object, unseen by the selector.
+        while isinstance(sock, ssl.SSLSocket) and sock.pending() and self._fd is not None:
+            self._client.loop_read()
+            sock = self._client.socket()
+
+    def _on_loop_thread(self) -> bool:
+        return threading.get_ident() == self._loop_thread
+
+    def _on_socket_open(self, _client: paho.Client, _userdata: Any, sock: Any) -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _on_socket_close(self, _client: paho.Client, _userdata: Any, _sock: Any) -> None:
+        if self._on_loop_thread():
+            self._unwatch()
+
+    def _on_register_write(self, _client: paho.Client, _userdata: Any, _sock: Any) -> None:
+        # From the connecting thread (the CONNECT), _watch adds the writer afterwards.
+        if self._fd is not None and self._loop is not None and self._on_loop_thread():
+            self._loop.add_writer(self._fd, self._client.loop_write)
+
+    def _on_unregister_write(self, _client: paho.Client, _userdata: Any, _sock: Any) -> None:
+        if self._fd is not None and self._loop is not None and self._on_loop_thread():
+            self._loop.remove_writer(self._fd)
+
+    # -- publish / subscribe ----------------------------------------------------------------
 
     def publish_nowait(
         self,
@@ -403,11 +493,10 @@ class MqttTransport:
         (SUBACK); otherwise it is made on the next (re)connect, before any on-connect hook.
         """
         sub = _Subscription(topic_filter, qos, handler, manual_ack)
-        with self._park_lock:
-            self._subs = {**self._subs, topic_filter: sub}
-            claimed = [p for p in self._parked if sub.matches(p[0].topic)]
-            for parked in claimed:
-                self._parked.remove(parked)
+        self._subs = {**self._subs, topic_filter: sub}
+        claimed = [p for p in self._parked if sub.matches(p[0].topic)]
+        for parked in claimed:
+            self._parked.remove(parked)
         loop = asyncio.get_running_loop()
         for msg, generation in claimed:
             loop.call_soon(self._call, sub.handler, self._convert(msg, [sub], generation))
@@ -421,13 +510,12 @@ class MqttTransport:
         await self._await_ack(self._sub_acks, mid)
 
     async def unsubscribe(self, topic_filter: str) -> None:
-        with self._park_lock:
-            self._subs = {f: s for f, s in self._subs.items() if f != topic_filter}
+        self._subs = {f: s for f, s in self._subs.items() if f != topic_filter}
         if self.connected:
             self._client.unsubscribe(topic_filter)
 
     def ack(self, message: Message) -> None:
-        """PUBACK a message of a ``manual_ack`` subscription (loop thread).
+        """PUBACK a message of a ``manual_ack`` subscription.
 
         A no-op for QoS 0 and for messages acked automatically; dropped (and counted in
         ``stale_acks``) when the connection it arrived on is gone, since the broker then
@@ -436,11 +524,10 @@ class MqttTransport:
         handle = message.ack_handle
         if not isinstance(handle, _AckHandle) or handle.owner is not self or handle.qos == 0:
             return
-        with self._ack_lock:
-            if handle.generation != self._generation:
-                self.stale_acks += 1
-                return
-            self._client.ack(handle.mid, handle.qos)
+        if handle.generation != self._generation:
+            self.stale_acks += 1
+            return
+        self._client.ack(handle.mid, handle.qos)
 
     async def _await_ack(self, table: _AckTable, mid: int) -> None:
         fut = table.expect(mid, asyncio.get_running_loop())
@@ -449,51 +536,19 @@ class MqttTransport:
         finally:
             table.forget(mid)
 
-    # -- paho's thread ---------------------------------------------------------------------------
-
-    def _hand_off(self, fn: Callable[..., None], *args: Any) -> None:
-        """Run ``fn(*args)`` on the loop; one loop wake-up drains a whole burst."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        with self._inbox_lock:
-            self._inbox.append((fn, args))
-            if self._drain_scheduled:
-                return
-            self._drain_scheduled = True
-        with contextlib.suppress(RuntimeError):  # the loop closed under us: nothing to run
-            loop.call_soon_threadsafe(self._drain)
-
-    def _drain(self) -> None:
-        while True:
-            with self._inbox_lock:
-                if not self._inbox:
-                    self._drain_scheduled = False
-                    return
-                batch = list(self._inbox)
-                self._inbox.clear()
-            for fn, args in batch:
-                fn(*args)
+    # -- paho's callbacks (on the loop, inside loop_read / loop_write) -------------------
 
     def _on_message(self, _client: paho.Client, _userdata: Any, msg: paho.MQTTMessage) -> None:
-        with self._park_lock:
-            subs = [s for s in self._subs.values() if s.matches(msg.topic)]
-            if not subs:
-                self._park(msg)
-                return
+        subs = [s for s in self._subs.values() if s.matches(msg.topic)]
+        if not subs:
+            self._park(msg)
+            return
         message = self._convert(msg, subs, self._generation)
-        size = len(message.payload)
         for sub in subs:
-            if not self._budget.take(size, give_up=self._is_closing):
-                return
-            self._hand_off(self._deliver, sub.handler, message)
-
-    def _is_closing(self) -> bool:
-        return self._closing
+            self._call(sub.handler, message)
 
     def _park(self, msg: paho.MQTTMessage) -> None:
-        """Keep an unclaimed QoS ≥ 1 message, unacked, for a subscription still to come
-        (paho's thread, holding _park_lock)."""
+        """Keep an unclaimed QoS ≥ 1 message, unacked, for a subscription still to come."""
         if msg.qos == 0:
             return
         self._parked.append((msg, self._generation))
@@ -509,32 +564,20 @@ class MqttTransport:
         self, msg: paho.MQTTMessage, subs: list[_Subscription], generation: int
     ) -> Message:
         """Our message, with an ack handle when a manual-ack subscription wants it; acked
-        here otherwise (any thread: ``client.ack`` only queues a packet)."""
+        here otherwise."""
         handle = None
         if msg.qos > 0:
             if any(s.manual_ack for s in subs):
                 handle = _AckHandle(self, generation, msg.mid, msg.qos)
-            else:
-                with self._ack_lock:
-                    if generation == self._generation:
-                        self._client.ack(msg.mid, msg.qos)
+            elif generation == self._generation:
+                self._client.ack(msg.mid, msg.qos)
         return to_message(msg, handle)
-
-    def _deliver(self, handler: Handler, message: Message) -> None:
-        try:
-            self._call(handler, message)
-        finally:
-            self._budget.give_back(len(message.payload))
 
     def _call(self, handler: Handler, message: Message) -> None:
         try:
             handler(message)
         except Exception:
             log.exception("handler for %s failed; the transport keeps serving", message.topic)
-
-    def _on_socket_open(self, _client: paho.Client, _userdata: Any, sock: Any) -> None:
-        with contextlib.suppress(OSError, AttributeError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def _on_connect(
         self,
@@ -548,16 +591,12 @@ class MqttTransport:
             self._last_error = f"broker refused the connection: {reason_code}"
             log.warning("MQTT connect refused by %s: %s", self._settings.host, reason_code)
             return
+        self._connacks += 1
         self._new_generation()
         subs = list(self._subs.values())
         if subs:
             client.subscribe([(s.topic_filter, s.qos) for s in subs])
-        self._hand_off(self._set_connected, True)
-
-    def _on_connect_fail(self, _client: paho.Client, _userdata: Any) -> None:
-        where = f"{self._settings.host}:{self._settings.port}"
-        self._last_error = f"cannot reach {where}"
-        log.warning("cannot reach the MQTT broker at %s; retrying with backoff", where)
+        self._set_connected(True)
 
     def _on_disconnect(
         self,
@@ -570,16 +609,22 @@ class MqttTransport:
         self._new_generation()
         if not self._closing:
             self._last_error = f"disconnected: {reason_code}"
-            log.warning("MQTT connection lost (%s); reconnecting with backoff", reason_code)
-        self._hand_off(self._set_connected, False)
+            log.warning("MQTT connection lost (%s); reconnecting", reason_code)
+        if self._on_loop_thread():
+            self._lost_connection()
+        elif self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._lost_connection)
+
+    def _lost_connection(self) -> None:
+        self._unwatch()
+        self._lost.set()
+        self._set_connected(False)
 
     def _new_generation(self) -> None:
-        """A connection began or ended (paho's thread): acks of earlier messages are void,
-        and parked messages come again from the broker if they are still owed."""
-        with self._ack_lock:
-            self._generation += 1
-        with self._park_lock:
-            self._parked.clear()
+        """A connection began or ended: acks of earlier messages are void, and parked
+        messages come again from the broker if they are still owed."""
+        self._generation += 1
+        self._parked.clear()
 
     def _on_subscribe(
         self,
@@ -593,9 +638,7 @@ class MqttTransport:
         error = None
         if refused:
             error = TransportError(f"broker refused the subscription: {', '.join(refused)}")
-        fut = self._sub_acks.acked(mid, error)
-        if fut is not None:
-            self._hand_off(_settle, fut, error)
+        self._sub_acks.acked(mid, error)
 
     def _on_publish(
         self,
@@ -608,11 +651,7 @@ class MqttTransport:
         error = None
         if reason_code.is_failure:
             error = TransportError(f"broker refused publish (mid {mid}): {reason_code}")
-        fut = self._acks.acked(mid, error)
-        if fut is not None:
-            self._hand_off(_settle, fut, error)
-
-    # -- back on the loop ------------------------------------------------------------------------
+        self._acks.acked(mid, error)
 
     def _set_connected(self, up: bool) -> None:
         was_up = self._connected.is_set()
