@@ -145,7 +145,7 @@ class Driver:
             payload = self.payloads[sent % len(self.payloads)].replace(
                 b'"job_id":"bench-', f'"job_id":"r{t0:.0f}-{sent}-'.encode(), 1
             )
-            self.client.publish(topic, payload, qos=1, properties=props)
+            self.client.publish(topic, payload, qos=0, properties=props)  # as the edge does
             sent += 1
         with self.cond:
             self.cond.wait_for(lambda: self.replies >= sent, 30.0)
@@ -230,7 +230,14 @@ def main() -> None:
             cmd[1:1] = ["-m", "cProfile", "-o", profile]
         broker = subprocess.Popen([*cmd, "--config", str(campus.node_config("broker-1"))])
         relay = subprocess.Popen(
-            [sys.executable, str(ROOT / "bench" / "relay.py"), str(mqtt.port), "x", RELAY_TOPIC]
+            [
+                sys.executable,
+                str(ROOT / "bench" / "relay.py"),
+                str(mqtt.port),
+                "x",
+                RELAY_TOPIC,
+                "0",  # QoS 0 in and out, as on the broker's placement path
+            ]
         )
         stop = threading.Event()
         feeder = threading.Thread(target=fleet_publisher, args=(mqtt.port, workers, stop))

@@ -4,9 +4,10 @@ It subscribes to one edge agent's submit topic and answers each request at once,
 paho's callback, with a small JSON result on the request's Response Topic and the same
 Correlation Data. No validation, no queue, no compute: what MQTT alone costs.
 
-    python bench/relay.py PORT EDGE_ID [TOPIC]
+    python bench/relay.py PORT EDGE_ID [TOPIC [QOS]]
 
-With TOPIC, it answers requests on that topic instead of the edge's submit topic.
+With TOPIC, it answers requests on that topic instead of the edge's submit topic; QOS (1
+unless given) is its subscription's and its replies', to mirror what it stands beside.
 """
 
 from __future__ import annotations
@@ -36,16 +37,17 @@ REPLY = (
 def main() -> None:
     port, edge_id = int(sys.argv[1]), sys.argv[2]
     request_topic = sys.argv[3] if len(sys.argv) > 3 else topics.edge_submit(edge_id)
+    qos = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     client = paho.Client(CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
 
     def on_message(c: paho.Client, _u: Any, msg: paho.MQTTMessage) -> None:
         props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
         props.CorrelationData = msg.properties.CorrelationData  # type: ignore[union-attr]
         props.ContentType = "application/json"
-        c.publish(msg.properties.ResponseTopic, REPLY, qos=1, properties=props)  # type: ignore[union-attr]
+        c.publish(msg.properties.ResponseTopic, REPLY, qos=qos, properties=props)  # type: ignore[union-attr]
 
     def on_connect(c: paho.Client, *_a: Any) -> None:
-        c.subscribe(request_topic, qos=1)
+        c.subscribe(request_topic, qos=qos)
         c.publish(topics.edge_status(edge_id), b'{"state":"online"}', qos=1, retain=True)
 
     client.on_message = on_message

@@ -417,7 +417,10 @@ class Broker:
         await t.subscribe(topics.worker_all("status"), self.on_worker_status)
         await t.subscribe(topics.completions(), self.on_completion)
         await t.subscribe(topics.edge_telemetry_all(), self.on_edge_telemetry, qos=0)
-        await t.subscribe(topics.placement_requests_shared(), self.on_request)
+        # QoS 0, like the replies: a request is worth something only within its edge's
+        # placement timeout (50 ms by default), far shorter than any redelivery would take,
+        # and a stale request redelivered to another replica would only reserve for nobody.
+        await t.subscribe(topics.placement_requests_shared(), self.on_request, qos=0)
 
         def announce() -> None:
             t.publish_nowait(

@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 _OK = (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN)
 MISC_INTERVAL_S = 1.0  # how often paho's keepalive bookkeeping runs
 CLOSE_TIMEOUT_S = 2.0  # how long close() waits for its DISCONNECT to go out
+MAX_ROUTES = 4096  # topics whose matching subscriptions are remembered
 
 
 def _new_properties(packet_type: int) -> Properties:
@@ -217,6 +218,8 @@ class MqttTransport:
         self._clean_start = clean_start
         self._session_expiry_s = session_expiry_s
         self._subs: dict[str, _Subscription] = {}
+        # Topic -> the subscriptions it matches, remembered (emptied whenever _subs changes).
+        self._routes: dict[str, list[_Subscription]] = {}
         self._connect_hooks: list[Callable[[], None]] = []
         self._disconnect_hooks: list[Callable[[], None]] = []
         self._acks = _AckTable()
@@ -494,6 +497,7 @@ class MqttTransport:
         """
         sub = _Subscription(topic_filter, qos, handler, manual_ack)
         self._subs = {**self._subs, topic_filter: sub}
+        self._routes = {}
         claimed = [p for p in self._parked if sub.matches(p[0].topic)]
         for parked in claimed:
             self._parked.remove(parked)
@@ -511,6 +515,7 @@ class MqttTransport:
 
     async def unsubscribe(self, topic_filter: str) -> None:
         self._subs = {f: s for f, s in self._subs.items() if f != topic_filter}
+        self._routes = {}
         if self.connected:
             self._client.unsubscribe(topic_filter)
 
@@ -539,7 +544,12 @@ class MqttTransport:
     # -- paho's callbacks (on the loop, inside loop_read / loop_write) -------------------
 
     def _on_message(self, _client: paho.Client, _userdata: Any, msg: paho.MQTTMessage) -> None:
-        subs = [s for s in self._subs.values() if s.matches(msg.topic)]
+        subs = self._routes.get(msg.topic)
+        if subs is None:
+            subs = [s for s in self._subs.values() if s.matches(msg.topic)]
+            if len(self._routes) >= MAX_ROUTES:
+                self._routes.clear()
+            self._routes[msg.topic] = subs
         if not subs:
             self._park(msg)
             return

@@ -593,9 +593,8 @@ def test_the_kth_crash_dead_letters_the_job_with_its_reason_in_api_and_metrics(
     for worker in crashed:
         assert worker in notice.reason
     assert "3 workers" in notice.reason
-    status, record = broker.http(f"/jobs/{job}")
-    assert status == 200
-    assert record["status"] == "dead_letter"
+    # The job's record is written by the broker's batched store, just after the notice.
+    record = wait_until(lambda: _job_record(broker, job, "dead_letter"))
     assert record["inflight"]["dead_letter"]["reason"] == notice.reason
     assert record["inflight"]["crashed_on"] == crashed
     listed = broker.http("/dead-letters?limit=5")[1]["dead_letters"]
@@ -612,6 +611,12 @@ def test_the_kth_crash_dead_letters_the_job_with_its_reason_in_api_and_metrics(
     again = edge.place(job, 4, must_place=False)
     assert (again.status, again.code) == ("refused", "dead_letter")
     assert notice.reason in (again.reason or "")
+
+
+def _job_record(broker: BrokerProcess, job: str, status: str) -> dict[str, Any] | None:
+    """The job's record from the HTTP API once it has ``status``; None until then."""
+    code, record = broker.http(f"/jobs/{job}")
+    return record if code == 200 and record.get("status") == status else None
 
 
 def _audited(redis_url: str, broker: BrokerProcess, kind: str, job: str) -> dict[str, Any]:

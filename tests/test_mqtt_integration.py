@@ -163,6 +163,9 @@ async def test_unacked_message_comes_back_after_the_connection_dies(
         durable.ack(first)  # from the lost connection: dropped, never sent
         assert durable.stale_acks == 1
         durable.ack(again)
+        # Sent, not dropped: had the connection been replaced again meanwhile, the broker
+        # would owe "job" once more and the resumed session below would get it first.
+        assert durable.stale_acks == 1
         await durable.close()
         # While the session is offline a second job is queued for it; the first was acked.
         await publisher.publish(topic, b"second", qos=1, wait=True)
