@@ -2,11 +2,12 @@
 
 Job status and explanations, released reservations, node documents and the in-flight
 bookkeeping of ``broker.inflight`` (Lua scripts included, with a callback for a reply that
-someone needs) are queued as they happen and sent in one pipeline by :meth:`BrokerStore.run`, a couple of
-milliseconds after the first of them, so a burst of decisions or completions costs one round trip of
-bookkeeping. Node documents expire when a node goes silent, so Redis holds exactly the
-fleet that is alive. Reading a job back serves the HTTP API of any replica. Every queued
-operation must be safe to send twice (see ``broker.lua``). Nothing here decides anything.
+someone needs) are queued as they happen and sent in one pipeline by
+:meth:`BrokerStore.run`, a couple of milliseconds after the first of them, so a burst of
+decisions or completions costs one round trip of bookkeeping. Node documents expire when a
+node goes silent, so Redis holds exactly the fleet that is alive. Reading a job back serves
+the HTTP API of any replica. Every queued operation must be safe to send twice (see
+``broker.lua``). Nothing here decides anything.
 """
 
 from __future__ import annotations
