@@ -198,8 +198,10 @@ class EdgeAgent:
         # A job that will be offered has its placement asked for now, while the outbox
         # commits it: the broker's answer and the commit overlap. Nothing is sent to a
         # worker before the commit; if the job is not accepted as new, the answer is dropped.
+        # Not for a redelivery: most were accepted before a crash, and the broker would
+        # hold a reservation for each (one that proves new is offered once accepted).
         asked = None
-        if offer is not None:
+        if offer is not None and not msg.dup:
             asked = self._offloads.ask_ahead(job, offer, runs.predict(job) - now)
         self._admitting[job.job_id] += 1
         self._admitting_total += 1

@@ -187,9 +187,11 @@ class Rig:
         data_class: str = "wafer-image",
         job_id: str | None = None,
         via_broker: bool = False,
+        dup: bool = False,
     ) -> str:
         """Submit a job (a new id unless ``job_id``); ``via_broker``: as the app would, so
-        that the edge's ack of the request can be seen (else handed to the agent at once)."""
+        that the edge's ack of the request can be seen (else handed to the agent at once,
+        marked as a redelivery with ``dup``)."""
         job_id = job_id or uuid.uuid4().hex
         props = [
             (topics.PROP_MODEL, "defect-v1"),
@@ -206,6 +208,7 @@ class Rig:
             correlation_data=job_id.encode(),
             content_type="image/jpeg",
             user_properties=tuple(props),
+            dup=dup,
         )
         if via_broker:
             self.pool.publish_nowait(
@@ -675,3 +678,17 @@ async def test_a_repeat_is_not_offered_and_its_image_is_not_sent_again(rig: Rig)
     assert rig.agent.counters["duplicates"] == 2
     assert rig.agent.counters["accepted"] == 2
     assert rig.edge.unacked == []
+
+
+async def test_a_redelivered_request_is_offered_only_once_it_proves_new(rig: Rig) -> None:
+    job_id = rig.submit(via_broker=True)
+    await rig.work(1)
+    rig.give_back(job_id, 1)
+    await rig.results(1)
+    rig.submit(job_id=job_id, dup=True)  # delivered again after a crash: concluded long ago
+    fresh = rig.submit(dup=True)  # delivered before a crash that beat its commit: new
+    await rig.work(2)
+    assert rig.sent() == [job_id, fresh]
+    assert [r.job_id for r in rig.requests] == [job_id, fresh]  # the concluded one: never
+    assert rig.agent.counters["redelivered"] == 1
+    assert rig.agent.counters["accepted"] == 2
