@@ -48,7 +48,7 @@ from edge_agent.compute import LocalRuns, RunHooks
 from edge_agent.errors import OutboxError
 from edge_agent.ledger import Tracked
 from edge_agent.offload import Declined, PlacementClient, offload_reason
-from edge_agent.offloading import Hooks, Offloads
+from edge_agent.offloading import Asked, Hooks, Offloads
 from edge_agent.outbox import Accepted, Outbox, Stored
 from edge_agent.reporting import Load, status_message, telemetry
 from sluicegate import topics, wire
@@ -175,8 +175,9 @@ class EdgeAgent:
         if not self._accepting:
             self._answers.refuse(shutting_down(msg, edge, self._new_id), msg)
             return
+        now = self._clock()
         decision = admit(
-            msg, models=self._models, limits=self._limits, now=self._clock(), new_id=self._new_id
+            msg, models=self._models, limits=self._limits, now=now, new_id=self._new_id
         )
         if isinstance(decision, Refusal):
             self._answers.refuse(decision, msg)
@@ -188,30 +189,47 @@ class EdgeAgent:
         if not known and held >= self.settings.queue_size + self.settings.concurrency:
             self._answers.refuse(queue_full(job, edge, self.settings.queue_size), msg)
             return
+        offer = None if known else self._offer_reason(job, None)
         # A job that will run here at once has its run counted in the same commit that
         # accepts it, its compute slot held meanwhile: one commit less before it starts.
-        run_now = not known and runs.free_now and self._offer_reason(job, None) is None
+        run_now = not known and runs.free_now and offer is None
         if run_now:
             runs.reserve()
+        # A job that will be offered has its placement asked for now, while the outbox
+        # commits it: the broker's answer and the commit overlap. Nothing is sent to a
+        # worker before the commit; if the job is not accepted as new, the answer is dropped.
+        # Not for a redelivery: most were accepted before a crash, and the broker would
+        # hold a reservation for each (one that proves new is offered once accepted).
+        asked = None
+        if offer is not None and not msg.dup:
+            asked = self._offloads.ask_ahead(job, offer, runs.predict(job) - now)
         self._admitting[job.job_id] += 1
         self._admitting_total += 1
         self._idle.clear()
         accepting = self.outbox.accept(job, start_run=run_now)
-        accepting.add_done_callback(partial(self._accepted, msg, job, run_now))
+        accepting.add_done_callback(partial(self._accepted, msg, job, run_now, asked))
 
     def _accepted(
-        self, msg: Message, job: Job, run_now: bool, fut: asyncio.Future[Accepted]
+        self,
+        msg: Message,
+        job: Job,
+        run_now: bool,
+        asked: Asked | None,
+        fut: asyncio.Future[Accepted],
     ) -> None:
-        """The outbox has the job (or knew it already): only now is the request acked."""
+        """The outbox has the job (or knew it already): only now is the request acked, and
+        only a new job takes the placement ``asked`` for it during the commit."""
         self._admitting[job.job_id] -= 1
         self._admitting_total -= 1
         if self._admitting[job.job_id] <= 0:
             del self._admitting[job.job_id]
         if self._killed:
-            return
+            return  # the kill cancelled the asked placement with every other task
         try:
             accepted = fut.result()
         except OutboxError as exc:
+            if asked is not None:
+                asked.drop()
             self.counters["outbox_errors"] += 1
             log.error("could not store job %s: %s", job.job_id, exc)
             self._answers.refuse(outbox_unavailable(job, self.settings.id, exc), msg)
@@ -229,8 +247,10 @@ class EdgeAgent:
             if run_now:
                 self._runs.launch(tracked)
             else:
-                self._route(tracked)
+                self._route(tracked, asked=asked)
             return
+        if asked is not None:
+            asked.drop()  # the outbox knew the job: this request is a repeat, not an offer
         stored = accepted.stored
         if msg.dup and (stored is None or not stored.pending):
             # The broker redelivers a request accepted before a crash that came before its
@@ -255,12 +275,17 @@ class EdgeAgent:
 
     # -- routing: run here, or offer to the broker -----------------------------------------
 
-    def _route(self, tracked: Tracked, *, retry: Declined | None = None) -> None:
+    def _route(
+        self, tracked: Tracked, *, retry: Declined | None = None, asked: Asked | None = None
+    ) -> None:
         """Send an accepted job on its way: offered when it would be late here (or, with
-        ``retry``, offered again after a lost attempt), else into the local queue."""
+        ``retry``, offered again after a lost attempt), else into the local queue. A new job
+        whose placement was ``asked`` for at admission is offered with that answer."""
         job = tracked.job
         now = self._clock()
         if job.deadline is not None and now >= job.deadline:
+            if asked is not None:
+                asked.drop()
             late = (now - job.deadline) * 1000.0
             reason = f"the deadline passed {late:.0f} ms ago"
             if retry is not None:
@@ -268,6 +293,10 @@ class EdgeAgent:
             else:
                 reason = f"{reason}, before the job could start; not run"
             self._conclude_local(tracked, "expired", code="expired", reason=reason)
+            return
+        if asked is not None:
+            self._idle.clear()
+            self._offloads.offer_asked(tracked, asked)
             return
         offer = self._offer_reason(job, tracked if retry is not None else None)
         if offer is not None:

@@ -4,11 +4,13 @@ or nothing comes back in time.
 
 The agent keeps the job table, the local queue and every conclusion; this part only moves a
 job between ``offering`` and ``offloaded`` and writes one thing to the outbox: the attempt,
-as its work message is sent. Whenever a job will not leave (the broker declined, the worker
-refused the work unrun) it goes back to the agent
-to run here; a lost worker or an overdue return sends it back to be routed again (the next
-attempt, or here). A return is taken only for the job's current attempt (fencing); anything
-else is discarded, counted and logged.
+as its work message is sent. A new job's first placement may be asked for ahead of its
+offer (:meth:`Offloads.ask_ahead`, while the outbox commits its acceptance): the offer then
+takes that answer instead of asking again, and nothing goes to a worker before the offer.
+Whenever a job will not leave (the broker declined, the worker refused the work unrun) it
+goes back to the agent to run here; a lost worker or an overdue return sends it back to be
+routed again (the next attempt, or here). A return is taken only for the job's current
+attempt (fencing); anything else is discarded, counted and logged.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from edge_agent import ledger
+from edge_agent.admission import Job
 from edge_agent.ledger import Tracked
 from edge_agent.offload import Declined, Placement, PlacementClient
 from edge_agent.outbox import Outbox
@@ -29,6 +32,23 @@ from sluicegate.config import OffloadSettings
 from sluicegate.transport import Message, Transport
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+Outcome = Placement | Declined
+
+
+@dataclass(frozen=True, slots=True)
+class Asked:
+    """A placement asked for ahead of the offer that will take it: the broker's answer for
+    ``attempt`` of a job, on its way."""
+
+    reason: str
+    attempt: int
+    answer: asyncio.Task[Outcome]
+
+    def drop(self) -> None:
+        """Not wanted after all (the job was not accepted as new): stop waiting for the
+        answer. A reservation the broker made for it expires by itself."""
+        self.answer.cancel()
 
 
 @dataclass(frozen=True)
@@ -64,7 +84,7 @@ class Offloads:
         self._outbox = outbox
         self._clock = clock
         self._counters = counters
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self.offering = 0  # offers waiting for the broker now
         self.offloaded = 0  # work messages sent since start
 
@@ -79,20 +99,50 @@ class Offloads:
             return None
         return "deadline" if tracked.job.deadline is not None else "queue"
 
+    def ask_ahead(self, job: Job, reason: str, local_s: float) -> Asked:
+        """Ask the broker now for the first attempt of a job not yet accepted, so that its
+        answer can come back while the outbox commits the job; hand the result to
+        :meth:`offer_asked` once the job is accepted, or :meth:`Asked.drop` it."""
+        assert self._client is not None
+        answer = self._spawn(self._client.place(job, reason, local_s, attempt=1))
+        return Asked(reason, 1, answer)
+
     def offer(self, tracked: Tracked, reason: str, local_s: float) -> None:
         """Ask the broker for the job's next attempt, in a task of its own."""
         assert self._client is not None
+        attempt = tracked.attempt + 1
+        ask = partial(self._client.place, tracked.job, reason, local_s, attempt=attempt)
+        self._start_offer(tracked, reason, attempt, ask)
+
+    def offer_asked(self, tracked: Tracked, asked: Asked) -> None:
+        """Offer the job with the placement :meth:`ask_ahead` asked for: its answer (come
+        or still to come) decides, as a fresh request's would."""
+        assert asked.attempt == tracked.attempt + 1, (tracked.job.job_id, asked.attempt)
+        self._start_offer(tracked, asked.reason, asked.attempt, lambda: asked.answer)
+
+    def _start_offer(
+        self,
+        tracked: Tracked,
+        reason: str,
+        attempt: int,
+        ask: Callable[[], Awaitable[Outcome]],
+    ) -> None:
+        assert self._client is not None
         tracked.phase = "offering"
         self.offering += 1
-        self._spawn(self._offer(self._client, tracked, reason, local_s))
+        self._spawn(self._offer(self._client, tracked, reason, attempt, ask))
 
     async def _offer(
-        self, client: PlacementClient, tracked: Tracked, reason: str, local_s: float
+        self,
+        client: PlacementClient,
+        tracked: Tracked,
+        reason: str,
+        attempt: int,
+        ask: Callable[[], Awaitable[Outcome]],
     ) -> None:
         job = tracked.job
-        attempt = tracked.attempt + 1
         try:
-            outcome = await client.place(job, reason, local_s, attempt=attempt)
+            outcome = await ask()
             if isinstance(outcome, Placement):
                 declined = await self._send(client, tracked, outcome, attempt, reason)
                 if declined is None:
@@ -229,10 +279,11 @@ class Offloads:
                 why = Declined("result_timeout", f"no result from the pool within {timeout} s")
                 self._hooks.reroute(tracked, why)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def kill(self) -> None:
         for task in list(self._tasks):

@@ -5,8 +5,10 @@ the test controls.
 ``EdgeRig`` starts an agent, kills it (as SIGKILL would: the outbox keeps what it
 committed, the session keeps what was not acked) and starts another on the same outbox and
 client id. Compute runs on a :class:`HeldExecutor` (work waits until the test runs it) and
-placements come from a :class:`FakePlacement` (every offer placed, or declined on request),
-so a test decides where each crash falls. ``tick`` advances the loop one step and waits for
+placements come from a :class:`FakePlacement` (every offer placed, or declined on request;
+answered at once, or held until the test answers), so a test decides where each crash falls.
+The fake also notes any work sent for a job the outbox had not yet committed (``early``),
+which must never happen. ``tick`` advances the loop one step and waits for
 the outbox's writer, which makes the interleavings reproducible.
 """
 
@@ -24,7 +26,7 @@ from typing import Any
 from edge_agent.admission import Job
 from edge_agent.agent import EdgeAgent
 from edge_agent.offload import Declined, Placement
-from edge_agent.outbox import Outbox
+from edge_agent.outbox import Accepted, Outbox, Stored
 from sluicegate import topics, wire
 from sluicegate.config import load_settings
 from sluicegate.memory_transport import MemoryBroker, MemoryTransport
@@ -85,20 +87,42 @@ class HeldExecutor(Executor):
 @dataclass
 class FakePlacement:
     """Stands in for PlacementClient: places every offer unless its job id is in
-    ``decline``; records each work message sent as (job id, attempt)."""
+    ``decline``; with ``slow``, an answer waits for :meth:`answer_all`. Records each request
+    as (job id, attempt) in ``asked`` and each work message sent in ``sent``; ``early``
+    lists the work sent for a job not in ``on_disk`` (the ids the outbox has committed)."""
 
     decline: set[str] = field(default_factory=set)
+    asked: list[tuple[str, int]] = field(default_factory=list)
     sent: list[tuple[str, int]] = field(default_factory=list)
+    on_disk: set[str] = field(default_factory=set)
+    early: list[str] = field(default_factory=list)
     broker_available: bool = True
+    slow: bool = False
+    _waiting: list[asyncio.Future[None]] = field(default_factory=list)
 
     async def place(
         self, job: Job, reason: str, local_estimate_s: float, *, attempt: int = 1
     ) -> Placement | Declined:
+        self.asked.append((job.job_id, attempt))
+        if self.slow:
+            answer: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiting.append(answer)
+            await answer
         if job.job_id in self.decline:
             return Declined("no_capacity", "the test declined it")
         return Placement("w1", "campus/dc", topics.pool_work("campus/dc", "w1"), "tok", b"")
 
+    def answer_all(self) -> int:
+        """Let every placement held by ``slow`` be answered; returns how many."""
+        waiting, self._waiting = self._waiting, []
+        for answer in waiting:
+            if not answer.done():
+                answer.set_result(None)
+        return len(waiting)
+
     def send(self, job: Job, placement: Placement, *, attempt: int = 1) -> None:
+        if job.job_id not in self.on_disk:
+            self.early.append(job.job_id)
         self.sent.append((job.job_id, attempt))
 
     async def start(self) -> None:
@@ -111,11 +135,29 @@ class FakePlacement:
 class SteppedOutbox(Outbox):
     """An outbox whose writer gets batches only between loop iterations (``release``), so
     its answers never land on the loop in the middle of one: the interleaving of the loop's
-    callbacks and the disk's answers is the same on every run."""
+    callbacks and the disk's answers is the same on every run. Each job id the agent can know
+    to be on disk is in ``on_disk``: added before the caller hears of its commit, or as the
+    outbox reads it back at open (committed by an agent that died before hearing of it)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, on_disk: set[str], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._staged: list[Any] = []
+        self._on_disk = on_disk
+
+    async def open(self) -> list[Stored]:
+        stored = await super().open()
+        self._on_disk.update(s.job.job_id for s in stored)
+        return stored
+
+    def accept(self, job: Job, *, start_run: bool = False) -> asyncio.Future[Accepted]:
+        accepting = super().accept(job, start_run=start_run)
+
+        def committed(fut: asyncio.Future[Accepted]) -> None:
+            if not fut.cancelled() and fut.exception() is None:
+                self._on_disk.add(job.job_id)
+
+        accepting.add_done_callback(committed)
+        return accepting
 
     def _flush(self) -> None:
         batch, self._batch = self._batch, []
@@ -126,6 +168,10 @@ class SteppedOutbox(Outbox):
         staged, self._staged = self._staged, []
         for batch in staged:
             self._hand(batch)
+
+    def lose_staged(self) -> None:
+        """Forget the batches not yet given to the writer (a crash before their commit)."""
+        self._staged = []
 
 
 class Clock:
@@ -245,7 +291,8 @@ class EdgeRig:
     def start(self) -> EdgeAgent:
         assert self.agent is None
         self.transport = MemoryTransport(self.broker, client_id="edge", persistent=True)
-        outbox = SteppedOutbox(self.db, synchronous="NORMAL", clock=self.clock)
+        on_disk = self.placement.on_disk if self.placement is not None else set()
+        outbox = SteppedOutbox(self.db, synchronous="NORMAL", clock=self.clock, on_disk=on_disk)
         agent = EdgeAgent(
             self.settings.edge,
             self.transport,
@@ -264,10 +311,15 @@ class EdgeRig:
                 return agent
         raise AssertionError("the edge did not start")
 
-    def crash(self) -> None:
-        """SIGKILL, in memory: nothing more leaves the agent; disk and session stay."""
+    def crash(self, *, before_commit: bool = False) -> None:
+        """SIGKILL, in memory: nothing more leaves the agent; disk and session stay. The
+        writes submitted by then are committed first, unless ``before_commit``."""
         assert self.agent is not None
         assert self.transport is not None
+        if before_commit:
+            outbox = self.agent.outbox
+            assert isinstance(outbox, SteppedOutbox)
+            outbox.lose_staged()
         self.call(self.agent.kill)
         self.transport.crash()
         self.executor.shutdown(cancel_futures=True)

@@ -272,6 +272,42 @@ def test_offloaded_job_is_offered_again_after_the_timeout_following_a_restart(
     assert agent.counters["fenced_returns"] == 1
 
 
+@pytest.mark.parametrize("committed", [False, True], ids=["before-commit", "after-commit"])
+def test_crash_while_the_placement_is_asked_and_the_job_committed_loses_nothing(
+    rig_factory: Callable[..., EdgeRig], committed: bool
+) -> None:
+    rig = rig_factory(offload=True)
+    placement = rig.placement
+    assert placement is not None
+    placement.slow = True  # the broker's answer waits: the job goes no further
+    rig.start()
+    rig.submit("far", correlation=b"f")
+    for _ in range(10):  # until the edge has asked for its placement
+        if placement.asked:
+            break
+        rig.tick()
+    assert placement.asked == [("far", 1)]
+    rig.crash(before_commit=not committed)
+    assert ("far" in _stored_rows(rig.db)) == committed
+    assert placement.answer_all() == 1  # answered, but nobody is there to take it
+    rig.start()  # never acked: the session delivers the request again
+    placement.slow = False
+    rig.settle()
+    # Asked again: as a new job (not committed), or replayed from the outbox (committed).
+    assert placement.asked == [("far", 1), ("far", 1)]
+    assert placement.sent == [("far", 1)]
+    assert placement.early == []
+    rig.give_back("far", 1)
+    rig.settle()
+    (result,) = rig.results()
+    assert (result["status"], result["ran_on"]["kind"]) == ("ok", "pool")
+    assert rig.agent is not None
+    assert rig.agent.counters["accepted"] == (0 if committed else 1)
+    assert rig.agent.counters["replayed"] == (1 if committed else 0)
+    assert rig.transport is not None
+    assert rig.transport.unacked == []
+
+
 # -- the Python client drops a result published again after an edge restart -------------
 
 

@@ -3,7 +3,8 @@
 The scripted broker answers placement requests the way the campus broker would (a token
 minted with the test broker key, or a refusal), so each branch of the edge's decision is
 exercised: sent to the worker with a token the edge verified, or kept local with the
-reason in its result.
+reason in its result. A :class:`GatedOutbox` holds (or fails) the acceptance commit, to
+show what the edge does while a new job's placement and its commit overlap.
 """
 
 from __future__ import annotations
@@ -15,11 +16,20 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import pytest
 
 from edge_agent.agent import EdgeAgent
-from edge_agent.offload import PlacementClient, offload_reason, predict_completion
+from edge_agent.errors import OutboxError
+from edge_agent.offload import (
+    Declined,
+    Placement,
+    PlacementClient,
+    offload_reason,
+    predict_completion,
+)
+from edge_agent.outbox import Outbox
 from policies import PlacementClaims, Policy, mint
 from policies.tokens import seal
 from sluicegate import topics, wire
@@ -89,12 +99,42 @@ def refused(code: str, reason: str) -> Responder:
     return lambda req: PlacementReply(job_id=req.job_id, status="refused", code=code, reason=reason)
 
 
+class GatedOutbox(Outbox):
+    """An outbox in memory whose writer is given nothing while it is held (a slow disk):
+    the batches wait until :meth:`release` hands them on, or fails them as a broken disk's
+    commit would."""
+
+    def __init__(self) -> None:
+        super().__init__(":memory:")
+        self.holding = False
+        self.staged: list[Any] = []
+
+    def _flush(self) -> None:
+        if not self.holding:
+            super()._flush()
+            return
+        batch, self._batch = self._batch, []
+        if batch:
+            self.staged.append(batch)
+
+    def release(self, *, fail: OutboxError | None = None) -> None:
+        self.holding = False
+        staged, self.staged = self.staged, []
+        for batch in staged:
+            if fail is None:
+                self._hand(batch)
+            else:
+                self._resolve(batch, [fail] * len(batch))
+
+
 @dataclass
 class Rig:
     broker: MemoryBroker
     agent: EdgeAgent
     requests: list[PlacementRequest]
-    pool: MemoryTransport  # speaks for the broker and the workers
+    pool: MemoryTransport  # speaks for the broker, the workers and the app
+    edge: MemoryTransport  # the agent's own
+    client: PlacementClient
 
     def give_back(self, job_id: str, attempt: int, payload: bytes | None = None) -> bytes:
         """A worker returns its result for ``attempt`` of ``job_id``; returns the bytes."""
@@ -125,20 +165,34 @@ class Rig:
         self.pool.publish_nowait(topic, wire.dump(notice), qos=1)
 
     async def results(self, n: int = 1) -> list[Message]:
-        async with asyncio.timeout(10):
-            while len(got := [m for m in self.broker.log if m.topic == "app/results"]) < n:
-                await self.broker.wait_for(lambda m: m not in got and m.topic == "app/results")
-        return got
+        """The results at the app, once there are at least ``n``."""
+        return await self._logged(n, lambda m: m.topic == "app/results")
 
     async def work(self, n: int) -> list[Message]:
-        """The first ``n`` work messages sent to workers."""
-        async with asyncio.timeout(10):
-            while len(got := [m for m in self.broker.log if "/pool/" in m.topic]) < n:
-                await self.broker.wait_for(lambda m: m not in got and "/pool/" in m.topic)
-        return got
+        """The work messages sent to workers, once there are at least ``n``."""
+        return await self._logged(n, lambda m: "/pool/" in m.topic)
 
-    def submit(self, *, deadline_ms: float | None = 5000, data_class: str = "wafer-image") -> str:
-        job_id = uuid.uuid4().hex
+    async def _logged(self, n: int, wanted: Callable[[Message], bool]) -> list[Message]:
+        # Counted, not told apart: a result published again is equal to the first.
+        def got() -> list[Message]:
+            return [m for m in self.broker.log if wanted(m)]
+
+        await self.broker.wait_for(lambda _: len(got()) >= n, 10)
+        return got()
+
+    def submit(
+        self,
+        *,
+        deadline_ms: float | None = 5000,
+        data_class: str = "wafer-image",
+        job_id: str | None = None,
+        via_broker: bool = False,
+        dup: bool = False,
+    ) -> str:
+        """Submit a job (a new id unless ``job_id``); ``via_broker``: as the app would, so
+        that the edge's ack of the request can be seen (else handed to the agent at once,
+        marked as a redelivery with ``dup``)."""
+        job_id = job_id or uuid.uuid4().hex
         props = [
             (topics.PROP_MODEL, "defect-v1"),
             (topics.PROP_JOB_ID, job_id),
@@ -146,21 +200,80 @@ class Rig:
         ]
         if deadline_ms is not None:
             props.append((topics.PROP_DEADLINE_MS, str(deadline_ms)))
-        self.agent.on_message(
-            Message(
-                topics.edge_submit(self.agent.settings.id),
-                JPEG,
-                qos=1,
-                response_topic="app/results",
-                correlation_data=job_id.encode(),
-                content_type="image/jpeg",
-                user_properties=tuple(props),
-            )
+        msg = Message(
+            topics.edge_submit(self.agent.settings.id),
+            JPEG,
+            qos=1,
+            response_topic="app/results",
+            correlation_data=job_id.encode(),
+            content_type="image/jpeg",
+            user_properties=tuple(props),
+            dup=dup,
         )
+        if via_broker:
+            self.pool.publish_nowait(
+                msg.topic,
+                msg.payload,
+                qos=1,
+                response_topic=msg.response_topic,
+                correlation_data=msg.correlation_data,
+                content_type=msg.content_type,
+                user_properties=msg.user_properties,
+            )
+        else:
+            self.agent.on_message(msg)
         return job_id
 
     async def first(self, topic_filter: str) -> Message:
         return await self.broker.wait_for(lambda m: topics.matches(topic_filter, m.topic), 10)
+
+    async def asked(self, job_id: str) -> Message:
+        """The placement request for ``job_id``, once the edge has sent it."""
+        key = job_id.encode()
+        return await self.broker.wait_for(
+            lambda m: m.topic == topics.placement_requests() and m.correlation_data == key, 10
+        )
+
+    def answer(self, request: Message, responder: Responder | None = None) -> None:
+        """Answer a placement request by hand, as the broker would (placed, by default)."""
+        reply = (responder or placed())(PlacementRequest.model_validate_json(request.payload))
+        assert reply is not None
+        assert request.response_topic is not None
+        self.pool.publish_nowait(
+            request.response_topic, wire.dump(reply), correlation_data=request.correlation_data
+        )
+
+    def sent(self) -> list[str]:
+        """The job id of each work message sent to a worker so far."""
+        return [
+            m.user_property(topics.PROP_JOB_ID) or ""
+            for m in self.broker.log
+            if "/pool/" in m.topic
+        ]
+
+
+class Answers:
+    """Each answer the edge's placement client gives (placed or declined), as it gives it;
+    a request given up before its answer leaves no trace here."""
+
+    def __init__(self, client: PlacementClient, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.got: list[Placement | Declined] = []
+        self._new = asyncio.Event()
+        place = client.place
+
+        async def spy(*args: Any, **kwargs: Any) -> Placement | Declined:
+            outcome = await place(*args, **kwargs)
+            self.got.append(outcome)
+            self._new.set()
+            return outcome
+
+        monkeypatch.setattr(client, "place", spy)
+
+    async def wait(self, n: int) -> None:
+        async with asyncio.timeout(10):
+            while len(self.got) < n:
+                self._new.clear()
+                await self._new.wait()
 
 
 def pool_result(
@@ -185,7 +298,40 @@ def result_timeout() -> float:
 
 
 @pytest.fixture
-async def rig(request: pytest.FixtureRequest, result_timeout: float) -> AsyncIterator[Rig]:
+def placement_timeout_ms() -> float:
+    return 200.0
+
+
+@pytest.fixture
+def outbox(request: pytest.FixtureRequest) -> Outbox | None:
+    """The agent's outbox: its own in memory, or (``gated``) a :class:`GatedOutbox`."""
+    return GatedOutbox() if getattr(request, "param", None) == "gated" else None
+
+
+@pytest.fixture
+def gate(outbox: Outbox | None) -> GatedOutbox:
+    assert isinstance(outbox, GatedOutbox), "mark the test @gated"
+    return outbox
+
+
+gated = pytest.mark.parametrize("outbox", ["gated"], indirect=True)
+TestFn = TypeVar("TestFn", bound=Callable[..., Any])
+
+
+def answered_by_hand(test: TestFn) -> TestFn:
+    """A broker that answers only when the test does (:meth:`Rig.answer`), and an edge that
+    waits for its answer as long as the test needs."""
+    test = pytest.mark.parametrize("rig", [None], indirect=True)(test)
+    return pytest.mark.parametrize("placement_timeout_ms", [10_000.0])(test)
+
+
+@pytest.fixture
+async def rig(
+    request: pytest.FixtureRequest,
+    result_timeout: float,
+    placement_timeout_ms: float,
+    outbox: Outbox | None,
+) -> AsyncIterator[Rig]:
     responder: Responder | None = getattr(request, "param", placed())
     broker = MemoryBroker()
     requests: list[PlacementRequest] = []
@@ -205,7 +351,7 @@ async def rig(request: pytest.FixtureRequest, result_timeout: float) -> AsyncIte
     broker_side.publish_nowait(topics.broker_status("b1"), wire.dump(online), retain=True)
     settings = load_settings(
         edge={"id": "north-l1-pc", "zone": ZONE, "concurrency": 1},
-        offload={"placement_timeout_ms": 200.0, "result_timeout_s": result_timeout},
+        offload={"placement_timeout_ms": placement_timeout_ms, "result_timeout_s": result_timeout},
     )
     transport = MemoryTransport(broker)
     policy: Policy = POLICY
@@ -218,7 +364,12 @@ async def rig(request: pytest.FixtureRequest, result_timeout: float) -> AsyncIte
         clock=time.time,
     )
     agent = EdgeAgent(
-        settings.edge, transport, REGISTRY, offload=client, offload_settings=settings.offload
+        settings.edge,
+        transport,
+        REGISTRY,
+        offload=client,
+        offload_settings=settings.offload,
+        outbox=outbox,
     )
     # Teach the agent a (pessimistic) 10 s service time: a 5 s deadline is predicted to be
     # missed here, yet a job kept local still finishes long before it.
@@ -228,7 +379,7 @@ async def rig(request: pytest.FixtureRequest, result_timeout: float) -> AsyncIte
     runner = asyncio.ensure_future(agent.run(stop))
     await asyncio.wait_for(agent.ready.wait(), 10)
     await broker.wait_for(lambda m: m.topic == topics.broker_status("b1"))
-    yield Rig(broker, agent, requests, broker_side)
+    yield Rig(broker, agent, requests, broker_side, transport, client)
     stop.set()
     await asyncio.wait_for(runner, 30)
 
@@ -423,3 +574,121 @@ async def test_work_the_worker_refused_runs_here(rig: Rig) -> None:
     assert doc["ran_on"]["kind"] == "edge"
     assert doc["offload"]["code"] == "queue_full"
     assert rig.agent.counters["not_run_returns"] == 1
+
+
+# -- a new job's placement is asked for while the outbox commits it ---------------------------
+
+
+@gated
+async def test_placement_is_asked_during_the_commit_and_the_work_waits_for_it(
+    rig: Rig, gate: GatedOutbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    answers = Answers(rig.client, monkeypatch)
+    gate.holding = True  # the acceptance commit does not reach the disk until released
+    job_id = rig.submit(via_broker=True)
+    await answers.wait(1)
+    assert isinstance(answers.got[0], Placement)  # asked and answered ...
+    assert gate.staged  # ... while the commit is still to come
+    assert [r.job_id for r in rig.requests] == [job_id]
+    assert [m.topic for m in rig.edge.unacked] == [topics.edge_submit("north-l1-pc")]
+    assert rig.sent() == []  # no image before the commit
+    assert rig.agent.offloaded == 0
+    gate.release()
+    (work,) = await rig.work(1)
+    assert work.user_property(topics.PROP_ATTEMPT) == "1"
+    assert rig.edge.unacked == []  # acked once committed
+    assert len(rig.requests) == 1  # the answer asked for at admission was used
+    stored = await gate.get(job_id)
+    assert stored is not None
+    assert (stored.state, stored.attempt) == ("offloaded", 1)
+    sent = rig.give_back(job_id, 1)
+    (result,) = await rig.results(1)
+    assert result.payload == sent
+
+
+@gated
+@answered_by_hand
+async def test_a_placement_answered_after_the_commit_is_taken_then(
+    rig: Rig, gate: GatedOutbox
+) -> None:
+    gate.holding = True
+    job_id = rig.submit(via_broker=True)
+    request = await rig.asked(job_id)
+    gate.release()
+    stored = await gate.get(job_id)  # the outbox answers in order: the job is accepted
+    assert stored is not None
+    assert (stored.state, stored.attempt) == ("queued", 0)
+    assert rig.edge.unacked == []
+    rig.answer(request)
+    (work,) = await rig.work(1)
+    assert work.user_property(topics.PROP_ATTEMPT) == "1"
+    assert [r.job_id for r in rig.requests] == [job_id]
+    rig.give_back(job_id, 1)
+    await rig.results(1)
+    assert rig.agent.unfinished == 0
+
+
+@gated
+@answered_by_hand
+@pytest.mark.parametrize("answered_first", [True, False], ids=["answered", "unanswered"])
+async def test_a_failed_commit_drops_the_early_placement(
+    rig: Rig, gate: GatedOutbox, monkeypatch: pytest.MonkeyPatch, answered_first: bool
+) -> None:
+    answers = Answers(rig.client, monkeypatch)
+    gate.holding = True
+    job_id = rig.submit(via_broker=True)
+    request = await rig.asked(job_id)
+    if answered_first:
+        rig.answer(request)
+        await answers.wait(1)
+    broken = OutboxError("outbox :memory: cannot be written (disk I/O error); check free space")
+    gate.release(fail=broken)
+    (result,) = await rig.results(1)
+    doc = json.loads(result.payload)
+    assert (doc["status"], doc["code"]) == ("rejected", "outbox_unavailable")
+    assert "disk I/O error" in doc["reason"]
+    assert rig.edge.unacked == []  # answered, so acked; never accepted
+    if not answered_first:
+        rig.answer(request)  # too late: nobody waits for it any more
+    barrier = rig.submit()
+    rig.answer(await rig.asked(barrier))
+    await rig.work(1)
+    assert rig.sent() == [barrier]  # the failed job's image never left
+    assert [r.job_id for r in rig.requests] == [job_id, barrier]
+    assert len(answers.got) == 1 + answered_first  # an unanswered one was given up
+    assert rig.agent.counters["outbox_errors"] == 1
+    assert await gate.get(job_id) is None
+
+
+async def test_a_repeat_is_not_offered_and_its_image_is_not_sent_again(rig: Rig) -> None:
+    job_id = rig.submit(via_broker=True)
+    await rig.work(1)
+    rig.submit(job_id=job_id, via_broker=True)  # while it is offloaded: known, not asked
+    sent = rig.give_back(job_id, 1)
+    await rig.results(1)
+    # Concluded and forgotten in memory: the repeat is asked for at admission like a new
+    # job, and that placement is dropped once the outbox says it knows the job.
+    rig.submit(job_id=job_id, via_broker=True)
+    again = (await rig.results(2))[1]
+    assert again.payload == sent  # answered from the outbox, not run again
+    barrier = rig.submit()
+    await rig.work(2)
+    assert rig.sent() == [job_id, barrier]
+    assert [r.job_id for r in rig.requests] == [job_id, job_id, barrier]
+    assert rig.agent.counters["duplicates"] == 2
+    assert rig.agent.counters["accepted"] == 2
+    assert rig.edge.unacked == []
+
+
+async def test_a_redelivered_request_is_offered_only_once_it_proves_new(rig: Rig) -> None:
+    job_id = rig.submit(via_broker=True)
+    await rig.work(1)
+    rig.give_back(job_id, 1)
+    await rig.results(1)
+    rig.submit(job_id=job_id, dup=True)  # delivered again after a crash: concluded long ago
+    fresh = rig.submit(dup=True)  # delivered before a crash that beat its commit: new
+    await rig.work(2)
+    assert rig.sent() == [job_id, fresh]
+    assert [r.job_id for r in rig.requests] == [job_id, fresh]  # the concluded one: never
+    assert rig.agent.counters["redelivered"] == 1
+    assert rig.agent.counters["accepted"] == 2

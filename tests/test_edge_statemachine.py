@@ -1,14 +1,16 @@
 """Hypothesis drives a real edge agent (real SQLite outbox file, memory transport with
 persistent sessions) through submissions, resubmissions, crashes at any tick, restarts,
-compute, worker returns (current, stale, repeated), lost workers, dead letters, timeouts
-and PUBACKs, in any order.
+compute, worker returns (current, stale, repeated), lost workers, dead letters, timeouts,
+a slow or quick campus broker and PUBACKs, in any order.
 
-Invariant, at every step: no job has more raw results at the app than the documented
-sources of repeats allow (one more per crash that fell between publishing its result and
-recording the PUBACK, one more per resubmission of a job already concluded). After
-settling (restart if down, let the broker ack, the workers answer the current attempts):
-every job the app submitted has exactly one result after deduplication by job id, each
-``ok`` or ``failed``/``dead_letter``, and the edge holds nothing unfinished.
+Invariants, at every step: no work is sent for a job before the outbox has committed it
+(its placement may be asked for, and answered, while the commit is under way), and no job
+has more raw results at the app than the documented sources of repeats allow (one more per
+crash that fell between publishing its result and recording the PUBACK, one more per
+resubmission of a job already concluded). After settling (restart if down, let the broker
+ack, the workers answer the current attempts): every job the app submitted has exactly one
+result after deduplication by job id, each ``ok`` or ``failed``/``dead_letter``, and the
+edge holds nothing unfinished.
 
 The edge's compute and the outbox's writer are stepped by the test (see tests/edge_kit.py),
 the clock is fake and the search is derandomized, so every run explores the same cases.
@@ -84,6 +86,17 @@ class EdgeLifecycle(RuleBasedStateMachine):
         assert self.rig.placement is not None
         self.rig.placement.broker_available = online
 
+    @rule(slow=st.booleans())
+    def campus_broker_pace(self, slow: bool) -> None:
+        """Slow, placements wait to be answered: the acceptance commits come first."""
+        assert self.rig.placement is not None
+        self.rig.placement.slow = slow
+
+    @rule()
+    def campus_broker_answers(self) -> None:
+        assert self.rig.placement is not None
+        self.rig.placement.answer_all()
+
     @rule()
     def broker_acks(self) -> None:
         self.rig.broker.release_pubacks()
@@ -99,9 +112,10 @@ class EdgeLifecycle(RuleBasedStateMachine):
     # -- crashes ----------------------------------------------------------------------------
 
     @precondition(lambda self: self.up)
-    @rule()
-    def crash(self) -> None:
-        self.rig.crash()  # the results the broker has now are all it will ever get from it
+    @rule(before_commit=st.booleans())
+    def crash(self, before_commit: bool) -> None:
+        """Writes not yet committed are lost, or (not ``before_commit``) land first."""
+        self.rig.crash(before_commit=before_commit)  # the broker has all it will get from it
         published = {_job_id(m.payload) for m in self.rig.broker.log if m.topic == APP_TOPIC}
         with contextlib.closing(sqlite3.connect(self.rig.db)) as db:
             done = {row[0] for row in db.execute("SELECT job_id FROM jobs WHERE state = 'done'")}
@@ -131,6 +145,11 @@ class EdgeLifecycle(RuleBasedStateMachine):
         self.rig.notify(job_id, attempt, "dead_letter" if dead else "worker_lost")
 
     # -- what must hold ------------------------------------------------------------------------
+
+    @invariant()
+    def no_work_before_the_commit(self) -> None:
+        assert self.rig.placement is not None
+        assert self.rig.placement.early == [], "work sent for a job not yet on disk"
 
     @invariant()
     def no_unexplained_repeats(self) -> None:
@@ -171,7 +190,9 @@ class EdgeLifecycle(RuleBasedStateMachine):
         agent = rig.agent
         assert agent is not None
         assert rig.placement is not None
+        rig.placement.slow = False
         for _ in range(30):
+            rig.placement.answer_all()
             rig.broker.release_pubacks()
             rig.settle()
             answered = set(rig.per_job())
