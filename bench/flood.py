@@ -59,7 +59,7 @@ def print_table(r: FloodReport, args: argparse.Namespace) -> None:
     print(
         f"  real jobs             {v.submitted} submitted, {v.accepted} accepted, "
         f"{v.answered} completed, {len(v.lost)} lost, {len(v.duplicated)} duplicated, "
-        f"statuses {dict(v.statuses)}"
+        f"statuses {dict(v.statuses)}, codes {dict(v.codes)}"
     )
     print(f"{'':24}{'jobs':>8}{'p50 ms':>10}{'p99 ms':>10}")
     for phase, label in (
@@ -152,6 +152,7 @@ def main() -> None:
             "lost": len(v.lost),
             "duplicated": len(v.duplicated),
             "statuses": dict(v.statuses),
+            "codes": dict(v.codes),
             "after_flood": report.real_by_phase.get("after", 0),
         },
         "target": TARGET,
