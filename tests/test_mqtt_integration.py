@@ -166,6 +166,10 @@ async def test_unacked_message_comes_back_after_the_connection_dies(
         # Sent, not dropped: had the connection been replaced again meanwhile, the broker
         # would owe "job" once more and the resumed session below would get it first.
         assert durable.stale_acks == 1
+        # Mosquitto reads a connection's packets in order: once this publish is acked it
+        # has read that PUBACK too (else a new connection of the same id could take the
+        # session over before it does, and "job" would rightly come again).
+        await durable.publish(f"{topic}/probe", b"", qos=1, wait=True)
         await durable.close()
         # While the session is offline a second job is queued for it; the first was acked.
         await publisher.publish(topic, b"second", qos=1, wait=True)
