@@ -1,8 +1,7 @@
 """Every placement decision into the signed, hash-chained audit log, without slowing them.
 
 Decisions are added as they are answered; a background task writes whatever accumulated
-while the previous record was being signed and stored (and for ``LINGER_S`` after the
-first of them), packed into as few records
+while the previous record was being signed and stored, packed into as few records
 (``placements``) as the log's record size allows, so the cost of a signature and a Redis
 round trip is shared by a burst. Each decision keeps its top candidates and the reasons the
 others were filtered out. What becomes of placed jobs afterwards (a worker lost with them,
@@ -29,10 +28,6 @@ log = logging.getLogger(__name__)
 # Room left in a record for its envelope (sequence, hashes, signature, kind, job list).
 BUDGET = MAX_RECORD_BYTES // 2  # JSON-escaping the decisions can at most double them
 RETRY_S = 0.5
-# How long the writer lets decisions gather after the first before it signs a record: at
-# a few thousand decisions a second, a dozen or more share one signature and one Redis
-# round trip instead of two or three. Nothing waits on the audit log.
-LINGER_S = 0.01
 PLACEMENTS = "placements"
 
 
@@ -88,7 +83,6 @@ class DecisionAudit:
     async def run(self) -> None:
         while True:
             await self._wanted.wait()
-            await asyncio.sleep(LINGER_S)
             self._wanted.clear()
             while self._pending:
                 kind = self._pending[0][0]

@@ -2,12 +2,11 @@
 
 Job status and explanations, released reservations, node documents and the in-flight
 bookkeeping of ``broker.inflight`` (Lua scripts included, with a callback for a reply that
-someone needs) are queued as they happen and sent in one pipeline by
-:meth:`BrokerStore.run`, a couple of milliseconds after the first of them, so a burst of
-decisions or completions costs one round trip of bookkeeping. Node documents expire when a
-node goes silent, so Redis holds exactly the fleet that is alive. Reading a job back serves
-the HTTP API of any replica. Every queued operation must be safe to send twice (see
-``broker.lua``). Nothing here decides anything.
+someone needs) are queued as they happen and sent in one pipeline per loop turn by
+:meth:`BrokerStore.run`, so a burst of decisions or completions costs one round trip of
+bookkeeping. Node documents expire when a node goes silent, so Redis holds exactly the
+fleet that is alive. Reading a job back serves the HTTP API of any replica. Every queued
+operation must be safe to send twice (see ``broker.lua``). Nothing here decides anything.
 """
 
 from __future__ import annotations
@@ -27,9 +26,6 @@ from broker.lua import Lua, check_cancelled, execute
 log = logging.getLogger(__name__)
 
 JOB_TTL_S = 24 * 3600  # how long a job's status and explanation stay queryable
-# How long queued writes gather after the first before the pipeline goes: under load a
-# round trip then carries several decisions' bookkeeping, not one or two.
-LINGER_S = 0.002
 # (command or script, args, kwargs or the script's keys, callback for the reply)
 _Op = tuple[str | Lua, tuple[Any, ...], Any, Callable[[Any], None] | None]
 
@@ -114,7 +110,6 @@ class BrokerStore:
         """Send what is queued, one pipeline at a time, for ever."""
         while True:
             await self._wanted.wait()
-            await asyncio.sleep(LINGER_S)
             self._wanted.clear()
             ops, self._ops = self._ops, []
 
