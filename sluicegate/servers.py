@@ -190,11 +190,13 @@ def start_mosquitto(
     autosave_interval_s: int = 1,
     max_queued_messages: int = 1_000_000,
     max_inflight_messages: int = 0,
+    extra_config: tuple[str, ...] = (),
 ) -> ServerProcess:
     """Start ``mosquitto`` on a free loopback port and wait until it answers CONNECT.
 
     Restart it with :meth:`ServerProcess.restart` (same port, same ``workdir``: with
     ``persistence`` the sessions and their queued messages survive a graceful restart).
+    ``extra_config`` lines go at the end of its configuration (another listener, say).
     """
     binary = find_binary("mosquitto")
     port = port or free_port()
@@ -209,6 +211,7 @@ def start_mosquitto(
             max_queued_messages=max_queued_messages,
             max_inflight_messages=max_inflight_messages,
         )
+        + "".join(f"{line}\n" for line in extra_config)
     )
     argv = [binary, "-c", str(conf)]
     server = ServerProcess("mosquitto", "127.0.0.1", port, _spawn(argv, workdir), workdir, argv)
