@@ -61,6 +61,7 @@ _OK = (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN)
 MISC_INTERVAL_S = 1.0  # how often paho's keepalive bookkeeping runs
 CLOSE_TIMEOUT_S = 2.0  # how long close() waits for its DISCONNECT to go out
 MAX_ROUTES = 4096  # topics whose matching subscriptions are remembered
+READ_BURST = 64  # messages read per wake-up of the loop, at most
 
 
 def _new_properties(packet_type: int) -> Properties:
@@ -239,6 +240,7 @@ class MqttTransport:
         self._max_parked = max_pending
         self._parked: deque[tuple[paho.MQTTMessage, int]] = deque()  # (message, generation)
         self.stale_acks = 0  # acks dropped because their connection was lost
+        self._messages_seen = 0
         self._client = paho.Client(
             CallbackAPIVersion.VERSION2,
             client_id=client_id,
@@ -404,7 +406,14 @@ class MqttTransport:
             loop.remove_writer(fd)
 
     def _readable(self) -> None:
-        self._client.loop_read()
+        """Read what the socket holds, up to ``READ_BURST`` messages: a burst is handed to
+        its handlers in one go (one placement batch, one Redis round trip), not one
+        message per turn of the loop. paho reads one packet per call here."""
+        for _ in range(READ_BURST):
+            seen = self._messages_seen
+            self._client.loop_read()
+            if self._messages_seen == seen or self._fd is None:
+                break  # nothing whole came in: drained (or a packet is still arriving)
         sock = self._client.socket()
         # TLS: records already decrypted wait inside the SSL object, unseen by the selector.
         while isinstance(sock, ssl.SSLSocket) and sock.pending() and self._fd is not None:
@@ -544,6 +553,7 @@ class MqttTransport:
     # -- paho's callbacks (on the loop, inside loop_read / loop_write) -------------------
 
     def _on_message(self, _client: paho.Client, _userdata: Any, msg: paho.MQTTMessage) -> None:
+        self._messages_seen += 1
         subs = self._routes.get(msg.topic)
         if subs is None:
             subs = [s for s in self._subs.values() if s.matches(msg.topic)]
