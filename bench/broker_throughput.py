@@ -27,6 +27,7 @@ import time
 from functools import partial
 from importlib.metadata import version
 from pathlib import Path
+from statistics import median_high
 
 import paho.mqtt.client as paho
 import psutil
@@ -274,10 +275,6 @@ def main() -> None:
     report(args, subject, baseline, driver.statuses, subject_cpu, baseline_cpu)
 
 
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
-
-
 def report(
     args: argparse.Namespace,
     subject: list[float],
@@ -286,8 +283,8 @@ def report(
     subject_cpu: list[float],
     baseline_cpu: list[float],
 ) -> None:
-    med_s, med_b = _median(subject), _median(baseline)
-    cpu_s, cpu_b = _median(subject_cpu), _median(baseline_cpu)
+    med_s, med_b = median_high(subject), median_high(baseline)
+    cpu_s, cpu_b = median_high(subject_cpu), median_high(baseline_cpu)
     print(
         f"broker throughput: {args.workers} workers, window {args.window}, {args.rounds} rounds "
         f"of {args.seconds:g} s, nproc {os.cpu_count()}; replies by status {statuses}"

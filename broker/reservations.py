@@ -121,6 +121,8 @@ class Reservations:
 
 
 def _outcome(reply: object) -> bool | str:
-    if isinstance(reply, bytes | str):
-        return reply.decode() if isinstance(reply, bytes) else reply
+    if isinstance(reply, bytes):
+        return reply.decode()
+    if isinstance(reply, str):
+        return reply
     return bool(int(reply))  # type: ignore[call-overload]

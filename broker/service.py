@@ -369,8 +369,9 @@ class Broker:
         self.store.job_decision(req.job_id, text)
 
     def _reply(self, topic: str, correlation: bytes | None, reply: PlacementReply) -> None:
-        # QoS 0: a reply is worth something only while its edge waits (its placement
-        # timeout, milliseconds); a lost one costs that wait and the reservation expires.
+        # QoS 0: a request and its reply are worth something only while the edge waits (its
+        # placement timeout, 50 ms by default, far shorter than any redelivery would take);
+        # a lost one costs that wait and the reservation expires.
         # QoS 1 would add a PUBACK to read per decision, here and at the edge.
         self._transport.publish_nowait(
             topic,
@@ -417,9 +418,8 @@ class Broker:
         await t.subscribe(topics.worker_all("status"), self.on_worker_status)
         await t.subscribe(topics.completions(), self.on_completion)
         await t.subscribe(topics.edge_telemetry_all(), self.on_edge_telemetry, qos=0)
-        # QoS 0, like the replies: a request is worth something only within its edge's
-        # placement timeout (50 ms by default), far shorter than any redelivery would take,
-        # and a stale request redelivered to another replica would only reserve for nobody.
+        # QoS 0, like the replies (see _reply); and a stale request redelivered to another
+        # replica would only reserve for nobody.
         await t.subscribe(topics.placement_requests_shared(), self.on_request, qos=0)
 
         def announce() -> None:

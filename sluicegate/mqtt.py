@@ -72,8 +72,8 @@ class _PublishProperties(Properties):
     """PUBLISH properties already packed (:mod:`sluicegate.mqtt_wire`).
 
     paho's :class:`Properties` rebuilds its name tables for every instance and scans all
-    27 property names on every ``pack()``: about 60 µs a message on the broker's hot path,
-    paid again on paho's thread. paho only ever calls ``pack()`` on a PUBLISH's
+    27 property names on every ``pack()``: about 60 µs a message on the broker's hot path.
+    paho only ever calls ``pack()`` on a PUBLISH's
     properties, so this subclass keeps the packed bytes and skips the generic machinery.
     """
 

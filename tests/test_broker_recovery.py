@@ -561,7 +561,7 @@ def test_a_last_will_sends_worker_lost_for_exactly_its_jobs_keeping_the_attempt(
     assert status == 200
     assert record["inflight"]["crashes"] == 1
     assert record["inflight"]["lost_attempt"] == expected[job]
-    wait_until(lambda: broker.http(f"/jobs/{job}")[1]["status"] == "worker_lost")
+    wait_until(lambda: _job_record(broker, job, "worker_lost"))
     survivors = {j for j, r in placed.items() if r.worker_id != victim}
     assert not survivors & {n.job_id for n in edge.notices}
 
