@@ -340,7 +340,11 @@ class EdgeAgent:
     def _take_return(
         self, tracked: Tracked, payload: bytes, status: str, attempt: int, msg: Message
     ) -> None:
-        self._conclude(tracked, payload, status, attempt=attempt, ack=msg)
+        # Once the attempt is on disk, a crash before this result's commit leaves the job
+        # awaiting that same attempt, its return unacked and so redelivered: the same bytes
+        # would go out again. So the app may have the result before the commit (Answers).
+        forward = tracked.on_disk == attempt
+        self._conclude(tracked, payload, status, attempt=attempt, ack=msg, forward=forward)
 
     def _dead_letter(self, tracked: Tracked, reason: str) -> None:
         self._conclude_local(tracked, "failed", code="dead_letter", reason=reason)
@@ -393,11 +397,14 @@ class EdgeAgent:
         *,
         attempt: int | None = None,
         ack: Message | None = None,
+        forward: bool = False,
     ) -> None:
         tracked.phase = "finishing"
         self._finishing += 1
         then = partial(self._concluded, tracked)
-        self._answers.conclude(tracked.job, payload, status, then, attempt=attempt, ack=ack)
+        self._answers.conclude(
+            tracked.job, payload, status, then, attempt=attempt, ack=ack, forward=forward
+        )
 
     def _concluded(self, tracked: Tracked, stored: bool | None) -> None:
         self._finishing -= 1
@@ -459,6 +466,7 @@ class EdgeAgent:
             self._jobs[job.job_id] = tracked
             if plan == "await_return":
                 tracked.phase = "offloaded"
+                tracked.on_disk = stored.attempt
                 tracked.expires_at = ledger.offload_expiry(now, timeout, job.deadline)
             elif plan == "dead_letter":
                 actions.append(partial(self._dead_letter_locally, tracked))

@@ -4,10 +4,15 @@ A refusal (a request that was not accepted) is published at once and never store
 result of an accepted job is committed to the outbox first, then published QoS 1 to the
 job's response topic with its correlation data, then marked delivered once the broker's
 PUBACK is back. A crash anywhere in that sequence leaves the job pending (it runs, or is
-awaited, again) or done but undelivered (published again after the restart). So the only
-raw duplicate an app can see is a result published again because the agent died between
-the PUBACK and recording it; results carry ``job_id``, and the Python client drops them.
-Publishing waits in tasks of its own, never on the loop's path.
+awaited, again) or done but undelivered (published again after the restart).
+
+A worker's return for an attempt already recorded on disk is *forwarded*: published first,
+committed meanwhile. Its message is acked only once the commit lands, so a crash in between
+leaves the job awaiting that same attempt and the return unacked; the broker redelivers it
+and the same bytes go out again. So, either way, the only raw duplicate an app can see is
+the same result published again because the agent died before recording it; results carry
+``job_id``, and the Python client drops them. Publishing waits in tasks of its own, never on
+the loop's path.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from edge_agent.admission import Job, Refusal
 from edge_agent.errors import OutboxError
@@ -29,6 +34,7 @@ from sluicegate.vision.postprocess import Outputs as VisionOutputs
 from sluicegate.vision.runtime import StageTimes
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 Committed = Callable[[bool | None], None]  # True: stored; False: concluded already; None: error
 
@@ -78,7 +84,7 @@ class Answers:
         self.results: Counter[str] = Counter()  # by status: refusals and concluded jobs
         self.dropped_no_response_topic = 0
         self.undelivered = 0  # publishes the broker never acked (published again on restart)
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._killed = False
 
     def refuse(self, refusal: Refusal, msg: Message | None = None) -> None:
@@ -121,12 +127,44 @@ class Answers:
         *,
         attempt: int | None = None,
         ack: Message | None = None,
+        forward: bool = False,
     ) -> None:
         """Commit ``payload`` as the job's result (only the first one counts; with
         ``attempt``, only while the job is offloaded as that attempt), ack ``ack`` once it
-        is committed, publish it, and tell ``then`` how the commit went."""
+        is committed, publish it, and tell ``then`` how the commit went. With ``forward``
+        (a return whose attempt is on disk), publish it first and commit meanwhile."""
         fut = self._outbox.finish(job.job_id, payload, attempt=attempt)
+        if forward:
+            sent = self._track(self._send(job, payload))
+            self._track(self._forward(job, status, then, ack, fut, sent))
+            return
         fut.add_done_callback(partial(self._committed, job, payload, status, then, ack))
+
+    async def _forward(
+        self,
+        job: Job,
+        status: str,
+        then: Committed,
+        ack: Message | None,
+        fut: asyncio.Future[bool],
+        sent: asyncio.Task[bool],
+    ) -> None:
+        try:
+            stored: bool | None = await fut
+        except OutboxError as exc:  # published, not committed: redelivered after a restart
+            log.error("could not store the forwarded result of job %s: %s", job.job_id, exc)
+            stored = None
+        if self._killed:
+            return
+        if stored is not None and ack is not None:
+            self._transport.ack(ack)
+        if stored:
+            self.results[status] += 1
+        elif stored is False:  # the disk moved on under this agent (trusted in ``then``)
+            log.warning("job %s: a forwarded result was not the one on disk", job.job_id)
+        then(stored)
+        if await sent and stored:
+            await self._record_delivery(job)
 
     def _committed(
         self,
@@ -159,6 +197,11 @@ class Answers:
         self.spawn(self._deliver(job, payload, record=record))
 
     async def _deliver(self, job: Job, payload: bytes, *, record: bool) -> None:
+        if await self._send(job, payload) and record:
+            await self._record_delivery(job)
+
+    async def _send(self, job: Job, payload: bytes) -> bool:
+        """Publish a result QoS 1; True once the broker acked it."""
         try:
             await self._transport.publish(
                 job.response_topic,
@@ -171,21 +214,27 @@ class Answers:
         except Exception as exc:  # stays undelivered on disk: published again after a restart
             self.undelivered += 1
             log.warning("result of job %s not acked by the broker: %s", job.job_id, exc)
-            return
-        if record:
-            try:
-                await self._outbox.delivered(job.job_id)
-            except OutboxError as exc:
-                log.warning("could not record the delivery of job %s: %s", job.job_id, exc)
+            return False
+        return True
+
+    async def _record_delivery(self, job: Job) -> None:
+        try:
+            await self._outbox.delivered(job.job_id)
+        except OutboxError as exc:
+            log.warning("could not record the delivery of job %s: %s", job.job_id, exc)
 
     @property
     def delivering(self) -> int:
         return len(self._tasks)  # a task leaves the set as it finishes
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        self._track(coro)
+
+    def _track(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def drain(self, timeout: float) -> None:
         """Wait (up to ``timeout``) for the publishes in progress, then cancel the rest."""

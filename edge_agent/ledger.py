@@ -56,6 +56,7 @@ class Tracked:
     local_runs: int = 0  # local runs started so far (as counted on disk)
     declined: Declined | None = None  # why it stayed here, for the result's offload field
     expires_at: float | None = None  # offloaded: when to stop waiting for the return
+    on_disk: int = 0  # the latest attempt the outbox is known to have recorded
 
 
 Verdict = Literal["accept", "unknown", "stale", "busy"]

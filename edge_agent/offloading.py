@@ -179,7 +179,7 @@ class Offloads:
         if not self._hooks.current(tracked, "offering"):
             return None
         self._outbox.offloaded(job_id, attempt).add_done_callback(
-            partial(_recorded, job_id, attempt)
+            partial(_recorded, tracked, attempt)
         )
         tracked.attempt = attempt
         tracked.phase = "offloaded"
@@ -290,11 +290,14 @@ class Offloads:
             task.cancel()
 
 
-def _recorded(job_id: str, attempt: int, fut: asyncio.Future[bool]) -> None:
-    """Log an attempt that did not reach the disk (the job is already on its way)."""
+def _recorded(tracked: Tracked, attempt: int, fut: asyncio.Future[bool]) -> None:
+    """Note an attempt that reached the disk (its return may then be forwarded before it is
+    committed); log one that did not (the job is already on its way)."""
     if fut.cancelled():
         return
     exc = fut.exception()
-    if exc is not None or not fut.result():
-        why = exc if exc is not None else "no pending job to record it on"
-        log.warning("job %s: attempt %d not recorded on disk: %s", job_id, attempt, why)
+    if exc is None and fut.result():
+        tracked.on_disk = max(tracked.on_disk, attempt)
+        return
+    why = exc if exc is not None else "no pending job to record it on"
+    log.warning("job %s: attempt %d not recorded on disk: %s", tracked.job.job_id, attempt, why)

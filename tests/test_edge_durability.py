@@ -429,3 +429,37 @@ def test_sigkilled_edge_answers_every_acked_job_once_after_restart(
     )
     assert set(raw) == everyone | {"barrier"}
     assert repeats <= may_repeat
+
+
+def test_a_forwarded_result_lost_before_its_commit_goes_out_again_the_same(
+    rig_factory: Callable[..., EdgeRig],
+) -> None:
+    """A return whose attempt is on disk reaches the app before its commit; a crash in
+    between leaves the return unacked, so the restarted edge gets it again and sends the
+    very same bytes: a repeat the client drops, never a second, different result."""
+    rig = rig_factory(offload=True)
+    rig.start()
+    rig.submit("far", correlation=b"f")
+    rig.settle()
+    assert rig.placement is not None
+    assert rig.placement.sent == [("far", 1)]
+    rig.give_back("far", 1)
+    for _ in range(10):  # until the result is out; its commit is given no writer meanwhile
+        if rig.received:
+            break
+        rig.loop.stop()  # one turn of the loop, without the tick's release of the writes
+        rig.loop.run_forever()
+    assert len(rig.received) == 1
+    rig.crash(before_commit=True)
+    assert _stored_rows(rig.db)["far"][:2] == ("offloaded", 1)  # published, not committed
+    rig.start()
+    rig.settle()
+    first, again = rig.received
+    assert again.payload == first.payload
+    assert json.loads(first.payload)["ran_on"]["kind"] == "pool"
+    assert rig.agent is not None
+    assert rig.agent.unfinished == 0
+    assert rig.transport is not None
+    assert rig.transport.unacked == []
+    rig.crash()
+    assert _stored_rows(rig.db)["far"][0] == "delivered"

@@ -607,6 +607,61 @@ async def test_placement_is_asked_during_the_commit_and_the_work_waits_for_it(
 
 
 @gated
+async def test_a_return_whose_attempt_is_on_disk_reaches_the_app_before_its_commit(
+    rig: Rig, gate: GatedOutbox
+) -> None:
+    job_id = rig.submit()
+    await rig.work(1)
+    stored = await gate.get(job_id)  # in order: the attempt's record has landed
+    assert stored is not None
+    assert (stored.state, stored.attempt) == ("offloaded", 1)
+    gate.holding = True  # the result's commit waits ...
+    sent = rig.give_back(job_id, 1)
+    (result,) = await rig.results(1)  # ... and the app has the result already
+    assert result.payload == sent
+    returns = topics.edge_returns("north-l1-pc")
+    assert [m.topic for m in rig.edge.unacked] == [returns]  # acked only once committed
+    assert gate.staged
+    gate.release()
+    stored = await gate.get(job_id)
+    assert stored is not None
+    assert stored.state in ("done", "delivered")
+    assert rig.edge.unacked == []
+    assert rig.agent.unfinished == 0
+
+
+@gated
+async def test_a_return_whose_attempt_is_not_on_disk_yet_waits_for_its_commit(
+    rig: Rig, gate: GatedOutbox
+) -> None:
+    """Forwarding before the commit is safe only once the attempt is recorded: until then a
+    crash would have the job placed afresh, and its new result could differ."""
+    gate.holding = True
+    job_id = rig.submit()
+    await rig.asked(job_id)
+    gate.release()  # the acceptance lands, and the work goes ...
+    gate.holding = True  # ... but the attempt's record waits
+    await rig.work(1)
+    sent = rig.give_back(job_id, 1)
+    returns = topics.edge_returns("north-l1-pc")
+    for _ in range(100):  # until the edge holds the return, unacked, and a while after
+        if any(m.topic == returns for m in rig.edge.unacked):
+            break
+        await asyncio.sleep(0)
+    for _ in range(20):  # what the return set going on the loop (a publish) has run
+        await asyncio.sleep(0)
+    assert [m.topic for m in rig.edge.unacked] == [returns]
+    assert not [m for m in rig.broker.log if m.topic == "app/results"]
+    gate.release()
+    (result,) = await rig.results(1)
+    assert result.payload == sent
+    stored = await gate.get(job_id)
+    assert stored is not None
+    assert stored.state in ("done", "delivered")
+    assert rig.edge.unacked == []
+
+
+@gated
 @answered_by_hand
 async def test_a_placement_answered_after_the_commit_is_taken_then(
     rig: Rig, gate: GatedOutbox

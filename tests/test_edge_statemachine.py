@@ -6,8 +6,9 @@ a slow or quick campus broker and PUBACKs, in any order.
 Invariants, at every step: no work is sent for a job before the outbox has committed it
 (its placement may be asked for, and answered, while the commit is under way), and no job
 has more raw results at the app than the documented sources of repeats allow (one more per
-crash that fell between publishing its result and recording the PUBACK, one more per
-resubmission of a job already concluded). After settling (restart if down, let the broker
+crash that fell between publishing its result and recording the PUBACK, or between
+forwarding a worker's result and committing it; one more per resubmission of a job already
+concluded). After settling (restart if down, let the broker
 ack, the workers answer the current attempts): every job the app submitted has exactly one
 result after deduplication by job id, each ``ok`` or ``failed``/``dead_letter``, and the
 edge holds nothing unfinished.
@@ -117,8 +118,11 @@ class EdgeLifecycle(RuleBasedStateMachine):
         """Writes not yet committed are lost, or (not ``before_commit``) land first."""
         self.rig.crash(before_commit=before_commit)  # the broker has all it will get from it
         published = {_job_id(m.payload) for m in self.rig.broker.log if m.topic == APP_TOPIC}
+        # Done: published, PUBACK not recorded. Offloaded: a worker's result forwarded
+        # before its commit. Either way the restarted edge sends the same result again.
         with contextlib.closing(sqlite3.connect(self.rig.db)) as db:
-            done = {row[0] for row in db.execute("SELECT job_id FROM jobs WHERE state = 'done'")}
+            rows = db.execute("SELECT job_id FROM jobs WHERE state IN ('done', 'offloaded')")
+            done = {row[0] for row in rows}
         for job_id in published & done:
             self.windows[job_id] += 1
 
