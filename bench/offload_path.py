@@ -15,7 +15,17 @@ plain paho-mqtt v5 client.
   the work message names, as it does for a real edge; the driver plays that edge
   (``bench-direct``) and listens there.
 
-Open-loop at ``--rate`` jobs/s, A then B in each slot. Prints a table, then the
+* Messaging floor: in each slot too, the same image and a 1 KB message through a bare
+  paho relay (``bench/relay.py``, QoS 1) on the same Mosquitto. The offloaded job travels
+  three legs the baseline does not: the image from the app to the edge (half a 100 KB round
+  trip), the placement request and reply (a 1 KB round trip) and the result's extra leg
+  through the edge (half a 1 KB round trip). Their sum, measured here, is what this machine's
+  messaging alone adds. DESIGN.md's QoS 1 floors (0.43 ms / 0.17 ms round trips) put it at
+  0.47 ms, which leaves the +1.0 ms target 0.53 ms for Redis, the signatures and our code;
+  the scaled target keeps that slack above the floor measured here. (The placement leg is
+  QoS 0 in fact, a little cheaper than the QoS 1 relay: the floor errs generous by that.)
+
+Open-loop at ``--rate`` jobs/s, A, B, then the floors in each slot. Prints a table, then the
 ``RESULT {...}`` line (BENCHMARKS.md).
 
     .venv/bin/python bench/offload_path.py                 # about a minute on 2 cores
@@ -29,6 +39,7 @@ import hashlib
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -53,6 +64,28 @@ ORIGIN = "campus/fab-north/line-1"
 CLASS = "wafer-image"
 DIRECT_EDGE = "bench-direct"  # the edge id the baseline's work names; the driver plays it
 TARGET = {"overhead_p50_ms": 1.0, "overhead_p99_ms": 3.0}
+RELAY_TOPIC = "bench/relay/offload"
+DESIGN_RTT_MS = {"image": 0.43, "small": 0.17}  # DESIGN.md's QoS 1 round trips, p50
+SMALL = b"x" * 1024
+
+
+def extra_legs_ms(image_rtt: float, small_rtt: float) -> float:
+    """What messaging alone adds to an offloaded job: image to the edge, placement round
+    trip, the result's leg through the edge."""
+    return image_rtt / 2 + small_rtt + small_rtt / 2
+
+
+def relay_ready(driver: Driver) -> None:
+    """Wait until the relay answers (its subscription may not exist yet: ask again)."""
+    for attempt in range(100):
+        corr = f"ready-{attempt}".encode()
+        driver.submit(EDGE, corr, SMALL, topic=RELAY_TOPIC)
+        try:
+            driver.wait(corr, timeout=0.3)
+            return
+        except TimeoutError:
+            continue
+    raise SystemExit("the bare relay never answered")
 
 
 def main() -> None:
@@ -86,13 +119,18 @@ def main() -> None:
             },
         )
         files = campus.start()
+        relay = subprocess.Popen(
+            [sys.executable, str(ROOT / "bench" / "relay.py"), str(mqtt.port), "x", RELAY_TOPIC]
+        )
         policy = load_policy(files.policy_file)
         broker_key = load_signing_key(files.key_files["broker-1"])
         driver = Driver(mqtt.port)
         driver.listen(topics.edge_returns(DIRECT_EDGE))
+        relay_ready(driver)
         work_topic = topics.pool_work(ZONE, WORKER)
         subject: list[float] = []
         baseline: list[float] = []
+        floors: dict[str, list[float]] = {"image": [], "small": []}
         where: dict[str, int] = {}
         try:
             period = 1.0 / args.rate
@@ -141,14 +179,23 @@ def main() -> None:
                 if node == EDGE and i >= args.warmup:
                     raise SystemExit(f"job {job_a} was not offloaded: {doc_a.get('offload')}")
                 where[node] = where.get(node, 0) + 1
+                rtt = {}
+                for kind, payload in (("image", image), ("small", SMALL)):
+                    corr = f"{kind}-{i}".encode()
+                    driver.submit(EDGE, corr, payload, topic=RELAY_TOPIC)
+                    rtt[kind] = driver.wait(corr)
                 if i >= args.warmup:
                     subject.append(a)
                     baseline.append(b)
+                    for kind, value in rtt.items():
+                        floors[kind].append(value)
                 time.sleep(max(0.0, next_at - time.perf_counter()))  # open-loop pacing
         finally:
             driver.close()
+            relay.kill()
+            relay.wait(20)
             campus.stop()
-    report(args, image, subject, baseline, where)
+    report(args, image, subject, baseline, floors, where)
 
 
 def report(
@@ -156,11 +203,15 @@ def report(
     image: bytes,
     subject: list[float],
     baseline: list[float],
+    floors: dict[str, list[float]],
     where: dict[str, int],
 ) -> None:
     ov50 = pct(subject, 50) - pct(baseline, 50)
     ov99 = pct(subject, 99) - pct(baseline, 99)
     paired = [a - b for a, b in zip(subject, baseline, strict=True)]
+    legs = extra_legs_ms(pct(floors["image"], 50), pct(floors["small"], 50))
+    design_legs = extra_legs_ms(DESIGN_RTT_MS["image"], DESIGN_RTT_MS["small"])
+    scaled_p50 = TARGET["overhead_p50_ms"] - design_legs + legs
     print(
         f"offload path: {len(image) / 1024:.0f} KB JPEG, {args.jobs} slots at {args.rate:g}/s, "
         f"nproc {os.cpu_count()}; subject jobs ran on {where}"
@@ -170,23 +221,40 @@ def report(
         ("edge -> broker -> worker (subject)", subject),
         ("straight to the same worker (baseline)", baseline),
         ("paired difference per slot", paired),
+        ("bare relay round trip, the same image", floors["image"]),
+        ("bare relay round trip, 1 KB", floors["small"]),
     ]
     for name, values in rows:
         print(f"{name:44}{pct(values, 50):10.3f}{pct(values, 99):10.3f}")
     print(f"{'overhead = subject - baseline':44}{ov50:10.3f}{ov99:10.3f}")
+    print(f"{'messaging floor of the extra legs':44}{legs:10.3f}")
+    print(f"{'overhead above that floor':44}{ov50 - legs:10.3f}")
+    print(
+        f"target +{TARGET['overhead_p50_ms']:g} / +{TARGET['overhead_p99_ms']:g} ms absolute; "
+        f"scaled by this machine's messaging ({legs:.2f} vs DESIGN's {design_legs:.2f} ms): "
+        f"p50 <= +{scaled_p50:.2f} ms"
+    )
     met = ov50 <= TARGET["overhead_p50_ms"] and ov99 <= TARGET["overhead_p99_ms"]
     result = {
         "bench": "offload_path",
         "subject": {"p50_ms": pct(subject, 50), "p99_ms": pct(subject, 99), "ran_on": where},
-        "baseline": {"p50_ms": pct(baseline, 50), "p99_ms": pct(baseline, 99)},
+        "baseline": {
+            "p50_ms": pct(baseline, 50),
+            "p99_ms": pct(baseline, 99),
+            "relay_image_p50_ms": pct(floors["image"], 50),
+            "relay_1kb_p50_ms": pct(floors["small"], 50),
+        },
         "ratio": {
             "overhead_p50_ms": ov50,
             "overhead_p99_ms": ov99,
             "paired_p50_ms": pct(paired, 50),
             "paired_p99_ms": pct(paired, 99),
+            "extra_legs_floor_ms": legs,
+            "overhead_above_floor_p50_ms": ov50 - legs,
         },
-        "target": TARGET,
+        "target": {**TARGET, "overhead_p50_ms_scaled": scaled_p50},
         "met": met,
+        "met_scaled": ov50 <= scaled_p50,
         "params": {"jobs": args.jobs, "rate": args.rate, "payload_bytes": len(image)},
         "machine": {
             "nproc": os.cpu_count(),
