@@ -4,7 +4,10 @@ paho runs on the event loop, through its external-loop interface: the loop watch
 socket (``loop_read`` when readable, ``loop_write`` while paho has packets to send) and a
 small task calls ``loop_misc`` for keepalive. paho's callbacks therefore run on the loop
 thread, and a message is converted into our own :class:`~sluicegate.transport.Message` and
-handed to its handler at once. There is no network thread: measured under load (the
+handed to its handler at once. A publish made on the loop outside paho's callbacks is
+written at once (the loop's next poll cost an offloaded job ~0.6 ms over its four such
+publishes); one made by a handler is written by the loop's writer right after, since paho's
+callback lock is not reentrant. There is no network thread: measured under load (the
 broker's placement path), a second thread cost about a third more CPU per message than the
 work itself, in GIL hand-offs and wake-ups (docs/performance.md). Handlers must therefore
 be quick and must never wait on the transport themselves; while one runs, nothing is read,
@@ -241,6 +244,9 @@ class MqttTransport:
         self._parked: deque[tuple[paho.MQTTMessage, int]] = deque()  # (message, generation)
         self.stale_acks = 0  # acks dropped because their connection was lost
         self._messages_seen = 0
+        # Inside a call into paho on the loop, whose callbacks may publish: paho's callback
+        # lock is not reentrant, so such a publish waits for the writer (see publish_nowait).
+        self._in_paho = False
         self._client = paho.Client(
             CallbackAPIVersion.VERSION2,
             client_id=client_id,
@@ -383,7 +389,7 @@ class MqttTransport:
         while True:
             await asyncio.sleep(MISC_INTERVAL_S)
             if self._fd is not None:
-                self._client.loop_misc()
+                self._paho(self._client.loop_misc)
 
     # -- the socket, watched by the loop ---------------------------------------------------
 
@@ -396,7 +402,17 @@ class MqttTransport:
             return
         self._fd = sock.fileno()
         loop.add_reader(self._fd, self._readable)
-        loop.add_writer(self._fd, self._client.loop_write)
+        loop.add_writer(self._fd, self._writable)
+
+    def _paho(self, call: Callable[[], object]) -> None:
+        self._in_paho = True
+        try:
+            call()
+        finally:
+            self._in_paho = False
+
+    def _writable(self) -> None:
+        self._paho(self._client.loop_write)
 
     def _unwatch(self) -> None:
         fd, self._fd = self._fd, None
@@ -409,6 +425,9 @@ class MqttTransport:
         """Read what the socket holds, up to ``READ_BURST`` messages: a burst is handed to
         its handlers in one go (one placement batch, one Redis round trip), not one
         message per turn of the loop. paho reads one packet per call here."""
+        self._paho(self._read_burst)
+
+    def _read_burst(self) -> None:
         for _ in range(READ_BURST):
             seen = self._messages_seen
             self._client.loop_read()
@@ -434,7 +453,7 @@ class MqttTransport:
     def _on_register_write(self, _client: paho.Client, _userdata: Any, _sock: Any) -> None:
         # From the connecting thread (the CONNECT), _watch adds the writer afterwards.
         if self._fd is not None and self._loop is not None and self._on_loop_thread():
-            self._loop.add_writer(self._fd, self._client.loop_write)
+            self._loop.add_writer(self._fd, self._writable)
 
     def _on_unregister_write(self, _client: paho.Client, _userdata: Any, _sock: Any) -> None:
         if self._fd is not None and self._loop is not None and self._on_loop_thread():
@@ -455,14 +474,17 @@ class MqttTransport:
         user_properties: UserProperties = (),
         message_expiry_s: int | None = None,
     ) -> int:
-        """Queue a message in paho now and return its message id; QoS ≥ 1 is retried by
-        paho (also across reconnects) until the broker acks it."""
+        """Hand a message to paho (written at once, from outside paho's callbacks) and return
+        its message id; QoS ≥ 1 is retried by paho (also across reconnects) until the broker
+        acks it."""
         props = _properties(
             response_topic, correlation_data, content_type, user_properties, message_expiry_s
         )
         info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
         if info.rc not in _OK:
             raise TransportError(f"publish to {topic!r} refused: {paho.error_string(info.rc)}")
+        if not self._in_paho and self._fd is not None and self._on_loop_thread():
+            self._paho(self._client.loop_write)  # out now, not after the loop's next poll
         return info.mid
 
     async def publish(

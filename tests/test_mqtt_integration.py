@@ -13,6 +13,7 @@ from sluicegate.config import MqttSettings
 from sluicegate.errors import TransportError
 from sluicegate.mqtt import Message, MqttTransport, Will
 from sluicegate.servers import ServerProcess, free_port, running, start_mosquitto
+from tests.support import PlainClient
 
 pytestmark = pytest.mark.integration
 
@@ -300,3 +301,40 @@ async def test_backlog_of_a_session_waits_in_the_broker_not_here(
     await resumed.close()
     assert len(resumed._parked) == 0
     assert sorted(set(got) - {b"last"}, key=int) == [str(i).encode() for i in range(1500)]
+
+
+async def test_a_publish_off_paho_callbacks_is_on_the_wire_before_the_loop_turns(
+    mosquitto: ServerProcess, unique: str
+) -> None:
+    """Written at once, not when the loop next polls: the loop is held here (a blocking
+    wait on its own thread) and another client still gets the message."""
+    listener = PlainClient(mosquitto.port)
+    try:
+        listener.subscribe(f"w/{unique}")
+        async with MqttTransport(MqttSettings(port=mosquitto.port), client_id=f"w-{unique}") as t:
+            for qos in (0, 1):
+                t.publish_nowait(f"w/{unique}", f"qos{qos}".encode(), qos=qos)
+                got = listener.next(timeout=5)  # blocks the loop: nothing else runs meanwhile
+                assert got.payload == f"qos{qos}".encode()
+    finally:
+        listener.close()
+
+
+async def test_a_handler_may_publish_at_qos_0(mosquitto: ServerProcess, unique: str) -> None:
+    """Inside paho's callback a QoS 0 publish waits for the writer (paho's callback lock is
+    not reentrant: writing there would wait on the lock its own thread holds)."""
+    settings = MqttSettings(port=mosquitto.port)
+    echoes: asyncio.Queue[Message] = asyncio.Queue()
+    async with (
+        MqttTransport(settings, client_id=f"e-{unique}") as echo,
+        MqttTransport(settings, client_id=f"c-{unique}") as caller,
+    ):
+
+        def answer(msg: Message) -> None:
+            echo.publish_nowait(f"echo/{unique}/out", msg.payload, qos=0)
+
+        await echo.subscribe(f"echo/{unique}/in", answer, qos=0)
+        await caller.subscribe(f"echo/{unique}/out", echoes.put_nowait, qos=0)
+        for i in range(3):
+            await caller.publish(f"echo/{unique}/in", b"%d" % i, qos=1, wait=True)
+            assert (await _next(echoes)).payload == b"%d" % i
