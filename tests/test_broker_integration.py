@@ -240,8 +240,9 @@ def test_placement_within_policy_explained_reserved_and_audited(
     assert claims.data_class == "wafer-image"
     r = redis.Redis(port=redis_server.port)
     assert r.zscore(broker_keys.reservations(reply.worker_id), reply.job_id) is not None
+    # The decision's record is written right after the reply (the in-flight part before it).
     _status, job = wait_until(
-        lambda: (s := http(settings, f"/jobs/{reply.job_id}"))[0] == 200 and s
+        lambda: (s := http(settings, f"/jobs/{reply.job_id}"))[0] == 200 and "status" in s[1] and s
     )
     assert job["status"] == "placed"
     assert job["why"]["candidates"]["ranked"][0]["worker_id"] == reply.worker_id
