@@ -18,6 +18,7 @@ the loop's path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Coroutine
@@ -149,20 +150,11 @@ class Answers:
         fut: asyncio.Future[bool],
         sent: asyncio.Task[bool],
     ) -> None:
-        try:
-            stored: bool | None = await fut
-        except OutboxError as exc:  # published, not committed: redelivered after a restart
-            log.error("could not store the forwarded result of job %s: %s", job.job_id, exc)
-            stored = None
+        with contextlib.suppress(OutboxError):  # reported by _settle
+            await fut
         if self._killed:
             return
-        if stored is not None and ack is not None:
-            self._transport.ack(ack)
-        if stored:
-            self.results[status] += 1
-        elif stored is False:  # the disk moved on under this agent (trusted in ``then``)
-            log.warning("job %s: a forwarded result was not the one on disk", job.job_id)
-        then(stored)
+        stored = self._settle(job, status, then, ack, fut, publish=None)
         if await sent and stored:
             await self._record_delivery(job)
 
@@ -175,21 +167,38 @@ class Answers:
         ack: Message | None,
         fut: asyncio.Future[bool],
     ) -> None:
-        if self._killed:
-            return
+        if not self._killed:
+            self._settle(job, status, then, ack, fut, publish=payload)
+
+    def _settle(
+        self,
+        job: Job,
+        status: str,
+        then: Committed,
+        ack: Message | None,
+        fut: asyncio.Future[bool],
+        *,
+        publish: bytes | None,
+    ) -> bool | None:
+        """Act on a finished commit: ack ``ack`` unless it failed, count a stored result and
+        publish ``publish`` (None: forwarded already), tell ``then``; return the outcome."""
         try:
             stored: bool | None = fut.result()
-        except OutboxError as exc:  # not committed: it replays after a restart
+        except OutboxError as exc:  # not committed: it replays (or is redelivered) later
             log.error("could not store the result of job %s: %s", job.job_id, exc)
             stored = None
         if stored is not None and ack is not None:
             self._transport.ack(ack)
         if stored:
             self.results[status] += 1
-            self.publish(job, payload, record=True)
+            if publish is not None:
+                self.publish(job, publish, record=True)
+        elif stored is False and publish is None:  # the disk moved on under this agent
+            log.warning("job %s: a forwarded result was not the one on disk", job.job_id)
         elif stored is False:
             log.info("job %s was already concluded; this %s result is dropped", job.job_id, status)
         then(stored)
+        return stored
 
     def publish(self, job: Job, payload: bytes, *, record: bool) -> None:
         """Publish a committed result to the job's (latest) destination, in a task; with

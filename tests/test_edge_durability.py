@@ -232,15 +232,21 @@ def test_refused_requests_are_answered_but_not_stored(
     assert _stored_rows(rig.db) == {}
 
 
-def test_offloaded_job_waits_for_its_return_across_a_restart(
-    rig_factory: Callable[..., EdgeRig],
-) -> None:
+def _placed_far(rig_factory: Callable[..., EdgeRig]) -> EdgeRig:
+    """A running offloading edge whose job "far" is sent to its worker as attempt 1."""
     rig = rig_factory(offload=True)
     rig.start()
     rig.submit("far", correlation=b"f")
     rig.settle()
     assert rig.placement is not None
     assert rig.placement.sent == [("far", 1)]
+    return rig
+
+
+def test_offloaded_job_waits_for_its_return_across_a_restart(
+    rig_factory: Callable[..., EdgeRig],
+) -> None:
+    rig = _placed_far(rig_factory)
     rig.crash()
     rig.give_back("far", 1)  # the worker answers while the edge is down: the session keeps it
     rig.start()
@@ -437,12 +443,7 @@ def test_a_forwarded_result_lost_before_its_commit_goes_out_again_the_same(
     """A return whose attempt is on disk reaches the app before its commit; a crash in
     between leaves the return unacked, so the restarted edge gets it again and sends the
     very same bytes: a repeat the client drops, never a second, different result."""
-    rig = rig_factory(offload=True)
-    rig.start()
-    rig.submit("far", correlation=b"f")
-    rig.settle()
-    assert rig.placement is not None
-    assert rig.placement.sent == [("far", 1)]
+    rig = _placed_far(rig_factory)
     rig.give_back("far", 1)
     for _ in range(10):  # until the result is out; its commit is given no writer meanwhile
         if rig.received:
