@@ -56,6 +56,8 @@ METRICS_DOC = (
     "to be placed again; reason last_will or silent), "
     "sluicegate_dead_letters_total (jobs dead-lettered after max_worker_crashes workers died "
     "holding them), "
+    "sluicegate_placements_released_total (placements an edge handed back unused; the "
+    "slot freed at once), "
     "sluicegate_stale_completions_total (completions of an attempt older than the job's "
     "current one, or after its dead letter: discarded and audited). Histograms: "
     "sluicegate_placement_decision_seconds, sluicegate_offloaded_job_seconds. Gauges: "

@@ -90,6 +90,12 @@ class BrokerMetrics:
             "Jobs dead-lettered after max_worker_crashes workers died holding them",
             registry=r,
         )
+        self.released = Counter(
+            "sluicegate_placements_released",
+            "Placements an edge handed back unused (nothing sent to the worker): the slot "
+            "freed at once instead of when its reservation expires",
+            registry=r,
+        )
         self.stale_completions = Counter(
             "sluicegate_stale_completions",
             "Completions of an attempt older than the job's current one (or after its dead "

@@ -9,7 +9,8 @@ records the placement in flight (``broker.inflight``: job -> edge, worker, attem
 deadline; the job in the worker's in-flight set) so that whoever sees the worker die can
 have the job placed again; it never lowers a job's attempt and keeps the job's crash count.
 A dead-lettered job is never reserved again: the script answers with the dead letter's
-reason instead, whichever replica asks.
+reason instead, whichever replica asks. A placement its edge hands back unused
+(:data:`RELEASE`) frees its slot at once.
 Many reservations go to Redis in one pipeline, so a burst of decisions costs one round trip.
 """
 
@@ -62,6 +63,27 @@ end
 return 1
 """
 RESERVE = Lua(_RESERVE)
+
+# An edge hands back a placement it did not use. Only the placement the in-flight record
+# names (worker, edge and attempt alike) is released: a stale or foreign release is a no-op
+# (0). The first release of it answers 1, any later one (every replica hears it) 2. The
+# record stays, marked (its attempt and crash count matter to the next placement, which
+# overwrites worker and attempt). KEYS: the worker's reservations, the job's in-flight
+# record, the worker's in-flight set. ARGV: job id, worker, edge, attempt, now ms.
+_RELEASE = """
+local rec = redis.call('HMGET', KEYS[2], 'worker', 'edge', 'attempt', 'released_attempt')
+if rec[1] ~= ARGV[2] or rec[2] ~= ARGV[3] or rec[3] ~= ARGV[4] then
+  return 0
+end
+if rec[4] == ARGV[4] then
+  return 2
+end
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('HSET', KEYS[2], 'released_attempt', ARGV[4], 'released_at', ARGV[5])
+return 1
+"""
+RELEASE = Lua(_RELEASE)
 
 
 @dataclass(frozen=True, slots=True)

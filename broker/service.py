@@ -5,8 +5,9 @@ and completion records; answers each placement request (job metadata and the ima
 never the image) with a signed token or a refusal that says why; and keeps what other
 replicas and a restart need in Redis: atomic reservations, each placement in flight (edge,
 worker, attempt), node documents that expire when a node goes silent, each job's status and
-explanation. Requests are decided in batches — whatever arrived while the previous batch
-was in Redis — so a burst costs one round trip. What happens to a placed job afterwards (its
+explanation; a placement its edge hands back unused frees its slot at once. Requests are
+decided in batches — whatever arrived while the previous batch was in Redis — so a burst
+costs one round trip. What happens to a placed job afterwards (its
 worker dies, a stale completion) is the :class:`~broker.reaper.Reaper`'s. Every decision is
 written to the signed, hash-chained audit log. It decides nothing itself.
 """
@@ -20,11 +21,13 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal, TypeVar
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ValidationError
 
+from broker import keys
 from broker.decision import Decision, Placed, as_record
 from broker.decision_audit import DecisionAudit, encode
 from broker.demand import PoolDemand, pool_demand
@@ -35,7 +38,7 @@ from broker.mlfq import MLFQ, Waiting
 from broker.params import FleetParams, PlacementParams
 from broker.placement import decide
 from broker.reaper import Reaper
-from broker.reservations import Hold, Reservations
+from broker.reservations import RELEASE, Hold, Reservations
 from broker.store import BrokerStore
 from policies import AsyncAuditWriter, Policy, SigningKey, mint
 from policies.errors import PolicyError
@@ -45,6 +48,7 @@ from sluicegate.transport import Message, Transport
 from sluicegate.vision.manifest import Requirements
 from sluicegate.wire_pool import (
     Completion,
+    PlacementRelease,
     PlacementReply,
     PlacementRequest,
     WorkerCapabilities,
@@ -174,6 +178,53 @@ class Broker:
         self.metrics.completions.labels(done.status).inc()
         self.metrics.job_seconds.observe(done.service_ms / 1000.0)
         self.reaper.completed(done)  # releases the worker's slot, then fences the attempt
+
+    def on_release(self, msg: Message) -> None:
+        """An edge hands back a placement it will not use: the slot is free now, if it is
+        the placement the job's record in Redis names (anything else changes nothing).
+        Every replica hears it: Redis releases it once, and the replica whose view holds
+        the reservation drops it there."""
+        rel = _parse(PlacementRelease, msg)
+        if rel is None:
+            return
+        self.store.script(
+            RELEASE,
+            (
+                keys.reservations(rel.worker_id),
+                keys.inflight(rel.job_id),
+                keys.inflight_on(rel.worker_id),
+            ),
+            (rel.job_id, rel.worker_id, rel.edge_id, rel.attempt, int(self._clock() * 1000)),
+            partial(self._released, rel),
+        )
+
+    def _released(self, rel: PlacementRelease, reply: Any) -> None:
+        if not reply:  # not the placement in flight: stale, or not this edge's
+            log.warning(
+                "ignored the release of job %s attempt %d on %s from %s: not the placement "
+                "in flight",
+                rel.job_id,
+                rel.attempt,
+                rel.worker_id,
+                rel.edge_id,
+            )
+            return
+        if self.fleet.reservation(rel.job_id) == rel.worker_id:
+            self.fleet.release(rel.job_id)
+            self._room.set()
+        if int(reply) != 1:  # another replica released it in Redis first
+            return
+        self.metrics.released.inc()
+        record = {
+            "job_id": rel.job_id,
+            "status": "released",
+            "edge": rel.edge_id,
+            "worker": rel.worker_id,
+            "attempt": rel.attempt,
+            "reason": rel.reason,
+        }
+        self.audit.add(rel.job_id, encode(record), "placement.released")
+        self.store.job_status(rel.job_id, {"status": "released", "released": record})
 
     def on_edge_telemetry(self, msg: Message) -> None:
         tel = _parse(wire.EdgeTelemetry, msg)
@@ -417,6 +468,7 @@ class Broker:
         await t.subscribe(topics.worker_all("telemetry"), self.on_worker_telemetry, qos=0)
         await t.subscribe(topics.worker_all("status"), self.on_worker_status)
         await t.subscribe(topics.completions(), self.on_completion)
+        await t.subscribe(topics.placement_releases(), self.on_release)
         await t.subscribe(topics.edge_telemetry_all(), self.on_edge_telemetry, qos=0)
         # QoS 0, like the replies (see _reply); and a stale request redelivered to another
         # replica would only reserve for nobody.

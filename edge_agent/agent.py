@@ -229,7 +229,7 @@ class EdgeAgent:
             accepted = fut.result()
         except OutboxError as exc:
             if asked is not None:
-                asked.drop()
+                asked.drop("the edge could not store the job")
             self.counters["outbox_errors"] += 1
             log.error("could not store job %s: %s", job.job_id, exc)
             self._answers.refuse(outbox_unavailable(job, self.settings.id, exc), msg)
@@ -250,7 +250,7 @@ class EdgeAgent:
                 self._route(tracked, asked=asked)
             return
         if asked is not None:
-            asked.drop()  # the outbox knew the job: this request is a repeat, not an offer
+            asked.drop("a repeat of a job this edge knows")  # not an offer
         stored = accepted.stored
         if msg.dup and (stored is None or not stored.pending):
             # The broker redelivers a request accepted before a crash that came before its
@@ -285,7 +285,7 @@ class EdgeAgent:
         now = self._clock()
         if job.deadline is not None and now >= job.deadline:
             if asked is not None:
-                asked.drop()
+                asked.drop("the job's deadline passed")
             late = (now - job.deadline) * 1000.0
             reason = f"the deadline passed {late:.0f} ms ago"
             if retry is not None:

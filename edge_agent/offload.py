@@ -8,7 +8,9 @@ worker's zone-scoped work topic. It never blocks the loop and never loses a job:
 path that does not end in a verified placement hands the job back to run locally, with the
 reason, so its result can say why it was not offloaded. Each placement of a job is numbered
 (``attempt``, in the request and on the work message); the worker returns the result to this
-edge's returns topic, named as the work message's response topic.
+edge's returns topic, named as the work message's response topic. A placement the edge will
+not use (answered too late, refused by its own checks, or no longer wanted) is handed back
+(:meth:`PlacementClient.release`), so its worker's slot is free at once.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,9 +30,10 @@ from policies import Policy, verify
 from policies.errors import PolicyError
 from sluicegate import topics, wire
 from sluicegate.transport import Message, Transport
-from sluicegate.wire_pool import PlacementReply, PlacementRequest
+from sluicegate.wire_pool import PlacementRelease, PlacementReply, PlacementRequest
 
 log = logging.getLogger(__name__)
+GIVEN_UP_KEPT = 1024  # requests given up whose late answer is still handed back if placed
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +136,9 @@ class PlacementClient:
         self._policy = policy
         self._timeout_s = timeout_s
         self._clock = clock
-        self._pending: dict[bytes, asyncio.Future[PlacementReply]] = {}
+        self._pending: dict[bytes, tuple[asyncio.Future[PlacementReply], int]] = {}
+        self._given_up: OrderedDict[bytes, int] = OrderedDict()  # job -> attempt asked
+        self.released = 0  # placements handed back unused
         self._brokers_online: set[str] = set()
         self.reply_topic = topics.placement_replies(edge_id)
 
@@ -156,13 +162,63 @@ class PlacementClient:
             self._brokers_online.discard(broker)
 
     def _on_reply(self, msg: Message) -> None:
-        fut = self._pending.get(msg.correlation_data or b"")
-        if fut is None or fut.done():
-            return  # late, after the job already went local
+        key = msg.correlation_data or b""
+        waiting = self._pending.get(key)
+        if waiting is None:
+            attempt = self._given_up.pop(key, None)
+            if attempt is not None:
+                with contextlib.suppress(ValidationError):
+                    self._late(key, PlacementReply.model_validate_json(msg.payload), attempt)
+            return
+        fut, attempt = waiting
+        if fut.done() and not fut.cancelled():
+            return  # a second answer to the same request
         try:
-            fut.set_result(PlacementReply.model_validate_json(msg.payload))
+            reply = PlacementReply.model_validate_json(msg.payload)
         except ValidationError as exc:
-            fut.set_exception(exc)
+            if not fut.done():
+                fut.set_exception(exc)
+            return
+        if fut.cancelled():  # given up an instant ago; its task has yet to see it
+            del self._pending[key]
+            self._late(key, reply, attempt)
+        else:
+            fut.set_result(reply)
+
+    def _late(self, key: bytes, reply: PlacementReply, attempt: int) -> None:
+        """An answer nobody waits for any more (the job went on without it): a placement
+        in it is handed back, so that its slot does not stay taken until it expires."""
+        if reply.status == "placed" and reply.worker_id and reply.job_id.encode() == key:
+            ms = self._timeout_s * 1000.0
+            why = f"placed after the edge stopped waiting ({ms:.0f} ms)"
+            self.release(reply.job_id, reply.worker_id, attempt, why)
+
+    def _give_up(self, key: bytes, fut: asyncio.Future[PlacementReply], attempt: int) -> None:
+        """Stop waiting: an answer already in (the wait was cancelled as it came) is dealt
+        with now; one still to come is, as it arrives."""
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
+            self._late(key, fut.result(), attempt)
+            return
+        self._given_up[key] = attempt
+        while len(self._given_up) > GIVEN_UP_KEPT:
+            self._given_up.popitem(last=False)
+
+    def release(self, job_id: str, worker_id: str, attempt: int, reason: str) -> None:
+        """Hand ``attempt`` of ``job_id``, placed on ``worker_id`` and never sent there,
+        back to the broker. If this is lost, the reservation expires by itself."""
+        self.released += 1
+        release = PlacementRelease(
+            job_id=job_id,
+            edge_id=self._edge_id,
+            worker_id=worker_id,
+            attempt=attempt,
+            reason=reason[:300],
+        )
+        log.info("job %s: placement %d on %s handed back: %s", job_id, attempt, worker_id, reason)
+        try:
+            self._transport.publish_nowait(topics.placement_releases(), wire.dump(release), qos=1)
+        except Exception as exc:
+            log.warning("could not hand back the placement of job %s: %s", job_id, exc)
 
     async def place(
         self, job: Job, reason: str, local_estimate_s: float, *, attempt: int = 1
@@ -191,7 +247,9 @@ class PlacementClient:
         )
         key = job.job_id.encode()
         fut: asyncio.Future[PlacementReply] = asyncio.get_running_loop().create_future()
-        self._pending[key] = fut
+        self._pending[key] = (fut, attempt)
+        self._given_up.pop(key, None)
+        answered = False
         try:
             self._transport.publish_nowait(
                 topics.placement_requests(),
@@ -202,6 +260,7 @@ class PlacementClient:
                 content_type=wire.RESULT_CONTENT_TYPE,
             )
             reply = await asyncio.wait_for(fut, self._timeout_s)
+            answered = True
         except TimeoutError:
             ms = self._timeout_s * 1000.0
             return Declined("broker_timeout", f"the broker did not answer within {ms:.0f} ms")
@@ -210,10 +269,17 @@ class PlacementClient:
         except Exception as exc:  # a transport failure keeps the job here
             return Declined("broker_unreachable", f"could not ask the broker: {exc}")
         finally:
-            self._pending.pop(key, None)
-        return check_placement(
+            mine = self._pending.get(key, (None, 0))[0] is fut
+            if mine:
+                del self._pending[key]
+            if not answered and mine:  # timed out, failed or cancelled
+                self._give_up(key, fut, attempt)
+        checked = check_placement(
             reply, job, digest, self._policy(), origin_zone=self._zone, now=self._clock()
         )
+        if isinstance(checked, Declined) and reply.status == "placed" and reply.worker_id:
+            self.release(job.job_id, reply.worker_id, attempt, f"{checked.code}: {checked.reason}")
+        return checked
 
     def send(self, job: Job, placement: Placement, *, attempt: int = 1) -> None:
         """Publish the image straight to the worker, with everything it needs to verify it
@@ -241,7 +307,7 @@ class PlacementClient:
         )
 
     def close(self) -> None:
-        for fut in self._pending.values():
+        for fut, _attempt in self._pending.values():
             with contextlib.suppress(asyncio.InvalidStateError):
                 fut.cancel()
         self._pending.clear()

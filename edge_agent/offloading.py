@@ -44,11 +44,24 @@ class Asked:
     reason: str
     attempt: int
     answer: asyncio.Task[Outcome]
+    hand_back: Callable[[Placement, str], None]  # a placement not used after all
 
-    def drop(self) -> None:
-        """Not wanted after all (the job was not accepted as new): stop waiting for the
-        answer. A reservation the broker made for it expires by itself."""
-        self.answer.cancel()
+    def drop(self, why: str) -> None:
+        """Not wanted after all (``why``): stop waiting for the answer and hand back the
+        placement in it, if any (one that comes after the wait ended is handed back by the
+        client as it arrives)."""
+        if self.answer.done():
+            self._unused(why, self.answer)
+        else:
+            self.answer.cancel()
+            # Python 3.11's wait_for may swallow the cancel and return the answer anyway.
+            self.answer.add_done_callback(partial(self._unused, why))
+
+    def _unused(self, why: str, answer: asyncio.Task[Outcome]) -> None:
+        if not answer.cancelled() and answer.exception() is None:
+            outcome = answer.result()
+            if isinstance(outcome, Placement):
+                self.hand_back(outcome, why)
 
 
 @dataclass(frozen=True)
@@ -104,8 +117,13 @@ class Offloads:
         answer can come back while the outbox commits the job; hand the result to
         :meth:`offer_asked` once the job is accepted, or :meth:`Asked.drop` it."""
         assert self._client is not None
-        answer = self._spawn(self._client.place(job, reason, local_s, attempt=1))
-        return Asked(reason, 1, answer)
+        client = self._client
+        answer = self._spawn(client.place(job, reason, local_s, attempt=1))
+
+        def hand_back(placement: Placement, why: str) -> None:
+            client.release(job.job_id, placement.worker_id, 1, why)
+
+        return Asked(reason, 1, answer, hand_back)
 
     def offer(self, tracked: Tracked, reason: str, local_s: float) -> None:
         """Ask the broker for the job's next attempt, in a task of its own."""
@@ -177,6 +195,7 @@ class Offloads:
         round trip on every offloaded job."""
         job_id = tracked.job.job_id
         if not self._hooks.current(tracked, "offering"):
+            client.release(job_id, placement.worker_id, attempt, "the job was concluded meanwhile")
             return None
         self._outbox.offloaded(job_id, attempt).add_done_callback(
             partial(_recorded, tracked, attempt)

@@ -119,6 +119,11 @@ def placement_requests_shared(group: str = "brokers") -> str:
     return f"$share/{group}/{placement_requests()}"
 
 
+def placement_releases() -> str:
+    """Where an edge hands back a placement it will not use (every replica listens)."""
+    return f"{ROOT}/broker/placement/release"
+
+
 def placement_replies(edge_id: str) -> str:
     """An edge agent's response topic for placement replies."""
     return f"{ROOT}/edge/{edge_id}/placement"

@@ -63,6 +63,21 @@ class PlacementReply(_Wire):
     broker_id: str | None = None
 
 
+class PlacementRelease(_Wire):
+    """Edge → broker: a placement granted for ``attempt`` of ``job_id`` that the edge will not
+    use (it came after the edge gave up, its token failed the edge's checks, or the job was
+    concluded or proved a repeat meanwhile). Nothing was sent to ``worker_id``; the broker
+    frees the slot at once instead of holding it until the reservation expires
+    (``sluicegate/v1/broker/placement/release``)."""
+
+    v: Literal[1] = WIRE_VERSION
+    job_id: str = Field(min_length=1, max_length=128)
+    edge_id: str = Field(min_length=1, max_length=64)
+    worker_id: str = Field(min_length=1, max_length=64)
+    attempt: int = Field(ge=1, le=1000)
+    reason: str = Field("", max_length=300)
+
+
 class ModelCapability(_Wire):
     """One model a worker has loaded."""
 

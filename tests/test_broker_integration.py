@@ -30,6 +30,7 @@ from sluicegate.servers import ServerProcess, free_port
 from sluicegate.vision.runtime import default_models_dir
 from sluicegate.wire_pool import (
     ModelCapability,
+    PlacementRelease,
     PlacementReply,
     PlacementRequest,
     WorkerCapabilities,
@@ -396,3 +397,67 @@ def test_request_waits_for_room_and_is_placed_when_a_worker_frees_up(
     assert replies
     assert replies[0].status == "placed", replies[0]
     assert replies[0].worker_id == "north-b"
+
+
+def test_a_placement_handed_back_unused_frees_its_slot_at_once(
+    broker: tuple[ServiceThread, Settings],
+    fleet: Fleet,
+    mosquitto: ServerProcess,
+    redis_server: ServerProcess,
+) -> None:
+    _thread, settings = broker
+    for worker in WORKERS:
+        fleet.capabilities(worker, providers=["CPUExecutionProvider"])
+        fleet.telemetry(worker, queue=14 if worker == "north-b" else 16, capacity=16)
+    _ready(
+        settings,
+        lambda ws: all(
+            (w["load"] or {}).get("queue_depth") == (14 if name == "north-b" else 16)
+            for name, w in ws.items()
+        ),
+    )
+    # Fill north-b (a reservation an earlier test left here may hold one of its slots).
+    placed = []
+    while (reply := ask(mosquitto)).status == "placed" and len(placed) < 3:
+        placed.append(reply)
+    assert reply.code == "no_capacity", reply
+    assert placed
+    assert {p.worker_id for p in placed} == {"north-b"}
+    first = placed[-1]
+    r = redis.Redis(port=redis_server.port)
+    slots = broker_keys.reservations("north-b")
+    assert r.zscore(slots, first.job_id) is not None
+    edge = PlainClient(mosquitto.port)
+
+    def hand_back(payload: bytes) -> None:
+        edge.client.publish(topics.placement_releases(), payload, qos=1).wait_for_publish(10)
+
+    release = PlacementRelease(
+        job_id=first.job_id,
+        edge_id="line-1-pc",
+        worker_id="north-b",
+        attempt=1,
+        reason="placed after the edge stopped waiting (50 ms)",
+    )
+    # Not JSON, another edge's, an older attempt's, another worker's: none is this
+    # placement, so none releases it (the record below names the one that did).
+    hand_back(b"{not json")
+    for wrong in ({"edge_id": "line-2-pc"}, {"attempt": 2}, {"worker_id": "north-a"}):
+        hand_back(wire.dump(release.model_copy(update=wrong)))
+    hand_back(wire.dump(release))
+    hand_back(wire.dump(release))  # heard again, as every replica hears it: released once
+    wait_until(lambda: r.zscore(slots, first.job_id) is None)
+    _status, job = wait_until(
+        lambda: (s := http(settings, f"/jobs/{first.job_id}"))[1].get("status") == "released" and s
+    )
+    assert job["released"] == {
+        **release.model_dump(exclude={"v", "edge_id", "worker_id"}),
+        "status": "released",
+        "edge": "line-1-pc",
+        "worker": "north-b",
+    }
+    metrics = http(settings, "/metrics")[1]
+    assert "sluicegate_placements_released_total 1.0" in metrics
+    again = ask(mosquitto)  # the broker kept serving, and the slot is free again
+    assert (again.status, again.worker_id) == ("placed", "north-b")
+    edge.close()

@@ -37,7 +37,7 @@ from sluicegate.config import load_settings
 from sluicegate.memory_transport import MemoryBroker, MemoryTransport
 from sluicegate.transport import Message
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir
-from sluicegate.wire_pool import JobNotice, PlacementReply, PlacementRequest
+from sluicegate.wire_pool import JobNotice, PlacementRelease, PlacementReply, PlacementRequest
 from tests.image_bytes import sample_jpeg
 from tests.policies.policy_testkit import base_doc, key, policy_of
 
@@ -171,6 +171,11 @@ class Rig:
     async def work(self, n: int) -> list[Message]:
         """The work messages sent to workers, once there are at least ``n``."""
         return await self._logged(n, lambda m: "/pool/" in m.topic)
+
+    async def released(self, n: int) -> list[PlacementRelease]:
+        """The placements the edge handed back to the broker, once there are at least ``n``."""
+        found = await self._logged(n, lambda m: m.topic == topics.placement_releases())
+        return [PlacementRelease.model_validate_json(m.payload) for m in found]
 
     async def _logged(self, n: int, wanted: Callable[[Message], bool]) -> list[Message]:
         # Counted, not told apart: a result published again is equal to the first.
@@ -444,6 +449,25 @@ async def test_silent_broker_times_out_to_local(rig: Rig) -> None:
     assert result["status"] == "ok"
 
 
+@pytest.mark.parametrize("rig", [None], indirect=True)
+async def test_a_placement_answered_after_the_edge_gave_up_is_handed_back(rig: Rig) -> None:
+    late = rig.submit()
+    request = await rig.asked(late)
+    result = json.loads((await rig.results(1))[0].payload)
+    assert (result["ran_on"]["kind"], result["offload"]["code"]) == ("edge", "broker_timeout")
+    refused_late = rig.submit()
+    refusal = await rig.asked(refused_late)
+    await rig.results(2)
+    rig.answer(refusal, refused("no_capacity", "every allowed worker is full"))  # nothing held
+    rig.answer(request)  # placed, 200 ms too late: the slot must not wait out its expiry
+    (released,) = await rig.released(1)
+    assert (released.job_id, released.worker_id, released.attempt) == (late, "north-gpu-1", 1)
+    assert released.edge_id == "north-l1-pc"
+    assert released.reason == "placed after the edge stopped waiting (200 ms)"
+    assert rig.sent() == []  # and the image never left for it
+    assert rig.client.released == 1
+
+
 @pytest.mark.parametrize(
     "rig", [placed(worker="cloud-gpu-1", zone="offsite/cloud-east", checked=False)], indirect=True
 )
@@ -455,6 +479,9 @@ async def test_edge_refuses_a_placement_its_policy_forbids(rig: Rig) -> None:
     assert result["offload"]["code"] == "token.zone_denied"
     assert "offsite/cloud-east" in result["offload"]["reason"]
     assert not [m for m in rig.broker.log if m.topic.startswith("sluicegate/v1/pool/")]
+    (released,) = await rig.released(1)  # its slot is not held for a job never sent
+    assert (released.worker_id, released.attempt) == ("cloud-gpu-1", 1)
+    assert released.reason.startswith("token.zone_denied: ")
 
 
 @pytest.mark.parametrize(
@@ -713,6 +740,11 @@ async def test_a_failed_commit_drops_the_early_placement(
     assert len(answers.got) == 1 + answered_first  # an unanswered one was given up
     assert rig.agent.counters["outbox_errors"] == 1
     assert await gate.get(job_id) is None
+    # Its placement, answered before or after the failure, goes back to the broker.
+    (released,) = await rig.released(1)
+    assert (released.job_id, released.worker_id, released.attempt) == (job_id, "north-gpu-1", 1)
+    why = "could not store the job" if answered_first else "after the edge stopped waiting"
+    assert why in released.reason
 
 
 async def test_a_repeat_is_not_offered_and_its_image_is_not_sent_again(rig: Rig) -> None:
@@ -733,6 +765,8 @@ async def test_a_repeat_is_not_offered_and_its_image_is_not_sent_again(rig: Rig)
     assert rig.agent.counters["duplicates"] == 2
     assert rig.agent.counters["accepted"] == 2
     assert rig.edge.unacked == []
+    (released,) = await rig.released(1)  # the repeat's placement, never used
+    assert (released.job_id, released.attempt) == (job_id, 1)
 
 
 async def test_a_redelivered_request_is_offered_only_once_it_proves_new(rig: Rig) -> None:
