@@ -12,18 +12,22 @@ import json
 import os
 import signal
 import time
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
+from broker import keys as broker_keys
 from sluicegate import AsyncClient
 from sluicegate.config import MqttSettings
 from sluicegate.demo import Tally, stream
 from sluicegate.localcampus import LocalCampus
-from sluicegate.servers import ServerProcess
+from sluicegate.servers import ServerProcess, running, start_mosquitto
 from tests.image_bytes import sample_jpeg
 from tests.policies.policy_testkit import key
 
@@ -100,6 +104,75 @@ def test_campus_only_class_with_only_offsite_capacity_runs_locally_and_says_why(
     assert {o.code for o in asked} <= {"no_worker", "no_capacity", "policy_denied"}
 
 
+def test_placements_answered_after_the_edge_gave_up_free_their_slots_at_once(
+    tmp_path: Path, redis_server: ServerProcess
+) -> None:
+    # An edge that waits 1 ms for the broker: its requests time out and the jobs run
+    # locally, while the broker places them all the same. The edge hands each late
+    # placement back, and its slot is free long before its reservation would expire.
+    # A Mosquitto of its own: the module's campus uses the same node ids.
+    with running(start_mosquitto()) as mqtt:
+        db = 4
+        impatient = LocalCampus(
+            tmp_path,
+            mqtt_port=mqtt.port,
+            redis_url=f"redis://127.0.0.1:{redis_server.port}/{db}",
+            key_for=key,
+            nodes=("broker-1", "line-1-pc", "north-cpu-1"),
+            node_env={"line-1-pc": {"SLUICEGATE_OFFLOAD__PLACEMENT_TIMEOUT_MS": "1"}},
+        )
+        impatient.start()
+        try:
+            wait_for_fleet(impatient, lambda ws: ws.get("north-cpu-1", {}).get("online"), 15)
+            results = asyncio.run(
+                _volley(mqtt.port, "line-1-pc", "wafer-image", 12, deadline_ms=10_000)
+            )
+            assert all((r.status, r.ran_on.node) == ("ok", "line-1-pc") for r in results)
+            late = [r.job_id for r in results if r.offload and r.offload.code == "broker_timeout"]
+            assert late, "a volley of 12 on a one-slot edge with queue_bound 4 must ask"
+
+            def settled() -> dict[str, str] | None:
+                states = {job: _job(impatient, job).get("status", "") for job in late}
+                return (
+                    states if all(s in ("released", "refused") for s in states.values()) else None
+                )
+
+            states = _until(settled, timeout=15)
+            released = [job for job, state in states.items() if state == "released"]
+            assert released, states  # a free campus worker: the broker placed them
+            held = redis.Redis(port=redis_server.port, db=db).zrange(
+                broker_keys.reservations("north-cpu-1"), 0, -1
+            )
+            assert not {j.decode() for j in held} & set(released)
+            metrics = _get(impatient, "/metrics").decode()
+            assert f"sluicegate_placements_released_total {float(len(released))}" in metrics
+        finally:
+            impatient.stop()
+
+
+def _get(campus: LocalCampus, path: str) -> bytes:
+    with urllib.request.urlopen(f"http://127.0.0.1:{campus.http_port}{path}", timeout=5) as r:
+        return bytes(r.read())
+
+
+def _job(campus: LocalCampus, job_id: str) -> dict[str, Any]:
+    try:
+        return dict(json.loads(_get(campus, f"/jobs/{job_id}")))
+    except urllib.error.HTTPError as exc:  # 404 until the broker has decided it
+        if exc.code == 404:
+            return {}
+        raise
+
+
+def _until(check: Callable[[], Any], timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (value := check()) is not None:
+            return value
+        time.sleep(0.1)  # the next poll of the broker's state
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
 def wait_for_fleet(
     campus: LocalCampus, check: Callable[[dict[str, Any]], bool], timeout: float
 ) -> None:
@@ -115,7 +188,9 @@ def wait_for_fleet(
     raise AssertionError(f"fleet condition not met within {timeout} s")
 
 
-async def _volley(port: int, edge: str, data_class: str, n: int) -> list:  # type: ignore[type-arg]
+async def _volley(  # type: ignore[type-arg]
+    port: int, edge: str, data_class: str, n: int, *, deadline_ms: float = 200
+) -> list:
     image = sample_jpeg(5)[0]
     async with AsyncClient(MqttSettings(port=port), edge=edge) as client:
         return list(
@@ -124,7 +199,7 @@ async def _volley(port: int, edge: str, data_class: str, n: int) -> list:  # typ
                     client.infer(
                         image,
                         model="defect-v1",
-                        deadline_ms=200,
+                        deadline_ms=deadline_ms,
                         data_class=data_class,
                         job_id=f"v-{uuid.uuid4().hex[:8]}",
                     )
