@@ -41,7 +41,7 @@ import ssl
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -55,12 +55,12 @@ from paho.mqtt.reasoncodes import ReasonCode
 
 from sluicegate.config import MqttSettings
 from sluicegate.errors import TransportError
+from sluicegate.mqtt_routing import AckTable, Subscription
 from sluicegate.mqtt_wire import (
     PublishProperties,
     decode_publish_properties,
     pack_publish_properties,
 )
-from sluicegate.topics import matches
 from sluicegate.transport import Handler, Message, UserProperties, Will
 
 __all__ = ["Message", "MqttTransport", "Will", "to_message"]
@@ -230,72 +230,6 @@ def to_message(msg: paho.MQTTMessage, ack_handle: object = None) -> Message:
     )
 
 
-def _matching(topic_filter: str) -> str:
-    """The filter messages arrive under: a shared subscription ``$share/group/f`` delivers
-    messages whose topics match ``f``."""
-    if topic_filter.startswith("$share/"):
-        return topic_filter.split("/", 2)[2]
-    return topic_filter
-
-
-@dataclass(frozen=True)
-class _Subscription:
-    topic_filter: str
-    qos: int
-    handler: Handler
-    manual_ack: bool = False
-    pattern: str = field(init=False)  # what arriving topics match: the filter sans $share
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "pattern", _matching(self.topic_filter))
-
-    def matches(self, topic: str) -> bool:
-        return matches(self.pattern, topic)
-
-
-class _AckTable:
-    """Matches broker acks to the futures of callers that wait for them (all on the loop).
-
-    A caller registers right after queueing its packet, and paho writes nothing until the
-    loop next runs, so an ack can never arrive before its waiter: an ack nobody waits for
-    (a publish without ``wait``) is simply dropped.
-    """
-
-    def __init__(self) -> None:
-        self._waiting: dict[int, asyncio.Future[None]] = {}
-
-    def expect(self, mid: int, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
-        """A future for the ack of ``mid`` (right after the packet was queued)."""
-        fut: asyncio.Future[None] = loop.create_future()
-        self._waiting[mid] = fut
-        return fut
-
-    def forget(self, mid: int) -> None:
-        self._waiting.pop(mid, None)
-
-    def acked(self, mid: int, error: Exception | None) -> None:
-        """Record an ack: settle its waiter, if any."""
-        fut = self._waiting.pop(mid, None)
-        if fut is not None:
-            _settle(fut, error)
-
-    def fail_all(self, error: Exception | None) -> None:
-        """Settle every waiter: on close, or a SUBACK lost with its connection."""
-        waiting = list(self._waiting.values())
-        self._waiting.clear()
-        for fut in waiting:
-            _settle(fut, error)
-
-
-def _settle(fut: asyncio.Future[None], error: Exception | None) -> None:
-    if fut.done():
-        return
-    if error is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(error)
-
-
 class MqttTransport:
     """An asyncio MQTT v5 client: paho driven by the event loop."""
 
@@ -313,13 +247,13 @@ class MqttTransport:
         self._client_id = client_id
         self._clean_start = clean_start
         self._session_expiry_s = session_expiry_s
-        self._subs: dict[str, _Subscription] = {}
+        self._subs: dict[str, Subscription] = {}
         # Topic -> the subscriptions it matches, remembered (emptied whenever _subs changes).
-        self._routes: dict[str, list[_Subscription]] = {}
+        self._routes: dict[str, list[Subscription]] = {}
         self._connect_hooks: list[Callable[[], None]] = []
         self._disconnect_hooks: list[Callable[[], None]] = []
-        self._acks = _AckTable()
-        self._sub_acks = _AckTable()
+        self._acks = AckTable()
+        self._sub_acks = AckTable()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         self._connected = asyncio.Event()
@@ -618,7 +552,7 @@ class MqttTransport:
         reconnect. When connected, returns once the broker has acknowledged the subscription
         (SUBACK); otherwise it is made on the next (re)connect, before any on-connect hook.
         """
-        sub = _Subscription(topic_filter, qos, handler, manual_ack)
+        sub = Subscription(topic_filter, qos, handler, manual_ack)
         self._subs = {**self._subs, topic_filter: sub}
         self._routes = {}
         claimed = [p for p in self._parked if sub.matches(p[0].topic)]
@@ -657,7 +591,7 @@ class MqttTransport:
             return
         self._client.ack(handle.mid, handle.qos)
 
-    async def _await_ack(self, table: _AckTable, mid: int) -> None:
+    async def _await_ack(self, table: AckTable, mid: int) -> None:
         fut = table.expect(mid, asyncio.get_running_loop())
         try:
             await fut
@@ -694,9 +628,7 @@ class MqttTransport:
                 dropped.topic,
             )
 
-    def _convert(
-        self, msg: paho.MQTTMessage, subs: list[_Subscription], generation: int
-    ) -> Message:
+    def _convert(self, msg: paho.MQTTMessage, subs: list[Subscription], generation: int) -> Message:
         """Our message, with an ack handle when a manual-ack subscription wants it; acked
         here otherwise."""
         handle = None
