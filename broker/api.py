@@ -94,10 +94,12 @@ OPENAPI: dict[str, Any] = {
             "get": {
                 "summary": "A job's placement status, the decision's explanation and its attempts",
                 "description": (
-                    "status is placed, refused, completed:<status>, worker_lost or "
-                    "dead_letter. 'inflight' (while the job is placed and not completed, and "
-                    "for a dead letter) holds edge, worker, attempt, crashes (workers that "
-                    "died holding the job), crashed_on, deadline_at, placed_at, "
+                    "status is placed, refused, released (its edge handed the placement "
+                    "back unused: 'released' says which attempt and why), "
+                    "completed:<status>, worker_lost or dead_letter. 'inflight' (while the "
+                    "job is placed and not completed, and for a dead letter) holds edge, "
+                    "worker, attempt, crashes (workers that died holding the job), "
+                    "crashed_on, deadline_at, placed_at, "
                     "lost_attempt and, once dead-lettered, dead_letter {reason, at}."
                 ),
                 "parameters": [
