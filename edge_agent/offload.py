@@ -2,15 +2,16 @@
 
 The pure part decides *whether* to ask (:func:`offload_reason`) and checks the broker's
 placement against the edge's own verified copy of the policy (:func:`check_placement`).
-The shell part, :class:`PlacementClient`, is a request/response over MQTT (correlation by
-job id, every wait racing a timeout) and the publish of the image straight to the chosen
-worker's zone-scoped work topic. It never blocks the loop and never loses a job: every
-path that does not end in a verified placement hands the job back to run locally, with the
-reason, so its result can say why it was not offloaded. Each placement of a job is numbered
-(``attempt``, in the request and on the work message); the worker returns the result to this
-edge's returns topic, named as the work message's response topic. A placement the edge will
-not use (answered too late, refused by its own checks, or no longer wanted) is handed back
-(:meth:`PlacementClient.release`), so its worker's slot is free at once.
+The shell part, :class:`PlacementClient`, is a request/response over MQTT (each request with
+correlation data of its own, every wait racing a timeout) and the publish of the image
+straight to the chosen worker's zone-scoped work topic. It never blocks the loop and never
+loses a job: every path that does not end in a verified placement hands the job back to run
+locally, with the reason, so its result can say why it was not offloaded. Each placement of
+a job is numbered (``attempt``, in the request and on the work message); the worker returns
+the result to this edge's returns topic, named as the work message's response topic. A
+placement the edge will not use (answered too late, refused by its own checks, or no longer
+wanted) is handed back (:meth:`PlacementClient.release`), so its worker's slot is free at
+once.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
@@ -75,6 +77,15 @@ def offload_reason(
     if waiting >= queue_bound:
         return "queue"
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    """A placement request on its way, known by its correlation data."""
+
+    job_id: str
+    attempt: int
+    answer: asyncio.Future[PlacementReply]
 
 
 def check_placement(
@@ -136,8 +147,9 @@ class PlacementClient:
         self._policy = policy
         self._timeout_s = timeout_s
         self._clock = clock
-        self._pending: dict[bytes, tuple[asyncio.Future[PlacementReply], int]] = {}
-        self._given_up: OrderedDict[bytes, int] = OrderedDict()  # job -> attempt asked
+        self._pending: dict[bytes, _Request] = {}  # by correlation data
+        self._given_up: OrderedDict[bytes, _Request] = OrderedDict()  # answer may still come
+        self._requests = itertools.count(1)
         self.released = 0  # placements handed back unused
         self._brokers_online: set[str] = set()
         self.reply_topic = topics.placement_replies(edge_id)
@@ -163,43 +175,43 @@ class PlacementClient:
 
     def _on_reply(self, msg: Message) -> None:
         key = msg.correlation_data or b""
-        waiting = self._pending.get(key)
-        if waiting is None:
-            attempt = self._given_up.pop(key, None)
-            if attempt is not None:
+        asked = self._pending.get(key)
+        if asked is None:
+            gone = self._given_up.pop(key, None)
+            if gone is not None:
                 with contextlib.suppress(ValidationError):
-                    self._late(key, PlacementReply.model_validate_json(msg.payload), attempt)
+                    self._late(gone, PlacementReply.model_validate_json(msg.payload))
             return
-        fut, attempt = waiting
-        if fut.done() and not fut.cancelled():
+        if asked.answer.done() and not asked.answer.cancelled():
             return  # a second answer to the same request
         try:
             reply = PlacementReply.model_validate_json(msg.payload)
         except ValidationError as exc:
-            if not fut.done():
-                fut.set_exception(exc)
+            if not asked.answer.done():
+                asked.answer.set_exception(exc)
             return
-        if fut.cancelled():  # given up an instant ago; its task has yet to see it
+        if asked.answer.cancelled():  # given up an instant ago; its task has yet to see it
             del self._pending[key]
-            self._late(key, reply, attempt)
+            self._late(asked, reply)
         else:
-            fut.set_result(reply)
+            asked.answer.set_result(reply)
 
-    def _late(self, key: bytes, reply: PlacementReply, attempt: int) -> None:
+    def _late(self, asked: _Request, reply: PlacementReply) -> None:
         """An answer nobody waits for any more (the job went on without it): a placement
         in it is handed back, so that its slot does not stay taken until it expires."""
-        if reply.status == "placed" and reply.worker_id and reply.job_id.encode() == key:
+        if reply.status == "placed" and reply.worker_id and reply.job_id == asked.job_id:
             ms = self._timeout_s * 1000.0
             why = f"placed after the edge stopped waiting ({ms:.0f} ms)"
-            self.release(reply.job_id, reply.worker_id, attempt, why)
+            self.release(reply.job_id, reply.worker_id, asked.attempt, why)
 
-    def _give_up(self, key: bytes, fut: asyncio.Future[PlacementReply], attempt: int) -> None:
+    def _give_up(self, key: bytes, asked: _Request) -> None:
         """Stop waiting: an answer already in (the wait was cancelled as it came) is dealt
         with now; one still to come is, as it arrives."""
-        if fut.done() and not fut.cancelled() and fut.exception() is None:
-            self._late(key, fut.result(), attempt)
+        answer = asked.answer
+        if answer.done() and not answer.cancelled() and answer.exception() is None:
+            self._late(asked, answer.result())
             return
-        self._given_up[key] = attempt
+        self._given_up[key] = asked
         while len(self._given_up) > GIVEN_UP_KEPT:
             self._given_up.popitem(last=False)
 
@@ -245,10 +257,11 @@ class PlacementClient:
             max_wait_ms=round(self._timeout_s * 500.0, 3),
             attempt=attempt,
         )
-        key = job.job_id.encode()
+        # Correlation data of its own, so an answer is never taken for another request's,
+        # however the requests for one job overlap.
+        key = f"{job.job_id}/{attempt}/{next(self._requests)}".encode()
         fut: asyncio.Future[PlacementReply] = asyncio.get_running_loop().create_future()
-        self._pending[key] = (fut, attempt)
-        self._given_up.pop(key, None)
+        asked = self._pending[key] = _Request(job.job_id, attempt, fut)
         answered = False
         try:
             self._transport.publish_nowait(
@@ -269,11 +282,9 @@ class PlacementClient:
         except Exception as exc:  # a transport failure keeps the job here
             return Declined("broker_unreachable", f"could not ask the broker: {exc}")
         finally:
-            mine = self._pending.get(key, (None, 0))[0] is fut
-            if mine:
-                del self._pending[key]
-            if not answered and mine:  # timed out, failed or cancelled
-                self._give_up(key, fut, attempt)
+            waited = self._pending.pop(key, None) is not None  # (not if a late answer took it)
+            if not answered and waited:  # timed out, failed or cancelled
+                self._give_up(key, asked)
         checked = check_placement(
             reply, job, digest, self._policy(), origin_zone=self._zone, now=self._clock()
         )
@@ -307,7 +318,7 @@ class PlacementClient:
         )
 
     def close(self) -> None:
-        for fut, _attempt in self._pending.values():
+        for asked in self._pending.values():
             with contextlib.suppress(asyncio.InvalidStateError):
-                fut.cancel()
+                asked.answer.cancel()
         self._pending.clear()

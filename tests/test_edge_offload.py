@@ -232,12 +232,16 @@ class Rig:
     async def first(self, topic_filter: str) -> Message:
         return await self.broker.wait_for(lambda m: topics.matches(topic_filter, m.topic), 10)
 
-    async def asked(self, job_id: str) -> Message:
-        """The placement request for ``job_id``, once the edge has sent it."""
-        key = job_id.encode()
-        return await self.broker.wait_for(
-            lambda m: m.topic == topics.placement_requests() and m.correlation_data == key, 10
-        )
+    async def asked(self, job_id: str, *, besides: Message | None = None) -> Message:
+        """The placement request for ``job_id`` (other than ``besides``), once the edge has
+        sent it."""
+
+        def asks(m: Message) -> bool:
+            if m.topic != topics.placement_requests() or m is besides:
+                return False
+            return PlacementRequest.model_validate_json(m.payload).job_id == job_id
+
+        return await self.broker.wait_for(asks, 10)
 
     def answer(self, request: Message, responder: Responder | None = None) -> None:
         """Answer a placement request by hand, as the broker would (placed, by default)."""
@@ -745,6 +749,32 @@ async def test_a_failed_commit_drops_the_early_placement(
     assert (released.job_id, released.worker_id, released.attempt) == (job_id, "north-gpu-1", 1)
     why = "could not store the job" if answered_first else "after the edge stopped waiting"
     assert why in released.reason
+
+
+@gated
+@answered_by_hand
+async def test_an_answer_to_an_abandoned_request_is_not_taken_for_a_later_one(
+    rig: Rig, gate: GatedOutbox
+) -> None:
+    gate.holding = True
+    job_id = rig.submit(via_broker=True)
+    abandoned = await rig.asked(job_id)
+    gate.release(fail=OutboxError("outbox :memory: cannot be written (disk I/O error)"))
+    (refusal,) = await rig.results(1)  # rejected: the app tries again, the disk is back
+    assert json.loads(refusal.payload)["code"] == "outbox_unavailable"
+    rig.submit(job_id=job_id, via_broker=True)
+    again = await rig.asked(job_id, besides=abandoned)
+    assert again.correlation_data != abandoned.correlation_data
+    rig.answer(abandoned)  # late, for the request given up: handed back, not taken
+    rig.answer(again)
+    (work,) = await rig.work(1)
+    (released,) = await rig.released(1)
+    assert (released.job_id, released.attempt) == (job_id, 1)
+    replies = [m for m in rig.broker.log if m.topic == rig.client.reply_topic]
+    tokens = {
+        m.correlation_data: PlacementReply.model_validate_json(m.payload).token for m in replies
+    }
+    assert work.user_property(topics.PROP_TOKEN) == tokens[again.correlation_data]
 
 
 async def test_a_repeat_is_not_offered_and_its_image_is_not_sent_again(rig: Rig) -> None:
