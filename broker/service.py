@@ -7,9 +7,9 @@ replicas and a restart need in Redis: atomic reservations, each placement in fli
 worker, attempt), node documents that expire when a node goes silent, each job's status and
 explanation; a placement its edge hands back unused frees its slot at once. Requests are
 decided in batches — whatever arrived while the previous batch was in Redis — so a burst
-costs one round trip. What happens to a placed job afterwards (its
-worker dies, a stale completion) is the :class:`~broker.reaper.Reaper`'s. Every decision is
-written to the signed, hash-chained audit log. It decides nothing itself.
+costs one round trip. What happens to a placed job afterwards (its worker dies, a stale
+completion) is the :class:`~broker.reaper.Reaper`'s. Every decision is written to the
+signed, hash-chained audit log. It decides nothing itself.
 """
 
 from __future__ import annotations
