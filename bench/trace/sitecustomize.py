@@ -1,0 +1,106 @@
+"""Stamps for bench/offload_trace.py: loaded (as ``sitecustomize``) by every Python process
+started with ``bench/trace`` on its ``PYTHONPATH`` and ``SG_TRACE`` set to a directory.
+
+In each campus node (``sluicegate <role> run``) it records, with the wall clock, every
+message the MQTT transport hands to a handler and every publish, with the job it belongs
+to (the ``job-id`` user property, or ``job_id`` in a JSON payload), and the start and end of
+each Redis reservation call of the broker; one file per process, written at exit. Nothing
+here changes what the processes do. A measuring tool, not part of Sluicegate.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.abc
+import os
+import re
+import sys
+import time
+from typing import Any
+
+_DIR = os.environ.get("SG_TRACE")
+_JOB = re.compile(rb'"job_id"\s*:\s*"([^"]+)"')
+
+
+def _role() -> str | None:
+    for i, arg in enumerate(sys.argv[1:], start=1):
+        if arg == "run":
+            return sys.argv[i - 1]
+    return None
+
+
+def _job(payload: bytes, props: Any) -> str:
+    for key, value in props or ():
+        if key == "job-id":
+            return str(value)
+    if payload[:1] == b"{":
+        found = _JOB.search(payload[:800])
+        if found:
+            return found.group(1).decode()
+    return "-"
+
+
+def _install(role: str, lines: list[str]) -> None:
+    import broker.reservations as reservations
+    import sluicegate.mqtt as mqtt
+
+    pid = os.getpid()
+
+    def stamp(kind: str, topic: str, job: str) -> None:
+        lines.append(f"{time.time():.6f} {pid} {role} {kind} {topic.rsplit('/', 1)[-1]} {job}\n")
+
+    handed = mqtt.MqttTransport._call
+
+    def call(self: Any, handler: Any, message: Any) -> None:
+        stamp("in", message.topic, _job(message.payload, message.user_properties))
+        handed(self, handler, message)
+
+    published = mqtt.MqttTransport.publish_nowait
+
+    def publish_nowait(self: Any, topic: str, payload: bytes, **kw: Any) -> int:
+        stamp("out", topic, _job(payload, kw.get("user_properties")))
+        return published(self, topic, payload, **kw)
+
+    reserve = reservations.Reservations.reserve_many
+
+    async def reserve_many(self: Any, holds: Any, now_ms: int) -> Any:
+        start = time.time()
+        granted = await reserve(self, holds, now_ms)
+        end = time.time()
+        for hold in holds:
+            lines.append(f"{start:.6f} {pid} {role} redis reserve {hold.job_id}\n")
+            lines.append(f"{end:.6f} {pid} {role} redis reserved {hold.job_id}\n")
+        return granted
+
+    mqtt.MqttTransport._call = call  # type: ignore[method-assign]
+    mqtt.MqttTransport.publish_nowait = publish_nowait  # type: ignore[method-assign]
+    reservations.Reservations.reserve_many = reserve_many  # type: ignore[method-assign]
+
+
+class _Hook(importlib.abc.MetaPathFinder):
+    """Installs the stamps as the CLI is imported (its modules are importable by then)."""
+
+    def __init__(self, role: str, lines: list[str]) -> None:
+        self.role = role
+        self.lines = lines
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> None:
+        if name == "sluicegate.cli":
+            sys.meta_path.remove(self)
+            _install(self.role, self.lines)
+
+
+def _start(directory: str, role: str) -> None:
+    lines: list[str] = []
+
+    @atexit.register
+    def _write() -> None:
+        with open(os.path.join(directory, f"{os.getpid()}.log"), "a") as out:
+            out.writelines(lines)
+
+    sys.meta_path.insert(0, _Hook(role, lines))
+
+
+_ROLE = _role()
+if _DIR and _ROLE:
+    _start(_DIR, _ROLE)
