@@ -22,8 +22,9 @@ import hashlib
 import itertools
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -77,6 +78,10 @@ def offload_reason(
     if waiting >= queue_bound:
         return "queue"
     return None
+
+
+async def _now(outcome: Declined) -> Placement | Declined:
+    return outcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,13 +237,14 @@ class PlacementClient:
         except Exception as exc:
             log.warning("could not hand back the placement of job %s: %s", job_id, exc)
 
-    async def place(
+    def place(
         self, job: Job, reason: str, local_estimate_s: float, *, attempt: int = 1
-    ) -> Placement | Declined:
-        """Ask for placement ``attempt`` of ``job`` and verify it; any failure is a
-        :class:`Declined`."""
+    ) -> Coroutine[Any, Any, Placement | Declined]:
+        """Ask for placement ``attempt`` of ``job`` now (the request is out before this
+        returns: no turn of the loop before it) and return what awaits and verifies the
+        answer; any failure is a :class:`Declined`."""
         if not self.broker_available:
-            return Declined("no_broker", "no campus broker is online; the job runs locally")
+            return _now(Declined("no_broker", "no campus broker is online; the job runs locally"))
         digest = hashlib.sha256(job.payload).digest()
         request = PlacementRequest(
             job_id=job.job_id,
@@ -262,7 +268,6 @@ class PlacementClient:
         key = f"{job.job_id}/{attempt}/{next(self._requests)}".encode()
         fut: asyncio.Future[PlacementReply] = asyncio.get_running_loop().create_future()
         asked = self._pending[key] = _Request(job.job_id, attempt, fut)
-        answered = False
         try:
             self._transport.publish_nowait(
                 topics.placement_requests(),
@@ -272,15 +277,24 @@ class PlacementClient:
                 correlation_data=key,
                 content_type=wire.RESULT_CONTENT_TYPE,
             )
-            reply = await asyncio.wait_for(fut, self._timeout_s)
+        except Exception as exc:  # a transport failure keeps the job here
+            del self._pending[key]
+            return _now(Declined("broker_unreachable", f"could not ask the broker: {exc}"))
+        return self._answer(job, digest, key, asked)
+
+    async def _answer(
+        self, job: Job, digest: bytes, key: bytes, asked: _Request
+    ) -> Placement | Declined:
+        attempt = asked.attempt
+        answered = False
+        try:
+            reply = await asyncio.wait_for(asked.answer, self._timeout_s)
             answered = True
         except TimeoutError:
             ms = self._timeout_s * 1000.0
             return Declined("broker_timeout", f"the broker did not answer within {ms:.0f} ms")
         except ValidationError as exc:
             return Declined("bad_reply", f"the broker's reply is malformed: {exc}")
-        except Exception as exc:  # a transport failure keeps the job here
-            return Declined("broker_unreachable", f"could not ask the broker: {exc}")
         finally:
             waited = self._pending.pop(key, None) is not None  # (not if a late answer took it)
             if not answered and waited:  # timed out, failed or cancelled

@@ -6,12 +6,12 @@ small task calls ``loop_misc`` for keepalive. paho's callbacks therefore run on 
 thread, and a message is converted into our own :class:`~sluicegate.transport.Message` and
 handed to its handler at once. A publish made on the loop outside paho's callbacks is
 written at once (the loop's next poll cost an offloaded job ~0.6 ms over its four such
-publishes); one made by a handler is written by the loop's writer right after, since paho's
-callback lock is not reentrant. There is no network thread: measured under load (the
-broker's placement path), a second thread cost about a third more CPU per message than the
-work itself, in GIL hand-offs and wake-ups (docs/performance.md). Handlers must therefore
-be quick and must never wait on the transport themselves; while one runs, nothing is read,
-so TCP pushes back on the sender instead of memory growing.
+publishes); one made by a handler is written right after the read that ran it, once
+paho's callback lock is released (it is not reentrant). There is no network thread:
+measured under load (the broker's placement path), a second thread cost about a third more
+CPU per message than the work itself, in GIL hand-offs and wake-ups (docs/performance.md).
+Handlers must therefore be quick and must never wait on the transport themselves; while one
+runs, nothing is read, so TCP pushes back on the sender instead of memory growing.
 
 Received PUBLISH packets are decoded in one pass by :mod:`sluicegate.mqtt_wire`, installed
 as paho's ``decode_publish`` for every paho client of the process (paho's own decoder took
@@ -277,6 +277,7 @@ class MqttTransport:
         # Inside a call into paho on the loop, whose callbacks may publish: paho's callback
         # lock is not reentrant, so such a publish waits for the writer (see publish_nowait).
         self._in_paho = False
+        self._handlers_published = False  # a handler published during this read
         self._client = paho.Client(
             CallbackAPIVersion.VERSION2,
             client_id=client_id,
@@ -454,8 +455,14 @@ class MqttTransport:
     def _readable(self) -> None:
         """Read what the socket holds, up to ``READ_BURST`` messages: a burst is handed to
         its handlers in one go (one placement batch, one Redis round trip), not one
-        message per turn of the loop. paho reads one packet per call here."""
+        message per turn of the loop. paho reads one packet per call here. What the
+        handlers published meanwhile (replies, acks) is written right after, not at the
+        loop's next poll."""
         self._paho(self._read_burst)
+        if self._handlers_published:
+            self._handlers_published = False
+            if self._fd is not None:
+                self._paho(self._client.loop_write)
 
     def _read_burst(self) -> None:
         for _ in range(READ_BURST):
@@ -513,7 +520,9 @@ class MqttTransport:
         info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
         if info.rc not in _OK:
             raise TransportError(f"publish to {topic!r} refused: {paho.error_string(info.rc)}")
-        if not self._in_paho and self._fd is not None and self._on_loop_thread():
+        if self._in_paho:
+            self._handlers_published = True  # written right after the read (_readable)
+        elif self._fd is not None and self._on_loop_thread():
             self._paho(self._client.loop_write)  # out now, not after the loop's next poll
         return info.mid
 

@@ -118,6 +118,7 @@ class GatedOutbox(Outbox):
             self.staged.append(batch)
 
     def release(self, *, fail: OutboxError | None = None) -> None:
+        self._flush()  # a batch the loop has not flushed yet is held too
         self.holding = False
         staged, self.staged = self.staged, []
         for batch in staged:

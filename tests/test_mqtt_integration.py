@@ -320,6 +320,42 @@ async def test_a_publish_off_paho_callbacks_is_on_the_wire_before_the_loop_turns
         listener.close()
 
 
+async def test_a_handlers_publish_is_on_the_wire_right_after_the_read(
+    mosquitto: ServerProcess, unique: str
+) -> None:
+    """Not at the loop's next poll: right after the read that ran the handler. The handler
+    also queues a callback that holds the loop (a blocking wait for another client to get
+    the message); a publish left to the writer would only go out after it gave up."""
+    listener = PlainClient(mosquitto.port)
+    got: list[bytes] = []
+    try:
+        listener.subscribe(f"h/{unique}/out")
+        settings = MqttSettings(port=mosquitto.port)
+        async with (
+            MqttTransport(settings, client_id=f"h-{unique}") as handler_side,
+            MqttTransport(settings, client_id=f"s-{unique}") as sender,
+        ):
+            loop = asyncio.get_running_loop()
+            held = asyncio.Event()
+
+            def hold_the_loop() -> None:
+                try:
+                    got.append(listener.next(timeout=5).payload)
+                finally:
+                    held.set()
+
+            def answer(msg: Message) -> None:
+                handler_side.publish_nowait(f"h/{unique}/out", msg.payload, qos=1)
+                loop.call_soon(hold_the_loop)
+
+            await handler_side.subscribe(f"h/{unique}/in", answer, qos=1)
+            await sender.publish(f"h/{unique}/in", b"ping", qos=1, wait=True)
+            await asyncio.wait_for(held.wait(), 10)
+    finally:
+        listener.close()
+    assert got == [b"ping"]
+
+
 async def test_a_handler_may_publish_at_qos_0(mosquitto: ServerProcess, unique: str) -> None:
     """Inside paho's callback a QoS 0 publish waits for the writer (paho's callback lock is
     not reentrant: writing there would wait on the lock its own thread holds)."""
