@@ -5,8 +5,9 @@ with every campus node stamping each message it hands to a handler or publishes,
 broker each Redis reservation (``bench/trace/sitecustomize.py``; nothing else changes in
 the processes). Then prints, for the subject jobs (``off-*``, after the warm-up) and the
 baseline's (``dir-*``), the median and 90th percentile of each step between two stamps,
-in the order a job takes them, and one ``RESULT {...}`` line (BENCHMARKS.md). The stamps
-cost a few µs each, on every process of the path: read the steps, not the totals.
+in the order a job takes them; beside them, the edge's acceptance commit (the work waits
+for it when the broker's reply comes first); and one ``RESULT {...}`` line (BENCHMARKS.md).
+The stamps cost a few µs each, on every process of the path: read the steps, not the totals.
 
     .venv/bin/python bench/offload_trace.py                 # about 40 s on 2 cores
     .venv/bin/python bench/offload_trace.py --jobs 2000
@@ -40,6 +41,11 @@ SUBJECT_STEPS = [
     ("pool.in.work", "pool.out.returns", "worker: verify, decode, infer, return"),
     ("pool.out.returns", "edge.in.returns", "worker -> edge: the result"),
     ("edge.in.returns", "edge.out.results", "edge: the result forwarded"),
+]
+# Beside the path: the edge's acceptance commit, from the request's arrival.
+SIDE_STEPS = [
+    ("edge.in.jobs", "edge.outbox.accepted", "edge: acceptance committed (beside the path)"),
+    ("edge.in.placement", "edge.outbox.accepted", "edge: commit lands after the reply by"),
 ]
 BASELINE_STEPS = [
     ("pool.in.work", "pool.out.returns", "worker: verify, decode, infer, return"),
@@ -101,15 +107,30 @@ def main() -> None:
         jobs = read_stamps(Path(tmp))
     subject = steps_ms(jobs, "off-", SUBJECT_STEPS, args.warmup)
     baseline = steps_ms(jobs, "dir-", BASELINE_STEPS, args.warmup)
+    side = steps_ms(jobs, "off-", SIDE_STEPS, args.warmup)
+    gaps = [
+        stamps["edge.outbox.accepted"] - stamps["edge.in.placement"]
+        for job, stamps in jobs.items()
+        if job.startswith("off-")
+        and int(job.split("-")[1]) >= args.warmup
+        and "edge.outbox.accepted" in stamps
+        and "edge.in.placement" in stamps
+    ]
+    waited = sum(gap > 0 for gap in gaps) / len(gaps) if gaps else float("nan")
     print(f"\n{'step of an offloaded job (traced)':46}{'p50 ms':>9}{'p90 ms':>9}{'jobs':>7}")
     for name, p50, p90, n in subject:
         print(f"{name:46}{p50:9.3f}{p90:9.3f}{n:7d}")
     for name, p50, p90, n in baseline:
         print(f"{'baseline ' + name:46}{p50:9.3f}{p90:9.3f}{n:7d}")
+    for name, p50, p90, n in side:
+        print(f"{name:46}{p50:9.3f}{p90:9.3f}{n:7d}")
+    print(f"{'share of jobs whose reply beat the commit':46}{waited:9.3f}")
     result = {
         "bench": "offload_trace",
         "subject_steps_ms": {name: {"p50": p50, "p90": p90} for name, p50, p90, _ in subject},
         "baseline_steps_ms": {name: {"p50": p50, "p90": p90} for name, p50, p90, _ in baseline},
+        "side_steps_ms": {name: {"p50": p50, "p90": p90} for name, p50, p90, _ in side},
+        "reply_beat_commit_share": waited,
         "params": {"jobs": args.jobs, "warmup": args.warmup},
     }
     print("RESULT " + json.dumps(result))

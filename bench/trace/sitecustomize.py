@@ -4,7 +4,8 @@ started with ``bench/trace`` on its ``PYTHONPATH`` and ``SG_TRACE`` set to a dir
 In each campus node (``sluicegate <role> run``) it records, with the wall clock, every
 message the MQTT transport hands to a handler and every publish, with the job it belongs
 to (the ``job-id`` user property, or ``job_id`` in a JSON payload), and the start and end of
-each Redis reservation call of the broker; one file per process, written at exit. Nothing
+each Redis reservation call of the broker, and when an edge's outbox has committed a job's
+acceptance; one file per process, written at exit. Nothing
 here changes what the processes do. A measuring tool, not part of Sluicegate.
 """
 
@@ -42,6 +43,7 @@ def _job(payload: bytes, props: Any) -> str:
 
 def _install(role: str, lines: list[str]) -> None:
     import broker.reservations as reservations
+    import edge_agent.agent as agent
     import sluicegate.mqtt as mqtt
 
     pid = os.getpid()
@@ -72,6 +74,13 @@ def _install(role: str, lines: list[str]) -> None:
             lines.append(f"{end:.6f} {pid} {role} redis reserved {hold.job_id}\n")
         return granted
 
+    accepted = agent.EdgeAgent._accepted
+
+    def on_accepted(self: Any, msg: Any, job: Any, *args: Any) -> None:
+        lines.append(f"{time.time():.6f} {pid} {role} outbox accepted {job.job_id}\n")
+        accepted(self, msg, job, *args)
+
+    agent.EdgeAgent._accepted = on_accepted  # type: ignore[method-assign]
     mqtt.MqttTransport._call = call  # type: ignore[method-assign]
     mqtt.MqttTransport.publish_nowait = publish_nowait  # type: ignore[method-assign]
     reservations.Reservations.reserve_many = reserve_many  # type: ignore[method-assign]
