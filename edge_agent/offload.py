@@ -22,9 +22,9 @@ import hashlib
 import itertools
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
 
 from pydantic import ValidationError
 
@@ -80,17 +80,16 @@ def offload_reason(
     return None
 
 
-async def _now(outcome: Declined) -> Placement | Declined:
-    return outcome
-
-
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Request:
-    """A placement request on its way, known by its correlation data."""
+    """A placement request on its way, known by its correlation data: what checking its
+    answer needs, and the future its outcome goes to."""
 
-    job_id: str
+    job: Job
     attempt: int
-    answer: asyncio.Future[PlacementReply]
+    digest: bytes
+    outcome: asyncio.Future[Placement | Declined]
+    timer: asyncio.TimerHandle | None = None
 
 
 def check_placement(
@@ -179,43 +178,64 @@ class PlacementClient:
             self._brokers_online.discard(broker)
 
     def _on_reply(self, msg: Message) -> None:
+        """The broker's answer: checked here, in the handler, and handed to whoever waits
+        (one turn of the loop less than a task of its own would take)."""
         key = msg.correlation_data or b""
-        asked = self._pending.get(key)
-        if asked is None:
+        asked = self._pending.pop(key, None)
+        if asked is None:  # given up (timed out, dropped), or answered already
             gone = self._given_up.pop(key, None)
             if gone is not None:
                 with contextlib.suppress(ValidationError):
                     self._late(gone, PlacementReply.model_validate_json(msg.payload))
             return
-        if asked.answer.done() and not asked.answer.cancelled():
-            return  # a second answer to the same request
+        if asked.timer is not None:
+            asked.timer.cancel()
         try:
             reply = PlacementReply.model_validate_json(msg.payload)
         except ValidationError as exc:
-            if not asked.answer.done():
-                asked.answer.set_exception(exc)
+            asked.outcome.set_result(
+                Declined("bad_reply", f"the broker's reply is malformed: {exc}")
+            )
             return
-        if asked.answer.cancelled():  # given up an instant ago; its task has yet to see it
-            del self._pending[key]
-            self._late(asked, reply)
-        else:
-            asked.answer.set_result(reply)
+        checked = check_placement(
+            reply,
+            asked.job,
+            asked.digest,
+            self._policy(),
+            origin_zone=self._zone,
+            now=self._clock(),
+        )
+        if isinstance(checked, Declined) and reply.status == "placed" and reply.worker_id:
+            why = f"{checked.code}: {checked.reason}"
+            self.release(asked.job.job_id, reply.worker_id, asked.attempt, why)
+        asked.outcome.set_result(checked)
+
+    def _timed_out(self, key: bytes) -> None:
+        asked = self._pending.pop(key, None)
+        if asked is not None:
+            ms = self._timeout_s * 1000.0
+            why = f"the broker did not answer within {ms:.0f} ms"
+            asked.outcome.set_result(Declined("broker_timeout", why))
+            self._give_up(key, asked)
+
+    def _settled(self, key: bytes, outcome: asyncio.Future[Placement | Declined]) -> None:
+        if outcome.cancelled():  # dropped by its caller: an answer may still come
+            asked = self._pending.pop(key, None)
+            if asked is not None:
+                if asked.timer is not None:
+                    asked.timer.cancel()
+                self._give_up(key, asked)
 
     def _late(self, asked: _Request, reply: PlacementReply) -> None:
         """An answer nobody waits for any more (the job went on without it): a placement
         in it is handed back, so that its slot does not stay taken until it expires."""
-        if reply.status == "placed" and reply.worker_id and reply.job_id == asked.job_id:
+        if reply.status == "placed" and reply.worker_id and reply.job_id == asked.job.job_id:
             ms = self._timeout_s * 1000.0
             why = f"placed after the edge stopped waiting ({ms:.0f} ms)"
             self.release(reply.job_id, reply.worker_id, asked.attempt, why)
 
     def _give_up(self, key: bytes, asked: _Request) -> None:
-        """Stop waiting: an answer already in (the wait was cancelled as it came) is dealt
-        with now; one still to come is, as it arrives."""
-        answer = asked.answer
-        if answer.done() and not answer.cancelled() and answer.exception() is None:
-            self._late(asked, answer.result())
-            return
+        """Stop waiting; an answer that still comes is handed back as it arrives."""
         self._given_up[key] = asked
         while len(self._given_up) > GIVEN_UP_KEPT:
             self._given_up.popitem(last=False)
@@ -239,12 +259,16 @@ class PlacementClient:
 
     def place(
         self, job: Job, reason: str, local_estimate_s: float, *, attempt: int = 1
-    ) -> Coroutine[Any, Any, Placement | Declined]:
+    ) -> asyncio.Future[Placement | Declined]:
         """Ask for placement ``attempt`` of ``job`` now (the request is out before this
-        returns: no turn of the loop before it) and return what awaits and verifies the
-        answer; any failure is a :class:`Declined`."""
+        returns) and return the future of its checked outcome; any failure is a
+        :class:`Declined`. Cancelling the future gives the request up."""
+        outcome: asyncio.Future[Placement | Declined] = asyncio.get_running_loop().create_future()
         if not self.broker_available:
-            return _now(Declined("no_broker", "no campus broker is online; the job runs locally"))
+            outcome.set_result(
+                Declined("no_broker", "no campus broker is online; the job runs locally")
+            )
+            return outcome
         digest = hashlib.sha256(job.payload).digest()
         request = PlacementRequest(
             job_id=job.job_id,
@@ -266,8 +290,6 @@ class PlacementClient:
         # Correlation data of its own, so an answer is never taken for another request's,
         # however the requests for one job overlap.
         key = f"{job.job_id}/{attempt}/{next(self._requests)}".encode()
-        fut: asyncio.Future[PlacementReply] = asyncio.get_running_loop().create_future()
-        asked = self._pending[key] = _Request(job.job_id, attempt, fut)
         try:
             self._transport.publish_nowait(
                 topics.placement_requests(),
@@ -278,33 +300,12 @@ class PlacementClient:
                 content_type=wire.RESULT_CONTENT_TYPE,
             )
         except Exception as exc:  # a transport failure keeps the job here
-            del self._pending[key]
-            return _now(Declined("broker_unreachable", f"could not ask the broker: {exc}"))
-        return self._answer(job, digest, key, asked)
-
-    async def _answer(
-        self, job: Job, digest: bytes, key: bytes, asked: _Request
-    ) -> Placement | Declined:
-        attempt = asked.attempt
-        answered = False
-        try:
-            reply = await asyncio.wait_for(asked.answer, self._timeout_s)
-            answered = True
-        except TimeoutError:
-            ms = self._timeout_s * 1000.0
-            return Declined("broker_timeout", f"the broker did not answer within {ms:.0f} ms")
-        except ValidationError as exc:
-            return Declined("bad_reply", f"the broker's reply is malformed: {exc}")
-        finally:
-            waited = self._pending.pop(key, None) is not None  # (not if a late answer took it)
-            if not answered and waited:  # timed out, failed or cancelled
-                self._give_up(key, asked)
-        checked = check_placement(
-            reply, job, digest, self._policy(), origin_zone=self._zone, now=self._clock()
-        )
-        if isinstance(checked, Declined) and reply.status == "placed" and reply.worker_id:
-            self.release(job.job_id, reply.worker_id, attempt, f"{checked.code}: {checked.reason}")
-        return checked
+            outcome.set_result(Declined("broker_unreachable", f"could not ask the broker: {exc}"))
+            return outcome
+        asked = self._pending[key] = _Request(job, attempt, digest, outcome)
+        asked.timer = asyncio.get_running_loop().call_later(self._timeout_s, self._timed_out, key)
+        outcome.add_done_callback(partial(self._settled, key))
+        return outcome
 
     def send(self, job: Job, placement: Placement, *, attempt: int = 1) -> None:
         """Publish the image straight to the worker, with everything it needs to verify it
@@ -332,7 +333,8 @@ class PlacementClient:
         )
 
     def close(self) -> None:
-        for asked in self._pending.values():
-            with contextlib.suppress(asyncio.InvalidStateError):
-                asked.answer.cancel()
-        self._pending.clear()
+        pending, self._pending = self._pending, {}
+        for asked in pending.values():
+            if asked.timer is not None:
+                asked.timer.cancel()
+            asked.outcome.cancel()

@@ -43,7 +43,7 @@ class Asked:
 
     reason: str
     attempt: int
-    answer: asyncio.Task[Outcome]
+    answer: asyncio.Future[Outcome]
     hand_back: Callable[[Placement, str], None]  # a placement not used after all
 
     def drop(self, why: str) -> None:
@@ -53,11 +53,11 @@ class Asked:
         if self.answer.done():
             self._unused(why, self.answer)
         else:
-            self.answer.cancel()
-            # Python 3.11's wait_for may swallow the cancel and return the answer anyway.
+            self.answer.cancel()  # an answer that still comes is the client's to hand back
+            # (a task wrapping the answer may still end with it: Python 3.11's wait_for)
             self.answer.add_done_callback(partial(self._unused, why))
 
-    def _unused(self, why: str, answer: asyncio.Task[Outcome]) -> None:
+    def _unused(self, why: str, answer: asyncio.Future[Outcome]) -> None:
         if not answer.cancelled() and answer.exception() is None:
             outcome = answer.result()
             if isinstance(outcome, Placement):
@@ -118,7 +118,7 @@ class Offloads:
         :meth:`offer_asked` once the job is accepted, or :meth:`Asked.drop` it."""
         assert self._client is not None
         client = self._client
-        answer = self._spawn(client.place(job, reason, local_s, attempt=1))
+        answer = asyncio.ensure_future(client.place(job, reason, local_s, attempt=1))
 
         def hand_back(placement: Placement, why: str) -> None:
             client.release(job.job_id, placement.worker_id, 1, why)

@@ -127,8 +127,10 @@ def test_placements_answered_after_the_edge_gave_up_free_their_slots_at_once(
             results = asyncio.run(
                 _volley(mqtt.port, "line-1-pc", "wafer-image", 12, deadline_ms=10_000)
             )
-            assert all((r.status, r.ran_on.node) == ("ok", "line-1-pc") for r in results)
+            assert all(r.status == "ok" for r in results)
             late = [r.job_id for r in results if r.offload and r.offload.code == "broker_timeout"]
+            # (an answer may still beat 1 ms now and then: that job is offloaded)
+            assert all(r.ran_on.node == "line-1-pc" for r in results if r.job_id in late)
             assert late, "a volley of 12 on a one-slot edge with queue_bound 4 must ask"
 
             def settled() -> dict[str, str] | None:
