@@ -100,7 +100,8 @@ OPENAPI: dict[str, Any] = {
                     "job is placed and not completed, and for a dead letter) holds edge, "
                     "worker, attempt, crashes (workers that died holding the job), "
                     "crashed_on, deadline_at, placed_at, "
-                    "lost_attempt and, once dead-lettered, dead_letter {reason, at}."
+                    "lost_attempt, released_attempt and released_at (an attempt handed "
+                    "back unused) and, once dead-lettered, dead_letter {reason, at}."
                 ),
                 "parameters": [
                     {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}}

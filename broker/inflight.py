@@ -118,6 +118,9 @@ def record_of(raw: dict[Any, Any]) -> dict[str, Any] | None:
         "deadline_at": _ms_to_s(f.get("deadline_at", "")),
         "placed_at": _ms_to_s(f.get("placed_at", "")),
         "lost_attempt": int(f["lost"]) if f.get("lost") else None,
+        # An attempt its edge handed back unused (no worker holds it any more).
+        "released_attempt": int(f["released_attempt"]) if f.get("released_attempt") else None,
+        "released_at": _ms_to_s(f.get("released_at", "")),
     }
     if f.get("dead") == "1":
         out["dead_letter"] = {

@@ -456,6 +456,8 @@ def test_a_placement_handed_back_unused_frees_its_slot_at_once(
         "edge": "line-1-pc",
         "worker": "north-b",
     }
+    assert job["inflight"]["released_attempt"] == 1  # the record stays, marked
+    assert job["inflight"]["released_at"] is not None
     metrics = http(settings, "/metrics")[1]
     assert "sluicegate_placements_released_total 1.0" in metrics
     again = ask(mosquitto)  # the broker kept serving, and the slot is free again
