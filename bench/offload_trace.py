@@ -63,19 +63,26 @@ def read_stamps(directory: Path) -> dict[str, dict[str, float]]:
     return jobs
 
 
+def between_ms(
+    jobs: dict[str, dict[str, float]], prefix: str, start: str, end: str, skip: int
+) -> list[float]:
+    """From stamp ``start`` to ``end`` of each ``prefix-N`` job past the warm-up, in ms."""
+    return [
+        (stamps[end] - stamps[start]) * 1000.0
+        for job, stamps in jobs.items()
+        if job.startswith(prefix)
+        and int(job.split("-")[1]) >= skip
+        and start in stamps
+        and end in stamps
+    ]
+
+
 def steps_ms(
     jobs: dict[str, dict[str, float]], prefix: str, steps: list[tuple[str, str, str]], skip: int
 ) -> list[tuple[str, float, float, int]]:
     rows = []
     for start, end, name in steps:
-        values = [
-            (stamps[end] - stamps[start]) * 1000.0
-            for job, stamps in jobs.items()
-            if job.startswith(prefix)
-            and int(job.split("-")[1]) >= skip
-            and start in stamps
-            and end in stamps
-        ]
+        values = between_ms(jobs, prefix, start, end, skip)
         if values:
             rows.append(
                 (
@@ -108,14 +115,7 @@ def main() -> None:
     subject = steps_ms(jobs, "off-", SUBJECT_STEPS, args.warmup)
     baseline = steps_ms(jobs, "dir-", BASELINE_STEPS, args.warmup)
     side = steps_ms(jobs, "off-", SIDE_STEPS, args.warmup)
-    gaps = [
-        stamps["edge.outbox.accepted"] - stamps["edge.in.placement"]
-        for job, stamps in jobs.items()
-        if job.startswith("off-")
-        and int(job.split("-")[1]) >= args.warmup
-        and "edge.outbox.accepted" in stamps
-        and "edge.in.placement" in stamps
-    ]
+    gaps = between_ms(jobs, "off-", "edge.in.placement", "edge.outbox.accepted", args.warmup)
     waited = sum(gap > 0 for gap in gaps) / len(gaps) if gaps else float("nan")
     print(f"\n{'step of an offloaded job (traced)':46}{'p50 ms':>9}{'p90 ms':>9}{'jobs':>7}")
     for name, p50, p90, n in subject:

@@ -263,7 +263,8 @@ class PlacementClient:
         """Ask for placement ``attempt`` of ``job`` now (the request is out before this
         returns) and return the future of its checked outcome; any failure is a
         :class:`Declined`. Cancelling the future gives the request up."""
-        outcome: asyncio.Future[Placement | Declined] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        outcome: asyncio.Future[Placement | Declined] = loop.create_future()
         if not self.broker_available:
             outcome.set_result(
                 Declined("no_broker", "no campus broker is online; the job runs locally")
@@ -303,7 +304,7 @@ class PlacementClient:
             outcome.set_result(Declined("broker_unreachable", f"could not ask the broker: {exc}"))
             return outcome
         asked = self._pending[key] = _Request(job, attempt, digest, outcome)
-        asked.timer = asyncio.get_running_loop().call_later(self._timeout_s, self._timed_out, key)
+        asked.timer = loop.call_later(self._timeout_s, self._timed_out, key)
         outcome.add_done_callback(partial(self._settled, key))
         return outcome
 

@@ -47,21 +47,12 @@ class Asked:
     hand_back: Callable[[Placement, str], None]  # a placement not used after all
 
     def drop(self, why: str) -> None:
-        """Not wanted after all (``why``): stop waiting for the answer and hand back the
-        placement in it, if any (one that comes after the wait ended is handed back by the
-        client as it arrives)."""
-        if self.answer.done():
-            self._unused(why, self.answer)
-        else:
-            self.answer.cancel()  # an answer that still comes is the client's to hand back
-            # (a task wrapping the answer may still end with it: Python 3.11's wait_for)
-            self.answer.add_done_callback(partial(self._unused, why))
-
-    def _unused(self, why: str, answer: asyncio.Future[Outcome]) -> None:
-        if not answer.cancelled() and answer.exception() is None:
-            outcome = answer.result()
-            if isinstance(outcome, Placement):
-                self.hand_back(outcome, why)
+        """Not wanted after all (``why``): hand back the placement in the answer, or stop
+        waiting for it (the client hands back a placement that comes after)."""
+        if not self.answer.done():
+            self.answer.cancel()
+        elif not self.answer.cancelled() and isinstance(outcome := self.answer.result(), Placement):
+            self.hand_back(outcome, why)
 
 
 @dataclass(frozen=True)

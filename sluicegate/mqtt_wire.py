@@ -123,7 +123,7 @@ def _read_text(buf: memoryview, pos: int, end: int, what: str) -> tuple[str, int
     return text, pos
 
 
-def _two(buf: memoryview, pos: int, end: int, size: int, what: str) -> tuple[int, int]:
+def _uint(buf: memoryview, pos: int, end: int, size: int, what: str) -> tuple[int, int]:
     if pos + size > end:
         raise ValueError(f"{what} runs past the properties")
     return int.from_bytes(buf[pos : pos + size], "big"), pos + size
@@ -155,10 +155,10 @@ def decode_publish_properties(buf: memoryview, pos: int) -> tuple[PublishPropert
         value_read: object
         if ident == 0x01:
             name = "payload_format"
-            value_read, pos = _two(buf, pos, end, 1, "the payload format indicator")
+            value_read, pos = _uint(buf, pos, end, 1, "the payload format indicator")
         elif ident == 0x02:
             name = "message_expiry_s"
-            value_read, pos = _two(buf, pos, end, 4, "the message expiry interval")
+            value_read, pos = _uint(buf, pos, end, 4, "the message expiry interval")
         elif ident == 0x03:
             name = "content_type"
             value_read, pos = _read_text(buf, pos, end, "the content type")
@@ -170,7 +170,7 @@ def decode_publish_properties(buf: memoryview, pos: int) -> tuple[PublishPropert
             value_read, pos = _read_binary(buf, pos, end, "the correlation data")
         elif ident == 0x23:
             name = "topic_alias"
-            value_read, pos = _two(buf, pos, end, 2, "the topic alias")
+            value_read, pos = _uint(buf, pos, end, 2, "the topic alias")
         else:
             raise ValueError(f"property 0x{ident:02X} is not one a PUBLISH may carry")
         if name in fields:

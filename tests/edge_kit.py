@@ -88,7 +88,8 @@ class HeldExecutor(Executor):
 class FakePlacement:
     """Stands in for PlacementClient: places every offer unless its job id is in
     ``decline``; with ``slow``, an answer waits for :meth:`answer_all`. Records each request
-    as (job id, attempt) in ``asked`` and each work message sent in ``sent``; ``early``
+    as (job id, attempt) in ``asked``, each work message sent in ``sent`` and each placement
+    handed back in ``released``; ``early``
     lists the work sent for a job not in ``on_disk`` (the ids the outbox has committed)."""
 
     decline: set[str] = field(default_factory=set)
@@ -96,6 +97,7 @@ class FakePlacement:
     sent: list[tuple[str, int]] = field(default_factory=list)
     on_disk: set[str] = field(default_factory=set)
     early: list[str] = field(default_factory=list)
+    released: list[tuple[str, int]] = field(default_factory=list)
     broker_available: bool = True
     slow: bool = False
     _waiting: list[asyncio.Future[None]] = field(default_factory=list)
@@ -119,6 +121,9 @@ class FakePlacement:
             if not answer.done():
                 answer.set_result(None)
         return len(waiting)
+
+    def release(self, job_id: str, worker_id: str, attempt: int, reason: str) -> None:
+        self.released.append((job_id, attempt))
 
     def send(self, job: Job, placement: Placement, *, attempt: int = 1) -> None:
         if job.job_id not in self.on_disk:

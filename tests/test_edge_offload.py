@@ -271,13 +271,17 @@ class Answers:
         self._new = asyncio.Event()
         place = client.place
 
-        async def spy(*args: Any, **kwargs: Any) -> Placement | Declined:
-            outcome = await place(*args, **kwargs)
-            self.got.append(outcome)
-            self._new.set()
+        def spy(*args: Any, **kwargs: Any) -> asyncio.Future[Placement | Declined]:
+            outcome = place(*args, **kwargs)
+            outcome.add_done_callback(self._record)
             return outcome
 
         monkeypatch.setattr(client, "place", spy)
+
+    def _record(self, outcome: asyncio.Future[Placement | Declined]) -> None:
+        if not outcome.cancelled():
+            self.got.append(outcome.result())
+            self._new.set()
 
     async def wait(self, n: int) -> None:
         async with asyncio.timeout(10):
