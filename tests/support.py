@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -225,3 +226,15 @@ class ServiceThread:
         self._thread.join(30)
         if self.error is not None:
             raise self.error
+
+
+def wait_until(check: Callable[[], Any], timeout: float = 10.0) -> Any:
+    """Poll ``check`` (a process's HTTP state, say) until it returns something truthy, and
+    return that; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)  # the next poll of the state we wait on
+    raise AssertionError(f"condition not reached within {timeout} s")

@@ -37,7 +37,7 @@ from sluicegate.wire_pool import (
     WorkerTelemetry,
 )
 from tests.policies.policy_testkit import key
-from tests.support import PlainClient, ServiceThread
+from tests.support import PlainClient, ServiceThread, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -201,16 +201,6 @@ def http(settings: Settings, path: str) -> tuple[int, Any]:
         body, status = exc.read(), exc.code
     ctype = "json" if body[:1] in (b"{", b"[") else "text"
     return status, json.loads(body) if ctype == "json" else body.decode()
-
-
-def wait_until(check: Any, timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)  # polling the broker's HTTP state for an expected change
-    raise AssertionError("condition not reached in time")
 
 
 def test_placement_within_policy_explained_reserved_and_audited(

@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,7 @@ from sluicegate.wire_pool import (
     WorkerCapabilities,
     WorkerTelemetry,
 )
+from tests import support
 from tests.policies.policy_testkit import key
 from tests.support import PlainClient, sluicegate_cmd
 
@@ -484,14 +485,8 @@ class Edge:
         self.client.close()
 
 
-def wait_until(check: Any, timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)  # polling a broker's HTTP state for an expected change
-    raise AssertionError("condition not reached in time")
+def wait_until(check: Callable[[], Any], timeout: float = 20.0) -> Any:
+    return support.wait_until(check, timeout)  # a broker's recovery takes longer
 
 
 @pytest.fixture

@@ -30,6 +30,7 @@ from sluicegate.localcampus import LocalCampus
 from sluicegate.servers import ServerProcess, running, start_mosquitto
 from tests.image_bytes import sample_jpeg
 from tests.policies.policy_testkit import key
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -139,7 +140,7 @@ def test_placements_answered_after_the_edge_gave_up_free_their_slots_at_once(
                     states if all(s in ("released", "refused") for s in states.values()) else None
                 )
 
-            states = _until(settled, timeout=15)
+            states = wait_until(settled, timeout=15)
             released = [job for job, state in states.items() if state == "released"]
             assert released, states  # a free campus worker: the broker placed them
             held = redis.Redis(port=redis_server.port, db=db).zrange(
@@ -164,15 +165,6 @@ def _job(campus: LocalCampus, job_id: str) -> dict[str, Any]:
         if exc.code == 404:
             return {}
         raise
-
-
-def _until(check: Callable[[], Any], timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (value := check()) is not None:
-            return value
-        time.sleep(0.1)  # the next poll of the broker's state
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 def wait_for_fleet(
