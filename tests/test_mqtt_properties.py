@@ -13,7 +13,7 @@ from paho.mqtt.exception import MalformedPacket
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from sluicegate.mqtt import _decode_publish, _paho_decode_publish, _properties
+from sluicegate.mqtt.packets import decode_publish, paho_decode_publish, publish_properties
 
 CASES = [
     ("app/results", b"corr-1", "application/json", (("model", "defect-v1"),), None),
@@ -54,7 +54,7 @@ def test_packed_like_paho_and_read_back_by_paho(
     user: tuple[tuple[str, str], ...],
     expiry: int | None,
 ) -> None:
-    ours = _properties(topic, corr, ctype, user, expiry)
+    ours = publish_properties(topic, corr, ctype, user, expiry)
     assert ours is not None
     packed = ours.pack()  # type: ignore[no-untyped-call]
     assert packed == _paho(topic, corr, ctype, user, expiry)
@@ -66,7 +66,7 @@ def test_packed_like_paho_and_read_back_by_paho(
 
 
 def test_no_properties_at_all_is_none() -> None:
-    assert _properties(None, None, None, ()) is None
+    assert publish_properties(None, None, None, ()) is None
 
 
 @pytest.mark.parametrize(
@@ -89,7 +89,7 @@ def test_values_mqtt_cannot_carry_are_refused_by_name(
         **kwargs,
     }
     with pytest.raises(ValueError, match=words):
-        _properties(**args)  # type: ignore[arg-type]
+        publish_properties(**args)  # type: ignore[arg-type]
 
 
 # -- what arrives: decoded in one pass, as paho's own decoder would --------------------------
@@ -148,8 +148,8 @@ def test_a_received_publish_is_decoded_as_paho_decodes_it(
 ) -> None:
     header = 0x30 | (qos << 1) | (flags & 0x09)
     packet = bytearray(_publish_packet(topic, mid if qos else None, props, payload))
-    ours = _decode_publish(header, packet, MQTTProtocolVersion.MQTTv5)
-    theirs = _paho_decode_publish(header, bytearray(packet), MQTTProtocolVersion.MQTTv5)
+    ours = decode_publish(header, packet, MQTTProtocolVersion.MQTTv5)
+    theirs = paho_decode_publish(header, bytearray(packet), MQTTProtocolVersion.MQTTv5)
     assert (ours.topic, ours.mid, ours.qos, ours.dup, ours.retain, ours.payload) == (
         theirs.topic,
         theirs.mid,
@@ -167,7 +167,7 @@ def test_a_received_publish_is_decoded_as_paho_decodes_it(
 def test_paho_clients_of_this_process_decode_with_ours() -> None:
     from paho.mqtt import _packet
 
-    assert _packet.decode_publish is _decode_publish
+    assert _packet.decode_publish is decode_publish
 
 
 def test_every_truncation_of_the_header_is_malformed() -> None:
@@ -179,7 +179,7 @@ def test_every_truncation_of_the_header_is_malformed() -> None:
     whole = _publish_packet("sluicegate/v1/edge/e1/jobs", 7, props, b"")
     for cut in range(len(whole)):
         with pytest.raises(MalformedPacket):
-            _decode_publish(0x32, bytearray(whole[:cut]), MQTTProtocolVersion.MQTTv5)
+            decode_publish(0x32, bytearray(whole[:cut]), MQTTProtocolVersion.MQTTv5)
 
 
 def _with_properties(block: bytes) -> bytes:
@@ -200,6 +200,6 @@ def _with_properties(block: bytes) -> bytes:
 )
 def test_a_malformed_property_is_refused_by_name(block: bytes, named: str) -> None:
     with pytest.raises(MalformedPacket, match=re.escape(named)):
-        _decode_publish(0x30, bytearray(_with_properties(block)), MQTTProtocolVersion.MQTTv5)
+        decode_publish(0x30, bytearray(_with_properties(block)), MQTTProtocolVersion.MQTTv5)
     with pytest.raises(MalformedPacket):  # paho agrees that each is malformed
-        _paho_decode_publish(0x30, bytearray(_with_properties(block)), MQTTProtocolVersion.MQTTv5)
+        paho_decode_publish(0x30, bytearray(_with_properties(block)), MQTTProtocolVersion.MQTTv5)

@@ -1,7 +1,7 @@
 """Who hears what, and who waits for which ack, on one MQTT connection: the subscriptions
 a transport routes arriving messages by (a shared subscription's messages arrive under its
 inner filter) and the table matching broker acks to waiting callers. All on the loop
-thread; no paho here (:mod:`sluicegate.mqtt` owns it).
+thread; no paho here (:mod:`sluicegate.mqtt.bridge` drives it).
 """
 
 from __future__ import annotations
