@@ -22,6 +22,7 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
@@ -73,6 +74,17 @@ def local_result(
         timings_ms=timings,
         offload=declined.as_wire() if declined is not None else None,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Ending:
+    """A result on its way to the disk: whose, its status, who hears how the commit went,
+    and the message to ack once it landed."""
+
+    job: Job
+    status: str
+    then: Committed
+    ack: Message | None
 
 
 class Answers:
@@ -135,60 +147,42 @@ class Answers:
         is committed, publish it, and tell ``then`` how the commit went. With ``forward``
         (a return whose attempt is on disk), publish it first and commit meanwhile."""
         fut = self._outbox.finish(job.job_id, payload, attempt=attempt)
+        ending = _Ending(job, status, then, ack)
         if forward:
             sent = self._track(self._send(job, payload))
-            self._track(self._forward(job, status, then, ack, fut, sent))
+            self._track(self._forward(ending, fut, sent))
             return
-        fut.add_done_callback(partial(self._committed, job, payload, status, then, ack))
+        fut.add_done_callback(partial(self._committed, ending, payload))
 
     async def _forward(
-        self,
-        job: Job,
-        status: str,
-        then: Committed,
-        ack: Message | None,
-        fut: asyncio.Future[bool],
-        sent: asyncio.Task[bool],
+        self, ending: _Ending, fut: asyncio.Future[bool], sent: asyncio.Task[bool]
     ) -> None:
         with contextlib.suppress(OutboxError):  # reported by _settle
             await fut
         if self._killed:
             return
-        stored = self._settle(job, status, then, ack, fut, publish=None)
+        stored = self._settle(ending, fut, publish=None)
         if await sent and stored:
-            await self._record_delivery(job)
+            await self._record_delivery(ending.job)
 
-    def _committed(
-        self,
-        job: Job,
-        payload: bytes,
-        status: str,
-        then: Committed,
-        ack: Message | None,
-        fut: asyncio.Future[bool],
-    ) -> None:
+    def _committed(self, ending: _Ending, payload: bytes, fut: asyncio.Future[bool]) -> None:
         if not self._killed:
-            self._settle(job, status, then, ack, fut, publish=payload)
+            self._settle(ending, fut, publish=payload)
 
     def _settle(
-        self,
-        job: Job,
-        status: str,
-        then: Committed,
-        ack: Message | None,
-        fut: asyncio.Future[bool],
-        *,
-        publish: bytes | None,
+        self, ending: _Ending, fut: asyncio.Future[bool], *, publish: bytes | None
     ) -> bool | None:
-        """Act on a finished commit: ack ``ack`` unless it failed, count a stored result and
-        publish ``publish`` (None: forwarded already), tell ``then``; return the outcome."""
+        """Act on a finished commit: ack the request unless it failed, count a stored
+        result and publish ``publish`` (None: forwarded already), tell the caller; return
+        the outcome."""
+        job, status = ending.job, ending.status
         try:
             stored: bool | None = fut.result()
         except OutboxError as exc:  # not committed: it replays (or is redelivered) later
             log.error("could not store the result of job %s: %s", job.job_id, exc)
             stored = None
-        if stored is not None and ack is not None:
-            self._transport.ack(ack)
+        if stored is not None and ending.ack is not None:
+            self._transport.ack(ending.ack)
         if stored:
             self.results[status] += 1
             if publish is not None:
@@ -197,7 +191,7 @@ class Answers:
             log.warning("job %s: a forwarded result was not the one on disk", job.job_id)
         elif stored is False:
             log.info("job %s was already concluded; this %s result is dropped", job.job_id, status)
-        then(stored)
+        ending.then(stored)
         return stored
 
     def publish(self, job: Job, payload: bytes, *, record: bool) -> None:
