@@ -6,7 +6,8 @@ pure admission core. A job is accepted only once the outbox has committed it; th
 then, the request is acked (a crash before that makes the MQTT broker redeliver it). Refused
 requests are answered and acked but never stored. Accepted jobs run on a bounded thread pool
 (each local run counted on disk before it starts) or are offloaded to a pool worker as a
-numbered attempt (the attempt on disk before the work is sent); results of offloaded jobs
+numbered attempt (recorded on disk as its work is sent; a first attempt answered while the
+job's acceptance commits goes out at once, before it); results of offloaded jobs
 come back through this edge's returns topic and are taken only for the job's current attempt.
 Every result is committed before it is published (QoS 1) and marked delivered after the
 broker's PUBACK. After a restart the outbox is replayed: queued jobs run (or are offered)
@@ -26,7 +27,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Executor
 from functools import partial
@@ -62,6 +63,7 @@ log = logging.getLogger(__name__)
 
 Inference = tuple[VisionOutputs, StageTimes]
 PRUNE_INTERVAL_S = 60.0
+RECENT_KEPT = 4096  # concluded job ids remembered: a repeat of one is not offered
 
 
 class EdgeAgent:
@@ -115,6 +117,7 @@ class EdgeAgent:
         self._answers = Answers(transport, self.outbox, self._ran_on)
         self._jobs: dict[str, Tracked] = {}  # accepted and not yet concluded
         self._admitting: Counter[str] = Counter()  # job id -> requests awaiting their commit
+        self._recent: OrderedDict[str, None] = OrderedDict()  # concluded lately, oldest first
         self._admitting_total = 0
         self._finishing = 0
         run_hooks = RunHooks(
@@ -183,7 +186,9 @@ class EdgeAgent:
             self._answers.refuse(decision, msg)
             return
         job = decision
-        known = job.job_id in self._jobs or job.job_id in self._admitting
+        known = (
+            job.job_id in self._jobs or job.job_id in self._admitting or job.job_id in self._recent
+        )
         runs = self._runs
         held = len(runs.queue) + self._admitting_total + runs.in_flight - runs.reserved
         if not known and held >= self.settings.queue_size + self.settings.concurrency:
@@ -196,8 +201,9 @@ class EdgeAgent:
         if run_now:
             runs.reserve()
         # A job that will be offered has its placement asked for now, while the outbox
-        # commits it: the broker's answer and the commit overlap. Nothing is sent to a
-        # worker before the commit; if the job is not accepted as new, the answer is dropped.
+        # commits it: the broker's answer and the commit overlap, and a placement that
+        # comes first has its work sent at once (Offloads.ask_ahead). The request is acked
+        # only once the job is on disk; if it proves not new, the answer is dropped.
         # Not for a redelivery: most were accepted before a crash, and the broker would
         # hold a reservation for each (one that proves new is offered once accepted).
         asked = None
@@ -412,7 +418,11 @@ class EdgeAgent:
             del self._jobs[tracked.job.job_id]  # concluded, or on disk to replay after restart
         if stored is None:
             self.counters["outbox_errors"] += 1
-        elif not stored:
+        elif stored:  # a repeat of it is answered from the outbox, not asked for
+            self._recent[tracked.job.job_id] = None
+            if len(self._recent) > RECENT_KEPT:
+                self._recent.popitem(last=False)
+        else:
             # The outbox refused a result this agent thought it could take: trust the disk.
             self.counters["late_results"] += 1
             self._resync(tracked.job.job_id)

@@ -6,7 +6,8 @@ The agent keeps the job table, the local queue and every conclusion; this part o
 job between ``offering`` and ``offloaded`` and writes one thing to the outbox: the attempt,
 as its work message is sent. A new job's first placement may be asked for ahead of its
 offer (:meth:`Offloads.ask_ahead`, while the outbox commits its acceptance): the offer then
-takes that answer instead of asking again, and nothing goes to a worker before the offer.
+takes that answer instead of asking again, and a placement that comes before the commit
+lands has its work sent at once, its return held until the offer takes the attempt.
 Whenever a job will not leave (the broker declined, the worker refused the work unrun) it
 goes back to the agent to run here; a lost worker or an overdue return sends it back to be
 routed again (the next attempt, or here). A return is taken only for the job's current
@@ -36,23 +37,25 @@ T = TypeVar("T")
 Outcome = Placement | Declined
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class Asked:
     """A placement asked for ahead of the offer that will take it: the broker's answer for
-    ``attempt`` of a job, on its way."""
+    ``attempt`` of a job, on its way. ``sent`` once its work went out before the job's
+    acceptance commit landed; ``taken`` once the offer took it or it was dropped."""
 
     reason: str
     attempt: int
     answer: asyncio.Future[Outcome]
-    hand_back: Callable[[Placement, str], None]  # a placement not used after all
+    dropped: Callable[[Asked, str], None]  # not wanted after all, and why
+    taken: bool = False
+    sent: bool = False
 
     def drop(self, why: str) -> None:
-        """Not wanted after all (``why``): hand back the placement in the answer, or stop
-        waiting for it (the client hands back a placement that comes after)."""
-        if not self.answer.done():
-            self.answer.cancel()
-        elif not self.answer.cancelled() and isinstance(outcome := self.answer.result(), Placement):
-            self.hand_back(outcome, why)
+        """Not wanted after all (``why``): the job proved a repeat, could not be stored, or
+        its deadline passed before it was accepted."""
+        if not self.taken:
+            self.taken = True
+            self.dropped(self, why)
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,9 @@ class Offloads:
         self._clock = clock
         self._counters = counters
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Sent early: returns and notices, with their handler, until the offer takes it.
+        self._held: dict[str, list[tuple[Callable[[Message], None], Message]]] = {}
+        self._killed = False
         self.offering = 0  # offers waiting for the broker now
         self.offloaded = 0  # work messages sent since start
 
@@ -104,17 +110,66 @@ class Offloads:
         return "deadline" if tracked.job.deadline is not None else "queue"
 
     def ask_ahead(self, job: Job, reason: str, local_s: float) -> Asked:
-        """Ask the broker now for the first attempt of a job not yet accepted, so that its
-        answer can come back while the outbox commits the job; hand the result to
-        :meth:`offer_asked` once the job is accepted, or :meth:`Asked.drop` it."""
+        """Ask the broker now for the first attempt of a job not yet accepted; hand the
+        result to :meth:`offer_asked` once the job is accepted, or :meth:`Asked.drop` it.
+        A placement that comes while the outbox still commits the job has its work sent at
+        once (:meth:`_send_early`): the commit is then off the job's path."""
         assert self._client is not None
         client = self._client
         answer = asyncio.ensure_future(client.place(job, reason, local_s, attempt=1))
+        asked = Asked(reason, 1, answer, partial(self._dropped, client, job.job_id))
+        answer.add_done_callback(partial(self._send_early, client, job, asked))
+        return asked
 
-        def hand_back(placement: Placement, why: str) -> None:
-            client.release(job.job_id, placement.worker_id, 1, why)
+    def _send_early(
+        self, client: PlacementClient, job: Job, asked: Asked, answer: asyncio.Future[Outcome]
+    ) -> None:
+        """Send the work of a placement that came before its job was accepted. The request
+        is acked only once the job is on disk, as ever; what the early send changes is what
+        a crash or a refusal can leave: a worker running a job the edge never accepted, or
+        one it knew already. Its return then finds no attempt to take and is discarded, and
+        the worker's completion frees its slot. A return that comes before the acceptance is
+        held, unacked, until the offer takes the attempt (:meth:`on_return`)."""
+        if asked.taken or self._killed or answer.cancelled() or answer.exception() is not None:
+            return
+        placement = answer.result()
+        if not isinstance(placement, Placement):
+            return
+        try:
+            client.send(job, placement, attempt=asked.attempt)
+        except Exception as exc:  # the offer sends it once the job is accepted
+            log.warning("job %s: could not send attempt 1 early: %s", job.job_id, exc)
+            return
+        asked.sent = True
+        self.offloaded += 1
+        self._held[job.job_id] = []
 
-        return Asked(reason, 1, answer, hand_back)
+    def _hold(self, job_id: str, handle: Callable[[Message], None], msg: Message) -> bool:
+        """Keep ``msg`` (unacked) for a job whose work went out before it was accepted, to
+        be handled once the offer takes its attempt; False if the job is not such a one."""
+        held = self._held.get(job_id)
+        if held is None:
+            return False
+        held.append((handle, msg))
+        return True
+
+    def _discard_held(self, job_id: str) -> None:
+        """Ack and drop what came for a job sent early that will not be taken."""
+        for _handle, msg in self._held.pop(job_id, ()):
+            self._counters["fenced_returns"] += 1
+            self._transport.ack(msg)
+
+    def _dropped(self, client: PlacementClient, job_id: str, asked: Asked, why: str) -> None:
+        if asked.sent:  # the worker has the work: its return will find nothing to take
+            self._discard_held(job_id)
+            log.info("job %s: attempt 1 went out before the job was dropped (%s)", job_id, why)
+            return
+        if not asked.answer.done():
+            asked.answer.cancel()  # the client hands back a placement that comes after
+        elif not asked.answer.cancelled():
+            outcome = asked.answer.result()
+            if isinstance(outcome, Placement):
+                client.release(job_id, outcome.worker_id, asked.attempt, why)
 
     def offer(self, tracked: Tracked, reason: str, local_s: float) -> None:
         """Ask the broker for the job's next attempt, in a task of its own."""
@@ -127,7 +182,8 @@ class Offloads:
         """Offer the job with the placement :meth:`ask_ahead` asked for: its answer (come
         or still to come) decides, as a fresh request's would."""
         assert asked.attempt == tracked.attempt + 1, (tracked.job.job_id, asked.attempt)
-        self._start_offer(tracked, asked.reason, asked.attempt, lambda: asked.answer)
+        asked.taken = True
+        self._start_offer(tracked, asked.reason, asked.attempt, lambda: asked.answer, asked)
 
     def _start_offer(
         self,
@@ -135,11 +191,12 @@ class Offloads:
         reason: str,
         attempt: int,
         ask: Callable[[], Awaitable[Outcome]],
+        asked: Asked | None = None,
     ) -> None:
         assert self._client is not None
         tracked.phase = "offering"
         self.offering += 1
-        self._spawn(self._offer(self._client, tracked, reason, attempt, ask))
+        self._spawn(self._offer(self._client, tracked, reason, attempt, ask, asked))
 
     async def _offer(
         self,
@@ -148,12 +205,14 @@ class Offloads:
         reason: str,
         attempt: int,
         ask: Callable[[], Awaitable[Outcome]],
+        asked: Asked | None,
     ) -> None:
         job = tracked.job
         try:
             outcome = await ask()
             if isinstance(outcome, Placement):
-                declined = await self._send(client, tracked, outcome, attempt, reason)
+                early = asked is not None and asked.sent
+                declined = self._send(client, tracked, outcome, attempt, reason, early=early)
                 if declined is None:
                     return
                 outcome = declined
@@ -168,15 +227,18 @@ class Offloads:
             self.offering -= 1
             self._hooks.settled()
 
-    async def _send(
+    def _send(
         self,
         client: PlacementClient,
         tracked: Tracked,
         placement: Placement,
         attempt: int,
         reason: str,
+        *,
+        early: bool,
     ) -> Declined | None:
-        """Send the work and record the attempt on disk; None once sent (or moot).
+        """Send the work (unless it went out ``early``, before the job was accepted) and
+        record the attempt on disk; None once sent (or moot).
 
         The record is not awaited before the send: the outbox applies writes in order, so
         a return that comes back first is still recorded after its attempt. A crash before
@@ -186,7 +248,11 @@ class Offloads:
         round trip on every offloaded job."""
         job_id = tracked.job.job_id
         if not self._hooks.current(tracked, "offering"):
-            client.release(job_id, placement.worker_id, attempt, "the job was concluded meanwhile")
+            if early:  # the worker has it; what it returns finds nothing to take
+                self._discard_held(job_id)
+            else:
+                why = "the job was concluded meanwhile"
+                client.release(job_id, placement.worker_id, attempt, why)
             return None
         self._outbox.offloaded(job_id, attempt).add_done_callback(
             partial(_recorded, tracked, attempt)
@@ -195,12 +261,16 @@ class Offloads:
         tracked.phase = "offloaded"
         timeout = self._settings.result_timeout_s
         tracked.expires_at = ledger.offload_expiry(self._clock(), timeout, tracked.job.deadline)
-        try:
-            client.send(tracked.job, placement, attempt=attempt)
-        except Exception as exc:  # the attempt is void: the timeout reroutes the job
-            log.warning("job %s: could not send attempt %d: %s", job_id, attempt, exc)
-            return None
-        self.offloaded += 1
+        if early:
+            for handle, msg in self._held.pop(job_id, ()):  # came before the job was accepted
+                handle(msg)
+        else:
+            try:
+                client.send(tracked.job, placement, attempt=attempt)
+            except Exception as exc:  # the attempt is void: the timeout reroutes the job
+                log.warning("job %s: could not send attempt %d: %s", job_id, attempt, exc)
+                return None
+            self.offloaded += 1
         log.info(
             "job %s attempt %d offloaded to %s (%s)", job_id, attempt, placement.worker_id, reason
         )
@@ -216,6 +286,8 @@ class Offloads:
             self._counters["bad_returns"] += 1
             log.warning("discarded a return on %s: %s", msg.topic, ret)
             self._transport.ack(msg)
+            return
+        if self._hold(ret.job_id, self.on_return, msg):
             return
         tracked = self._hooks.tracked(ret.job_id)
         verdict = ledger.return_verdict(tracked, ret.attempt)
@@ -243,6 +315,8 @@ class Offloads:
     def on_notice(self, msg: Message) -> None:
         """The broker says a placed job's worker was lost, or the job is dead-lettered."""
         notice = ledger.read_notice(msg)
+        if not isinstance(notice, str) and self._hold(notice.job_id, self.on_notice, msg):
+            return
         self._transport.ack(msg)
         if isinstance(notice, str):
             self._counters["bad_notices"] += 1
@@ -296,6 +370,8 @@ class Offloads:
         return task
 
     def kill(self) -> None:
+        self._killed = True
+        self._held.clear()  # unacked: redelivered after the restart
         for task in list(self._tasks):
             task.cancel()
 

@@ -7,9 +7,10 @@ committed, the session keeps what was not acked) and starts another on the same 
 client id. Compute runs on a :class:`HeldExecutor` (work waits until the test runs it) and
 placements come from a :class:`FakePlacement` (every offer placed, or declined on request;
 answered at once, or held until the test answers), so a test decides where each crash falls.
-The fake also notes any work sent for a job the outbox had not yet committed (``early``),
-which must never happen. ``tick`` advances the loop one step and waits for
-the outbox's writer, which makes the interleavings reproducible.
+The fake also notes the work sent for a job the outbox had not yet committed (``early``):
+only a first attempt, answered while the job's acceptance commits, may go out so. ``tick``
+advances the loop one step and waits for the outbox's writer, which makes the
+interleavings reproducible.
 """
 
 from __future__ import annotations
@@ -89,14 +90,14 @@ class FakePlacement:
     """Stands in for PlacementClient: places every offer unless its job id is in
     ``decline``; with ``slow``, an answer waits for :meth:`answer_all`. Records each request
     as (job id, attempt) in ``asked``, each work message sent in ``sent`` and each placement
-    handed back in ``released``; ``early``
-    lists the work sent for a job not in ``on_disk`` (the ids the outbox has committed)."""
+    handed back in ``released``; ``early`` lists (job id, attempt) of the work sent for a
+    job not in ``on_disk`` (the ids the outbox has committed)."""
 
     decline: set[str] = field(default_factory=set)
     asked: list[tuple[str, int]] = field(default_factory=list)
     sent: list[tuple[str, int]] = field(default_factory=list)
     on_disk: set[str] = field(default_factory=set)
-    early: list[str] = field(default_factory=list)
+    early: list[tuple[str, int]] = field(default_factory=list)
     released: list[tuple[str, int]] = field(default_factory=list)
     broker_available: bool = True
     slow: bool = False
@@ -127,7 +128,7 @@ class FakePlacement:
 
     def send(self, job: Job, placement: Placement, *, attempt: int = 1) -> None:
         if job.job_id not in self.on_disk:
-            self.early.append(job.job_id)
+            self.early.append((job.job_id, attempt))
         self.sent.append((job.job_id, attempt))
 
     async def start(self) -> None:

@@ -278,6 +278,38 @@ def test_offloaded_job_is_offered_again_after_the_timeout_following_a_restart(
     assert agent.counters["fenced_returns"] == 1
 
 
+def test_crash_after_the_work_went_out_before_its_commit_loses_nothing(
+    rig_factory: Callable[..., EdgeRig],
+) -> None:
+    """A placement answered during the acceptance commit has its work sent at once. A crash
+    before the commit lands leaves a worker running a job the edge never accepted: the
+    request is delivered again, the job placed again under the same attempt number, and
+    the app still gets one result whichever worker answers first."""
+    rig = rig_factory(offload=True)
+    placement = rig.placement
+    assert placement is not None
+    rig.start()
+    rig.submit("far", correlation=b"f")
+    for _ in range(10):  # loop iterations only: the outbox's writer is given nothing
+        if placement.sent:
+            break
+        rig.loop.stop()
+        rig.loop.run_forever()
+    assert placement.early == [("far", 1)]
+    rig.crash(before_commit=True)
+    assert "far" not in _stored_rows(rig.db)
+    rig.start()  # never acked: the session delivers the request again
+    rig.settle()
+    assert placement.sent == [("far", 1), ("far", 1)]
+    rig.give_back("far", 1)  # the first worker's return, then the second's
+    rig.give_back("far", 1)
+    rig.settle()
+    (result,) = rig.results()
+    assert (result["status"], result["ran_on"]["kind"]) == ("ok", "pool")
+    assert rig.agent is not None
+    assert rig.agent.unfinished == 0
+
+
 @pytest.mark.parametrize("committed", [False, True], ids=["before-commit", "after-commit"])
 def test_crash_while_the_placement_is_asked_and_the_job_committed_loses_nothing(
     rig_factory: Callable[..., EdgeRig], committed: bool

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from edge_agent import agent as agent_module
 from edge_agent.agent import EdgeAgent
 from edge_agent.errors import OutboxError
 from edge_agent.offload import (
@@ -29,7 +30,7 @@ from edge_agent.offload import (
     offload_reason,
     predict_completion,
 )
-from edge_agent.outbox import Outbox
+from edge_agent.outbox import Outbox, Stored
 from policies import PlacementClaims, Policy, mint
 from policies.tokens import seal
 from sluicegate import topics, wire
@@ -229,6 +230,19 @@ class Rig:
         else:
             self.agent.on_message(msg)
         return job_id
+
+    async def on_disk(self, job_id: str, attempt: int) -> Stored:
+        """The job's row once ``attempt`` is recorded (a first attempt answered during the
+        acceptance commit goes out before its record)."""
+        return await self.stored_when(job_id, lambda stored: stored.attempt >= attempt)
+
+    async def stored_when(self, job_id: str, check: Callable[[Stored], bool]) -> Stored:
+        """The job's row, once ``check`` holds for it."""
+        async with asyncio.timeout(10):
+            while True:  # each read waits for the writes queued before it
+                stored = await self.agent.outbox.get(job_id)
+                if stored is not None and check(stored):
+                    return stored
 
     async def first(self, topic_filter: str) -> Message:
         return await self.broker.wait_for(lambda m: topics.matches(topic_filter, m.topic), 10)
@@ -616,30 +630,38 @@ async def test_work_the_worker_refused_runs_here(rig: Rig) -> None:
 
 
 @gated
-async def test_placement_is_asked_during_the_commit_and_the_work_waits_for_it(
+async def test_a_placement_answered_during_the_commit_has_its_work_sent_at_once(
     rig: Rig, gate: GatedOutbox, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The commit is off the offloaded job's path: the request is still acked only once the
+    job is on disk, and a return that beats the commit waits for it."""
     answers = Answers(rig.client, monkeypatch)
     gate.holding = True  # the acceptance commit does not reach the disk until released
     job_id = rig.submit(via_broker=True)
     await answers.wait(1)
     assert isinstance(answers.got[0], Placement)  # asked and answered ...
+    (work,) = await rig.work(1)  # ... and the image is on its way ...
     assert gate.staged  # ... while the commit is still to come
-    assert [r.job_id for r in rig.requests] == [job_id]
-    assert [m.topic for m in rig.edge.unacked] == [topics.edge_submit("north-l1-pc")]
-    assert rig.sent() == []  # no image before the commit
-    assert rig.agent.offloaded == 0
-    gate.release()
-    (work,) = await rig.work(1)
     assert work.user_property(topics.PROP_ATTEMPT) == "1"
-    assert rig.edge.unacked == []  # acked once committed
-    assert len(rig.requests) == 1  # the answer asked for at admission was used
-    stored = await gate.get(job_id)
-    assert stored is not None
-    assert (stored.state, stored.attempt) == ("offloaded", 1)
-    sent = rig.give_back(job_id, 1)
+    submit = topics.edge_submit("north-l1-pc")
+    assert [m.topic for m in rig.edge.unacked] == [submit]  # not accepted yet
+    sent = rig.give_back(job_id, 1)  # the worker answers before the commit lands
+    await rig.broker.wait_for(lambda m: m.topic == topics.edge_returns("north-l1-pc"), 10)
+    assert sorted(m.topic for m in rig.edge.unacked) == sorted(
+        [submit, topics.edge_returns("north-l1-pc")]
+    )  # the return is held, unacked
+    assert [m for m in rig.broker.log if m.topic == "app/results"] == []
+    gate.release()
     (result,) = await rig.results(1)
     assert result.payload == sent
+    assert len(rig.requests) == 1  # the answer asked for at admission was used
+    assert rig.sent() == [job_id]  # and its work sent once
+    assert rig.agent.offloaded == 1
+    stored = await gate.get(job_id)
+    assert stored is not None
+    assert stored.state in ("done", "delivered")
+    assert rig.edge.unacked == []
+    assert rig.agent.unfinished == 0
 
 
 @gated
@@ -648,8 +670,7 @@ async def test_a_return_whose_attempt_is_on_disk_reaches_the_app_before_its_comm
 ) -> None:
     job_id = rig.submit()
     await rig.work(1)
-    stored = await gate.get(job_id)  # in order: the attempt's record has landed
-    assert stored is not None
+    stored = await rig.on_disk(job_id, 1)
     assert (stored.state, stored.attempt) == ("offloaded", 1)
     gate.holding = True  # the result's commit waits ...
     sent = rig.give_back(job_id, 1)
@@ -743,17 +764,28 @@ async def test_a_failed_commit_drops_the_early_placement(
         rig.answer(request)  # too late: nobody waits for it any more
     barrier = rig.submit()
     rig.answer(await rig.asked(barrier))
-    await rig.work(1)
-    assert rig.sent() == [barrier]  # the failed job's image never left
+    await rig.work(1 + answered_first)
     assert [r.job_id for r in rig.requests] == [job_id, barrier]
     assert len(answers.got) == 1 + answered_first  # an unanswered one was given up
     assert rig.agent.counters["outbox_errors"] == 1
     assert await gate.get(job_id) is None
-    # Its placement, answered before or after the failure, goes back to the broker.
+    if answered_first:
+        # Its work went out during the commit: the worker keeps its slot until it is done,
+        # and what it returns finds no job to take.
+        assert rig.sent() == [job_id, barrier]
+        rig.give_back(job_id, 1)
+        rig.give_back(barrier, 1)  # returns are handled in order: this one comes after
+        _refusal, done = await rig.results(2)
+        assert json.loads(done.payload)["job_id"] == barrier
+        assert rig.agent.counters["fenced_returns"] == 1
+        assert rig.edge.unacked == []
+        assert [m for m in rig.broker.log if m.topic == topics.placement_releases()] == []
+        return
+    assert rig.sent() == [barrier]  # the failed job's image never left
+    # Its placement, answered after the failure, goes back to the broker.
     (released,) = await rig.released(1)
     assert (released.job_id, released.worker_id, released.attempt) == (job_id, "north-gpu-1", 1)
-    why = "could not store the job" if answered_first else "after the edge stopped waiting"
-    assert why in released.reason
+    assert "after the edge stopped waiting" in released.reason
 
 
 @gated
@@ -788,20 +820,50 @@ async def test_a_repeat_is_not_offered_and_its_image_is_not_sent_again(rig: Rig)
     rig.submit(job_id=job_id, via_broker=True)  # while it is offloaded: known, not asked
     sent = rig.give_back(job_id, 1)
     await rig.results(1)
-    # Concluded and forgotten in memory: the repeat is asked for at admission like a new
-    # job, and that placement is dropped once the outbox says it knows the job.
-    rig.submit(job_id=job_id, via_broker=True)
+    rig.submit(job_id=job_id, via_broker=True)  # concluded lately: still known, not asked
     again = (await rig.results(2))[1]
     assert again.payload == sent  # answered from the outbox, not run again
     barrier = rig.submit()
     await rig.work(2)
     assert rig.sent() == [job_id, barrier]
-    assert [r.job_id for r in rig.requests] == [job_id, job_id, barrier]
+    assert [r.job_id for r in rig.requests] == [job_id, barrier]
     assert rig.agent.counters["duplicates"] == 2
     assert rig.agent.counters["accepted"] == 2
     assert rig.edge.unacked == []
-    (released,) = await rig.released(1)  # the repeat's placement, never used
-    assert (released.job_id, released.attempt) == (job_id, 1)
+    assert [m for m in rig.broker.log if m.topic == topics.placement_releases()] == []
+
+
+@gated
+async def test_a_repeat_of_a_forgotten_job_answered_during_its_commit_is_not_run_twice(
+    rig: Rig, gate: GatedOutbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job concluded long ago is known only to the outbox: its repeat is asked for like
+    a new job, and the placement may come (and its work go) before the outbox says it
+    knows the job. The app still gets the one stored result; the worker's is dropped."""
+    monkeypatch.setattr(agent_module, "RECENT_KEPT", 0)
+    job_id = rig.submit(via_broker=True)
+    await rig.work(1)
+    sent = rig.give_back(job_id, 1)
+    await rig.results(1)
+    await rig.stored_when(job_id, lambda stored: stored.state == "delivered")
+    gate.holding = True
+    rig.submit(job_id=job_id, via_broker=True)
+    await rig.work(2)  # answered, and sent, while the outbox still looks the job up
+    assert rig.sent() == [job_id, job_id]
+    gate.release()
+    again = (await rig.results(2))[1]
+    assert again.payload == sent  # the stored result
+    rig.give_back(job_id, 1, pool_result(job_id, status="failed"))  # the second run's
+    barrier = rig.submit()
+    await rig.work(3)
+    rig.give_back(barrier, 1)
+    results = await rig.results(3)
+    assert json.loads(results[2].payload)["job_id"] == barrier
+    assert [m.payload for m in results[:2]] == [sent, sent]  # never the second run's
+    assert rig.agent.counters["fenced_returns"] == 1
+    assert rig.agent.counters["duplicates"] == 1
+    assert rig.edge.unacked == []
+    assert [m for m in rig.broker.log if m.topic == topics.placement_releases()] == []
 
 
 async def test_a_redelivered_request_is_offered_only_once_it_proves_new(rig: Rig) -> None:
