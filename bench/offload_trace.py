@@ -95,26 +95,6 @@ def steps_ms(
     return rows
 
 
-def without_commit_wait(jobs: dict[str, dict[str, float]], skip: int) -> dict[str, list[float]]:
-    """Each subject job's time at the edge, from its request to its result going out, as it
-    was and less the time its work waited for the acceptance commit after the broker's
-    reply: what sending the work before the commit could save at most."""
-    ran, without = [], []
-    for job, at in jobs.items():
-        wanted = ("edge.in.jobs", "edge.out.results", "edge.in.placement", "edge.outbox.accepted")
-        if (
-            not job.startswith("off-")
-            or int(job.split("-")[1]) < skip
-            or any(stamp not in at for stamp in wanted)
-        ):
-            continue
-        total = (at["edge.out.results"] - at["edge.in.jobs"]) * 1000.0
-        wait = max(0.0, (at["edge.outbox.accepted"] - at["edge.in.placement"]) * 1000.0)
-        ran.append(total)
-        without.append(total - wait)
-    return {"as it ran": ran, "without the commit wait (at most)": without}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--jobs", type=int, default=800)
@@ -137,7 +117,6 @@ def main() -> None:
     side = steps_ms(jobs, "off-", SIDE_STEPS, args.warmup)
     gaps = between_ms(jobs, "off-", "edge.in.placement", "edge.outbox.accepted", args.warmup)
     waited = sum(gap > 0 for gap in gaps) / len(gaps) if gaps else float("nan")
-    without = without_commit_wait(jobs, args.warmup)
     print(f"\n{'step of an offloaded job (traced)':46}{'p50 ms':>9}{'p90 ms':>9}{'jobs':>7}")
     for name, p50, p90, n in subject:
         print(f"{name:46}{p50:9.3f}{p90:9.3f}{n:7d}")
@@ -146,19 +125,12 @@ def main() -> None:
     for name, p50, p90, n in side:
         print(f"{name:46}{p50:9.3f}{p90:9.3f}{n:7d}")
     print(f"{'share of jobs whose reply beat the commit':46}{waited:9.3f}")
-    print(f"\n{'at the edge, request in -> result out':46}{'p50 ms':>9}{'p99 ms':>9}")
-    for name, values in without.items():
-        print(f"{name:46}{np.percentile(values, 50):9.3f}{np.percentile(values, 99):9.3f}")
     result = {
         "bench": "offload_trace",
         "subject_steps_ms": {name: {"p50": p50, "p90": p90} for name, p50, p90, _ in subject},
         "baseline_steps_ms": {name: {"p50": p50, "p90": p90} for name, p50, p90, _ in baseline},
         "side_steps_ms": {name: {"p50": p50, "p90": p90} for name, p50, p90, _ in side},
         "reply_beat_commit_share": waited,
-        "edge_path_ms": {
-            name: {"p50": float(np.percentile(v, 50)), "p99": float(np.percentile(v, 99))}
-            for name, v in without.items()
-        },
         "params": {"jobs": args.jobs, "warmup": args.warmup},
     }
     print("RESULT " + json.dumps(result))
