@@ -777,6 +777,7 @@ async def test_a_failed_commit_drops_the_early_placement(
         rig.give_back(barrier, 1)  # returns are handled in order: this one comes after
         _refusal, done = await rig.results(2)
         assert json.loads(done.payload)["job_id"] == barrier
+        await rig.stored_when(barrier, lambda stored: not stored.pending)  # acked once stored
         assert rig.agent.counters["fenced_returns"] == 1
         assert rig.edge.unacked == []
         assert [m for m in rig.broker.log if m.topic == topics.placement_releases()] == []
@@ -825,6 +826,7 @@ async def test_a_repeat_is_not_offered_and_its_image_is_not_sent_again(rig: Rig)
     assert again.payload == sent  # answered from the outbox, not run again
     barrier = rig.submit()
     await rig.work(2)
+    await rig.on_disk(barrier, 1)  # its work may go out before it is accepted
     assert rig.sent() == [job_id, barrier]
     assert [r.job_id for r in rig.requests] == [job_id, barrier]
     assert rig.agent.counters["duplicates"] == 2
@@ -859,6 +861,7 @@ async def test_a_repeat_of_a_forgotten_job_answered_during_its_commit_is_not_run
     rig.give_back(barrier, 1)
     results = await rig.results(3)
     assert json.loads(results[2].payload)["job_id"] == barrier
+    await rig.stored_when(barrier, lambda stored: not stored.pending)  # acked once stored
     assert [m.payload for m in results[:2]] == [sent, sent]  # never the second run's
     assert rig.agent.counters["fenced_returns"] == 1
     assert rig.agent.counters["duplicates"] == 1
