@@ -142,6 +142,7 @@ class Offloads:
             return
         asked.sent = True
         self.offloaded += 1
+        self._counters["sent_before_commit"] += 1
         self._held[job.job_id] = []
 
     def _hold(self, job_id: str, handle: Callable[[Message], None], msg: Message) -> bool:

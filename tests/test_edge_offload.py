@@ -657,6 +657,7 @@ async def test_a_placement_answered_during_the_commit_has_its_work_sent_at_once(
     assert len(rig.requests) == 1  # the answer asked for at admission was used
     assert rig.sent() == [job_id]  # and its work sent once
     assert rig.agent.offloaded == 1
+    assert rig.agent.counters["sent_before_commit"] == 1
     stored = await gate.get(job_id)
     assert stored is not None
     assert stored.state in ("done", "delivered")
