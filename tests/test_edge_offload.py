@@ -236,6 +236,14 @@ class Rig:
         acceptance commit goes out before its record)."""
         return await self.stored_when(job_id, lambda stored: stored.attempt >= attempt)
 
+    async def concluded(self, job_id: str) -> None:
+        """The job's result is on disk (as the outbox answers now, in order after every
+        write queued before) and nothing the edge received is left unacked."""
+        stored = await self.agent.outbox.get(job_id)
+        assert stored is not None
+        assert stored.state in ("done", "delivered")
+        assert self.edge.unacked == []
+
     async def stored_when(self, job_id: str, check: Callable[[Stored], bool]) -> Stored:
         """The job's row, once ``check`` holds for it."""
         async with asyncio.timeout(10):
@@ -658,10 +666,7 @@ async def test_a_placement_answered_during_the_commit_has_its_work_sent_at_once(
     assert rig.sent() == [job_id]  # and its work sent once
     assert rig.agent.offloaded == 1
     assert rig.agent.counters["sent_before_commit"] == 1
-    stored = await gate.get(job_id)
-    assert stored is not None
-    assert stored.state in ("done", "delivered")
-    assert rig.edge.unacked == []
+    await rig.concluded(job_id)
     assert rig.agent.unfinished == 0
 
 
@@ -681,10 +686,7 @@ async def test_a_return_whose_attempt_is_on_disk_reaches_the_app_before_its_comm
     assert [m.topic for m in rig.edge.unacked] == [returns]  # acked only once committed
     assert gate.staged
     gate.release()
-    stored = await gate.get(job_id)
-    assert stored is not None
-    assert stored.state in ("done", "delivered")
-    assert rig.edge.unacked == []
+    await rig.concluded(job_id)
     assert rig.agent.unfinished == 0
 
 
@@ -713,10 +715,7 @@ async def test_a_return_whose_attempt_is_not_on_disk_yet_waits_for_its_commit(
     gate.release()
     (result,) = await rig.results(1)
     assert result.payload == sent
-    stored = await gate.get(job_id)
-    assert stored is not None
-    assert stored.state in ("done", "delivered")
-    assert rig.edge.unacked == []
+    await rig.concluded(job_id)
 
 
 @gated
