@@ -91,6 +91,10 @@ class _Request:
     outcome: asyncio.Future[Placement | Declined]
     timer: asyncio.TimerHandle | None = None
 
+    def stop_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+
 
 def check_placement(
     reply: PlacementReply,
@@ -188,8 +192,7 @@ class PlacementClient:
                 with contextlib.suppress(ValidationError):
                     self._late(gone, PlacementReply.model_validate_json(msg.payload))
             return
-        if asked.timer is not None:
-            asked.timer.cancel()
+        asked.stop_timer()
         try:
             reply = PlacementReply.model_validate_json(msg.payload)
         except ValidationError as exc:
@@ -222,8 +225,7 @@ class PlacementClient:
         if outcome.cancelled():  # dropped by its caller: an answer may still come
             asked = self._pending.pop(key, None)
             if asked is not None:
-                if asked.timer is not None:
-                    asked.timer.cancel()
+                asked.stop_timer()
                 self._give_up(key, asked)
 
     def _late(self, asked: _Request, reply: PlacementReply) -> None:
@@ -336,6 +338,5 @@ class PlacementClient:
     def close(self) -> None:
         pending, self._pending = self._pending, {}
         for asked in pending.values():
-            if asked.timer is not None:
-                asked.timer.cancel()
+            asked.stop_timer()
             asked.outcome.cancel()
