@@ -37,7 +37,16 @@ class MqttSettings(_Section):
     port: int = Field(1883, ge=1, le=65535)
     username: str | None = None
     password: SecretStr | None = None
+    # TLS (secure by default, see docs/deployment.md): the campus CA that signed the MQTT
+    # broker's certificate, and this node's client certificate and key, which Mosquitto
+    # maps to its username (use_identity_as_username) and client id. The key is the node's
+    # own Ed25519 identity key, the one its policy entry lists.
     tls_ca_file: Path | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    # Connect without TLS and client certificate: for debugging on a trusted machine only.
+    # Without it a node refuses to start when no tls_ca_file is set.
+    plaintext: bool = False
     keepalive_s: int = Field(30, ge=5, le=3600)
     reconnect_min_s: int = Field(1, ge=1, le=60)
     reconnect_max_s: int = Field(30, ge=1, le=600)
@@ -50,6 +59,7 @@ class EdgeSettings(_Section):
     id: str = "edge-1"
     zone: str = "campus/line-1"
     models_dir: Path | None = None
+    key_file: Path | None = None  # this edge's Ed25519 identity key (its policy entry's key)
     max_payload_bytes: int = Field(8 * MIB, ge=1024, le=256 * MIB)
     max_pixels: int = Field(40_000_000, ge=64 * 64)
     max_side: int = Field(10_000, ge=64)
