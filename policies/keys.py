@@ -155,13 +155,24 @@ def load_signing_key(path: Path) -> SigningKey:
 
 
 def write_key_pair(directory: Path, name: str) -> tuple[Path, Path, SigningKey]:
-    """Create ``name.key`` (PEM, mode 0600) and ``name.pub`` in ``directory``; never overwrite."""
+    """Create ``name.key`` (PEM, mode 0600) and ``name.pub`` in ``directory``; never overwrite.
+
+    A missing ``directory`` (and any missing parent) is created with mode 0700, since it holds
+    a private key; one that exists keeps the permissions it has."""
     key = SigningKey.generate()
     key_path = directory / f"{name}.key"
     pub_path = directory / f"{name}.pub"
     for path in (key_path, pub_path):
         if path.exists():
             raise KeyFileError(f"{path} exists; refusing to overwrite a key, pick another name")
+    try:
+        for level in (*reversed(directory.parents), directory):
+            if not level.is_dir():
+                level.mkdir(mode=0o700)
+    except OSError as exc:
+        raise KeyFileError(
+            f"cannot create the key directory {directory}: {exc.filename}: {exc.strerror}"
+        ) from exc
     fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as handle:
         handle.write(key.to_pem())

@@ -59,6 +59,25 @@ def test_keygen_writes_a_private_key_file_and_never_overwrites(tmp_path: Path) -
     assert "refusing to overwrite" in out
 
 
+def test_keygen_creates_a_missing_out_dir_private(tmp_path: Path) -> None:
+    keys = tmp_path / "new" / "keys"
+    code, out = run("keygen", "officer-y", "--out-dir", keys)
+    assert code == 0, out
+    for folder in (tmp_path / "new", keys):
+        assert folder.stat().st_mode & 0o777 == 0o700
+    assert (keys / "officer-y.key").stat().st_mode & 0o777 == 0o600
+    public = (keys / "officer-y.pub").read_text().strip()
+    assert load_signing_key(keys / "officer-y.key").public_text == public
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code, out = run("keygen", "officer-z", "--out-dir", blocker / "keys")
+    assert code == 1
+    assert out == (
+        f"error [key.invalid]: cannot create the key directory {blocker / 'keys'}: "
+        f"{blocker}: File exists\n"
+    )
+
+
 def test_sign_verify_anchor_and_rollback(tmp_path: Path) -> None:
     publics = _officers(tmp_path)
     policy = _policy(tmp_path, publics)
@@ -165,7 +184,7 @@ def test_verify_option_errors(args: tuple[str, ...], expect: str) -> None:
 def test_check_reports_file_line_key_and_exit_status(tmp_path: Path) -> None:
     code, out = run("check", EXAMPLE)
     assert code == 0
-    assert "0 error(s), 8 warning(s)" in out
+    assert "0 error(s), 12 warning(s)" in out
     lines = EXAMPLE.read_text().splitlines()
     keys_line = next(i for i, x in enumerate(lines) if x.startswith("keys = { officer-alice")) + 1
     zone_line = lines.index('zone = "campus/fab-south/dc"') + 1
