@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from policies.audit import MAX_RECORD_BYTES
-from policies.errors import AuditError
+from policies.errors import AuditError, AuditLogUnreadable
 
 
 class FileAuditStore:
@@ -46,10 +46,12 @@ class FileAuditStore:
         return lines[-1] if lines[-1] else None
 
     def entries(self) -> Iterator[bytes]:
+        """Every line, oldest first. Unlike ``last``, a missing file is an error here: to a
+        reader (the verifier) it is far more often a wrong path than a log not yet written."""
         try:
             handle = self.path.open("rb")
-        except FileNotFoundError:
-            return
+        except OSError as exc:
+            raise AuditLogUnreadable(f"{self.path}: cannot read: {exc.strerror}") from exc
         with handle:
             for line in handle:
                 yield line.rstrip(b"\n")

@@ -3,7 +3,9 @@ audit-verify and schema, for compliance officers and operators.
 
 A thin shell: it reads and writes the files it is told to, reads the wall clock (the library
 never does), calls the library and turns its errors into one line naming the file, the key and
-what would be accepted, with exit status 1. It holds no policy logic of its own.
+what would be accepted, with exit status 1 (``audit-verify`` exits 2 when it cannot read the
+log at all, so a script can tell "not checked" from "checked and bad"). It holds no policy
+logic of its own.
 """
 
 from __future__ import annotations
@@ -19,12 +21,11 @@ from typing import Annotated
 import redis
 import typer
 
-from policies.acl import render_acl
 from policies.audit import verify_chain
 from policies.audit_file import FileAuditStore
 from policies.canonical import digest_text
 from policies.check import check_policy
-from policies.errors import AuditError, PolicyError, PolicyParseError
+from policies.errors import AuditError, AuditLogUnreadable, PolicyError, PolicyParseError
 from policies.evaluate import allowed, explain
 from policies.keys import fingerprint, load_signing_key, parse_public_key, write_key_pair
 from policies.loader import load_policy, locate, read_bytes, read_document
@@ -207,10 +208,17 @@ def explain_command(
 def acl(
     policy_file: PolicyArg,
     out: Annotated[Path | None, typer.Option(help="Write here instead of stdout.")] = None,
+    observer: Annotated[
+        list[str] | None,
+        typer.Option(help="A monitoring identity that may read status and telemetry."),
+    ] = None,
 ) -> None:
-    """Write a Mosquitto ACL file: workers read only their zone's work topics."""
+    """Write the Mosquitto ACL of the campus: each node writes only its own topics, workers
+    read only their zone's work topics, apps submit only to their edges."""
+    from sluicegate.acl import render_acl
+
     with _reported():
-        text = render_acl(load_policy(policy_file))
+        text = render_acl(load_policy(policy_file), observers=observer or ())
         if out is None:
             typer.echo(text, nl=False)
         else:
@@ -241,7 +249,9 @@ def audit_verify(
     key: Annotated[list[str] | None, typer.Option(help="Trusted key ed25519:... (repeat).")] = None,
     expected_head: Annotated[str | None, typer.Option(help="Known head hash (hex).")] = None,
 ) -> None:
-    """Verify an audit log's chain and signatures; name the first broken record."""
+    """Verify an audit log's chain and signatures; name the first broken record.
+
+    Exit status 1: the log does not verify; 2: the log file cannot be read."""
     with _reported():
         trusted = {parse_public_key(k) for k in key or []}
         if policy_file is not None:
@@ -252,7 +262,11 @@ def audit_verify(
             raise PolicyParseError("give --policy or at least one --key", source="audit-verify")
         head = _hex32(expected_head) if expected_head else None
         if file is not None:
-            summary = verify_chain(FileAuditStore(file).entries(), trusted, expected_head=head)
+            try:
+                summary = verify_chain(FileAuditStore(file).entries(), trusted, expected_head=head)
+            except AuditLogUnreadable as exc:
+                typer.echo(f"error [{exc.reason}]: {exc}", err=True)
+                raise typer.Exit(2) from exc
         elif redis_url is not None and stream is not None:
             client = redis.Redis.from_url(redis_url)
             try:

@@ -38,6 +38,7 @@ parsing messages. A message names the bad value and what would have been accepte
         │       └── ReplayCacheFull              token.replay_cache_full (fails closed)
         └── AuditError                           audit.error
             ├── AuditChainBroken                 audit.chain_broken  names the first bad record
+            ├── AuditLogUnreadable               audit.log_unreadable  no such file, no access
             └── AuditConflict                    audit.conflict      another writer appended
 """
 
@@ -212,6 +213,12 @@ class AuditChainBroken(AuditError):
         super().__init__(f"record {index}: {message}")
         self.index = index
         self.problem = problem
+
+
+class AuditLogUnreadable(AuditError):
+    """The log itself cannot be read (no such file, no permission): nothing was verified."""
+
+    reason = "audit.log_unreadable"
 
 
 class AuditConflict(AuditError):

@@ -19,7 +19,7 @@ from policies.audit import (
     verify_chain,
 )
 from policies.audit_file import FileAuditStore
-from policies.errors import AuditChainBroken, AuditError, TokenReplayed
+from policies.errors import AuditChainBroken, AuditError, AuditLogUnreadable, TokenReplayed
 
 BROKER = key("broker-1")
 TRUSTED = {BROKER.public}
@@ -128,8 +128,9 @@ def test_records_refuse_values_that_cannot_be_read_back() -> None:
 
 def test_file_store_edges(tmp_path: Path) -> None:
     store = FileAuditStore(tmp_path / "none.log")
-    assert store.last() is None
-    assert list(store.entries()) == []
+    assert store.last() is None  # a writer starts a new log
+    with pytest.raises(AuditLogUnreadable, match=r"none\.log: cannot read: No such file"):
+        list(store.entries())  # a reader was given a wrong path
     with pytest.raises(AuditError, match="newline"):
         store.append(0, b"a\nb")
     with pytest.raises(AuditError, match="cannot append"):

@@ -251,6 +251,32 @@ def test_audit_verify_file(tmp_path: Path) -> None:
     assert "error [audit.chain_broken]: record 1: has seq 2, expected 1" in out
 
 
+def test_audit_verify_a_log_file_it_cannot_read_exits_2(tmp_path: Path) -> None:
+    for path, why in [
+        (tmp_path / "missing.log", "No such file or directory"),
+        (tmp_path, "Is a directory"),
+    ]:
+        code, out = run("audit-verify", "--file", path, "--policy", EXAMPLE)
+        assert code == 2
+        assert out == f"error [audit.log_unreadable]: {path}: cannot read: {why}\n"
+
+
+def test_audit_verify_an_empty_log_file_is_ok_unless_a_head_is_expected(tmp_path: Path) -> None:
+    # An empty file is a log with no records yet (a node that has decided nothing so far), so
+    # its chain holds. As for any cut-off log, only a head hash kept elsewhere shows the loss.
+    log = tmp_path / "audit.log"
+    log.write_bytes(b"")
+    code, out = run("audit-verify", "--file", log, "--policy", EXAMPLE)
+    assert code == 0
+    assert out == f"OK 0 records, head {'0' * 64}, signers: none\n"
+    elsewhere = AuditWriter(FileAuditStore(tmp_path / "other.log"), key("broker-1"))
+    head = elsewhere.append("decision", {"job": "j0"}, now=NOW).hash.hex()
+    code, out = run("audit-verify", "--file", log, "--policy", EXAMPLE, "--expected-head", head)
+    assert code == 1
+    assert "error [audit.chain_broken]: record 0: the log ends at head 0000" in out
+    assert "records were cut off the end" in out
+
+
 @pytest.mark.parametrize(
     ("args", "expect"),
     [
