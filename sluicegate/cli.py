@@ -261,6 +261,32 @@ def demo(
     raise typer.Exit(code)
 
 
+@app.command()
+def bundle(
+    out: Annotated[Path, typer.Option(help="The archive to write, e.g. sluicegate.tar.gz.")],
+    python: Annotated[str | None, typer.Option(help="Target Python (default: this one).")] = None,
+    platform: Annotated[
+        str | None, typer.Option(help="Target manylinux tag (default: this machine's).")
+    ] = None,
+    models_dir: Annotated[Path | None, typer.Option(help="Folder of models.")] = None,
+) -> None:
+    """Build an offline install bundle for line PCs with no package registry."""
+    from sluicegate.bundle import build_bundle, target
+    from sluicegate.vision.runtime import default_models_dir
+
+    try:
+        report = build_bundle(
+            out,
+            target(python, platform),
+            models_dir=models_dir or default_models_dir(),
+            say=typer.echo,
+        )
+    except SluicegateError as exc:
+        _fail(str(exc))
+        return
+    typer.echo("\n".join([*report.notes, report.summary()]))
+
+
 def main() -> None:
     """Console-script entry point."""
     app(prog_name="sluicegate")

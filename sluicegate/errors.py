@@ -12,7 +12,8 @@ log line or a ``rejected`` result can act on it without reading the code.
     │   └── ModelIntegrityError a model file does not match its manifest
     ├── ImageError              the payload is not an image we can safely decode
     │   └── ImageTooLargeError  the image declares more pixels than the limit
-    └── WireError               a message does not follow the wire contract
+    ├── WireError               a message does not follow the wire contract
+    └── BundleError             an offline install bundle cannot be built as asked
 """
 
 from __future__ import annotations
@@ -56,3 +57,7 @@ class ImageTooLargeError(ImageError):
 
 class WireError(SluicegateError):
     """A message does not follow the public wire contract."""
+
+
+class BundleError(SluicegateError):
+    """An offline install bundle cannot be built: bad target, or no wheel for a package."""

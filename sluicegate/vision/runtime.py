@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,11 +174,17 @@ class ModelRegistry:
 
 
 def default_models_dir() -> Path:
-    """``$SLUICEGATE_MODELS_DIR`` if set, else the repository's ``models/`` folder."""
+    """``$SLUICEGATE_MODELS_DIR`` if set, else the repository's ``models/`` folder when
+    running from a checkout, else ``<sys.prefix>/share/sluicegate/models``: an installed
+    wheel has no repository beside it, and the offline bundle's ``install.sh`` links its
+    models there (docs/deployment.md)."""
     override = os.environ.get(MODELS_DIR_ENV)
     if override:
         return Path(override).expanduser()
-    return Path(__file__).resolve().parents[2] / "models"
+    checkout = Path(__file__).resolve().parents[2] / "models"
+    if checkout.is_dir():
+        return checkout
+    return Path(sys.prefix) / "share" / "sluicegate" / "models"
 
 
 def session_options(intra_op_threads: int = 1) -> Any:
