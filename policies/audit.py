@@ -25,7 +25,13 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from policies.canonical import canonical_json
-from policies.errors import AuditChainBroken, AuditConflict, AuditError, PolicyError
+from policies.errors import (
+    AuditChainBroken,
+    AuditConflict,
+    AuditError,
+    AuditUntrustedSigner,
+    PolicyError,
+)
 from policies.keys import SigningKey, b64u_decode, b64u_encode, fingerprint, signature_valid
 
 DOMAIN = b"sluicegate-audit-record/1\n"
@@ -131,10 +137,17 @@ class ChainSummary:
     signers: frozenset[bytes]
 
 
+def _fingerprints(keys: Collection[bytes], most: int = 8) -> str:
+    shown = sorted(fingerprint(k).hex() for k in keys)
+    more = f" and {len(shown) - most} more" if len(shown) > most else ""
+    return ", ".join(shown[:most]) + more
+
+
 def verify_chain(
     entries: Iterable[bytes], trusted: Collection[bytes], *, expected_head: bytes | None = None
 ) -> ChainSummary:
-    """Check every record; raise ``AuditChainBroken`` at the first bad one."""
+    """Check every record; raise ``AuditChainBroken`` at the first bad one, or
+    ``AuditUntrustedSigner`` at the first signed by a key outside ``trusted``."""
     prev = GENESIS
     signers: set[bytes] = set()
     count = 0
@@ -144,10 +157,11 @@ def verify_chain(
         except ValueError as exc:
             raise AuditChainBroken(f"unreadable: {exc}", index=index, problem="unreadable") from exc
         if record.signer not in trusted:
-            raise AuditChainBroken(
-                f"signed by key {fingerprint(record.signer).hex()}, which is not trusted",
+            raise AuditUntrustedSigner(
+                f"(seq {record.seq}) signed by key {fingerprint(record.signer).hex()}, which is "
+                f"not trusted; trusted: {_fingerprints(trusted)}",
                 index=index,
-                problem="untrusted-signer",
+                signer=record.signer,
             )
         digest = record.hash
         if not signature_valid(record.signer, record.signature, DOMAIN + digest):

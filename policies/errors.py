@@ -38,6 +38,7 @@ parsing messages. A message names the bad value and what would have been accepte
         │       └── ReplayCacheFull              token.replay_cache_full (fails closed)
         └── AuditError                           audit.error
             ├── AuditChainBroken                 audit.chain_broken  names the first bad record
+            ├── AuditUntrustedSigner             audit.untrusted_signer  signed by another key
             ├── AuditLogUnreadable               audit.log_unreadable  no such file, no access
             └── AuditConflict                    audit.conflict      another writer appended
 """
@@ -213,6 +214,18 @@ class AuditChainBroken(AuditError):
         super().__init__(f"record {index}: {message}")
         self.index = index
         self.problem = problem
+
+
+class AuditUntrustedSigner(AuditError):
+    """A record is signed by a key the verifier was not told to trust: usually the log of
+    another node, or the wrong ``--key``/``--policy``. The chain itself may be intact."""
+
+    reason = "audit.untrusted_signer"
+
+    def __init__(self, message: str, *, index: int, signer: bytes):
+        super().__init__(f"record {index}: {message}")
+        self.index = index
+        self.signer = signer
 
 
 class AuditLogUnreadable(AuditError):

@@ -19,7 +19,13 @@ from policies.audit import (
     verify_chain,
 )
 from policies.audit_file import FileAuditStore
-from policies.errors import AuditChainBroken, AuditError, AuditLogUnreadable, TokenReplayed
+from policies.errors import (
+    AuditChainBroken,
+    AuditError,
+    AuditLogUnreadable,
+    AuditUntrustedSigner,
+    TokenReplayed,
+)
 
 BROKER = key("broker-1")
 TRUSTED = {BROKER.public}
@@ -92,11 +98,34 @@ def test_a_re_signed_replacement_breaks_the_next_link(tmp_path: Path) -> None:
     assert (err.index, err.problem) == (3, "broken-link")
 
 
-def test_untrusted_signer_unreadable_and_truncated(tmp_path: Path) -> None:
+def test_a_log_checked_with_another_key_is_an_untrusted_signer_not_a_broken_chain(
+    tmp_path: Path,
+) -> None:
     lines = _lines(_log(tmp_path))
-    with pytest.raises(AuditChainBroken, match="not trusted") as info:
+    broker, other = BROKER.fingerprint.hex(), key("mallory").fingerprint.hex()
+    with pytest.raises(AuditUntrustedSigner) as info:
         verify_chain(lines, {key("mallory").public})
-    assert info.value.index == 0
+    assert (info.value.reason, info.value.index, info.value.signer) == (
+        "audit.untrusted_signer",
+        0,
+        BROKER.public,
+    )
+    assert str(info.value) == (
+        f"record 0: (seq 0) signed by key {broker}, which is not trusted; trusted: {other}"
+    )
+    many = {key(f"k{i}").public for i in range(10)}
+    with pytest.raises(AuditUntrustedSigner, match=r"trusted: [0-9a-f, ]+ and 2 more$"):
+        verify_chain(lines, many)
+    # A record added by another key in the middle of a trusted log is found where it is.
+    intruder = AuditWriter(FileAuditStore(tmp_path / "audit.log"), key("mallory"))
+    intruder.append("decision", {"job": "job-6"}, now=NOW + 6)
+    with pytest.raises(AuditUntrustedSigner, match=f"record 6: .* key {other},") as info:
+        verify_chain(_lines(FileAuditStore(tmp_path / "audit.log")), TRUSTED)
+    assert info.value.index == 6
+
+
+def test_unreadable_and_truncated(tmp_path: Path) -> None:
+    lines = _lines(_log(tmp_path))
     garbage = _broken([*lines[:2], b"{not json", *lines[3:]])
     assert (garbage.index, garbage.problem) == (2, "unreadable")
     head = verify_chain(lines, TRUSTED).head

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -249,6 +250,49 @@ def test_audit_verify_file(tmp_path: Path) -> None:
     code, out = run("audit-verify", "--file", log, "--policy", EXAMPLE)
     assert code == 1
     assert "error [audit.chain_broken]: record 1: has seq 2, expected 1" in out
+
+
+def test_audit_verify_with_another_nodes_key_names_both_keys(tmp_path: Path) -> None:
+    log = tmp_path / "audit.log"
+    AuditWriter(FileAuditStore(log), key("broker-1")).append("decision", {"job": "j0"}, now=NOW)
+    signer, other = key("broker-1").fingerprint.hex(), key("north-l1-pc").fingerprint.hex()
+    code, out = run("audit-verify", "--file", log, "--key", key("north-l1-pc").public_text)
+    assert code == 1
+    assert out == (
+        f"error [audit.untrusted_signer]: record 0: (seq 0) signed by key {signer}, which is "
+        f"not trusted; trusted: {other}\n"
+    )
+
+
+_GONE = "a record was deleted or records were reordered"
+
+
+def _edited(lines: list[bytes]) -> list[bytes]:
+    doc = json.loads(lines[1])
+    doc["data"]["job"] = "j9"
+    return [lines[0], json.dumps(doc).encode(), lines[2]]
+
+
+@pytest.mark.parametrize(
+    ("tamper", "expect"),
+    [
+        (lambda lines: [lines[0], lines[2]], f"record 1: has seq 2, expected 1: {_GONE}"),
+        (lambda lines: [lines[0], lines[2], lines[1]], f"record 1: has seq 2, expected 1: {_GONE}"),
+        (_edited, "record 1: (seq 1) signature does not verify: the record was edited"),
+    ],
+    ids=["removed", "reordered", "altered"],
+)
+def test_audit_verify_a_tampered_log_is_a_broken_chain(
+    tmp_path: Path, tamper: Callable[[list[bytes]], list[bytes]], expect: str
+) -> None:
+    log = tmp_path / "audit.log"
+    writer = AuditWriter(FileAuditStore(log), key("broker-1"))
+    for i in range(3):
+        writer.append("decision", {"job": f"j{i}"}, now=NOW)
+    log.write_bytes(b"".join(line + b"\n" for line in tamper(log.read_bytes().splitlines())))
+    code, out = run("audit-verify", "--file", log, "--policy", EXAMPLE)
+    assert code == 1
+    assert out == f"error [audit.chain_broken]: {expect}\n"
 
 
 def test_audit_verify_a_log_file_it_cannot_read_exits_2(tmp_path: Path) -> None:
