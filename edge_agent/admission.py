@@ -77,8 +77,10 @@ class _Props(BaseModel):
         alias=topics.PROP_DATA_CLASS,
         pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$",
     )
+    # No ':': the broker's Redis keys put a suffix after the id (job:<id>, job:<id>:decision),
+    # so job 'x:decision' and job x's decision would share a key. Workers accept 128.
     job_id: str | None = Field(
-        None, alias=topics.PROP_JOB_ID, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+        None, alias=topics.PROP_JOB_ID, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
     )
 
     @field_validator("deadline_ms", "deadline_at")
@@ -95,7 +97,9 @@ _ACCEPTS = {
     topics.PROP_DEADLINE_AT: "unix time in milliseconds, a number > 0",
     topics.PROP_PRIORITY: "an integer 0 (lowest) to 9 (highest)",
     topics.PROP_DATA_CLASS: "lower-case letters, digits, '.', '_' or '-'",
-    topics.PROP_JOB_ID: "letters, digits, '.', '_', ':' or '-', at most 128",
+    topics.PROP_JOB_ID: (
+        "1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+    ),
 }
 
 

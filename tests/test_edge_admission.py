@@ -43,9 +43,9 @@ def _admit(msg: Message) -> Job | Refusal:
 
 
 def test_good_request_is_accepted_with_its_properties() -> None:
-    job = _admit(_msg(deadline_ms="200", priority="7", data_class="wafer", job_id="lot-42:7"))
+    job = _admit(_msg(deadline_ms="200", priority="7", data_class="wafer", job_id="lot-42.7"))
     assert isinstance(job, Job)
-    assert job.job_id == "lot-42:7"
+    assert job.job_id == "lot-42.7"
     assert (job.model, job.priority, job.data_class) == ("defect-v1", 7, "wafer")
     assert job.deadline == pytest.approx(NOW + 0.2)
     assert (job.image.format, job.image.width, job.image.height) == ("jpeg", 640, 480)
@@ -90,6 +90,37 @@ def test_deadline_at_and_deadline_ms_take_the_earlier() -> None:
     job = _admit(_msg(deadline_ms="500", deadline_at=at_ms))
     assert isinstance(job, Job)
     assert job.deadline == pytest.approx(NOW + 0.05)
+
+
+JOB_ID_RULE = "1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+
+@pytest.mark.parametrize("job_id", ["7", "A" * 128, "Lot-42.w_07", "0-"])
+def test_job_ids_the_wire_contract_allows_are_accepted(job_id: str) -> None:
+    job = _admit(_msg(job_id=job_id))
+    assert isinstance(job, Job), job
+    assert job.job_id == job_id
+
+
+@pytest.mark.parametrize(
+    "job_id",
+    [
+        "A" * 129,  # longer than a placement request or a worker accepts
+        "lot-42:7",  # ':' separates Redis key parts: 'x:decision' is job x's decision key
+        "-lot",
+        ".hidden",
+        "lot 42",
+        "lot/42",
+        "lot-é",
+    ],
+)
+def test_job_ids_outside_the_wire_contract_are_refused_naming_the_rule(job_id: str) -> None:
+    decision = _admit(_msg(job_id=job_id))
+    assert isinstance(decision, Refusal), decision
+    assert (decision.code, decision.job_id) == ("bad_property", job_id)
+    assert (
+        decision.reason == f"user property 'job-id'={job_id!r} is invalid: expected {JOB_ID_RULE}"
+    )
 
 
 @pytest.mark.parametrize(

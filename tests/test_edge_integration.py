@@ -214,6 +214,23 @@ BAD_INPUTS = {
 }
 
 
+def test_job_id_at_the_limit_is_accepted_and_past_it_refused(
+    app: tuple[PlainClient, str], edge: AgentThread
+) -> None:
+    rule = "1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+    longest = "L" + "0" * 127
+    result = ask(app, edge, sample_jpeg()[0], job_id=longest)
+    assert (result["status"], result["job_id"]) == ("ok", longest)
+    for bad in (longest + "0", "lot-42:7"):
+        result = ask(app, edge, sample_jpeg()[0], job_id=bad)
+        assert (result["status"], result["code"], result["job_id"]) == (
+            "rejected",
+            "bad_property",
+            bad,
+        )
+        assert result["reason"] == f"user property 'job-id'={bad!r} is invalid: expected {rule}"
+
+
 @pytest.mark.parametrize("case", list(BAD_INPUTS), ids=list(BAD_INPUTS))
 def test_bad_input_is_rejected_and_the_agent_keeps_serving(
     case: str, app: tuple[PlainClient, str], edge: AgentThread
