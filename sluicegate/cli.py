@@ -19,6 +19,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from policies.cli import app as policy_app
+from sluicegate.deploy.cli import register as register_deploy
 from sluicegate.errors import SluicegateError
 
 T = TypeVar("T")
@@ -46,6 +47,7 @@ ConfigOpt = Annotated[
 HostOpt = Annotated[str | None, typer.Option(help="MQTT broker host (overrides config).")]
 PortOpt = Annotated[int | None, typer.Option(help="MQTT broker port (overrides config).")]
 LogOpt = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")]
+ModelsDirOpt = Annotated[Path | None, typer.Option(help="Folder of models (overrides config).")]
 
 
 def _fail(message: str) -> None:
@@ -96,6 +98,7 @@ def edge_run(
     port: PortOpt = None,
     edge_id: Annotated[str | None, typer.Option("--id", help="Edge id (topic level).")] = None,
     zone: Annotated[str | None, typer.Option(help="Zone this line PC is in.")] = None,
+    models_dir: ModelsDirOpt = None,
     log_level: LogOpt = "info",
 ) -> None:
     """Run the edge agent until Ctrl-C / SIGTERM."""
@@ -103,7 +106,8 @@ def edge_run(
     try:
         from edge_agent.service import serve
 
-        settings = _settings(config, host, port, edge={"id": edge_id, "zone": zone})
+        edge = {"id": edge_id, "zone": zone, "models_dir": models_dir}
+        settings = _settings(config, host, port, edge=edge)
         run_until_signal(lambda stop: serve(settings, stop))
     except SluicegateError as exc:
         _fail(str(exc))
@@ -119,6 +123,7 @@ def pool_run(
     device_class: Annotated[
         str | None, typer.Option(help="Declared device class, e.g. nvidia-a100, x86-cpu.")
     ] = None,
+    models_dir: ModelsDirOpt = None,
     log_level: LogOpt = "info",
 ) -> None:
     """Run a center pool worker until Ctrl-C / SIGTERM."""
@@ -126,7 +131,8 @@ def pool_run(
     try:
         from center_pool.service import serve
 
-        pool = {"id": worker_id, "zone": zone, "device_class": device_class}
+        pool: dict[str, Any] = {"id": worker_id, "zone": zone, "device_class": device_class}
+        pool["models_dir"] = models_dir
         settings = _settings(config, host, port, pool=pool)
         run_until_signal(lambda stop: serve(settings, stop))
     except SluicegateError as exc:
@@ -285,6 +291,10 @@ def bundle(
         _fail(str(exc))
         return
     typer.echo("\n".join([*report.notes, report.summary()]))
+
+
+# <role> install / uninstall, config show and --version (sluicegate/deploy/cli.py)
+register_deploy(app, {"edge": edge_app, "pool": pool_app, "broker": broker_app})
 
 
 def main() -> None:
