@@ -57,6 +57,7 @@ def generated_policy(zones: int, broker: SigningKey, signers: list[SigningKey]) 
         names.append(f"campus/fab-{f:02d}/dc")
     names += [f"offsite/cloud-{c:02d}" for c in range(clouds)]
     names += [f"campus/spare/z-{i:03d}" for i in range(zones - len(names))]
+    worker_key = SigningKey.generate().public_text
     lines = [
         'format = "sluicegate-policy/1"',
         'campus = "bench"',
@@ -74,13 +75,13 @@ def generated_policy(zones: int, broker: SigningKey, signers: list[SigningKey]) 
         lines += [
             f"[pools.dc-{f:02d}]",
             f'zone = "campus/fab-{f:02d}/dc"',
-            f'workers = ["gpu-{f:02d}-a", "gpu-{f:02d}-b"]',
+            f'workers = {{ gpu-{f:02d}-a = "{worker_key}", gpu-{f:02d}-b = "{worker_key}" }}',
         ]
     for c in range(clouds):
         lines += [
             f"[pools.cloud-{c:02d}]",
             f'zone = "offsite/cloud-{c:02d}"',
-            f'workers = ["cl-{c:02d}"]',
+            f'workers = {{ cl-{c:02d} = "{worker_key}" }}',
         ]
     own_fab = ", ".join(f'"campus/fab-{f:02d}/** -> campus/fab-{f:02d}/**"' for f in range(fabs))
     lines += [

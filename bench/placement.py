@@ -98,6 +98,7 @@ def zones(n: int) -> tuple[list[str], list[str], list[str]]:
 
 def make_policy(pools: dict[str, list[str]], all_zones: list[str]) -> Policy:
     keys = [SigningKey.generate() for _ in range(3)]
+    worker_key = SigningKey.generate().public_text
     own_fab = ", ".join(f'"campus/fab-{f}/** -> campus/fab-{f}/**"' for f in range(FABS))
     lines = [
         'format = "sluicegate-policy/1"',
@@ -113,8 +114,8 @@ def make_policy(pools: dict[str, list[str]], all_zones: list[str]) -> Policy:
         *(f'"{z}" = ""' for z in all_zones),
     ]
     for i, (zone, workers) in enumerate(sorted(pools.items())):
-        names = ", ".join(f'"{w}"' for w in workers)
-        lines += [f"[pools.p{i:02d}]", f'zone = "{zone}"', f"workers = [{names}]"]
+        names = ", ".join(f'{w} = "{worker_key}"' for w in workers)
+        lines += [f"[pools.p{i:02d}]", f'zone = "{zone}"', f"workers = {{ {names} }}"]
     lines += [
         "[classes.wafer-image]",
         'allow = ["campus/**"]',

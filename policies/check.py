@@ -1,7 +1,7 @@
 """Lint for policies: mistakes a schema cannot see, found before anyone signs.
 
 Errors: a pool, edge or rule naming a zone the policy does not declare; one key in two roles;
-one id used by two kinds of node (they would share an MQTT user). Warnings: rules shadowed by
+one id used by two kinds of node or app (they would share an MQTT user). Warnings: rules shadowed by
 deny rules or made redundant by an earlier rule, classes no zone may process, one key under
 two ids, published test keys. Coverage is computed exactly over the declared zones. Pure: it
 reports and never changes a policy.
@@ -30,6 +30,10 @@ PUBLISHED_TEST_KEYS = frozenset(
         "ed25519:iJkMFG-yXCWxOag-u_UolvmC21aJXG-8lnLLbtjJcyQ",
         "ed25519:m_xn-iLOI4LhcBIg3hNHm4WNMuP8vbfvCMZB0KpOB-A",
         "ed25519:xolDtOPTywjZmk6-OdFdfIB2xxVbSW5b84lDP-3DPcM",
+        "ed25519:P2EvJciVu0hTkVf0GpUaBYAVnyESPJf_Vo-GnV0DqaE",
+        "ed25519:UW5UqX0xf7FeIFDc-fEucSiL_NG3YQFv1ZpydrTzDKE",
+        "ed25519:hpAwBcK7b9wd5OUXezgmPkh2uetZtABmbmUqjxNfpn4",
+        "ed25519:a_xXXxfmk0M_3iJfuhyNmVfEHmB2otFKqF2XDk-tbdQ",
     }
 )
 
@@ -176,6 +180,10 @@ def _key_findings(policy: Policy) -> list[Finding]:
         )
     for edge in policy.edges:
         holders.setdefault(edge.key, []).append(("edge", ("edges", edge.edge_id, "key")))
+    for worker in policy.workers.values():
+        holders.setdefault(worker.key, []).append(
+            ("worker", ("pools", worker.pool, "workers", worker.worker_id))
+        )
     for public, uses in holders.items():
         roles = sorted({role for role, _ in uses})
         names = ", ".join(str(loc[-2] if loc[-1] == "key" else loc[-1]) for _, loc in uses)
@@ -218,11 +226,17 @@ def _id_findings(policy: Policy) -> list[Finding]:
         kinds.setdefault(edge.edge_id, []).append("edge")
     for ref in policy.brokers:
         kinds.setdefault(ref.key_id, []).append("broker")
+    for app in policy.apps:
+        kinds.setdefault(app.app_id, []).append("app")
     return [
         Finding(
             "error",
             "id-collision",
-            ("edges", name) if "edge" in used else ("broker_signers", "keys", name),
+            ("edges", name)
+            if "edge" in used
+            else ("apps", name)
+            if "app" in used
+            else ("broker_signers", "keys", name),
             f"{name!r} is both {' and '.join(used)}: they would share one MQTT user",
         )
         for name, used in kinds.items()

@@ -86,3 +86,12 @@ def explain(policy: Policy, data_class: str, origin_zone: str, target_zone: str)
     answer = "ALLOWED" if verdict.allowed else "DENIED"
     lines.append(f"Answer: {answer}: {verdict}.")
     return lines
+
+
+def reachable_zones(policy: Policy, origin_zone: str) -> list[str]:
+    """Declared zones where at least one data class from ``origin_zone`` may be processed."""
+    return sorted(
+        zone
+        for zone in policy.zones
+        if any(allowed(policy, cls, origin_zone, zone).allowed for cls in policy.classes)
+    )

@@ -106,10 +106,27 @@ class Pool:
 
 
 @dataclass(frozen=True)
+class Worker:
+    worker_id: str
+    pool: str
+    zone: str
+    key: bytes
+
+
+@dataclass(frozen=True)
 class Edge:
     edge_id: str
     zone: str
     key: bytes
+
+
+@dataclass(frozen=True)
+class App:
+    """A vision app: which edges it submits to, and where it takes results."""
+
+    app_id: str
+    edges: tuple[str, ...]
+    results: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -184,6 +201,7 @@ class Policy:
     zones: Mapping[str, str]
     pools: tuple[Pool, ...]
     edges: tuple[Edge, ...]
+    apps: tuple[App, ...]
     classes: Mapping[str, DataClass]
     subhealth: tuple[SubhealthRule, ...]
     max_ttl_s: int
@@ -192,6 +210,8 @@ class Policy:
     digest: bytes = field(repr=False)
     zone_segments: Mapping[str, tuple[str, ...]] = field(repr=False)
     worker_zones: Mapping[str, str] = field(repr=False)
+    workers: Mapping[str, Worker] = field(repr=False)
+    edges_by_id: Mapping[str, Edge] = field(repr=False)
     broker_keys_by_fp: Mapping[bytes, tuple[bytes, ...]] = field(repr=False)
     verdict_cache: dict[tuple[str, str, str], Verdict] = field(default_factory=dict, repr=False)
 
@@ -203,6 +223,31 @@ class Policy:
     def worker_zone(self, worker_id: str) -> str | None:
         return self.worker_zones.get(worker_id)
 
+    def edge(self, edge_id: str) -> Edge | None:
+        """The policy's entry for ``edge_id``: its zone and key, or None if not listed."""
+        return self.edges_by_id.get(edge_id)
+
+    def worker(self, worker_id: str) -> Worker | None:
+        """The policy's entry for ``worker_id``: its pool, zone and key, or None."""
+        return self.workers.get(worker_id)
+
+    def broker_key(self, broker_id: str) -> bytes | None:
+        """The placement-signing key listed for broker replica ``broker_id``, or None."""
+        for ref in self.brokers:
+            if ref.key_id == broker_id:
+                return ref.public
+        return None
+
+    def node_key(self, node_id: str) -> bytes | None:
+        """The key the policy lists for edge, worker or broker ``node_id``, or None."""
+        edge = self.edges_by_id.get(node_id)
+        if edge is not None:
+            return edge.key
+        worker = self.workers.get(node_id)
+        if worker is not None:
+            return worker.key
+        return self.broker_key(node_id)
+
     def role_of(self, public: bytes) -> str | None:
         """Which role ``public`` has in this policy, in words, or None."""
         for role, refs in (("policy signer", self.signers), ("broker", self.brokers)):
@@ -212,6 +257,9 @@ class Policy:
         for edge in self.edges:
             if edge.key == public:
                 return f"edge {edge.edge_id!r}"
+        for worker in self.workers.values():
+            if worker.key == public:
+                return f"worker {worker.worker_id!r}"
         return None
 
 
@@ -227,6 +275,12 @@ def policy_from_document(doc: PolicyDocument) -> Policy:
     for ref in brokers:
         by_fp[fingerprint(ref.public)] = (*by_fp.get(fingerprint(ref.public), ()), ref.public)
     pools = tuple(Pool(n, p.zone, tuple(p.workers)) for n, p in doc.pools.items())
+    workers = {
+        w: Worker(w, name, p.zone, decode_public_key(key))
+        for name, p in doc.pools.items()
+        for w, key in p.workers.items()
+    }
+    edges = tuple(Edge(k, e.zone, decode_public_key(e.key)) for k, e in doc.edges.items())
     return Policy(
         campus=doc.campus,
         version=doc.version,
@@ -237,7 +291,8 @@ def policy_from_document(doc: PolicyDocument) -> Policy:
         brokers=brokers,
         zones=dict(doc.zones),
         pools=pools,
-        edges=tuple(Edge(k, e.zone, decode_public_key(e.key)) for k, e in doc.edges.items()),
+        edges=edges,
+        apps=tuple(App(k, tuple(a.edges), tuple(a.results)) for k, a in doc.apps.items()),
         classes={
             name: DataClass(
                 name, c.description, _rules(name, "deny", c.deny), _rules(name, "allow", c.allow)
@@ -254,5 +309,7 @@ def policy_from_document(doc: PolicyDocument) -> Policy:
         digest=digest(canonical),
         zone_segments={zone: tuple(zone.split("/")) for zone in doc.zones},
         worker_zones={w: pool.zone for pool in pools for w in pool.workers},
+        workers=workers,
+        edges_by_id={edge.edge_id: edge for edge in edges},
         broker_keys_by_fp=by_fp,
     )

@@ -123,16 +123,58 @@ class BrokersDoc(_Model):
     keys: dict[NodeId, KeyText] = Field(default_factory=dict, max_length=64)
 
 
+def _workers_table(value: object) -> object:
+    if isinstance(value, list):
+        raise ValueError(
+            "workers is a table of worker id = its Ed25519 key, e.g. "
+            '{ north-gpu-1 = "ed25519:…" }; a list of ids names no keys, so no worker '
+            "could prove who it is (add each worker's key from 'sluicegate enroll list')"
+        )
+    return value
+
+
 class PoolDoc(_Model):
+    """Workers in one zone, each with the Ed25519 key it made on its server: the key its
+    TLS client certificate carries and its audit records are signed with."""
+
     zone: ZoneName
     description: Text = ""
-    workers: list[NodeId] = Field(min_length=1, max_length=1000)
+    workers: Annotated[dict[NodeId, KeyText], BeforeValidator(_workers_table)] = Field(
+        min_length=1, max_length=1000
+    )
 
 
 class EdgeDoc(_Model):
     zone: ZoneName
     key: KeyText
     description: Text = ""
+
+
+# A topic prefix an app receives results under: plain MQTT levels, no wildcards, nothing
+# under the protocol's own tree (an edge may publish results there).
+def _check_prefix(text: str) -> str:
+    if text.split("/", 1)[0] == "sluicegate":
+        raise ValueError(
+            f"{text!r} is inside the protocol's own topics; choose a prefix of your own, "
+            "e.g. 'app/line-3'"
+        )
+    return text
+
+
+ResultsPrefix = Annotated[
+    str,
+    StringConstraints(pattern=r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+){0,7}$", max_length=128),
+    AfterValidator(_check_prefix),
+]
+
+
+class AppDoc(_Model):
+    """A vision app: the edges it may submit jobs to, and the topic prefixes under which it
+    takes their results (besides ``sluicegate/v1/clients/<app id>/results``, always its)."""
+
+    description: Text = ""
+    edges: list[NodeId] = Field(min_length=1, max_length=4096)
+    results: list[ResultsPrefix] = Field(default_factory=list, max_length=16)
 
 
 class ClassDoc(_Model):
@@ -174,6 +216,7 @@ class PolicyDocument(_Model):
     zones: dict[ZoneName, Text] = Field(min_length=1, max_length=4096)
     pools: dict[NodeId, PoolDoc] = Field(default_factory=dict, max_length=1000)
     edges: dict[NodeId, EdgeDoc] = Field(default_factory=dict, max_length=4096)
+    apps: dict[NodeId, AppDoc] = Field(default_factory=dict, max_length=4096)
     classes: dict[Name, ClassDoc] = Field(min_length=1, max_length=128)
     subhealth: list[SubhealthDoc] = Field(default_factory=list, max_length=64)
     tokens: TokensDoc = Field(default_factory=TokensDoc)
@@ -196,16 +239,26 @@ def semantic_problems(doc: PolicyDocument) -> list[tuple[Loc, str]]:
         )
     seen: dict[str, str] = {}
     for pool_name, pool in doc.pools.items():
-        for index, worker in enumerate(pool.workers):
+        for worker in pool.workers:
             if worker in seen:
                 problems.append(
                     (
-                        ("pools", pool_name, "workers", index),
+                        ("pools", pool_name, "workers", worker),
                         f"worker {worker!r} is already in pool {seen[worker]!r}; "
                         "a worker sits in exactly one pool",
                     )
                 )
             seen[worker] = pool_name
+    for app_name, app in doc.apps.items():
+        for index, edge in enumerate(app.edges):
+            if edge not in doc.edges:
+                problems.append(
+                    (
+                        ("apps", app_name, "edges", index),
+                        f"app {app_name!r} names edge {edge!r}, which the policy does not "
+                        f"list; known edges: {', '.join(sorted(doc.edges)) or 'none'}",
+                    )
+                )
     return problems
 
 

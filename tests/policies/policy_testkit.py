@@ -36,7 +36,16 @@ EXAMPLE_KEY_NAMES = (
     "north-l2-pc",
     "south-l1-pc",
     "south-l2-pc",
+    "north-gpu-1",
+    "north-gpu-2",
+    "south-npu-1",
+    "cloud-gpu-1",
 )
+
+
+def workers(*names: str) -> dict[str, str]:
+    """A pool's ``workers`` table: each worker id with its published test key."""
+    return {name: key(name).public_text for name in names}
 
 
 def toml_value(value: Any) -> str:
@@ -102,9 +111,9 @@ def base_doc(
             "offsite/cloud-east": "cloud",
         },
         "pools": {
-            "north-dc": {"zone": "campus/fab-north/dc", "workers": ["north-gpu-1"]},
-            "south-dc": {"zone": "campus/fab-south/dc", "workers": ["south-npu-1"]},
-            "cloud": {"zone": "offsite/cloud-east", "workers": ["cloud-gpu-1"]},
+            "north-dc": {"zone": "campus/fab-north/dc", "workers": workers("north-gpu-1")},
+            "south-dc": {"zone": "campus/fab-south/dc", "workers": workers("south-npu-1")},
+            "cloud": {"zone": "offsite/cloud-east", "workers": workers("cloud-gpu-1")},
         },
         "edges": {
             "north-l1-pc": {

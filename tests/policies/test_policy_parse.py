@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from policy_testkit import EXAMPLE, base_doc, policy_of, to_toml
+from policy_testkit import EXAMPLE, base_doc, key, policy_of, to_toml
 
 from policies.errors import PolicyParseError
 from policies.loader import (
@@ -62,7 +62,7 @@ def _mutated(path: tuple[Any, ...], value: Any) -> dict[str, Any]:
     doc = copy.deepcopy(base_doc())
     target: Any = doc
     for seg in path[:-1]:
-        target = target[seg]
+        target = target[seg] if isinstance(target, list) else target.setdefault(seg, {})
     if value is _DELETE:
         del target[path[-1]]
     else:
@@ -84,7 +84,7 @@ BAD_DOCS = [
     (("expires",), 12, "expires", "expected a date-time"),
     (("zones", "Campus/North"), "x", "zones", "expected a zone like 'campus/fab-north/dc'"),
     (("pools", "north-dc", "zonee"), "x", "pools.north-dc.zonee", "accepted keys here: zone"),
-    (("pools", "bad id!"), {"zone": "x", "workers": ["w"]}, "pools", "an id of 1-64"),
+    (("pools", "bad id!"), {"zone": "x", "workers": {"w": key("w").public_text}}, "pools", "an id of 1-64"),
     (
         ("classes", "ocr-crop", "allow", 0),
         "campus/**/dc",
@@ -103,7 +103,20 @@ BAD_DOCS = [
     (("subhealth", 0, "when", 0, "metric"), "Util", "metric", "a metric name"),
     (("subhealth", 0, "name"), "Bad Name", "subhealth[0].name", "a name of 1-32"),
     (("subhealth", 0, "when", 0, "value"), float("nan"), "value", "finite"),
-    (("pools", "cloud", "workers"), ["north-gpu-1"], "pools.cloud.workers[0]", "already in pool"),
+    (
+        ("pools", "cloud", "workers"),
+        {"north-gpu-1": key("north-gpu-1").public_text},
+        "pools.cloud.workers.north-gpu-1",
+        "already in pool",
+    ),
+    (("pools", "cloud", "workers"), ["cloud-gpu-1"], "pools.cloud.workers", "a table of worker"),
+    (("apps", "inspect"), {"edges": ["nowhere"]}, "apps.inspect.edges[0]", "known edges"),
+    (
+        ("apps", "inspect"),
+        {"edges": ["north-l1-pc"], "results": ["sluicegate/v1/x"]},
+        "apps.inspect.results[0]",
+        "protocol's own topics",
+    ),
 ]
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from policy_testkit import EXAMPLE, NOW, key, to_toml
+from policy_testkit import EXAMPLE, NOW, key, to_toml, workers
 
 from policies.errors import PolicyDigestMismatch, PolicyParseError, ReplayCacheFull, TokenRefused
 from policies.evaluate import allowed
@@ -81,7 +81,7 @@ def documents(draw: st.DrawFn) -> dict[str, Any]:
         "broker_signers": {"keys": {"broker-1": key("broker-1").public_text}},
         "zones": zones,
         "pools": {
-            f"pool-{i}": {"zone": zone, "workers": [f"w-{i}"]}
+            f"pool-{i}": {"zone": zone, "workers": workers(f"w-{i}")}
             for i, zone in enumerate(worker_zones)
         },
         "classes": classes,

@@ -56,7 +56,7 @@ def test_shipped_example_signatures_verify() -> None:
 def test_attack_one_tampered_byte_in_the_policy() -> None:
     text = EXAMPLE.read_text()
     bundle = parse_signatures(EXAMPLE.with_name(EXAMPLE.name + ".sig").read_bytes())
-    tampered = text.replace('workers = ["south-npu-1"]', 'workers = ["south-npu-2"]')
+    tampered = text.replace("workers = { south-npu-1 =", "workers = { south-npu-2 =")
     assert len(tampered) == len(text)
     assert tampered != text
     with pytest.raises(PolicyDigestMismatch, match="changed after it was signed"):
