@@ -96,6 +96,13 @@ class BrokerMetrics:
             "freed at once instead of when its reservation expires",
             registry=r,
         )
+        self.identity_refusals = Counter(
+            "sluicegate_identity_refusals",
+            "Messages refused because the policy does not list their sender as what it "
+            "claims to be, by code (edge.not_in_policy, worker.not_in_policy, ...)",
+            ["code"],
+            registry=r,
+        )
         self.stale_completions = Counter(
             "sluicegate_stale_completions",
             "Completions of an attempt older than the job's current one (or after its dead "

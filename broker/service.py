@@ -32,6 +32,7 @@ from broker.decision import Decision, Placed, as_record
 from broker.decision_audit import DecisionAudit, encode
 from broker.demand import PoolDemand, pool_demand
 from broker.fleet import Fleet
+from broker.identity import Refusal, edge_origin, same_sender, worker_standing
 from broker.inflight import InflightStore
 from broker.metrics import BrokerMetrics
 from broker.mlfq import MLFQ, Waiting
@@ -72,7 +73,7 @@ class _Pending:
 
 def status_message(settings: BrokerSettings, state: Literal["online", "offline"]) -> bytes:
     """The broker's retained status; the offline copy is its Last Will."""
-    return wire.dump(wire.NodeStatus(node=settings.id, kind="broker", zone="", state=state))
+    return wire.dump(wire.node_status(settings.id, "broker", "", state))
 
 
 class Broker:
@@ -115,6 +116,7 @@ class Broker:
         self._pools: tuple[bytes, dict[str, str]] = (b"", {})  # policy digest, worker -> pool
         self.store = BrokerStore(redis, int(self.params.stale_after_s * 1000))
         self._reserve_ok = True
+        self._refused_nodes: set[tuple[str, str, bytes]] = set()  # audited once each
         self.inflight = InflightStore(redis, self.store)
         self.reaper = Reaper(
             settings,
@@ -131,39 +133,75 @@ class Broker:
     # -- intake (event loop, quick) --------------------------------------------------------
 
     def on_request(self, msg: Message) -> None:
-        reply_topic = msg.response_topic
+        # Who asks is the topic's (the ACL lets only that edge write it), and the answer
+        # goes to that edge's own reply topic, whatever the message says.
+        edge_id = topics.sender(msg.topic)
+        reply_topic = topics.placement_replies(edge_id)
         try:
             request = PlacementRequest.model_validate_json(msg.payload)
         except ValidationError as exc:
-            if reply_topic:
-                bad = PlacementReply(
-                    job_id="?", status="refused", code="bad_request", reason=f"{exc}"[:500]
-                )
-                self._reply(reply_topic, msg.correlation_data, bad)
+            bad = PlacementReply(
+                job_id="?", status="refused", code="bad_request", reason=f"{exc}"[:500]
+            )
+            self._reply(reply_topic, msg.correlation_data, bad)
             return
-        if not reply_topic:
-            log.warning("placement request for %s has no Response Topic", request.job_id)
+        item = _Pending(request, reply_topic, msg.correlation_data, time.perf_counter())
+        policy = self._policy()
+        if policy is None:
+            self._answer(item, None, "no_policy", "the broker holds no verified policy")
             return
-        self._inbox.put_nowait(
-            _Pending(request, reply_topic, msg.correlation_data, time.perf_counter())
-        )
+        origin = edge_origin(policy, edge_id, request.edge_id)
+        if isinstance(origin, Refusal):
+            self.metrics.identity_refusals.labels(origin.code).inc()
+            self._answer(item, None, origin.code, origin.reason)
+            return
+        if request.origin_zone != origin:
+            item.request = request.model_copy(update={"origin_zone": origin})
+        self._inbox.put_nowait(item)
+
+    def _standing(self, msg: Message, worker_id: str, zone: str) -> bool:
+        """Whether the worker whose topic carried ``msg`` may be placed on as it describes
+        itself; a refusal is counted, logged and audited once per worker, code and policy."""
+        sender = topics.node_of(msg.topic)
+        policy = self._policy()
+        refusal = None if policy is None else worker_standing(policy, sender, worker_id, zone)
+        if refusal is None:
+            return policy is not None
+        self._refuse_node(sender, "worker", refusal, policy)
+        return False
+
+    def _refuse_node(
+        self, sender: str, kind: str, refusal: Refusal, policy: Policy | None
+    ) -> None:
+        self.metrics.identity_refusals.labels(refusal.code).inc()
+        seen = (sender, refusal.code, policy.digest if policy is not None else b"")
+        if seen in self._refused_nodes:
+            return
+        if len(self._refused_nodes) > 10_000:
+            self._refused_nodes.clear()
+        self._refused_nodes.add(seen)
+        log.warning("refused %s %s [%s]: %s", kind, sender, refusal.code, refusal.reason)
+        record = {"node": sender, "kind": kind, "code": refusal.code, "reason": refusal.reason}
+        self.audit.add(sender, encode(record), "identity.refused")
 
     def on_capabilities(self, msg: Message) -> None:
         caps = _parse(WorkerCapabilities, msg)
-        if caps is not None:
+        if caps is not None and self._standing(msg, caps.worker_id, caps.zone):
             self.fleet.apply_capabilities(caps, self._clock())
             self._room.set()
             self.store.node_document(caps.worker_id, "capabilities", msg.payload)
 
     def on_worker_telemetry(self, msg: Message) -> None:
         tel = _parse(WorkerTelemetry, msg)
-        if tel is not None:
+        if tel is not None and self._standing(msg, tel.node, tel.zone):
             self.fleet.apply_telemetry(tel, self._clock())
             self._room.set()
             self.store.node_document(tel.node, "telemetry", msg.payload)
 
     def on_worker_status(self, msg: Message) -> None:
         status = _parse(wire.NodeStatus, msg)
+        if status is not None and status.node != topics.node_of(msg.topic):
+            return  # a status about another node: only its own Last Will speaks for it
         if status is not None and status.state == "offline":
             self.fleet.mark_offline(status.node, self._clock())
             self.reaper.worker_gone(status.node, "last_will")
@@ -172,6 +210,10 @@ class Broker:
     def on_completion(self, msg: Message) -> None:
         done = _parse(Completion, msg)
         if done is None:
+            return
+        refusal = same_sender("completion", topics.sender(msg.topic), done.worker_id)
+        if refusal is not None:
+            self._refuse_node(topics.sender(msg.topic), "worker", refusal, self._policy())
             return
         self.fleet.apply_completion(done, self._clock())
         self._room.set()
@@ -186,6 +228,10 @@ class Broker:
         the reservation drops it there."""
         rel = _parse(PlacementRelease, msg)
         if rel is None:
+            return
+        refusal = same_sender("release", topics.sender(msg.topic), rel.edge_id)
+        if refusal is not None:
+            self._refuse_node(topics.sender(msg.topic), "edge", refusal, self._policy())
             return
         self.store.script(
             RELEASE,
@@ -228,7 +274,7 @@ class Broker:
 
     def on_edge_telemetry(self, msg: Message) -> None:
         tel = _parse(wire.EdgeTelemetry, msg)
-        if tel is not None:
+        if tel is not None and tel.node == topics.node_of(msg.topic):
             self.edges[tel.node] = tel
             self.store.node_document(tel.node, "telemetry", msg.payload)
 
@@ -374,7 +420,7 @@ class Broker:
             token=token,
             worker_id=decision.worker_id,
             worker_zone=decision.zone,
-            work_topic=topics.pool_work(decision.zone, decision.worker_id),
+            work_topic=topics.pool_work(decision.zone, decision.worker_id, req.edge_id),
             predicted_ms=round(decision.predicted_ms, 3),
             broker_id=self.settings.id,
         )
@@ -467,8 +513,8 @@ class Broker:
         await t.subscribe(topics.worker_all("capabilities"), self.on_capabilities)
         await t.subscribe(topics.worker_all("telemetry"), self.on_worker_telemetry, qos=0)
         await t.subscribe(topics.worker_all("status"), self.on_worker_status)
-        await t.subscribe(topics.completions(), self.on_completion)
-        await t.subscribe(topics.placement_releases(), self.on_release)
+        await t.subscribe(topics.completions_all(), self.on_completion)
+        await t.subscribe(topics.placement_releases_all(), self.on_release)
         await t.subscribe(topics.edge_telemetry_all(), self.on_edge_telemetry, qos=0)
         # QoS 0, like the replies (see _reply); and a stale request redelivered to another
         # replica would only reserve for nobody.

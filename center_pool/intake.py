@@ -1,11 +1,14 @@
 """Intake: the pure decisions on one work message, in the order that keeps images sealed.
 
 1. :func:`read_work` takes only what the placement token is checked against (job id, token,
-   size, declared data class and origin zone) and where the result must go back (the edge
-   that placed the job, and the attempt) from the MQTT properties; no token, no job id, no
-   edge id, a bad attempt number or an oversized payload stop here.
+   size, declared data class) from the MQTT properties, and where the result must go back:
+   the edge that sent it, from the topic (``.../work/<edge id>``, which the ACL lets only
+   that edge write), and the attempt; no token, no job id, an ``edge-id`` property naming
+   another edge, a bad attempt number or an oversized payload stop here.
 2. :func:`check_token` runs ``policies.verify`` over the payload's sha256 and this worker's
-   id: signature, policy version, expiry, job, payload hash, class, origin, target and zone.
+   id: signature, policy version, expiry, job, payload hash, class, target and zone, and the
+   origin zone, which is the sending edge's zone in the policy (an edge the policy does not
+   list is refused), never the zone the message declares.
    (The replay check needs state, so the shell runs it next.)
 3. :func:`admit_work` reads the rest (model, deadline, priority) and probes the image
    *header* (no pixel decoding) against the limits.
@@ -111,7 +114,8 @@ def read_work(msg: Message, *, limits: Limits, now: float, worker_id: str) -> Wo
     props: dict[str, str] = {}
     for name, value in msg.user_properties:  # the first of a repeated property counts
         props.setdefault(name, value)
-    edge = props.get(topics.PROP_EDGE)
+    edge = topics.sender(msg.topic)
+    named = props.get(topics.PROP_EDGE)
     attempt = _attempt(props.get(topics.PROP_ATTEMPT))
     work = Work(
         job_id=props.get(topics.PROP_JOB_ID, ""),
@@ -138,20 +142,20 @@ def read_work(msg: Message, *, limits: Limits, now: float, worker_id: str) -> Wo
             f"user property {topics.PROP_JOB_ID!r}={work.job_id!r} is invalid: expected the "
             "job id the placement token was minted for (1 to 128 characters)",
         )
-    if edge is None:
-        return refuse(
-            work,
-            EDGE_MISSING,
-            f"no {topics.PROP_EDGE!r} user property: worker {worker_id} returns every result "
-            "through the edge agent that placed the job (its returns topic); submit to your "
-            "edge agent, which asks for a placement",
-        )
     if work.edge_id is None:
         return refuse(
             work,
-            "bad_property",
-            f"user property {topics.PROP_EDGE!r}={edge!r} is invalid: expected an edge id of "
-            "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit",
+            EDGE_MISSING,
+            f"work topic {msg.topic!r} names no edge: worker {worker_id} takes work on "
+            f"{topics.pool_work('<zone>', worker_id, '<edge id>')!r} and returns every result "
+            "through that edge agent; submit to your edge agent, which asks for a placement",
+        )
+    if named is not None and named != edge:
+        return refuse(
+            work,
+            "edge.id_mismatch",
+            f"user property {topics.PROP_EDGE!r}={named!r} names another edge than the one "
+            f"that sent the work ({edge!r}); an edge sends only its own jobs",
         )
     if attempt is None:
         return refuse(
@@ -190,7 +194,16 @@ def _attempt(raw: str | None) -> int | None:
 def check_token(
     work: Work, policy: Policy, *, now: float, worker_id: str
 ) -> PlacementClaims | Refusal:
-    """Step 2: the placement token against the policy, this worker and the payload's hash."""
+    """Step 2: the placement token against the policy, this worker and the payload's hash;
+    the origin is the sending edge's zone in the policy."""
+    entry = policy.edge(work.edge_id) if work.edge_id is not None else None
+    if entry is None:
+        return refuse(
+            work,
+            "edge.not_in_policy",
+            f"edge {work.edge_id!r} is not listed in policy {policy.campus!r} "
+            f"v{policy.version}; worker {worker_id} runs work only from listed edges",
+        )
     try:
         return verify(
             work.token,
@@ -199,7 +212,7 @@ def check_token(
             job_id=work.job_id,
             payload_sha256=payload_digest(work.payload),
             worker_id=worker_id,
-            origin_zone=work.prop(topics.PROP_ORIGIN_ZONE),
+            origin_zone=entry.zone,
             data_class=work.prop(topics.PROP_DATA_CLASS),
         )
     except TokenRefused as exc:

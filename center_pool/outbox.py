@@ -1,8 +1,8 @@
 """Everything a worker says about a job: the result, returned to the edge agent that placed
-it (``topics.edge_returns``, never the app's own topic: the edge owns each accepted job until
-it is terminal, drops duplicates and stale attempts, and answers the app), and the
-completion record for the broker on ``sluicegate/v1/broker/completions`` (no outputs, no
-image). A result carries the work message's correlation data unchanged and the user
+it (``topics.edge_returns``, under this worker's id, never the app's own topic: the edge
+owns each accepted job until it is terminal, drops duplicates and stale attempts, and
+answers the app), and the completion record for the broker on
+``sluicegate/v1/broker/completions/<worker id>`` (no outputs, no image). A result carries the work message's correlation data unchanged and the user
 properties job id, attempt and worker id, so the edge can fence it without decoding it.
 
 Both go out QoS 1 through ``publish_nowait`` (the client retries until acked). A refusal gets
@@ -78,7 +78,11 @@ class Outbox:
             (topics.PROP_WORKER, self._settings.id),
         )
         self._publish(
-            topics.edge_returns(edge_id), wire.dump(result), correlation_data, job_id, props
+            topics.edge_returns(edge_id, self._settings.id),
+            wire.dump(result),
+            correlation_data,
+            job_id,
+            props,
         )
 
     def completion(
@@ -105,7 +109,7 @@ class Outbox:
             attempt=attempt,
             edge_id=edge_id,
         )
-        self._publish(topics.completions(), wire.dump(record), None, job_id)
+        self._publish(topics.completion(self._settings.id), wire.dump(record), None, job_id)
 
     def refusal(self, refusal: Refusal) -> None:
         """Answer a refused job, and tell the broker if it had been placed here."""

@@ -365,7 +365,7 @@ class PoolWorker:
                 await asyncio.wait_for(changed.wait(), policy_wait)
         if self._feed.current is None:
             log.warning("%s; work will be refused until one arrives", self._feed.why_none())
-        work_topic = topics.pool_work(self.settings.zone, self.settings.id)
+        work_topic = topics.pool_work_all(self.settings.zone, self.settings.id)
         await self._transport.subscribe(work_topic, self.on_message, qos=1)
         self._transport.on_connect(self._announce)
         if self._transport.connected:

@@ -552,7 +552,9 @@ class EdgeAgent:
         edge = self.settings.id
         submit = topics.edge_submit(edge)
         # Returns and notices first: the replayed jobs they concern are tracked already.
-        await self._transport.subscribe(topics.edge_returns(edge), self.on_return, manual_ack=True)
+        await self._transport.subscribe(
+            topics.edge_returns_all(edge), self.on_return, manual_ack=True
+        )
         await self._transport.subscribe(topics.edge_notices(edge), self.on_notice, manual_ack=True)
         # Subscribe before announcing: on one connection the broker handles the SUBSCRIBE
         # before the status PUBLISH, so whoever sees "online" can submit at once.

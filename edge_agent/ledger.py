@@ -57,17 +57,20 @@ class Tracked:
     declined: Declined | None = None  # why it stayed here, for the result's offload field
     expires_at: float | None = None  # offloaded: when to stop waiting for the return
     on_disk: int = 0  # the latest attempt the outbox is known to have recorded
+    worker: str | None = None  # where the current attempt went; None: not known (restarted)
 
 
-Verdict = Literal["accept", "unknown", "stale", "busy"]
+Verdict = Literal["accept", "unknown", "stale", "busy", "stranger"]
 
 
-def return_verdict(tracked: Tracked | None, attempt: int) -> Verdict:
-    """Whether a worker's return for ``attempt`` may conclude the job (fencing)."""
+def return_verdict(tracked: Tracked | None, attempt: int, worker: str | None = None) -> Verdict:
+    """Whether ``worker``'s return for ``attempt`` may conclude the job (fencing)."""
     if tracked is None:
         return "unknown"  # concluded already, or never ours: a duplicate or a stray
     if attempt != tracked.attempt or tracked.attempt == 0:
         return "stale"
+    if worker is not None and tracked.worker is not None and worker != tracked.worker:
+        return "stranger"  # the attempt went to another worker
     if tracked.phase not in TAKES_RETURN:
         return "busy"  # placed anew, running here, or its result is being committed
     return "accept"
@@ -88,7 +91,10 @@ def read_return(msg: Message) -> Return | str:
     """The return in ``msg``, or why it cannot be one (for the log)."""
     job_id = msg.user_property(topics.PROP_JOB_ID)
     raw_attempt = msg.user_property(topics.PROP_ATTEMPT)
-    worker = msg.user_property(topics.PROP_WORKER) or "?"
+    worker = topics.sender(msg.topic)  # the ACL lets only that worker write it
+    named = msg.user_property(topics.PROP_WORKER)
+    if named is not None and named != worker:
+        return f"the return names worker {named!r} but came from {worker!r}"
     if not job_id:
         return f"no {topics.PROP_JOB_ID!r} user property"
     if raw_attempt is None or not raw_attempt.isdigit() or int(raw_attempt) < 1:

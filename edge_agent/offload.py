@@ -102,6 +102,7 @@ def check_placement(
     payload_sha256: bytes,
     policy: Policy | None,
     *,
+    edge_id: str,
     origin_zone: str,
     now: float,
 ) -> Placement | Declined:
@@ -130,7 +131,7 @@ def check_placement(
             f"reply names {reply.worker_id}@{reply.worker_zone} but the token binds "
             f"{claims.target_worker}@{claims.target_zone}",
         )
-    work_topic = topics.pool_work(claims.target_zone, claims.target_worker)
+    work_topic = topics.pool_work(claims.target_zone, claims.target_worker, edge_id)
     return Placement(
         claims.target_worker, claims.target_zone, work_topic, reply.token, payload_sha256
     )
@@ -166,6 +167,12 @@ class PlacementClient:
         await self._transport.subscribe(self.reply_topic, self._on_reply, qos=1)
         await self._transport.subscribe(topics.broker_status("+"), self._on_broker_status)
 
+    def origin_zone(self, policy: Policy | None) -> str:
+        """This edge's zone: its policy entry's (what the broker binds into tokens), or the
+        configured one while the policy does not list it."""
+        entry = policy.edge(self._edge_id) if policy is not None else None
+        return entry.zone if entry is not None else self._zone
+
     @property
     def broker_available(self) -> bool:
         return bool(self._brokers_online) and self._transport.connected
@@ -200,12 +207,14 @@ class PlacementClient:
                 Declined("bad_reply", f"the broker's reply is malformed: {exc}")
             )
             return
+        policy = self._policy()
         checked = check_placement(
             reply,
             asked.job,
             asked.digest,
-            self._policy(),
-            origin_zone=self._zone,
+            policy,
+            edge_id=self._edge_id,
+            origin_zone=self.origin_zone(policy),
             now=self._clock(),
         )
         if isinstance(checked, Declined) and reply.status == "placed" and reply.worker_id:
@@ -255,7 +264,8 @@ class PlacementClient:
         )
         log.info("job %s: placement %d on %s handed back: %s", job_id, attempt, worker_id, reason)
         try:
-            self._transport.publish_nowait(topics.placement_releases(), wire.dump(release), qos=1)
+            topic = topics.placement_release(self._edge_id)
+            self._transport.publish_nowait(topic, wire.dump(release), qos=1)
         except Exception as exc:
             log.warning("could not hand back the placement of job %s: %s", job_id, exc)
 
@@ -276,7 +286,6 @@ class PlacementClient:
         request = PlacementRequest(
             job_id=job.job_id,
             edge_id=self._edge_id,
-            origin_zone=self._zone,
             model=job.model,
             data_class=job.data_class,
             payload_sha256=digest.hex(),
@@ -295,7 +304,7 @@ class PlacementClient:
         key = f"{job.job_id}/{attempt}/{next(self._requests)}".encode()
         try:
             self._transport.publish_nowait(
-                topics.placement_requests(),
+                topics.placement_request(self._edge_id),
                 wire.dump(request),
                 qos=0,  # worth nothing after our timeout: see the broker's subscription
                 response_topic=self.reply_topic,
@@ -318,7 +327,7 @@ class PlacementClient:
             (topics.PROP_MODEL, job.model),
             (topics.PROP_TOKEN, placement.token),
             (topics.PROP_DATA_CLASS, job.data_class),
-            (topics.PROP_ORIGIN_ZONE, self._zone),
+            (topics.PROP_ORIGIN_ZONE, self.origin_zone(self._policy())),
             (topics.PROP_EDGE, self._edge_id),
             (topics.PROP_PRIORITY, str(job.priority)),
             (topics.PROP_ATTEMPT, str(attempt)),
@@ -329,7 +338,7 @@ class PlacementClient:
             placement.work_topic,
             job.payload,
             qos=1,
-            response_topic=topics.edge_returns(self._edge_id),
+            response_topic=topics.edge_returns(self._edge_id, placement.worker_id),
             correlation_data=job.correlation_data,
             content_type=f"image/{job.image.format}",
             user_properties=tuple(props),

@@ -259,6 +259,7 @@ class Offloads:
             partial(_recorded, tracked, attempt)
         )
         tracked.attempt = attempt
+        tracked.worker = placement.worker_id
         tracked.phase = "offloaded"
         timeout = self._settings.result_timeout_s
         tracked.expires_at = ledger.offload_expiry(self._clock(), timeout, tracked.job.deadline)
@@ -291,7 +292,7 @@ class Offloads:
         if self._hold(ret.job_id, self.on_return, msg):
             return
         tracked = self._hooks.tracked(ret.job_id)
-        verdict = ledger.return_verdict(tracked, ret.attempt)
+        verdict = ledger.return_verdict(tracked, ret.attempt, ret.worker_id)
         if verdict != "accept" or tracked is None:
             self._counters["fenced_returns"] += 1
             log.info(

@@ -1,8 +1,14 @@
 """Every MQTT topic name Sluicegate uses, and the user-property names of the wire contract.
 
 This module is the only place a topic string is spelled out; everything else builds topics
-with these functions. Topics are versioned (``sluicegate/v1/...``) and are part of the
-public contract documented in the README: change them only by adding a new version.
+with these functions, the generated Mosquitto ACL included (``sluicegate.acl``). Topics are
+versioned (``sluicegate/v1/...``) and are part of the public contract documented in the
+README: change them only by adding a new version.
+
+Identity rides on the topic. Every message a node sends on its own behalf goes to a topic
+whose last level (or, under ``edge/``, ``worker/`` and ``broker/``, whose second level) is
+its own id, and the ACL lets each authenticated node write only those: the receiver reads
+who spoke from the topic (:func:`sender`), never from the payload.
 """
 
 from __future__ import annotations
@@ -66,11 +72,22 @@ def edge_status_all() -> str:
     return f"{ROOT}/edge/+/status"
 
 
-def edge_returns(edge_id: str) -> str:
-    """Where pool workers return the results of jobs an edge agent offloaded (QoS 1). The
-    edge owns each accepted job until it is terminal, so every result reaches the app
-    through it: that is where duplicates and stale attempts are dropped."""
-    return f"{ROOT}/edge/{edge_id}/returns"
+def edge_returns(edge_id: str, worker_id: str) -> str:
+    """Where pool worker ``worker_id`` returns the results of jobs edge ``edge_id`` offloaded
+    to it (QoS 1). The edge owns each accepted job until it is terminal, so every result
+    reaches the app through it: that is where duplicates, stale attempts and results from
+    a worker the attempt was not placed on are dropped."""
+    return f"{ROOT}/edge/{edge_id}/returns/{worker_id}"
+
+
+def edge_returns_all(edge_id: str) -> str:
+    """Subscription filter for the results every worker returns to one edge."""
+    return f"{ROOT}/edge/{edge_id}/returns/+"
+
+
+def edge_inbox(edge_id: str) -> str:
+    """Everything addressed to one edge: jobs, placement replies, returns, notices."""
+    return f"{ROOT}/edge/{edge_id}/#"
 
 
 def edge_notices(edge_id: str) -> str:
@@ -83,9 +100,14 @@ def client_results(client_id: str) -> str:
     return f"{ROOT}/clients/{client_id}/results"
 
 
-def pool_work(zone: str, worker_id: str) -> str:
-    """A pool worker's zone-scoped work topic."""
-    return f"{ROOT}/pool/{zone}/{worker_id}/work"
+def pool_work(zone: str, worker_id: str, edge_id: str) -> str:
+    """Where edge ``edge_id`` sends a pool worker its work (zone-scoped)."""
+    return f"{ROOT}/pool/{zone}/{worker_id}/work/{edge_id}"
+
+
+def pool_work_all(zone: str, worker_id: str) -> str:
+    """Subscription filter for a worker's work from every edge."""
+    return f"{ROOT}/pool/{zone}/{worker_id}/work/+"
 
 
 def worker_telemetry(worker_id: str) -> str:
@@ -109,19 +131,30 @@ def worker_all(kind: str) -> str:
     return f"{ROOT}/worker/+/{kind}"
 
 
-def placement_requests() -> str:
-    """Where edge agents ask the campus broker for a placement."""
-    return f"{ROOT}/broker/placement/request"
+def placement_request(edge_id: str) -> str:
+    """Where edge ``edge_id`` asks the campus broker for a placement."""
+    return f"{ROOT}/broker/placement/request/{edge_id}"
+
+
+def placement_requests_all() -> str:
+    """Subscription filter for every edge's placement requests."""
+    return f"{ROOT}/broker/placement/request/+"
 
 
 def placement_requests_shared(group: str = "brokers") -> str:
     """The shared subscription broker replicas use, so each request goes to one of them."""
-    return f"$share/{group}/{placement_requests()}"
+    return f"$share/{group}/{placement_requests_all()}"
 
 
-def placement_releases() -> str:
-    """Where an edge hands back a placement it will not use (every replica listens)."""
-    return f"{ROOT}/broker/placement/release"
+def placement_release(edge_id: str) -> str:
+    """Where edge ``edge_id`` hands back a placement it will not use (every replica
+    listens)."""
+    return f"{ROOT}/broker/placement/release/{edge_id}"
+
+
+def placement_releases_all() -> str:
+    """Subscription filter for every edge's releases."""
+    return f"{ROOT}/broker/placement/release/+"
 
 
 def placement_replies(edge_id: str) -> str:
@@ -129,9 +162,15 @@ def placement_replies(edge_id: str) -> str:
     return f"{ROOT}/edge/{edge_id}/placement"
 
 
-def completions() -> str:
-    """Where workers report each finished job to the broker (no image, no outputs)."""
-    return f"{ROOT}/broker/completions"
+def completion(worker_id: str) -> str:
+    """Where worker ``worker_id`` reports each finished job to the broker (no image, no
+    outputs)."""
+    return f"{ROOT}/broker/completions/{worker_id}"
+
+
+def completions_all() -> str:
+    """Subscription filter for every worker's completion records."""
+    return f"{ROOT}/broker/completions/+"
 
 
 def broker_status(broker_id: str) -> str:
@@ -139,9 +178,32 @@ def broker_status(broker_id: str) -> str:
     return f"{ROOT}/broker/{broker_id}/status"
 
 
+def broker_status_all() -> str:
+    """Subscription filter for every broker replica's status."""
+    return f"{ROOT}/broker/+/status"
+
+
 def policy() -> str:
     """The current signed policy, retained."""
     return f"{ROOT}/policy"
+
+
+def sender(topic: str) -> str:
+    """Who sent a message on a per-sender topic: the last level of a placement request,
+    release, completion, return or work topic (the ACL lets only that node write it)."""
+    return topic.rsplit("/", 1)[-1]
+
+
+def node_of(topic: str) -> str:
+    """The node a per-node topic belongs to: ``sluicegate/v1/edge/<id>/...``,
+    ``.../worker/<id>/...`` or ``.../broker/<id>/...``."""
+    parts = topic.split("/")
+    return parts[3] if len(parts) > 3 else ""
+
+
+def client_results_all() -> str:
+    """Subscription filter for every client's default response topic."""
+    return f"{ROOT}/clients/+/results"
 
 
 def matches(topic_filter: str, topic: str) -> bool:

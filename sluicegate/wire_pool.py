@@ -23,13 +23,16 @@ Sha256Hex = str  # 64 lowercase hex digits; validated where it is used
 
 
 class PlacementRequest(_Wire):
-    """Edge → broker: where should this job run? (``sluicegate/v1/broker/placement/request``,
-    with the edge's reply topic as MQTT Response Topic and its own correlation data)."""
+    """Edge → broker: where should this job run? (``sluicegate/v1/broker/placement/request/
+    {edge_id}``, with its own correlation data; the reply goes to the edge's placement topic).
+    ``edge_id`` must be the topic's; the broker takes the origin zone from the policy's entry
+    for that edge and never from the message."""
 
     v: Literal[1] = WIRE_VERSION
     job_id: str = Field(min_length=1, max_length=128)
     edge_id: str
-    origin_zone: str
+    # Filled in by the broker from the policy; anything an edge sends here is replaced.
+    origin_zone: str = ""
     model: str
     data_class: str
     payload_sha256: Sha256Hex = Field(pattern=r"^[0-9a-f]{64}$")
@@ -68,7 +71,7 @@ class PlacementRelease(_Wire):
     use (it came after the edge gave up, its token failed the edge's checks, or the job was
     concluded or proved a repeat meanwhile). Nothing was sent to ``worker_id``; the broker
     frees the slot at once instead of holding it until the reservation expires
-    (``sluicegate/v1/broker/placement/release``)."""
+    (``sluicegate/v1/broker/placement/release/{edge_id}``)."""
 
     v: Literal[1] = WIRE_VERSION
     job_id: str = Field(min_length=1, max_length=128)
@@ -122,7 +125,7 @@ class WorkerTelemetry(_Wire):
 
 
 class Completion(_Wire):
-    """Worker → broker after each job (``sluicegate/v1/broker/completions``)."""
+    """Worker → broker after each job (``sluicegate/v1/broker/completions/{worker_id}``)."""
 
     v: Literal[1] = WIRE_VERSION
     job_id: str

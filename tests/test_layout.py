@@ -16,6 +16,7 @@ PURE = [
     "broker/decision.py",
     "broker/demand.py",
     "broker/explain.py",
+    "broker/identity.py",
     "broker/fleet.py",
     "broker/forecast.py",
     "broker/index.py",

@@ -1,0 +1,192 @@
+"""The Mosquitto ACL of a campus, generated from its signed policy and ``sluicegate.topics``.
+
+Each MQTT user is an identity the transport proved: the CN of the node's TLS client
+certificate (``use_identity_as_username``), which is also its client id
+(``use_username_as_clientid``). Rights come in two layers:
+
+- **Own topics, for every authenticated user** (``pattern`` lines, ``%u`` = its username):
+  a node may write only the topics that carry its own id (telemetry, status, capabilities,
+  placement requests and releases, completions) and read its own inbox and the policy. So
+  a node the policy does not list yet can still ask, and be refused by name, but can speak
+  for no one else.
+- **Between roles, per user, from the policy**: a worker reads its own zone-scoped work
+  topic and returns results only to the edges that may place work on it; an edge writes
+  work only to workers in zones some data class from its zone may reach, and answers only
+  on the response topics of the apps that may submit to it; an app submits only to its
+  edges; a broker replica reads requests and telemetry (never a work topic: no images),
+  answers edges and publishes the retained policy. Observers (monitoring) read status and
+  telemetry only.
+
+Anonymous clients get nothing (the Mosquitto configuration sets ``allow_anonymous false``).
+Every topic comes from ``sluicegate.topics``; none is spelled here. Pure: returns text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from policies.canonical import digest_text
+from policies.evaluate import reachable_zones
+from policies.model import Policy
+from sluicegate import topics
+
+SELF = "%u"  # Mosquitto's pattern substitution: the user's own name
+
+Rule = tuple[str, str]  # (access, topic filter)
+
+
+@dataclass(frozen=True)
+class UserRules:
+    """One ``user`` block: who, in words, and what it may read and write."""
+
+    name: str
+    comment: str
+    rules: tuple[Rule, ...]
+
+
+def own_topics() -> list[Rule]:
+    """What every authenticated node may do under its own id."""
+    return [
+        ("write", topics.edge_telemetry(SELF)),
+        ("write", topics.edge_status(SELF)),
+        ("read", topics.edge_inbox(SELF)),
+        ("write", topics.placement_request(SELF)),
+        ("write", topics.placement_release(SELF)),
+        ("write", topics.worker_telemetry(SELF)),
+        ("write", topics.worker_status(SELF)),
+        ("read", topics.worker_status(SELF)),
+        ("write", topics.worker_capabilities(SELF)),
+        ("write", topics.completion(SELF)),
+        ("read", topics.client_results(SELF)),
+        ("read", topics.policy()),
+        ("read", topics.broker_status_all()),
+    ]
+
+
+def results_filter(prefix: str) -> str:
+    """The topic filter of an app's results prefix (``app/line-3`` -> ``app/line-3/#``)."""
+    return f"{prefix}/#"
+
+
+def _senders(policy: Policy) -> dict[str, list[str]]:
+    """Zone -> the edges that may send work there (only they get results back from it)."""
+    out: dict[str, list[str]] = {}
+    for edge in sorted(policy.edges, key=lambda e: e.edge_id):
+        if edge.zone in policy.zones:
+            for zone in reachable_zones(policy, edge.zone):
+                out.setdefault(zone, []).append(edge.edge_id)
+    return out
+
+
+def worker_users(policy: Policy) -> list[UserRules]:
+    senders = _senders(policy)
+    out = []
+    for worker_id in sorted(policy.workers):
+        worker = policy.workers[worker_id]
+        rules = [("read", topics.pool_work_all(worker.zone, worker_id))]
+        rules += [
+            ("write", topics.edge_returns(edge_id, worker_id))
+            for edge_id in senders.get(worker.zone, [])
+        ]
+        out.append(
+            UserRules(worker_id, f"worker of pool {worker.pool!r} in zone {worker.zone}", tuple(rules))
+        )
+    return out
+
+
+def edge_users(policy: Policy) -> list[UserRules]:
+    out = []
+    for edge in sorted(policy.edges, key=lambda e: e.edge_id):
+        zones = set(reachable_zones(policy, edge.zone)) if edge.zone in policy.zones else set()
+        rules = [
+            ("write", topics.pool_work(w.zone, w.worker_id, edge.edge_id))
+            for w in sorted(policy.workers.values(), key=lambda w: w.worker_id)
+            if w.zone in zones
+        ]
+        for app in sorted(policy.apps, key=lambda a: a.app_id):
+            if edge.edge_id in app.edges:
+                rules.append(("write", topics.client_results(app.app_id)))
+                rules += [("write", results_filter(prefix)) for prefix in app.results]
+        out.append(UserRules(edge.edge_id, f"edge in zone {edge.zone}", tuple(rules)))
+    return out
+
+
+def app_users(policy: Policy) -> list[UserRules]:
+    out = []
+    for app in sorted(policy.apps, key=lambda a: a.app_id):
+        rules: list[Rule] = []
+        for edge_id in app.edges:
+            rules += [("write", topics.edge_submit(edge_id)), ("read", topics.edge_status(edge_id))]
+        rules += [("read", results_filter(prefix)) for prefix in app.results]
+        out.append(UserRules(app.app_id, f"vision app on {', '.join(app.edges)}", tuple(rules)))
+    return out
+
+
+def broker_users(policy: Policy) -> list[UserRules]:
+    reads = [
+        topics.placement_requests_all(),
+        topics.placement_releases_all(),
+        topics.completions_all(),
+        topics.edge_telemetry_all(),
+        topics.edge_status_all(),
+        topics.worker_all("telemetry"),
+        topics.worker_all("status"),
+        topics.worker_all("capabilities"),
+    ]
+    out = []
+    for ref in sorted(policy.brokers, key=lambda r: r.key_id):
+        rules = [("read", topic) for topic in reads]
+        rules += [
+            ("write", topics.placement_replies("+")),
+            ("write", topics.edge_notices("+")),
+            ("write", topics.broker_status(ref.key_id)),
+            ("write", topics.policy()),
+        ]
+        out.append(UserRules(ref.key_id, "campus broker replica", tuple(rules)))
+    return out
+
+
+def observer_users(names: Iterable[str]) -> list[UserRules]:
+    reads = [
+        topics.edge_status_all(),
+        topics.edge_telemetry_all(),
+        topics.worker_all("telemetry"),
+        topics.worker_all("status"),
+        topics.worker_all("capabilities"),
+    ]
+    return [
+        UserRules(name, "observer (monitoring): status and telemetry, read only", tuple(
+            ("read", topic) for topic in reads
+        ))
+        for name in sorted(set(names))
+    ]
+
+
+def acl_users(policy: Policy, observers: Sequence[str] = ()) -> list[UserRules]:
+    """Every ``user`` block of the ACL, in a fixed order."""
+    return (
+        broker_users(policy)
+        + edge_users(policy)
+        + worker_users(policy)
+        + app_users(policy)
+        + observer_users(observers)
+    )
+
+
+def render_acl(policy: Policy, *, observers: Sequence[str] = ()) -> str:
+    """The Mosquitto ``acl_file`` text for ``policy``; deterministic for given inputs."""
+    out = [
+        "# Mosquitto ACL generated by 'sluicegate policy acl'. Do not edit: regenerate it.",
+        f"# policy {policy.campus!r} version {policy.version} {digest_text(policy.digest)}",
+        "# Users are the CNs of client certificates from the campus CA.",
+        "",
+        "# Every authenticated node: the topics that carry its own id (%u).",
+    ]
+    out += [f"pattern {access} {topic}" for access, topic in own_topics()]
+    out.append("")
+    for user in acl_users(policy, observers):
+        out += [f"# {user.comment}", f"user {user.name}"]
+        out += [f"topic {access} {topic}" for access, topic in user.rules]
+        out.append("")
+    return "\n".join(out)
