@@ -54,3 +54,9 @@ def inflight_workers() -> str:
 def dead_letters() -> str:
     """Sorted set: dead-lettered job ids by the time (ms) they were dead-lettered."""
     return f"{PREFIX}:dead-letters"
+
+
+def replica_lease(broker_id: str) -> str:
+    """String: the instance that serves as broker replica ``broker_id`` (expires unless its
+    holder renews it): a second process with the same id refuses to start."""
+    return f"{PREFIX}:replica:{broker_id}"

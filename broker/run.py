@@ -1,6 +1,9 @@
 """Wires a real broker replica together: MQTT (with its Last Will), Redis, the broker's
 signing key, the policy it serves (verified, then published retained for every node), the
-audit log, model requirements and the HTTP API. ``sluicegate broker run`` calls :func:`serve`.
+audit log, model requirements and the HTTP API. It refuses to start without its own TLS
+identity (unless ``[mqtt] plaintext``), with a key the policy does not list for its id, or
+while another process holds its replica lease (``broker.lease``). ``sluicegate broker run``
+calls :func:`serve`.
 """
 
 from __future__ import annotations
@@ -12,14 +15,15 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from broker.api import start_http
+from broker.lease import ReplicaLease
 from broker.service import Broker, status_message
 from broker.view import HttpView
-from policies import AsyncAuditWriter, load_signing_key
+from policies import AsyncAuditWriter, SigningKey, load_signing_key
 from policies.errors import PolicyError
 from policies.redis_stores import AsyncRedisStreamAuditStore, audit_stream_key
-from sluicegate import topics
+from sluicegate import identity, topics
 from sluicegate.config import Settings
-from sluicegate.errors import ConfigError
+from sluicegate.errors import ConfigError, IdentityInUse
 from sluicegate.mqtt import MqttTransport
 from sluicegate.policy_feed import PolicyFeed, bootstrap_envelope
 from sluicegate.transport import Will
@@ -47,6 +51,7 @@ async def serve(
 ) -> Broker:
     """Run one broker replica until ``stop`` is set."""
     cfg = settings.broker
+    identity.prepare(settings.mqtt, cfg.id)
     if cfg.key_file is None:
         raise ConfigError(
             "the broker needs its placement signing key: set [broker] key_file (create one "
@@ -58,11 +63,48 @@ async def serve(
         raise ConfigError(str(exc)) from exc
     feed = PolicyFeed(node=cfg.id, policy_file=cfg.policy_file, state_dir=cfg.state_dir)
     feed.load()
+    feed.require_anchor()
+    if feed.current is not None:
+        listed = feed.current.broker_key(cfg.id)
+        if listed != key.public:
+            problem = "lists another key for it" if listed else "does not list it"
+            raise ConfigError(
+                f"broker {cfg.id}: policy v{feed.current.version} {problem} under "
+                f"broker_signers; its key_file {cfg.key_file} holds {key.public_text}, and "
+                "edges and workers would refuse every token it signs"
+            )
     envelope = bootstrap_envelope(cfg.policy_file) if cfg.policy_file else None
     redis = aioredis.Redis.from_url(cfg.redis_url)
+    lease = ReplicaLease(redis, cfg.id, identity.this_process())
+    try:
+        await lease.acquire()
+    except BaseException:
+        await redis.aclose()
+        raise
+    try:
+        return await _serve(
+            settings, stop, key, feed, envelope, redis, lease, connect_timeout, http_port_ready
+        )
+    finally:
+        await lease.release()
+        await redis.aclose()
+
+
+async def _serve(
+    settings: Settings,
+    stop: asyncio.Event,
+    key: SigningKey,
+    feed: PolicyFeed,
+    envelope: bytes | None,
+    redis: aioredis.Redis,
+    lease: ReplicaLease,
+    connect_timeout: float | None,
+    http_port_ready: asyncio.Future[int] | None,
+) -> Broker:
+    cfg = settings.broker
     transport = MqttTransport(
         settings.mqtt,
-        client_id=f"sg-broker-{cfg.id}",
+        client_id=identity.mqtt_client_id(settings.mqtt, cfg.id, f"sg-broker-{cfg.id}"),
         will=Will(topics.broker_status(cfg.id), status_message(cfg, "offline")),
     )
     audit = AsyncAuditWriter(AsyncRedisStreamAuditStore(redis, audit_stream_key(cfg.id)), key)
@@ -84,10 +126,24 @@ async def serve(
     log.info("broker %s: HTTP API on http://%s:%d", cfg.id, cfg.http_host, port)
     if http_port_ready is not None:
         http_port_ready.set_result(port)
+    keeper = asyncio.ensure_future(lease.keep())
+    until = asyncio.Event()
+
+    async def watch() -> None:
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(lease.lost.wait())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in waits:
+            task.cancel()
+        until.set()
+
+    watcher = asyncio.ensure_future(watch())
     try:
-        await broker.run(stop)
+        await broker.run(until)
     finally:
+        for task in (keeper, watcher):
+            task.cancel()
         await runner.cleanup()
         await transport.close()
-        await redis.aclose()
+    if lease.lost.is_set():
+        raise IdentityInUse(lease.reason)
     return broker

@@ -66,11 +66,8 @@ class ServiceStats:
 def status_message(settings: PoolSettings, state: str) -> bytes:
     """The retained status document (``online``/``offline``) of this worker."""
     return wire.dump(
-        wire.NodeStatus(
-            node=settings.id,
-            kind="pool",
-            zone=settings.zone,
-            state="online" if state == "online" else "offline",
+        wire.node_status(
+            settings.id, "pool", settings.zone, "online" if state == "online" else "offline"
         )
     )
 

@@ -10,6 +10,7 @@ warning. The audit records are signed with ``key_file`` (or an ephemeral key, lo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import redis.asyncio
@@ -22,7 +23,7 @@ from center_pool.guard import (
     load_worker_key,
 )
 from center_pool.hardware import available_providers, open_probe, select_providers
-from center_pool.reporting import last_will
+from center_pool.reporting import last_will, status_message
 from center_pool.worker import PoolWorker
 from policies import AsyncAuditWriter
 from policies.audit import AsyncAuditStore
@@ -32,6 +33,7 @@ from policies.redis_stores import (
     audit_stream_key,
 )
 from policies.replay import AsyncReplayCache
+from sluicegate import identity, topics
 from sluicegate.config import PoolSettings, Settings
 from sluicegate.mqtt import MqttTransport
 from sluicegate.policy_feed import PolicyFeed
@@ -69,6 +71,20 @@ async def serve(
 ) -> PoolWorker:
     """Run a pool worker until ``stop`` is set; returns the worker (for its counters)."""
     pool = settings.pool
+    identity.prepare(settings.mqtt, pool.id)
+    with contextlib.ExitStack() as stack:
+        if pool.state_dir is not None:
+            stack.enter_context(identity.node_lock(pool.state_dir, pool.id))
+        return await _serve(settings, stop, registry, connect_timeout)
+
+
+async def _serve(
+    settings: Settings,
+    stop: asyncio.Event,
+    registry: ModelRegistry | None,
+    connect_timeout: float | None,
+) -> PoolWorker:
+    pool = settings.pool
     providers = select_providers(available_providers(), pool.providers)
     registry = registry or ModelRegistry.from_dir(
         pool.models_dir or default_models_dir(),
@@ -77,6 +93,7 @@ async def serve(
     )
     feed = PolicyFeed(node=pool.id, policy_file=pool.policy_file, state_dir=pool.state_dir)
     feed.load()
+    feed.require_anchor()
     key = load_worker_key(pool.key_file, pool.id)
     client = redis.asyncio.Redis.from_url(pool.redis_url) if pool.redis_url else None
     replay: AsyncReplayCache = (
@@ -85,7 +102,7 @@ async def serve(
     sink = AuditSink(AsyncAuditWriter(audit_store(pool, client), key))
     transport = MqttTransport(
         settings.mqtt,
-        client_id=f"sg-pool-{pool.id}",
+        client_id=identity.mqtt_client_id(settings.mqtt, pool.id, f"sg-pool-{pool.id}"),
         will=last_will(pool),
         clean_start=False,
         session_expiry_s=settings.mqtt.session_expiry_s,
@@ -94,7 +111,18 @@ async def serve(
     worker: PoolWorker | None = None
     try:
         await transport.connect(timeout=connect_timeout)
+        status = topics.worker_status(pool.id)
+        guard = identity.IdentityGuard(
+            transport,
+            node=pool.id,
+            status_topic=status,
+            reannounce=lambda: transport.publish_nowait(
+                status, status_message(pool, "online"), qos=1, retain=True
+            ),
+            grace_s=identity.grace_for(settings.mqtt),
+        )
         try:
+            await guard.claim()
             worker = PoolWorker(
                 pool,
                 transport,
@@ -105,7 +133,7 @@ async def serve(
                 probe=probe,
                 providers=providers,
             )
-            await worker.run(stop)  # closes the probe when it ends
+            await identity.serve_guarded(guard, stop, worker.run)  # closes the probe at its end
         finally:
             await transport.close()
     finally:

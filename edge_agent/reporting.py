@@ -19,9 +19,7 @@ from sluicegate.transport import Will
 
 def status_message(settings: EdgeSettings, state: Literal["online", "offline"]) -> bytes:
     """The retained status document (``online``/``offline``) for this agent."""
-    return wire.dump(
-        wire.NodeStatus(node=settings.id, kind="edge", zone=settings.zone, state=state)
-    )
+    return wire.dump(wire.node_status(settings.id, "edge", settings.zone, state))
 
 
 def last_will(settings: EdgeSettings) -> Will:

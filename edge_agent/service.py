@@ -1,8 +1,10 @@
 """Wires a real edge agent together: settings, the outbox file, the MQTT transport with its
 Last Will and a persistent session (so requests and returns that arrive while the agent is
 down wait for it, and unacked ones come again), the verified model registry, the node's
-policy feed and the placement client for offloading. ``sluicegate edge run`` and the demo
-call :func:`serve`.
+policy feed and the placement client for offloading. It refuses to start without its own
+TLS identity (unless ``[mqtt] plaintext``), without a pinned policy trust anchor, or while
+another process serves the same edge (``sluicegate.identity``). ``sluicegate edge run`` and
+the demo call :func:`serve`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from pathlib import Path
 from edge_agent.agent import EdgeAgent
 from edge_agent.offload import PlacementClient
 from edge_agent.outbox import Outbox
-from edge_agent.reporting import last_will
+from edge_agent.reporting import last_will, status_message
+from sluicegate import identity, topics
 from sluicegate.config import Settings
 from sluicegate.mqtt import MqttTransport
 from sluicegate.policy_feed import PolicyFeed
@@ -60,11 +63,23 @@ async def serve(
     connect_timeout: float | None = None,
 ) -> EdgeAgent:
     """Run an edge agent until ``stop`` is set; returns the agent (for its counters)."""
+    edge = settings.edge
+    identity.prepare(settings.mqtt, edge.id)
+    with identity.node_lock(outbox_path(settings).parent, edge.id):
+        return await _serve(settings, stop, registry, connect_timeout)
+
+
+async def _serve(
+    settings: Settings,
+    stop: asyncio.Event,
+    registry: ModelRegistry | None,
+    connect_timeout: float | None,
+) -> EdgeAgent:
     registry = registry or load_registry(settings)
     edge, offload = settings.edge, settings.offload
     transport = MqttTransport(
         settings.mqtt,
-        client_id=f"sg-edge-{edge.id}",
+        client_id=identity.mqtt_client_id(settings.mqtt, edge.id, f"sg-edge-{edge.id}"),
         will=last_will(edge),
         clean_start=False,
         session_expiry_s=settings.mqtt.session_expiry_s,
@@ -76,6 +91,7 @@ async def serve(
             node=edge.id, policy_file=offload.policy_file, state_dir=offload.state_dir
         )
         feed.load()
+        feed.require_anchor()
         client = PlacementClient(
             transport,
             edge_id=edge.id,
@@ -85,6 +101,21 @@ async def serve(
             clock=time.time,
         )
     await transport.connect(timeout=connect_timeout)
+    status = topics.edge_status(edge.id)
+    guard = identity.IdentityGuard(
+        transport,
+        node=edge.id,
+        status_topic=status,
+        reannounce=lambda: transport.publish_nowait(
+            status, status_message(edge, "online"), qos=1, retain=True
+        ),
+        grace_s=identity.grace_for(settings.mqtt),
+    )
+    try:
+        await guard.claim()
+    except BaseException:
+        await transport.close()
+        raise
     if feed is not None and client is not None:
         await feed.start(transport)
         await client.start()
@@ -97,7 +128,7 @@ async def serve(
         outbox=open_outbox(settings),
     )
     try:
-        await agent.run(stop)
+        await identity.serve_guarded(guard, stop, agent.run)
     finally:
         if client is not None:
             client.close()

@@ -13,6 +13,9 @@ log line or a ``rejected`` result can act on it without reading the code.
     ├── ImageError              the payload is not an image we can safely decode
     │   └── ImageTooLargeError  the image declares more pixels than the limit
     ├── WireError               a message does not follow the wire contract
+    ├── IdentityError           a certificate, key or identity claim cannot be trusted
+    │   ├── EnrollmentRefused   a join token or enrollment request was refused (``code``)
+    │   └── IdentityInUse       another process already serves this node's identity
     └── BundleError             an offline install bundle cannot be built as asked
 """
 
@@ -57,6 +60,22 @@ class ImageTooLargeError(ImageError):
 
 class WireError(SluicegateError):
     """A message does not follow the public wire contract."""
+
+
+class IdentityError(SluicegateError):
+    """A certificate, key or identity cannot be used: wrong CA, expired, not this node."""
+
+
+class EnrollmentRefused(IdentityError):
+    """A join token or an enrollment request was refused; ``code`` says why, stably."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class IdentityInUse(IdentityError):
+    """Another process already serves as this node: two would answer the same jobs."""
 
 
 class BundleError(SluicegateError):

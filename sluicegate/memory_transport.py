@@ -127,6 +127,7 @@ class MemoryTransport:
         self.subscriptions: dict[str, Handler] = {}
         self._subs: dict[str, _Sub] = {}
         self._hooks: list[Callable[[], None]] = []
+        self._lost_hooks: list[Callable[[], None]] = []
         self._alive = True
         self._pending: list[Message] = []  # owed by a resumed session, not yet claimed
         client_id = client_id or f"mem-{next(broker._handles)}"
@@ -154,12 +155,17 @@ class MemoryTransport:
     def on_connect(self, hook: Callable[[], None]) -> None:
         self._hooks.append(hook)
 
+    def on_disconnect(self, hook: Callable[[], None]) -> None:
+        self._lost_hooks.append(hook)
+
     def crash(self) -> None:
         """The client dies without a DISCONNECT: nothing more is delivered to or sent by it;
         a persistent session keeps what it was owed for the next transport of its id."""
         if not self._alive:
             return
         self._alive = False
+        for hook in self._lost_hooks:
+            hook()
         self._broker._drop(self)
         session = self._session
         session.transport = None

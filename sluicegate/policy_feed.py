@@ -2,10 +2,13 @@
 
 Edge agents and pool workers hold the policy they last *verified*, never one they were merely
 sent. It starts from what this node persisted (the last accepted envelope and its trust
-anchor, in ``state_dir``) and an optional bootstrap policy file with its ``.sig`` beside it,
-then follows the retained ``sluicegate/v1/policy`` message. Every candidate goes through
-``policies.open_envelope`` against the persisted anchor, so a tampered, unsigned, expired or
-older policy is refused (and counted by reason) while the node keeps what it holds.
+anchor, in ``state_dir``, pinned at enrollment) and an optional bootstrap policy file with
+its ``.sig`` beside it, then follows the retained ``sluicegate/v1/policy`` message. Every
+candidate goes through ``policies.open_envelope`` against the pinned anchor, so a tampered,
+unsigned, expired, older or foreign-signed policy is refused (and counted by reason) while
+the node keeps what it holds. Nothing from the network is trusted on first use: a node with
+no pinned anchor refuses every policy message and refuses to start
+(:meth:`PolicyFeed.require_anchor`).
 
 :func:`consider` is the pure decision; :class:`PolicyFeed` is the shell that reads and
 writes the state files (atomically: envelope first, then anchor, so a crash can only leave the
@@ -25,7 +28,6 @@ from pathlib import Path
 
 from policies import Policy, TrustAnchor, load_policy, open_envelope, signed_envelope
 from policies.errors import PolicyError, PolicyParseError
-from policies.keys import fingerprint
 from policies.loader import read_bytes
 from policies.signing import dump_anchor, parse_anchor, parse_signatures
 from sluicegate import topics
@@ -63,18 +65,19 @@ def consider(
     anchor: TrustAnchor | None,
     held: Policy | None,
     source: str,
-    trust_first_use: bool = True,
+    local: bool = False,
 ) -> Accepted | Refused:
     """Decide whether the ``signed_envelope`` bytes ``data`` may replace ``held``.
 
-    With no ``anchor`` the envelope's own signers are trusted (first use) only if
-    ``trust_first_use``; otherwise the node needs a bootstrap file or a persisted anchor.
+    With no ``anchor`` only a ``local`` file (one the operator installed on this node) can
+    start the chain of trust; a message from the network is refused.
     """
-    if anchor is None and not trust_first_use:
+    if anchor is None and not local:
         return Refused(
             NO_ANCHOR,
-            f"{source}: this node has no trust anchor yet and trusts no policy on first use; "
-            "install a signed bootstrap policy file (with its .sig) or an anchor in state_dir",
+            f"{source}: this node has no pinned trust anchor and trusts no policy from the "
+            "network on first use; enroll it ('sluicegate edge install --join TOKEN') or "
+            "install the signed policy file with its .sig as its bootstrap policy",
         )
     try:
         policy, accepted = open_envelope(data, now=now, anchor=anchor, source=source)
@@ -118,13 +121,11 @@ class PolicyFeed:
         policy_file: Path | None = None,
         state_dir: Path | None = None,
         clock: Callable[[], float] = time.time,
-        trust_first_use: bool = True,
     ) -> None:
         self.node = node
         self._policy_file = policy_file
         self._state_dir = state_dir
         self._clock = clock
-        self._trust_first_use = trust_first_use
         self._policy: Policy | None = None
         self._anchor: TrustAnchor | None = None
         self._callbacks: list[Callable[[Policy], None]] = []
@@ -183,14 +184,13 @@ class PolicyFeed:
             anchor=self._anchor,
             held=self._policy,
             source=source,
-            trust_first_use=self._trust_first_use or local,
+            local=local,
         )
         if isinstance(verdict, Refused):
             self.refused[verdict.reason] += 1
             self.last_refusal = verdict
             log.warning("%s refused a policy [%s]: %s", self.node, verdict.reason, verdict.message)
             return verdict
-        first_use = self._anchor is None and not local
         if verdict.changed or verdict.anchor != self._anchor:
             self._persist(data, verdict.anchor)
         self._anchor = verdict.anchor
@@ -202,15 +202,6 @@ class PolicyFeed:
         log.info(
             "%s accepted policy %r v%d from %s", self.node, policy.campus, policy.version, source
         )
-        if first_use:
-            signers = ", ".join(sorted(fingerprint(k).hex() for k in policy.signer_keys))
-            log.warning(
-                "%s trusted policy v%d on first use (signer fingerprints %s); pin it with a "
-                "bootstrap policy file to refuse an impostor's first policy",
-                self.node,
-                policy.version,
-                signers,
-            )
         for callback in self._callbacks:
             try:
                 callback(policy)
@@ -238,6 +229,18 @@ class PolicyFeed:
         if self._policy_file is not None:
             envelope = bootstrap_envelope(self._policy_file)
             self.offer(envelope, source=str(self._policy_file), local=True)
+
+    def require_anchor(self) -> None:
+        """Refuse to start without a pinned trust anchor (after :meth:`load`)."""
+        if self._anchor is None:
+            where = f" in {self._state_dir}" if self._state_dir is not None else ""
+            last = f"; {self.last_refusal.message}" if self.last_refusal else ""
+            raise ConfigError(
+                f"node {self.node} has no pinned policy trust anchor{where} and trusts no "
+                "policy from the network on first use: enroll it ('sluicegate edge install "
+                "--join TOKEN' or 'pool install --join TOKEN'), or set its policy_file to the "
+                f"signed campus policy (with its .sig beside it){last}"
+            )
 
     async def start(self, transport: Transport) -> None:
         """Follow the retained policy topic (it arrives right after the subscription)."""

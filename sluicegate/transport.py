@@ -106,5 +106,8 @@ class Transport(Protocol):
     def on_connect(self, hook: Callable[[], None]) -> None:
         """Run ``hook`` on the loop after every (re)connect, once subscriptions are renewed."""
 
+    def on_disconnect(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` on the loop whenever an established connection is lost."""
+
     @property
     def connected(self) -> bool: ...

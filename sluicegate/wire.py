@@ -131,13 +131,33 @@ class EdgeTelemetry(_Wire):
 
 
 class NodeStatus(_Wire):
-    """Retained online/offline status; the offline copy is the Last Will."""
+    """Retained online/offline status; the offline copy is the Last Will. ``instance``,
+    ``since`` and ``host`` name the process (``sluicegate.identity``): two processes with
+    one identity see each other here."""
 
     v: Literal[1] = WIRE_VERSION
     node: str
     kind: Literal["edge", "pool", "broker"]
     zone: str
     state: Literal["online", "offline"]
+    instance: str | None = Field(None, max_length=64)
+    since: float | None = None  # unix s, when the process started
+    host: str | None = Field(None, max_length=255)
+
+
+def node_status(
+    node: str,
+    kind: Literal["edge", "pool", "broker"],
+    zone: str,
+    state: Literal["online", "offline"],
+) -> NodeStatus:
+    """This process's status as ``node``."""
+    from sluicegate.identity import this_process
+
+    me = this_process()
+    return NodeStatus(
+        node=node, kind=kind, zone=zone, state=state, instance=me.id, since=me.since, host=me.host
+    )
 
 
 def outputs_of(outputs: VisionOutputs) -> Outputs:

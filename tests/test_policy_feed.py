@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from policies import Policy, TrustAnchor, signed_envelope
-from policies.signing import dump_signatures
+from policies.signing import dump_anchor, dump_signatures
 from sluicegate import topics
 from sluicegate.config import MqttSettings
 from sluicegate.errors import ConfigError
@@ -59,13 +59,13 @@ def tampered(policy: Policy) -> bytes:
 def test_consider_refuses_with_the_reason(
     data: bytes, anchor: TrustAnchor | None, reason: str
 ) -> None:
-    verdict = consider(data, now=NOW, anchor=anchor, held=None, source="t")
+    verdict = consider(data, now=NOW, anchor=anchor, held=None, source="t", local=True)
     assert isinstance(verdict, Refused)
     assert verdict.reason == reason, verdict.message
 
 
 def test_consider_accepts_newer_and_equal_and_reports_change() -> None:
-    first = consider(envelope(V1), now=NOW, anchor=None, held=None, source="t")
+    first = consider(envelope(V1), now=NOW, anchor=None, held=None, source="t", local=True)
     assert isinstance(first, Accepted)
     assert first.changed
     assert first.anchor.version == 1
@@ -78,13 +78,20 @@ def test_consider_accepts_newer_and_equal_and_reports_change() -> None:
     assert newer.policy.version == 2
 
 
-def test_first_use_can_be_forbidden() -> None:
-    verdict = consider(
-        envelope(V1), now=NOW, anchor=None, held=None, source="t", trust_first_use=False
-    )
+def test_nothing_from_the_network_is_trusted_on_first_use() -> None:
+    verdict = consider(envelope(V1), now=NOW, anchor=None, held=None, source="t")
     assert isinstance(verdict, Refused)
     assert verdict.reason == "policy.no_anchor"
-    assert "bootstrap" in verdict.message
+    assert "--join" in verdict.message
+    pinned = TrustAnchor.of(V1)
+    again = consider(envelope(V1), now=NOW, anchor=pinned, held=None, source="t")
+    assert isinstance(again, Accepted)
+
+
+def _pin(state: Path, policy: Policy) -> None:
+    """What enrollment leaves: the trust anchor of the campus's policy, pinned."""
+    state.mkdir(parents=True, exist_ok=True)
+    (state / ANCHOR_FILE).write_bytes(dump_anchor(TrustAnchor.of(policy)))
 
 
 def _feed(state: Path | None, policy_file: Path | None = None, now: float = NOW) -> PolicyFeed:
@@ -95,6 +102,7 @@ async def test_feed_follows_the_retained_topic_and_never_goes_back(tmp_path: Pat
     broker = MemoryBroker()
     publisher = MemoryTransport(broker)
     publisher.publish_nowait(topics.policy(), envelope(V1), qos=1, retain=True)
+    _pin(tmp_path, V1)
     feed = _feed(tmp_path)
     seen: list[int] = []
     feed.on_change(lambda p: seen.append(p.version))
@@ -159,7 +167,7 @@ def test_bootstrap_file_without_signatures_is_a_config_error(tmp_path: Path) -> 
 def test_policy_that_expires_while_held_is_no_longer_current() -> None:
     clock = [NOW]
     feed = PolicyFeed(node="n1", clock=lambda: clock[0])
-    assert isinstance(feed.offer(envelope(V1), source="t"), Accepted)
+    assert isinstance(feed.offer(envelope(V1), source="t", local=True), Accepted)
     assert feed.current is not None
     clock[0] = V1.expires + 1
     assert feed.current is None
@@ -170,7 +178,7 @@ def test_policy_that_expires_while_held_is_no_longer_current() -> None:
 
 def test_unknown_signer_is_counted_and_the_held_policy_stays() -> None:
     feed = _feed(None)
-    feed.offer(envelope(V1), source="t")
+    feed.offer(envelope(V1), source="t", local=True)
     mallory_v2 = signed_envelope(V2, signed(V2, "mallory", "officer-alice"))
     verdict = feed.offer(mallory_v2, source="t")
     assert isinstance(verdict, Refused)
@@ -197,6 +205,7 @@ async def test_real_broker_retained_policy_reaches_a_late_subscriber(
         info.wait_for_publish(10)
     finally:
         plain.close()
+    _pin(tmp_path, V1)
     feed = _feed(tmp_path)
     changed = asyncio.Event()
     feed.on_change(lambda _p: changed.set())
@@ -209,18 +218,20 @@ async def test_real_broker_retained_policy_reaches_a_late_subscriber(
     assert (tmp_path / ENVELOPE_FILE).read_bytes() == envelope(V2)
 
 
-def test_without_first_use_trust_only_an_installed_file_starts_the_chain(tmp_path: Path) -> None:
-    network = PolicyFeed(node="n1", clock=lambda: NOW, trust_first_use=False)
+def test_only_an_installed_file_starts_the_chain_and_a_node_without_refuses_to_start(
+    tmp_path: Path,
+) -> None:
+    network = PolicyFeed(node="n1", clock=lambda: NOW)
+    network.load()
+    with pytest.raises(ConfigError, match="no pinned policy trust anchor"):
+        network.require_anchor()
     refused = network.offer(envelope(V1), source=topics.policy())
     assert isinstance(refused, Refused)
     assert refused.reason == "policy.no_anchor"
-    pinned = PolicyFeed(
-        node="n1",
-        policy_file=_write_policy(tmp_path, 1),
-        clock=lambda: NOW,
-        trust_first_use=False,
-    )
+    assert network.current is None
+    pinned = PolicyFeed(node="n1", policy_file=_write_policy(tmp_path, 1), clock=lambda: NOW)
     pinned.load()
+    pinned.require_anchor()
     assert isinstance(pinned.offer(envelope(V2), source=topics.policy()), Accepted)
     assert pinned.current is not None
     assert pinned.current.version == 2

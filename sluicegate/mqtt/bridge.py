@@ -135,7 +135,18 @@ class MqttTransport:
             password = settings.password.get_secret_value() if settings.password else None
             self._client.username_pw_set(settings.username, password)
         if settings.tls_ca_file is not None:
-            self._client.tls_set(ca_certs=str(settings.tls_ca_file))
+            cert, key = settings.tls_cert_file, settings.tls_key_file
+            try:
+                self._client.tls_set(
+                    ca_certs=str(settings.tls_ca_file),
+                    certfile=str(cert) if cert is not None else None,
+                    keyfile=str(key) if key is not None else None,
+                )
+            except (OSError, ssl.SSLError, ValueError) as exc:
+                raise TransportError(
+                    f"cannot load the TLS files ([mqtt] tls_ca_file {settings.tls_ca_file}, "
+                    f"tls_cert_file {cert}, tls_key_file {key}): {exc}"
+                ) from exc
         if will is not None:
             self._client.will_set(will.topic, will.payload, qos=will.qos, retain=will.retain)
         self._client.on_connect = self._on_connect
