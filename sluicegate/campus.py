@@ -1,21 +1,33 @@
-"""A small campus written to disk: signed policy, keys and one settings file per node.
+"""A small campus written to disk: signed policy, keys, certificates, the Mosquitto ACL
+and one settings file per node.
 
 The demo runs on it, and so do the tests that start a broker, edges and workers as real
 processes. Keys come from a function the caller passes: fresh random keys for the demo
 (no private key is ever a shipped default), the published test keys in tests. The layout
 is two inspection lines and a data centre in one fab, and an off-site cloud pool: wafer
 images stay on campus, OCR crops may go off-site.
+
+Secure by default, as a plant runs it: a campus CA made for the run, a TLS client
+certificate per node (its own Ed25519 key, the one the policy lists), per app and per
+observer, a server certificate for Mosquitto on loopback, and the ACL generated from the
+policy; every node config points at its own certificate. ``secure=False`` writes the open
+layout (no TLS, anonymous MQTT) for debugging only.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from policies import SigningKey, parse_policy
 from policies.signing import add_signature, dump_signatures, sign_policy
+from sluicegate import pki
+from sluicegate.acl import render_acl
+from sluicegate.config import MqttSettings
+from sluicegate.mosquitto import ListenerTls
 
 FAB = "campus/fab-north"
 LINES = {"line-1-pc": f"{FAB}/line-1", "line-2-pc": f"{FAB}/line-2"}
@@ -24,6 +36,16 @@ WORKERS = {
     "cloud-cpu-1": ("offsite/cloud-east", "x86-cpu-cloud"),
 }
 OFFICER, BROKER = "officer", "broker-1"
+# Vision apps (each its own MQTT identity): one per line, one that may submit to both.
+APPS = {
+    "app-line-1": (("line-1-pc",), "app/line-1"),
+    "app-line-2": (("line-2-pc",), "app/line-2"),
+    "app-campus": (tuple(LINES), "app/campus"),
+}
+APP_OF_LINE = {"line-1-pc": "app-line-1", "line-2-pc": "app-line-2"}
+OBSERVER = "observer"  # reads status and telemetry: the campus's own watchers
+PROBE = "sg-probe"  # no rights at all: Mosquitto's readiness ping
+MOSQUITTO = "mosquitto"  # the server certificate's file stem
 
 POLICY_TEMPLATE = """\
 # Sluicegate demo campus, written by sluicegate.campus with keys made for this run.
@@ -55,6 +77,7 @@ key = "{line1_key}"
 zone = "{fab}/line-2"
 key = "{line2_key}"
 
+{apps}
 [classes.wafer-image]
 description = "Raw wafer inspection images: campus only"
 allow = ["campus/**"]
@@ -88,9 +111,73 @@ class Campus:
     root: Path
     policy_file: Path
     key_files: dict[str, Path] = field(default_factory=dict)
+    mqtt_port: int = 1883
+    secure: bool = True
 
     def node_config(self, node: str) -> Path:
         return self.root / f"{node}.toml"
+
+    @property
+    def ca_file(self) -> Path:
+        return self.root / pki.CA_CERT
+
+    @property
+    def acl_file(self) -> Path:
+        return self.root / "mosquitto.acl"
+
+    def cert_file(self, identity: str) -> Path:
+        return self.root / f"{identity}.pem"
+
+    def mqtt(self, identity: str) -> MqttSettings:
+        """How ``identity`` (a node, app or observer) reaches this campus's Mosquitto."""
+        if not self.secure:
+            return MqttSettings(port=self.mqtt_port, plaintext=True)
+        return MqttSettings(
+            port=self.mqtt_port,
+            tls_ca_file=self.ca_file,
+            tls_cert_file=self.cert_file(identity),
+            tls_key_file=self.key_files[identity],
+        )
+
+    def listener_tls(self) -> ListenerTls:
+        """What Mosquitto needs to serve this campus (``servers.start_mosquitto(tls=...)``)."""
+        return ListenerTls(
+            cafile=self.ca_file,
+            certfile=self.cert_file(MOSQUITTO),
+            keyfile=self.key_files[MOSQUITTO],
+            acl_file=self.acl_file,
+        )
+
+    def client_context(self, identity: str = PROBE) -> ssl.SSLContext:
+        """A TLS client context as ``identity`` (the readiness probe by default)."""
+        context = ssl.create_default_context(cafile=str(self.ca_file))
+        context.load_cert_chain(self.cert_file(identity), self.key_files[identity])
+        return context
+
+
+def _app_tables() -> str:
+    out = []
+    for app, (edges, prefix) in APPS.items():
+        names = ", ".join(f'"{edge}"' for edge in edges)
+        out.append(f'[apps.{app}]\nedges = [{names}]\nresults = ["{prefix}"]\n')
+    return "\n".join(out)
+
+
+def _write_pki(root: Path, keys: dict[str, SigningKey], now: float) -> dict[str, Path]:
+    """The campus CA, Mosquitto's server certificate and one client certificate per
+    identity in ``keys``; returns the key files written besides the node keys."""
+    ca = pki.new_authority("demo-campus", now=now)
+    pki.save_authority(ca, root)
+    server_key, server = pki.server_identity(ca, ("127.0.0.1", "localhost"), now=now)
+    key_file = root / f"{MOSQUITTO}.key"
+    pki.write_private(key_file, pki.key_pem(server_key))
+    (root / f"{MOSQUITTO}.pem").write_bytes(pki.cert_pem(server))
+    for name, key in keys.items():
+        cert = pki.issue(
+            ca, key.private.public_key(), name, purpose="client", now=now, days=pki.NODE_DAYS
+        )
+        (root / f"{name}.pem").write_bytes(pki.cert_pem(cert))
+    return {MOSQUITTO: key_file}
 
 
 def write_campus(
@@ -103,9 +190,12 @@ def write_campus(
     now: float | None = None,
     workers: dict[str, tuple[str, str]] | None = None,
     http_port: int = 0,
+    secure: bool = True,
 ) -> Campus:
-    """Write the policy (signed by the officer), node keys and node configs under ``root``."""
+    """Write the policy (signed by the officer), node keys and node configs under ``root``;
+    with ``secure``, also the CA, every identity's certificate and the Mosquitto ACL."""
     root.mkdir(parents=True, exist_ok=True)
+    now_s = now if now is not None else dt.datetime.now(dt.UTC).timestamp()
     stamp = dt.datetime.fromtimestamp(now, dt.UTC) if now is not None else dt.datetime.now(dt.UTC)
     expires = (stamp + dt.timedelta(days=30)).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
     workers = WORKERS if workers is None else workers
@@ -113,13 +203,15 @@ def write_campus(
     by_zone: dict[str, list[str]] = {}
     for worker, (zone, _device_class) in workers.items():
         by_zone.setdefault(zone, []).append(worker)
+    keys = {name: key_for(name) for name in names}
     pools = "".join(
-        f'[pools.{zone.replace("/", "-")}]\nzone = "{zone}"\nworkers = {sorted(ids)!r}\n\n'.replace(
-            "'", '"'
-        )
+        f'[pools.{zone.replace("/", "-")}]\nzone = "{zone}"\nworkers = {{ '
+        + ", ".join(f'{w} = "{keys[w].public_text}"' for w in sorted(ids))
+        + " }\n\n"
         for zone, ids in sorted(by_zone.items())
     )
-    keys = {name: key_for(name) for name in names}
+    if secure:  # apps and observers have keys for their certificates only
+        keys |= {name: key_for(name) for name in (*APPS, OBSERVER, PROBE)}
     key_files: dict[str, Path] = {}
     for name, key in keys.items():
         path = root / f"{name}.key"
@@ -137,29 +229,45 @@ def write_campus(
         line1_key=keys["line-1-pc"].public_text,
         line2_key=keys["line-2-pc"].public_text,
         pools=pools,
+        apps=_app_tables(),
     )
     policy_file = root / "policy.toml"
     policy_file.write_text(text)
     policy = parse_policy(text.encode(), source=str(policy_file))
     bundle = add_signature(None, policy, sign_policy(policy, keys[OFFICER], OFFICER))
     policy_file.with_name("policy.toml.sig").write_bytes(dump_signatures(bundle))
-    campus = Campus(root, policy_file, key_files)
-    mqtt = f"[mqtt]\nport = {mqtt_port}\nkeepalive_s = 5\nreconnect_max_s = 2\n"
+    if secure:
+        key_files |= _write_pki(root, {n: k for n, k in keys.items() if n != OFFICER}, now_s)
+        (root / "mosquitto.acl").write_text(render_acl(policy, observers=(OBSERVER,)))
+    campus = Campus(root, policy_file, key_files, mqtt_port, secure)
+
+    def mqtt(node: str) -> str:
+        text = f"[mqtt]\nport = {mqtt_port}\nkeepalive_s = 5\nreconnect_max_s = 2\n"
+        if not secure:
+            return text + "plaintext = true\n"
+        return (
+            text + f'tls_ca_file = "{campus.ca_file}"\ntls_cert_file = "{campus.cert_file(node)}"\n'
+            f'tls_key_file = "{key_files[node]}"\n'
+        )
+
     (root / f"{BROKER}.toml").write_text(
-        mqtt + f'\n[broker]\nid = "{BROKER}"\nredis_url = "{redis_url}"\nhttp_port = {http_port}\n'
+        mqtt(BROKER)
+        + f'\n[broker]\nid = "{BROKER}"\nredis_url = "{redis_url}"\nhttp_port = {http_port}\n'
         f'key_file = "{key_files[BROKER]}"\npolicy_file = "{policy_file}"\n'
         f'state_dir = "{root / "state" / BROKER}"\n'
     )
     for edge, zone in LINES.items():
         # A line PC is modest: one job at a time, and more than a few waiting is a burst.
         campus.node_config(edge).write_text(
-            mqtt + f'\n[edge]\nid = "{edge}"\nzone = "{zone}"\nconcurrency = 1\n'
+            mqtt(edge) + f'\n[edge]\nid = "{edge}"\nzone = "{zone}"\nconcurrency = 1\n'
+            f'key_file = "{key_files[edge]}"\n'
             f"\n[offload]\nqueue_bound = 4\n"
             f'state_dir = "{root / "state" / edge}"\npolicy_file = "{policy_file}"\n'
         )
     for worker, (zone, device_class) in workers.items():
         campus.node_config(worker).write_text(
-            mqtt + f'\n[pool]\nid = "{worker}"\nzone = "{zone}"\ndevice_class = "{device_class}"\n'
+            mqtt(worker)
+            + f'\n[pool]\nid = "{worker}"\nzone = "{zone}"\ndevice_class = "{device_class}"\n'
             f'redis_url = "{redis_url}"\nkey_file = "{key_files[worker]}"\n'
             f'state_dir = "{root / "state" / worker}"\npolicy_file = "{policy_file}"\n'
         )

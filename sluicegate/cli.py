@@ -255,12 +255,21 @@ def demo(
     redis_port: Annotated[
         int | None, typer.Option(help="Use a Redis already on this port.")
     ] = None,
+    open_mode: Annotated[
+        bool,
+        typer.Option(
+            "--open", help="No TLS, certificates or ACL: for debugging only (needed with --port)."
+        ),
+    ] = False,
 ) -> None:
-    """Full local demo: Mosquitto, Redis, a broker, two edges, two workers, a burst, live."""
+    """Full local demo: Mosquitto, Redis, a broker, two edges, two workers, a burst, live.
+    Secured as a plant runs it (TLS, a certificate per node and app, the generated ACL)."""
     from sluicegate.demo import run_demo
 
     try:
-        code = run_demo(rate=rate, seconds=seconds, port=port, redis_port=redis_port)
+        code = run_demo(
+            rate=rate, seconds=seconds, port=port, redis_port=redis_port, open_mode=open_mode
+        )
     except SluicegateError as exc:
         _fail(str(exc))
         return

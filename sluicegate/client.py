@@ -29,6 +29,7 @@ from pydantic import ValidationError
 from sluicegate import topics, wire
 from sluicegate.config import MqttSettings
 from sluicegate.errors import RequestTimeout, TransportError, WireError
+from sluicegate.identity import certificate_name
 from sluicegate.mqtt import Message, MqttTransport
 from sluicegate.vision.synth import encode_jpeg
 
@@ -61,13 +62,19 @@ class AsyncClient:
         *,
         edge: str = "edge-1",
         client_id: str | None = None,
+        response_topic: str | None = None,
         default_timeout: float = 30.0,
         remember: int = 10_000,
     ) -> None:
+        """``mqtt`` with a client certificate connects as the app that certificate names
+        (Mosquitto makes its CN the client id); ``response_topic`` is where results come,
+        by default ``sluicegate/v1/clients/<client id>/results``, else one under the app's
+        own results prefix in the policy."""
         self._mqtt = mqtt or MqttSettings()
         self.edge = topics.check_id("edge id", edge)
-        self.client_id = client_id or f"sg-client-{uuid.uuid4().hex[:12]}"
-        self.response_topic = topics.client_results(self.client_id)
+        named = certificate_name(self._mqtt)
+        self.client_id = named or client_id or f"sg-client-{uuid.uuid4().hex[:12]}"
+        self.response_topic = response_topic or topics.client_results(self.client_id)
         self._default_timeout = default_timeout
         self._pending: dict[bytes, asyncio.Future[wire.JobResult]] = {}
         self._transport = MqttTransport(self._mqtt, client_id=self.client_id)

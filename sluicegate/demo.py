@@ -2,7 +2,13 @@
 
 It starts a Mosquitto and a Redis on free ports (or uses ones the user names), then a local
 campus (:mod:`sluicegate.localcampus`: a broker, edge agents on two lines, a worker in the
-fab's data centre and one off-site), with a policy signed by keys made for this run. It
+fab's data centre and one off-site), with a policy signed by keys made for this run. It runs
+secured as a plant does: a campus CA made for the run, a client certificate per node and
+per app, the ACL generated from the policy, every node's policy anchor pinned; ``--open``
+runs it without TLS, for debugging, and is required with ``--port`` (a Mosquitto the demo
+did not configure cannot hold its CA and ACL). On a Mosquitto or Redis the user gave, it
+removes what it created when it ends: the retained messages and sessions of its nodes,
+and the keys of the empty Redis database it used. It
 streams generated inspection images at both lines — wafer images that must stay on campus
 and OCR crops that may leave — and, part-way through, a 10x burst on line 1. The live view
 shows jobs run locally versus offloaded and where, latency percentiles, deadline
@@ -18,6 +24,7 @@ import contextlib
 import signal
 import tempfile
 import time
+import uuid
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,12 +36,12 @@ from rich.panel import Panel
 from rich.table import Table
 
 from sluicegate import wire
-from sluicegate.campus import LINES
+from sluicegate.campus import APP_OF_LINE, APPS, LINES, Campus
 from sluicegate.client import AsyncClient
-from sluicegate.config import MqttSettings
+from sluicegate.demo_cleanup import clear_mqtt, empty_database, flush_database
 from sluicegate.errors import SluicegateError
-from sluicegate.localcampus import LocalCampus, cpu_cap_available
-from sluicegate.servers import ServerProcess, running, start_mosquitto, start_redis
+from sluicegate.localcampus import LocalCampus, cpu_cap_available, start_campus_mosquitto
+from sluicegate.servers import ServerProcess, free_port, running, start_redis
 from sluicegate.vision.synth import encode_jpeg, generate
 
 MODEL = "defect-v1"
@@ -136,8 +143,16 @@ async def _one(
     tally.record(result, truth, data_class, (time.perf_counter() - t0) * 1000.0)
 
 
+def app_client(campus: Campus, line: str) -> AsyncClient:
+    """The vision app of ``line``: its own identity, results under its own prefix."""
+    app = APP_OF_LINE[line]
+    return AsyncClient(
+        campus.mqtt(app), edge=line, response_topic=f"{APPS[app][1]}/{uuid.uuid4().hex[:8]}"
+    )
+
+
 async def stream(
-    mqtt: MqttSettings,
+    campus: Campus,
     rate: float,
     seconds: float,
     stop: asyncio.Event,
@@ -155,7 +170,7 @@ async def stream(
         img, truth = generate(rng)
         pool.append((encode_jpeg(img), truth, "ocr-crop" if i % 3 == 0 else "wafer-image"))
     pending: set[asyncio.Task[None]] = set()
-    clients = {line: AsyncClient(mqtt, edge=line) for line in LINES}
+    clients = {line: app_client(campus, line) for line in LINES}
     for c in clients.values():
         await c.connect()
     view = Live(render(tally), console=Console(), refresh_per_second=4) if live else None
@@ -196,21 +211,50 @@ async def stream(
             await c.close()
 
 
-def run_demo(*, rate: float, seconds: float, port: int | None, redis_port: int | None) -> int:
+def run_demo(
+    *,
+    rate: float,
+    seconds: float,
+    port: int | None,
+    redis_port: int | None,
+    open_mode: bool = False,
+) -> int:
     """Run the demo; returns the exit status (0 when every job was answered and no wafer
     image left the campus)."""
+    if port is not None and not open_mode:
+        raise SluicegateError(
+            f"--port {port} is a Mosquitto this demo did not configure: it cannot hold the "
+            "demo's CA, certificates and ACL. Leave --port out (the demo starts a secured "
+            "one), or add --open to run without TLS on yours (debugging only)"
+        )
     console = Console()
     tally = Tally()
     with contextlib.ExitStack() as stack:
-        mqtt_port = port or stack.enter_context(running(start_mosquitto())).port
         redis: ServerProcess | None = None
         if redis_port is None:
             redis = stack.enter_context(running(start_redis()))
-        redis_url = f"redis://127.0.0.1:{redis_port or (redis.port if redis else 6379)}/0"
+            redis_url = f"redis://127.0.0.1:{redis.port}/0"
+        else:
+            db = empty_database(redis_port)
+            redis_url = f"redis://127.0.0.1:{redis_port}/{db}"
+            stack.callback(flush_database, redis_port, db)
         root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sg-demo-")))
         edge_cpu = EDGE_CPU if cpu_cap_available() else None
-        campus = LocalCampus(root, mqtt_port=mqtt_port, redis_url=redis_url, edge_cpu=edge_cpu)
-        console.print(f"[b]campus[/] in {root}: MQTT 127.0.0.1:{mqtt_port}, {redis_url}")
+        mqtt_port = port or free_port()
+        campus = LocalCampus(
+            root,
+            mqtt_port=mqtt_port,
+            redis_url=redis_url,
+            edge_cpu=edge_cpu,
+            secure=not open_mode,
+        )
+        written = campus.write()
+        if port is None:
+            stack.enter_context(running(start_campus_mosquitto(written)))
+        else:
+            stack.callback(clear_mqtt, written, campus.nodes)
+        mode = "open (no TLS: debugging only)" if open_mode else "TLS, client certificates, ACL"
+        console.print(f"[b]campus[/] in {root}: MQTT 127.0.0.1:{mqtt_port} ({mode}), {redis_url}")
         if edge_cpu is not None:
             console.print(f"line PCs emulated as modest machines: {edge_cpu:.0%} of one core each")
         console.print("starting broker-1, line-1-pc, line-2-pc, north-cpu-1, cloud-cpu-1 …")
@@ -222,7 +266,7 @@ def run_demo(*, rate: float, seconds: float, port: int | None, redis_port: int |
                 loop = asyncio.get_running_loop()
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.add_signal_handler(sig, stop.set)
-                await stream(MqttSettings(port=mqtt_port), rate, seconds, stop, tally)
+                await stream(written, rate, seconds, stop, tally)
 
             asyncio.run(main())
         finally:

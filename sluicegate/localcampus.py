@@ -2,9 +2,12 @@
 its own ``sluicegate`` process, on a Mosquitto and a Redis the caller provides.
 
 The demo runs it, and so do the end-to-end and fault tests, so what the tests prove is what
-the demo shows. It writes the campus (policy signed with keys made for the run, one config
-per node), starts the processes in their own sessions (Ctrl-C reaches only the caller, who
-then stops them in order) and waits until every node's retained status says ``online``.
+the demo shows. It writes the campus (policy signed with keys made for the run, the campus
+CA and every identity's certificate, the ACL, one config per node: :meth:`write`), the
+caller starts Mosquitto on it (:func:`start_campus_mosquitto`: TLS, client certificates,
+the generated ACL), then :meth:`start` starts the processes in their own sessions (Ctrl-C
+reaches only the caller, who then stops them in order) and waits until every node's
+retained status says ``online``.
 For fault injection it can SIGKILL any node, or the Mosquitto and Redis it was given, and
 start it again on the same ports, configuration and state directory (an edge's outbox
 survives). It never deletes a node's state: the caller owns ``root``.
@@ -24,11 +27,10 @@ from pathlib import Path
 
 from policies import SigningKey
 from sluicegate import topics, wire
-from sluicegate.campus import BROKER, LINES, WORKERS, Campus, write_campus
-from sluicegate.config import MqttSettings
+from sluicegate.campus import BROKER, LINES, OBSERVER, WORKERS, Campus, write_campus
 from sluicegate.errors import SluicegateError
 from sluicegate.mqtt import MqttTransport
-from sluicegate.servers import ServerProcess, free_port
+from sluicegate.servers import ServerProcess, free_port, start_mosquitto
 from sluicegate.threads import EDGE_COMPUTE
 from sluicegate.transport import Message
 
@@ -59,6 +61,7 @@ class LocalCampus:
         nodes: Collection[str] | None = None,
         node_env: Mapping[str, Mapping[str, str]] | None = None,
         servers: Mapping[str, ServerProcess] | None = None,
+        secure: bool = True,
     ) -> None:
         """``edge_cpu``: emulate line PCs with a modest inference budget by capping each
         edge agent's compute threads to this share of one core (a CPU cgroup, which leaves
@@ -66,7 +69,8 @@ class LocalCampus:
         (default: all of :data:`ROLE`). ``node_env``: extra environment for one node, e.g.
         ``{"line-1-pc": {"SLUICEGATE_MQTT__PORT": "..."}}`` to route it through a proxy.
         ``servers``: the ``mosquitto`` / ``redis`` processes the campus runs on, so that
-        :meth:`kill` and :meth:`restart` reach them too."""
+        :meth:`kill` and :meth:`restart` reach them too. ``secure=False``: no TLS, anonymous
+        MQTT, for debugging only."""
         unknown = set(nodes or ()) - set(ROLE)
         if unknown:
             raise SluicegateError(f"unknown nodes {sorted(unknown)}; known: {', '.join(ROLE)}")
@@ -85,6 +89,7 @@ class LocalCampus:
         self._nodes = [node for node in ROLE if nodes is None or node in nodes]
         self.servers: dict[str, ServerProcess] = dict(servers or {})
         self.campus: Campus | None = None
+        self.secure = secure
         self.http_port = free_port()  # the broker's HTTP API
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
 
@@ -92,20 +97,28 @@ class LocalCampus:
     def nodes(self) -> list[str]:
         return list(self._nodes)
 
+    def write(self) -> Campus:
+        """Write the campus's files (once): what Mosquitto and every node need."""
+        if self.campus is None:
+            self.campus = write_campus(
+                self.root,
+                self._key_for,
+                mqtt_port=self.mqtt_port,
+                redis_url=self.redis_url,
+                http_port=self.http_port,
+                secure=self.secure,
+            )
+        return self.campus
+
     def start(self, timeout: float = 60.0) -> Campus:
-        """Write the campus, start every node, return once all are online."""
-        self.campus = write_campus(
-            self.root,
-            self._key_for,
-            mqtt_port=self.mqtt_port,
-            redis_url=self.redis_url,
-            http_port=self.http_port,
-        )
+        """Write the campus if not yet written, start every node, return once all are
+        online."""
+        campus = self.write()
         for node in self.nodes:
             self.spawn(node)
         asyncio.run(self._wait_online(self.nodes, timeout))
         self._cap_edges()  # an edge is online once its compute threads exist
-        return self.campus
+        return campus
 
     def spawn(self, node: str) -> subprocess.Popen[bytes]:
         """Start ``node``'s process (its config and state directory as before)."""
@@ -196,10 +209,11 @@ class LocalCampus:
             await watcher.close()
 
     def _watcher(self, purpose: str) -> MqttTransport:
-        return MqttTransport(
-            MqttSettings(port=self.mqtt_port),
-            client_id=f"sg-campus-{purpose}-{os.getpid()}-{time.monotonic_ns() % 10**9}",
-        )
+        assert self.campus is not None
+        client_id = OBSERVER  # its certificate's name; open mode: one of its own
+        if not self.secure:
+            client_id = f"sg-campus-{purpose}-{os.getpid()}-{time.monotonic_ns() % 10**9}"
+        return MqttTransport(self.campus.mqtt(OBSERVER), client_id=client_id)
 
     async def _wait_online(self, nodes: list[str], timeout: float) -> None:
         waiting = set(nodes)
@@ -270,6 +284,23 @@ class LocalCampus:
             with contextlib.suppress(OSError):
                 group.rmdir()
         self._cgroups.clear()
+
+
+def start_campus_mosquitto(
+    campus: Campus, *, workdir: Path | None = None, persistence: bool = False
+) -> ServerProcess:
+    """A Mosquitto on ``campus.mqtt_port`` set up as the campus needs: secured with its CA,
+    certificates and ACL (open, for a campus written with ``secure=False``); ``workdir``
+    and ``persistence`` as for :func:`~sluicegate.servers.start_mosquitto`."""
+    if not campus.secure:
+        return start_mosquitto(port=campus.mqtt_port, workdir=workdir, persistence=persistence)
+    return start_mosquitto(
+        port=campus.mqtt_port,
+        workdir=workdir,
+        persistence=persistence,
+        tls=campus.listener_tls(),
+        probe=campus.client_context(),
+    )
 
 
 CGROUP_V1 = Path("/sys/fs/cgroup/cpu")

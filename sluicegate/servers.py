@@ -1,9 +1,11 @@
 """Starts and stops local ``mosquitto`` and ``redis-server`` processes on free ports.
 
 The demo and the test fixtures use this to run against real servers. It owns the
-configuration those servers get (no Nagle delay, anonymous loopback access, no disk
-persistence unless asked) and the readiness check: a server counts as started once it
-accepts a TCP connection and answers its protocol's ping, never after a fixed sleep. A
+configuration those servers get (no Nagle delay, loopback only, no disk persistence unless
+asked; Mosquitto either open to anonymous clients, for tests of single roles, or secured
+as a campus runs it: TLS, client certificates, the generated ACL) and the readiness check:
+a server counts as started once it accepts a connection and answers its protocol's ping
+(over TLS with a probe certificate for a secured Mosquitto), never after a fixed sleep. A
 server can be killed or stopped and started again on the same port with the same data
 directory, which is how the fault tests and ``bench/chaos.py`` crash and restart them.
 """
@@ -15,6 +17,7 @@ import os
 import pwd
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sluicegate.errors import SluicegateError
+from sluicegate.mosquitto import ListenerTls, secure_listener
 
 
 class ServerError(SluicegateError):
@@ -58,6 +62,9 @@ class ServerProcess:
     process: subprocess.Popen[bytes]
     workdir: Path
     argv: list[str] = field(default_factory=list)
+    # A secured Mosquitto's readiness ping goes over TLS with this context (a probe's
+    # client certificate from the campus CA).
+    tls: ssl.SSLContext | None = None
 
     def stop(self, timeout: float = 5.0) -> None:
         """Terminate the process (SIGTERM, then SIGKILL after ``timeout``)."""
@@ -109,9 +116,14 @@ def _spawn(argv: list[str], workdir: Path) -> subprocess.Popen[bytes]:
         )
 
 
-def _ping(name: str, host: str, port: int) -> bool:
+def _ping(name: str, host: str, port: int, tls: ssl.SSLContext | None = None) -> bool:
     try:
-        with socket.create_connection((host, port), timeout=0.5) as sock:
+        with contextlib.ExitStack() as stack:
+            sock: socket.socket = stack.enter_context(
+                socket.create_connection((host, port), timeout=0.5)
+            )
+            if tls is not None:
+                sock = stack.enter_context(tls.wrap_socket(sock, server_hostname=host))
             if name == "redis":
                 sock.sendall(b"PING\r\n")
                 return sock.recv(16).startswith(b"+PONG")
@@ -124,7 +136,7 @@ def _ping(name: str, host: str, port: int) -> bool:
             ack = sock.recv(16)
             sock.sendall(b"\xe0\x00")  # DISCONNECT
             return ack[:1] == b"\x20"
-    except OSError:
+    except OSError:  # ssl.SSLError included
         return False
 
 
@@ -134,7 +146,7 @@ def _wait_ready(server: ServerProcess, timeout: float) -> None:
         if server.process.poll() is not None:
             log = (server.workdir / "server.log").read_text(errors="replace")[-2000:]
             raise ServerError(f"{server.name} exited with {server.process.returncode}: {log}")
-        if _ping(server.name, server.host, server.port):
+        if _ping(server.name, server.host, server.port, server.tls):
             return
         time.sleep(0.02)  # polling interval while waiting for the readiness event
     server.stop()
@@ -149,8 +161,13 @@ def mosquitto_config(
     autosave_interval_s: int = 1,
     max_queued_messages: int = 1_000_000,
     max_inflight_messages: int = 0,
+    tls: ListenerTls | None = None,
 ) -> str:
     """The mosquitto.conf the demo and tests use.
+
+    With ``tls`` it is the campus's secured listener (``sluicegate.mosquitto``): client
+    certificates from the campus CA, identities as usernames and client ids, the ACL;
+    without, a plain listener open to anonymous clients, for tests of a single role.
 
     With ``persistence`` Mosquitto keeps retained messages, persistent sessions and their
     queued QoS 1 messages in ``workdir/mosquitto.db``, written every ``autosave_interval_s``
@@ -161,12 +178,15 @@ def mosquitto_config(
     """
     if autosave_interval_s < 1:
         raise ServerError(f"autosave_interval_s must be >= 1 s, got {autosave_interval_s}")
+    if tls is None:
+        listener = [f"listener {port} 127.0.0.1", "allow_anonymous true"]
+    else:
+        listener = secure_listener(port, "127.0.0.1", tls)
     lines = [
-        f"listener {port} 127.0.0.1",
+        *listener,
         # Started as root, Mosquitto would switch to the user "mosquitto", which may not
         # write ``workdir``: persistence would then fail on every save (a log line only).
         f"user {pwd.getpwuid(os.geteuid()).pw_name}",
-        "allow_anonymous true",
         "set_tcp_nodelay true",
         f"max_inflight_messages {max_inflight_messages}",
         f"max_queued_messages {max_queued_messages}",
@@ -191,13 +211,20 @@ def start_mosquitto(
     max_queued_messages: int = 1_000_000,
     max_inflight_messages: int = 0,
     extra_config: tuple[str, ...] = (),
+    tls: ListenerTls | None = None,
+    probe: ssl.SSLContext | None = None,
 ) -> ServerProcess:
     """Start ``mosquitto`` on a free loopback port and wait until it answers CONNECT.
 
     Restart it with :meth:`ServerProcess.restart` (same port, same ``workdir``: with
     ``persistence`` the sessions and their queued messages survive a graceful restart).
     ``extra_config`` lines go at the end of its configuration (another listener, say).
+    With ``tls`` the listener is secured (see :func:`mosquitto_config`) and ``probe``, a
+    client TLS context with a certificate of the campus CA, is what the readiness ping
+    connects with.
     """
+    if tls is not None and probe is None:
+        raise ServerError("a secured Mosquitto needs a probe TLS context for its readiness ping")
     binary = find_binary("mosquitto")
     port = port or free_port()
     workdir = workdir or Path(tempfile.mkdtemp(prefix="sg-mosquitto-"))
@@ -210,11 +237,14 @@ def start_mosquitto(
             autosave_interval_s=autosave_interval_s,
             max_queued_messages=max_queued_messages,
             max_inflight_messages=max_inflight_messages,
+            tls=tls,
         )
         + "".join(f"{line}\n" for line in extra_config)
     )
     argv = [binary, "-c", str(conf)]
-    server = ServerProcess("mosquitto", "127.0.0.1", port, _spawn(argv, workdir), workdir, argv)
+    server = ServerProcess(
+        "mosquitto", "127.0.0.1", port, _spawn(argv, workdir), workdir, argv, tls=probe
+    )
     _wait_ready(server, 10.0)
     return server
 
