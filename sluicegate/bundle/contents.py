@@ -114,9 +114,14 @@ def target(python: str | None = None, platform: str | None = None) -> Target:
     return Target(python, parsed[0], parsed[1])
 
 
+def canonical(name: str) -> str:
+    """A project name as PEP 503 normalises it: ``Typing_Extensions`` is ``typing-extensions``."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def distribution(wheel: str) -> str:
-    """A wheel file's distribution name, normalised (PEP 503): ``typing-extensions``."""
-    return re.sub(r"[-_.]+", "-", wheel.split("-", 1)[0]).lower()
+    """A wheel file's distribution name, normalised: ``typing-extensions``."""
+    return canonical(wheel.split("-", 1)[0])
 
 
 def dev_tools_in(wheels: Iterable[str]) -> list[str]:

@@ -129,13 +129,16 @@ if [ -d "$BUNDLE/config" ]; then
 fi
 env -u SLUICEGATE_MODELS_DIR "$VENV/bin/sluicegate" models list
 
-cat <<EOF
-
-Installed sluicegate $VERSION in $VENV, models in $PREFIX/models.
-The installed sluicegate finds the models by itself (through $VENV/share/sluicegate/models);
-for another folder set SLUICEGATE_MODELS_DIR=DIR (or [edge] models_dir in the config;
-\`sluicegate models list --models-dir DIR\` checks one).
-Next: fill in the edge config (an example: $PREFIX/config/edge.toml, if the bundle has one)
-and start the agent:
-  $VENV/bin/sluicegate edge run --config $PREFIX/config/edge.toml
-EOF
+echo
+echo "Installed sluicegate $VERSION in $VENV, models in $PREFIX/models."
+echo "The installed sluicegate finds the models by itself (through $VENV/share/sluicegate/models);"
+echo "for another folder set SLUICEGATE_MODELS_DIR=DIR or [edge] models_dir in the config"
+echo "(\`sluicegate models list --models-dir DIR\` checks one)."
+if [ -f "$PREFIX/config/edge.toml" ]; then
+  echo "Next: set this line PC's id, zone, MQTT host and TLS files in $PREFIX/config/edge.toml"
+  echo "(a commented example), then start the agent:"
+  echo "  $VENV/bin/sluicegate edge run --config $PREFIX/config/edge.toml"
+else
+  echo "Next: start the agent (see --help for the MQTT and TLS settings):"
+  echo "  $VENV/bin/sluicegate edge run --id LINE-ID --zone ZONE --host MQTT-HOST"
+fi
