@@ -110,7 +110,7 @@ def _pip(*args: str) -> subprocess.CompletedProcess[str]:
 def _last_error(output: str) -> str:
     lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.startswith("ERROR:")]
-    return (errors or lines or ["(no output)"])[-1]
+    return (errors or lines or ["(no output)"])[-1].removeprefix("ERROR: ")
 
 
 def _own_wheel(source: Path, into: Path) -> Path:

@@ -134,11 +134,15 @@ echo "Installed sluicegate $VERSION in $VENV, models in $PREFIX/models."
 echo "The installed sluicegate finds the models by itself (through $VENV/share/sluicegate/models);"
 echo "for another folder set SLUICEGATE_MODELS_DIR=DIR or [edge] models_dir in the config"
 echo "(\`sluicegate models list --models-dir DIR\` checks one)."
+echo "Next, on a line PC:"
+if "$VENV/bin/sluicegate" edge install --help >/dev/null 2>&1; then
+  echo "  install the edge agent as a systemd service (see docs/deployment.md):"
+  echo "    sudo $VENV/bin/sluicegate edge install --id LINE-ID --zone ZONE --mqtt-host MQTT-HOST"
+  echo "  or run it by hand:"
+fi
 if [ -f "$PREFIX/config/edge.toml" ]; then
-  echo "Next: set this line PC's id, zone, MQTT host and TLS files in $PREFIX/config/edge.toml"
-  echo "(a commented example), then start the agent:"
-  echo "  $VENV/bin/sluicegate edge run --config $PREFIX/config/edge.toml"
+  echo "    $VENV/bin/sluicegate edge run --config $PREFIX/config/edge.toml"
+  echo "  after setting its id, zone, MQTT host and TLS files there (a commented example)."
 else
-  echo "Next: start the agent (see --help for the MQTT and TLS settings):"
-  echo "  $VENV/bin/sluicegate edge run --id LINE-ID --zone ZONE --host MQTT-HOST"
+  echo "    $VENV/bin/sluicegate edge run --id LINE-ID --zone ZONE --host MQTT-HOST"
 fi
