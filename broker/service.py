@@ -170,9 +170,7 @@ class Broker:
         self._refuse_node(sender, "worker", refusal, policy)
         return False
 
-    def _refuse_node(
-        self, sender: str, kind: str, refusal: Refusal, policy: Policy | None
-    ) -> None:
+    def _refuse_node(self, sender: str, kind: str, refusal: Refusal, policy: Policy | None) -> None:
         self.metrics.identity_refusals.labels(refusal.code).inc()
         seen = (sender, refusal.code, policy.digest if policy is not None else b"")
         if seen in self._refused_nodes:

@@ -2,8 +2,9 @@
 it (``topics.edge_returns``, under this worker's id, never the app's own topic: the edge
 owns each accepted job until it is terminal, drops duplicates and stale attempts, and
 answers the app), and the completion record for the broker on
-``sluicegate/v1/broker/completions/<worker id>`` (no outputs, no image). A result carries the work message's correlation data unchanged and the user
-properties job id, attempt and worker id, so the edge can fence it without decoding it.
+``sluicegate/v1/broker/completions/<worker id>`` (no outputs, no image). A result carries
+the work message's correlation data unchanged and the user properties job id, attempt and
+worker id, so the edge can fence it without decoding it.
 
 Both go out QoS 1 through ``publish_nowait`` (the client retries until acked). A refusal gets
 a completion only when its token had passed: before that, nothing was placed here for the

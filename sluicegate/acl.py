@@ -90,7 +90,9 @@ def worker_users(policy: Policy) -> list[UserRules]:
             for edge_id in senders.get(worker.zone, [])
         ]
         out.append(
-            UserRules(worker_id, f"worker of pool {worker.pool!r} in zone {worker.zone}", tuple(rules))
+            UserRules(
+                worker_id, f"worker of pool {worker.pool!r} in zone {worker.zone}", tuple(rules)
+            )
         )
     return out
 
@@ -156,9 +158,11 @@ def observer_users(names: Iterable[str]) -> list[UserRules]:
         topics.worker_all("capabilities"),
     ]
     return [
-        UserRules(name, "observer (monitoring): status and telemetry, read only", tuple(
-            ("read", topic) for topic in reads
-        ))
+        UserRules(
+            name,
+            "observer (monitoring): status and telemetry, read only",
+            tuple(("read", topic) for topic in reads),
+        )
         for name in sorted(set(names))
     ]
 

@@ -50,9 +50,18 @@ LogOpt = Annotated[str, typer.Option("--log-level", help="debug, info, warning o
 ModelsDirOpt = Annotated[Path | None, typer.Option(help="Folder of models (overrides config).")]
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, code: int = 2) -> None:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(2)
+    raise typer.Exit(code)
+
+
+def _failed(exc: SluicegateError) -> None:
+    """A role that stopped on our own error; another process serving its identity exits
+    with its own status, which the systemd units do not restart on."""
+    from sluicegate.errors import IdentityInUse
+    from sluicegate.identity import EXIT_IN_USE
+
+    _fail(str(exc), EXIT_IN_USE if isinstance(exc, IdentityInUse) else 2)
 
 
 def _logging(level: str) -> None:
@@ -110,7 +119,7 @@ def edge_run(
         settings = _settings(config, host, port, edge=edge)
         run_until_signal(lambda stop: serve(settings, stop))
     except SluicegateError as exc:
-        _fail(str(exc))
+        _failed(exc)
 
 
 @pool_app.command("run")
@@ -136,7 +145,7 @@ def pool_run(
         settings = _settings(config, host, port, pool=pool)
         run_until_signal(lambda stop: serve(settings, stop))
     except SluicegateError as exc:
-        _fail(str(exc))
+        _failed(exc)
 
 
 @broker_app.command("run")
@@ -158,7 +167,7 @@ def broker_run(
         settings = _settings(config, host, port, broker=cfg)
         run_until_signal(lambda stop: serve(settings, stop))
     except SluicegateError as exc:
-        _fail(str(exc))
+        _failed(exc)
 
 
 @app.command()

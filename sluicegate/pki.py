@@ -134,7 +134,9 @@ def issue(
     if purpose == "server" and not hosts:
         raise IdentityError("a server certificate needs at least one host name or address")
     start = _utc(now) - BACKDATE
-    usage = ExtendedKeyUsageOID.SERVER_AUTH if purpose == "server" else ExtendedKeyUsageOID.CLIENT_AUTH
+    usage = (
+        ExtendedKeyUsageOID.SERVER_AUTH if purpose == "server" else ExtendedKeyUsageOID.CLIENT_AUTH
+    )
     org = ca.cert.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)
     builder = (
         x509.CertificateBuilder()
@@ -168,11 +170,7 @@ def server_identity(
 def certificate_request(key: NodeKey, node_id: str) -> x509.CertificateSigningRequest:
     """A CSR for ``node_id`` signed by the node's own key (Ed25519 signs without a hash)."""
     algorithm = None if isinstance(key, ed25519.Ed25519PrivateKey) else hashes.SHA256()
-    return (
-        x509.CertificateSigningRequestBuilder()
-        .subject_name(_name(node_id))
-        .sign(key, algorithm)
-    )
+    return x509.CertificateSigningRequestBuilder().subject_name(_name(node_id)).sign(key, algorithm)
 
 
 def check_request(csr: x509.CertificateSigningRequest, node_id: str) -> None:

@@ -1,5 +1,7 @@
 """Real tier, whole campus: a broker, two edge agents and two pool workers as processes
-(the same :class:`LocalCampus` the demo runs), on real Mosquitto and Redis.
+(the same :class:`LocalCampus` the demo runs), on real Mosquitto and Redis, secured as a
+plant runs it: TLS, a certificate per node and app, the ACL generated from the policy, every
+node's policy anchor pinned. Apps submit as themselves and take results on their own topics.
 
 The burst test asserts completeness and placement; how many met their deadline is a
 benchmark figure (bench/campus_burst.py), never a test assertion.
@@ -24,10 +26,10 @@ import redis
 
 from broker import keys as broker_keys
 from sluicegate import AsyncClient
-from sluicegate.config import MqttSettings
+from sluicegate.campus import APP_OF_LINE, APPS
 from sluicegate.demo import Tally, stream
-from sluicegate.localcampus import LocalCampus
-from sluicegate.servers import ServerProcess, running, start_mosquitto
+from sluicegate.localcampus import LocalCampus, start_campus_mosquitto
+from sluicegate.servers import ServerProcess, free_port, running
 from tests.image_bytes import sample_jpeg
 from tests.policies.policy_testkit import key
 from tests.support import wait_until
@@ -37,30 +39,29 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def campus(
-    tmp_path_factory: pytest.TempPathFactory, mosquitto: ServerProcess, redis_server: ServerProcess
+    tmp_path_factory: pytest.TempPathFactory, redis_server: ServerProcess
 ) -> Iterator[LocalCampus]:
     root = tmp_path_factory.mktemp("local-campus")
     # Each campus gets its own Redis database, so reservations of other tests never count.
     lc = LocalCampus(
         root,
-        mqtt_port=mosquitto.port,
+        mqtt_port=free_port(),
         redis_url=f"redis://127.0.0.1:{redis_server.port}/3",
         key_for=key,
         log_level="info",
     )
-    lc.start()
-    yield lc
-    lc.stop()
+    with running(start_campus_mosquitto(lc.write())):
+        lc.start()
+        yield lc
+        lc.stop()
 
 
-def test_burst_on_one_line_completes_and_stays_inside_the_policy(
-    campus: LocalCampus, mosquitto: ServerProcess
-) -> None:
+def test_burst_on_one_line_completes_and_stays_inside_the_policy(campus: LocalCampus) -> None:
     tally = Tally()
 
     async def run() -> None:
         await stream(
-            MqttSettings(port=mosquitto.port),
+            campus.write(),
             10.0,
             11.5,
             asyncio.Event(),
@@ -82,7 +83,7 @@ def test_burst_on_one_line_completes_and_stays_inside_the_policy(
 
 
 def test_campus_only_class_with_only_offsite_capacity_runs_locally_and_says_why(
-    campus: LocalCampus, mosquitto: ServerProcess
+    campus: LocalCampus,
 ) -> None:
     # Freeze the campus worker: the broker sees it go silent, so the only idle worker left
     # is off-site, where a wafer image may not go.
@@ -93,7 +94,7 @@ def test_campus_only_class_with_only_offsite_capacity_runs_locally_and_says_why(
         wait_for_fleet(campus, lambda ws: not ws["north-cpu-1"]["online"], timeout=15)
         # Three telemetry intervals of 1 s, plus the broker's housekeeping tick.
         assert time.monotonic() - stopped < 5.0
-        results = asyncio.run(_volley(mosquitto.port, "line-2-pc", "wafer-image", 12))
+        results = asyncio.run(_volley(campus, "line-2-pc", "wafer-image", 12))
     finally:
         os.kill(proc.pid, signal.SIGCONT)
     wait_for_fleet(campus, lambda ws: ws["north-cpu-1"]["online"], timeout=15)
@@ -111,22 +112,22 @@ def test_placements_answered_after_the_edge_gave_up_free_their_slots_at_once(
     # An edge that waits 1 ms for the broker: its requests time out and the jobs run
     # locally, while the broker places them all the same. The edge hands each late
     # placement back, and its slot is free long before its reservation would expire.
-    # A Mosquitto of its own: the module's campus uses the same node ids.
-    with running(start_mosquitto()) as mqtt:
-        db = 4
-        impatient = LocalCampus(
-            tmp_path,
-            mqtt_port=mqtt.port,
-            redis_url=f"redis://127.0.0.1:{redis_server.port}/{db}",
-            key_for=key,
-            nodes=("broker-1", "line-1-pc", "north-cpu-1"),
-            node_env={"line-1-pc": {"SLUICEGATE_OFFLOAD__PLACEMENT_TIMEOUT_MS": "1"}},
-        )
+    # A campus and Mosquitto of its own: the module's campus uses the same node ids.
+    db = 4
+    impatient = LocalCampus(
+        tmp_path,
+        mqtt_port=free_port(),
+        redis_url=f"redis://127.0.0.1:{redis_server.port}/{db}",
+        key_for=key,
+        nodes=("broker-1", "line-1-pc", "north-cpu-1"),
+        node_env={"line-1-pc": {"SLUICEGATE_OFFLOAD__PLACEMENT_TIMEOUT_MS": "1"}},
+    )
+    with running(start_campus_mosquitto(impatient.write())):
         impatient.start()
         try:
             wait_for_fleet(impatient, lambda ws: ws.get("north-cpu-1", {}).get("online"), 15)
             results = asyncio.run(
-                _volley(mqtt.port, "line-1-pc", "wafer-image", 12, deadline_ms=10_000)
+                _volley(impatient, "line-1-pc", "wafer-image", 12, deadline_ms=10_000)
             )
             assert all(r.status == "ok" for r in results)
             late = [r.job_id for r in results if r.offload and r.offload.code == "broker_timeout"]
@@ -183,10 +184,14 @@ def wait_for_fleet(
 
 
 async def _volley(  # type: ignore[type-arg]
-    port: int, edge: str, data_class: str, n: int, *, deadline_ms: float = 200
+    campus: LocalCampus, edge: str, data_class: str, n: int, *, deadline_ms: float = 200
 ) -> list:
+    """``n`` jobs at once from the edge's own app, results on the app's own topic."""
     image = sample_jpeg(5)[0]
-    async with AsyncClient(MqttSettings(port=port), edge=edge) as client:
+    app = APP_OF_LINE[edge]
+    settings = campus.write().mqtt(app)
+    reply_to = f"{APPS[app][1]}/volley-{uuid.uuid4().hex[:6]}"
+    async with AsyncClient(settings, edge=edge, response_topic=reply_to) as client:
         return list(
             await asyncio.gather(
                 *(
