@@ -421,12 +421,12 @@ def test_validate_names_the_source() -> None:
 
 
 @pytest.mark.parametrize(
-    ("root", "systemd", "unit_action", "expected"),
+    ("root", "systemd", "upgraded", "expected"),
     [
         (
             Path("/srv/stage"),
             True,
-            "created",
+            True,
             [
                 "staged under /srv/stage; nothing was run. To try the node from there:",
                 "  /x/sluicegate edge run --config /srv/stage/etc/sluicegate/edge.toml",
@@ -435,23 +435,23 @@ def test_validate_names_the_source() -> None:
         (
             Path("/"),
             True,
-            "created",
+            False,
             ["to start it now and at every boot: systemctl enable --now sluicegate-edge.service"],
         ),
         (
             Path("/"),
             True,
-            "updated",
+            True,
             [
                 "to start it now and at every boot: systemctl enable --now sluicegate-edge.service",
-                "if it already runs, restart it for the new unit: "
+                "if it already runs, restart it to apply the change: "
                 "systemctl restart sluicegate-edge.service",
             ],
         ),
         (
             Path("/"),
             False,
-            "unchanged",
+            False,
             [
                 "systemd is not running here: the unit takes effect at boot.",
                 "to start it now and at every boot: systemctl enable --now sluicegate-edge.service",
@@ -459,7 +459,7 @@ def test_validate_names_the_source() -> None:
         ),
     ],
 )
-def test_next_steps(root: Path, systemd: bool, unit_action: Any, expected: list[str]) -> None:
+def test_next_steps(root: Path, systemd: bool, upgraded: bool, expected: list[str]) -> None:
     paths = node_paths("edge", root)
-    got = next_steps("edge", paths, Path("/x/sluicegate"), systemd=systemd, unit_action=unit_action)
+    got = next_steps("edge", paths, Path("/x/sluicegate"), systemd=systemd, upgraded=upgraded)
     assert list(got) == expected

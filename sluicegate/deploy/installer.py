@@ -140,7 +140,8 @@ def install(
     systemd = root == SYSTEM_ROOT and _systemd_running()
     if systemd and unit_action != "unchanged":
         ran.append(_run("systemctl", "daemon-reload"))
-    steps = next_steps(role, paths, exe, systemd=systemd, unit_action=unit_action)
+    upgraded = any(c.action == "updated" for c in changes)
+    steps = next_steps(role, paths, exe, systemd=systemd, upgraded=upgraded)
     return InstallReport(role, paths, tuple(changes), tuple(ran), steps)
 
 
@@ -172,9 +173,10 @@ def uninstall(role: Role, root: Path, purge: bool = False) -> InstallReport:
 
 
 def next_steps(
-    role: Role, paths: NodePaths, exe: Path, *, systemd: bool, unit_action: Action
+    role: Role, paths: NodePaths, exe: Path, *, systemd: bool, upgraded: bool
 ) -> tuple[str, ...]:
-    """What the operator does next: it is never done for them."""
+    """What the operator does next (it is never done for them); ``upgraded``: the unit or
+    the config changed."""
     unit = unit_name(role)
     if paths.root != SYSTEM_ROOT:
         return (
@@ -183,8 +185,10 @@ def next_steps(
         )
     steps = [] if systemd else ["systemd is not running here: the unit takes effect at boot."]
     steps.append(f"to start it now and at every boot: systemctl enable --now {unit}")
-    if unit_action == "updated":
-        steps.append(f"if it already runs, restart it for the new unit: systemctl restart {unit}")
+    if upgraded:
+        steps.append(
+            f"if it already runs, restart it to apply the change: systemctl restart {unit}"
+        )
     return tuple(steps)
 
 
