@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+from sluicegate import identity
 from sluicegate.config import load_settings
+from sluicegate.deploy import units
 from sluicegate.deploy.configs import (
     MODELS,
     SECTIONS,
@@ -175,6 +177,11 @@ def test_parse_device_refuses(spec: str) -> None:
 )
 def test_exec_start_quoting(exe: Path, word: str) -> None:
     assert f"ExecStart={word} edge run" in unit("edge", exe=exe)
+
+
+def test_a_node_whose_identity_is_in_use_is_not_restarted() -> None:
+    assert units.EXIT_IN_USE == identity.EXIT_IN_USE
+    assert f"RestartPreventExitStatus={identity.EXIT_IN_USE}" in lines(unit("edge"))
 
 
 def test_relative_paths_are_refused() -> None:

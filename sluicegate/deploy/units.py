@@ -28,6 +28,10 @@ DESCRIPTION: dict[Role, str] = {
 # publishes offline; a pool worker drains its batches for up to 10 s. A kill after this
 # loses no job (the outbox replays it at the next start), it only delays those answers.
 STOP_TIMEOUT_S: dict[Role, int] = {"edge": 30, "pool": 30, "broker": 15}
+# The exit status of a node that found another process serving its identity
+# (sluicegate.identity.EXIT_IN_USE, not imported: that module brings asyncio). Starting it
+# again would only fence one of the two again, so systemd does not.
+EXIT_IN_USE = 3
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,7 @@ def render_unit(spec: UnitSpec) -> str:
         "ExecStart=" + " ".join(_exec_arg(word) for word in command),
         "Restart=on-failure",
         "RestartSec=5s",
+        f"RestartPreventExitStatus={EXIT_IN_USE}",
         f"TimeoutStopSec={STOP_TIMEOUT_S[role]}s",
         # A static system user (sysusers.d), not DynamicUser=: enrollment writes the node's
         # key and certificate into the state directory before the first start and needs an
