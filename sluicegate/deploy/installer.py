@@ -6,9 +6,9 @@ the same inputs changes nothing and says so. It never overwrites a config an ope
 edited (the new one goes beside it as ``<role>.toml.new``), never removes a state
 directory (the outbox) unless asked to purge, and never enables or starts a service.
 Outside ``/`` it runs no command at all; at ``/`` it creates the system user with
-systemd-sysusers and, where systemd runs, reloads it (and uninstall stops the service). Enrollment calls
-:func:`prepare_state_dir` first to put the node's key and certificates in place, then
-:func:`install`.
+systemd-sysusers and, where systemd runs, reloads it (and uninstall stops the service).
+Enrollment calls :func:`prepare_state_dir` first to put the node's key and certificates in
+place, then :func:`install`.
 """
 
 from __future__ import annotations
