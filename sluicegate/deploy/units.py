@@ -56,7 +56,8 @@ class _Family:
 
 # DeviceAllow= takes no wildcard in a path (only in char-/block- group names), so a glob
 # the operator writes for a device family becomes the family's group in /proc/devices:
-# char-nvidia* covers nvidia (or nvidia-frontend), nvidia-uvm, nvidia-caps, nvidia-modeset.
+# char-nvidia* covers the groups NVIDIA's driver registers (nvidia or nvidia-frontend,
+# nvidia-uvm, nvidia-caps).
 _FAMILIES = (
     _Family(re.compile(r"/dev/video[0-9*]*"), "char-video4linux", ("video",), False),
     _Family(re.compile(r"/dev/nvidia.*"), "char-nvidia*", (), True),
