@@ -58,7 +58,7 @@ from sluicegate.campus import BROKER, LINES, WORKERS  # noqa: E402
 from sluicegate.localcampus import ROLE  # noqa: E402
 from tests.faults.app import App, Observer, Timeline  # noqa: E402
 from tests.faults.ledger import JobRecord, Ledger, Verdict  # noqa: E402
-from tests.faults.rig import Rig, RssSampler, image_for  # noqa: E402
+from tests.faults.rig import WIRETAP, Rig, RssSampler, image_for  # noqa: E402
 
 EDGES = list(LINES)
 TARGETS = [*EDGES, BROKER, *WORKERS]
@@ -205,8 +205,8 @@ async def one_run(rig: Rig, args: argparse.Namespace, name: str, n_jobs: int, n_
         (Kill(rng.uniform(0.05, 0.8) * window, rng.choice(TARGETS)) for _ in range(n_kills)),
         key=lambda k: k.at,
     )
-    app = await App(rig.mqtt_port).start()
-    observer = await Observer(rig.mqtt_port).start(work=False)
+    app = await App(rig.mqtt()).start()
+    observer = await Observer(rig.mqtt(WIRETAP)).start(work=False)
     stop = asyncio.Event()
     t0 = time.monotonic()
     try:

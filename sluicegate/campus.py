@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import datetime as dt
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -155,9 +155,12 @@ class Campus:
         return context
 
 
-def _app_tables() -> str:
+AppSpec = tuple[tuple[str, ...], str]  # the edges an app submits to, its results prefix
+
+
+def _app_tables(apps: Mapping[str, AppSpec]) -> str:
     out = []
-    for app, (edges, prefix) in APPS.items():
+    for app, (edges, prefix) in apps.items():
         names = ", ".join(f'"{edge}"' for edge in edges)
         out.append(f'[apps.{app}]\nedges = [{names}]\nresults = ["{prefix}"]\n')
     return "\n".join(out)
@@ -191,9 +194,12 @@ def write_campus(
     workers: dict[str, tuple[str, str]] | None = None,
     http_port: int = 0,
     secure: bool = True,
+    apps: Mapping[str, AppSpec] | None = None,
 ) -> Campus:
     """Write the policy (signed by the officer), node keys and node configs under ``root``;
-    with ``secure``, also the CA, every identity's certificate and the Mosquitto ACL."""
+    with ``secure``, also the CA, every identity's certificate and the Mosquitto ACL.
+    ``apps``: the vision apps the policy lists (default :data:`APPS`)."""
+    apps = APPS if apps is None else apps
     root.mkdir(parents=True, exist_ok=True)
     now_s = now if now is not None else dt.datetime.now(dt.UTC).timestamp()
     stamp = dt.datetime.fromtimestamp(now, dt.UTC) if now is not None else dt.datetime.now(dt.UTC)
@@ -211,7 +217,7 @@ def write_campus(
         for zone, ids in sorted(by_zone.items())
     )
     if secure:  # apps and observers have keys for their certificates only
-        keys |= {name: key_for(name) for name in (*APPS, OBSERVER, PROBE)}
+        keys |= {name: key_for(name) for name in (*apps, OBSERVER, PROBE)}
     key_files: dict[str, Path] = {}
     for name, key in keys.items():
         path = root / f"{name}.key"
@@ -229,7 +235,7 @@ def write_campus(
         line1_key=keys["line-1-pc"].public_text,
         line2_key=keys["line-2-pc"].public_text,
         pools=pools,
-        apps=_app_tables(),
+        apps=_app_tables(apps),
     )
     policy_file = root / "policy.toml"
     policy_file.write_text(text)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from policies import SigningKey
 from sluicegate import topics, wire
-from sluicegate.campus import BROKER, LINES, OBSERVER, WORKERS, Campus, write_campus
+from sluicegate.campus import BROKER, LINES, OBSERVER, WORKERS, AppSpec, Campus, write_campus
 from sluicegate.errors import SluicegateError
 from sluicegate.mqtt import MqttTransport
 from sluicegate.servers import ServerProcess, free_port, start_mosquitto
@@ -62,6 +62,7 @@ class LocalCampus:
         node_env: Mapping[str, Mapping[str, str]] | None = None,
         servers: Mapping[str, ServerProcess] | None = None,
         secure: bool = True,
+        apps: Mapping[str, AppSpec] | None = None,
     ) -> None:
         """``edge_cpu``: emulate line PCs with a modest inference budget by capping each
         edge agent's compute threads to this share of one core (a CPU cgroup, which leaves
@@ -70,7 +71,8 @@ class LocalCampus:
         ``{"line-1-pc": {"SLUICEGATE_MQTT__PORT": "..."}}`` to route it through a proxy.
         ``servers``: the ``mosquitto`` / ``redis`` processes the campus runs on, so that
         :meth:`kill` and :meth:`restart` reach them too. ``secure=False``: no TLS, anonymous
-        MQTT, for debugging only."""
+        MQTT, for debugging only. ``apps``: the vision apps its policy lists (default
+        :data:`~sluicegate.campus.APPS`)."""
         unknown = set(nodes or ()) - set(ROLE)
         if unknown:
             raise SluicegateError(f"unknown nodes {sorted(unknown)}; known: {', '.join(ROLE)}")
@@ -90,6 +92,7 @@ class LocalCampus:
         self.servers: dict[str, ServerProcess] = dict(servers or {})
         self.campus: Campus | None = None
         self.secure = secure
+        self._apps = apps
         self.http_port = free_port()  # the broker's HTTP API
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
 
@@ -107,6 +110,7 @@ class LocalCampus:
                 redis_url=self.redis_url,
                 http_port=self.http_port,
                 secure=self.secure,
+                apps=self._apps,
             )
         return self.campus
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from sluicegate import topics, wire_pool
 from sluicegate.config import MqttSettings
 from sluicegate.errors import TransportError
+from sluicegate.identity import certificate_name
 from sluicegate.mqtt import MqttTransport
 from sluicegate.transport import Message
 from tests.faults.ledger import Ledger
@@ -50,17 +51,20 @@ class App:
 
     def __init__(
         self,
-        port: int,
+        settings: MqttSettings,
         *,
         ledger: Ledger | None = None,
         client_id: str | None = None,
         session_expiry_s: int = 3600,
     ) -> None:
+        """``settings``: the app's login (its certificate names its client id)."""
         self.ledger = ledger or Ledger()
-        self.client_id = client_id or f"fault-app-{uuid.uuid4().hex[:8]}"
+        self.client_id = (
+            certificate_name(settings) or client_id or f"fault-app-{uuid.uuid4().hex[:8]}"
+        )
         self.response_topic = topics.client_results(self.client_id)
         self._transport = MqttTransport(
-            MqttSettings(port=port, keepalive_s=5, reconnect_max_s=1),
+            settings,
             client_id=self.client_id,
             clean_start=False,
             session_expiry_s=session_expiry_s,
@@ -180,22 +184,23 @@ class Timeline:
 class Observer:
     """Watch the campus's internal topics; never publishes."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, settings: MqttSettings) -> None:
+        """``settings``: the wiretap's login (it may read every campus topic)."""
         self.timeline = Timeline()
         self._hooks: list[Callable[[], None]] = []
         self._transport = MqttTransport(
-            MqttSettings(port=port, keepalive_s=5, reconnect_max_s=1),
-            client_id=f"fault-observer-{uuid.uuid4().hex[:8]}",
+            settings,
+            client_id=certificate_name(settings) or f"fault-observer-{uuid.uuid4().hex[:8]}",
             max_pending=65_535,
         )
 
     async def start(self, *, work: bool = True) -> Observer:
         await self._transport.connect(10.0)
         sub = self._transport.subscribe
-        await sub(topics.completions(), self._on_completion, qos=0)
-        await sub(topics.placement_requests(), self._on_request, qos=0)
+        await sub(topics.completions_all(), self._on_completion, qos=0)
+        await sub(topics.placement_requests_all(), self._on_request, qos=0)
         await sub(topics.placement_replies("+"), self._on_reply, qos=0)
-        await sub(topics.edge_returns("+"), self._on_return, qos=0)
+        await sub(topics.edge_returns_all("+"), self._on_return, qos=0)
         await sub(topics.edge_notices("+"), self._on_notice, qos=0)
         await sub(topics.edge_status_all(), self._on_status, qos=0)
         await sub(topics.worker_all("status"), self._on_status, qos=0)
@@ -230,9 +235,10 @@ class Observer:
             self._add(Event(time.monotonic(), "reply", node, r.job_id, None, r.status))
 
     def _on_work(self, msg: Message) -> None:
-        if not msg.topic.endswith("/work"):
+        levels = msg.topic.split("/")
+        if len(levels) < 3 or levels[-2] != "work":  # .../<worker>/work/<edge>
             return
-        worker = msg.topic.rsplit("/", 2)[-2]
+        worker = levels[-3]
         attempt = msg.user_property(topics.PROP_ATTEMPT)
         self._add(
             Event(

@@ -20,14 +20,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sluicegate import topics
-from sluicegate.config import MqttSettings
 from sluicegate.mqtt import MqttTransport
 from sluicegate.transport import Message
 from tests.faults.app import App
 from tests.faults.ledger import Verdict
 from tests.faults.malformed import Flooder, Kind
-from tests.faults.rig import Rig, image_for, read_rss
+from tests.faults.rig import FLOOD_RESULTS, Rig, image_for, read_rss
 
 
 @dataclass
@@ -48,12 +46,12 @@ class FloodReport:
 
 
 class _Refusals:
-    def __init__(self, port: int) -> None:
-        self.topic = topics.client_results(f"flood-{uuid.uuid4().hex[:8]}")
+    """Listens where the flooders ask for answers: their apps' results prefix."""
+
+    def __init__(self, rig: Rig) -> None:
+        self.topic = f"{FLOOD_RESULTS}/{uuid.uuid4().hex[:8]}"
         self.codes: Counter[str] = Counter()
-        self._transport = MqttTransport(
-            MqttSettings(port=port), client_id=f"flood-listen-{uuid.uuid4().hex[:8]}"
-        )
+        self._transport = MqttTransport(rig.mqtt("flood-listen"), client_id="flood-listen")
 
     async def start(self) -> None:
         await self._transport.connect(10.0)
@@ -106,8 +104,8 @@ async def flood_while_serving(
 ) -> FloodReport:
     """Serve real jobs at ``real_rate`` for ``before_s``, then under the flood for
     ``flood_s``, then for ``after_s``; wait (bounded) for every real result."""
-    app = await App(rig.mqtt_port).start()
-    refusals = _Refusals(rig.mqtt_port)
+    app = await App(rig.mqtt()).start()
+    refusals = _Refusals(rig)
     await refusals.start()
     edge_pid = rig.campus.pid(edge)
     assert edge_pid is not None, f"{edge} is not running"
@@ -115,9 +113,14 @@ async def flood_while_serving(
     samples: dict[str, list[float]] = {"before": [], "flood": [], "after": []}
     mosquitto: list[float] = []
     phases: dict[str, str] = {"now": "before"}
+    logins = {
+        name: (rig.files.client_context(f"flood-{name}"), f"flood-{name}")
+        for name in ("main", "bad")
+    }
     flooder = Flooder(
         rig.mqtt_port,
         edge,
+        logins=logins,
         rate=flood_rate,
         reply_topic=refusals.topic,
         payload_limit=payload_limit,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import random
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -173,14 +174,21 @@ def _kinds() -> list[Kind]:
 KINDS = _kinds()
 
 
+_WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+
+
 class Flooder:
-    """Publish malformed requests to one edge's submit topic at ``rate`` per second."""
+    """Publish malformed requests to one edge's submit topic at ``rate`` per second, over
+    two raw connections (``main``, ``bad``), each logged in as its own app through
+    ``logins`` (a TLS client context with the app's certificate, and its client id); without
+    ``logins``, plain TCP to an open Mosquitto."""
 
     def __init__(
         self,
         port: int,
         edge: str,
         *,
+        logins: dict[str, tuple[ssl.SSLContext, str]] | None = None,
         rate: float,
         reply_topic: str,
         payload_limit: int,
@@ -188,6 +196,7 @@ class Flooder:
         kinds: list[Kind] | None = None,
     ) -> None:
         self._port = port
+        self._logins = logins
         self._topic = topics.edge_submit(edge)
         self._rate = rate
         self._reply = reply_topic
@@ -217,7 +226,11 @@ class Flooder:
     def _connect(self, name: str) -> socket.socket:
         sock = socket.create_connection(("127.0.0.1", self._port), timeout=5)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(connect_packet(f"flood-{name}-{self._rng.getrandbits(32):08x}"))
+        client_id = f"flood-{name}-{self._rng.getrandbits(32):08x}"
+        if self._logins is not None:
+            context, client_id = self._logins[name]
+            sock = context.wrap_socket(sock, server_hostname="127.0.0.1")
+        sock.sendall(connect_packet(client_id))
         ack = sock.recv(64)
         if ack[:1] != b"\x20":
             raise ConnectionError(f"flood connection refused: {ack!r}")
@@ -258,12 +271,12 @@ class Flooder:
         view = memoryview(packet)
         while view:
             try:
-                with contextlib.suppress(BlockingIOError):
+                with contextlib.suppress(*_WOULD_BLOCK):
                     if sock.recv(65536) == b"":
                         raise ConnectionResetError("closed by Mosquitto")
                 sent = sock.send(view)
                 view = view[sent:]
-            except BlockingIOError:
+            except _WOULD_BLOCK:
                 time.sleep(0.001)  # the socket buffer is full: Mosquitto pushes back
             except OSError:
                 self.dropped_connections[name] += 1

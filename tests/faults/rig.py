@@ -1,6 +1,9 @@
 """A campus to break: Mosquitto with persistence, Redis with an append-only file, the
 :class:`~sluicegate.localcampus.LocalCampus` processes on them, and optionally one edge
-behind a :class:`~tests.faults.proxy.LinkProxy`.
+behind a :class:`~tests.faults.proxy.LinkProxy`. It is secured as a plant runs it (TLS,
+a certificate per node and app, the generated ACL); the test's own wiretap, the identity
+``fault-observer``, is added to the ACL with read access to every campus topic, and the
+flooders are apps of the line they flood (``flood-*``, results under ``flood/``).
 
 Every component can be SIGKILLed and restarted on the same port and state directory through
 ``rig.campus`` (nodes, ``mosquitto``, ``redis``). :class:`RssSampler` records each
@@ -22,15 +25,24 @@ import zlib
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
+from sluicegate import topics
+from sluicegate.campus import APPS, LINES, Campus
+from sluicegate.config import MqttSettings
 from sluicegate.errors import SluicegateError
-from sluicegate.localcampus import ROLE, LocalCampus, cpu_cap_available
-from sluicegate.servers import ServerProcess, start_mosquitto, start_redis
+from sluicegate.localcampus import ROLE, LocalCampus, cpu_cap_available, start_campus_mosquitto
+from sluicegate.servers import ServerProcess, free_port, start_redis
 from tests.faults.app import App
 from tests.faults.proxy import LinkProxy
 from tests.image_bytes import sample_jpeg
 from tests.policies.policy_testkit import key
+from tests.secure_kit import issue_identity
 
 IMAGES = [sample_jpeg(seed)[0] for seed in range(8)]
+WIRETAP = "fault-observer"
+APP = "app-campus"  # submits to both lines
+FLOODERS = ("flood-main", "flood-bad", "flood-listen")
+FLOOD_RESULTS = "flood"
+RIG_APPS = dict(APPS) | {name: (tuple(LINES), FLOOD_RESULTS) for name in FLOODERS}
 
 
 def image_for(job_id: str) -> bytes:
@@ -74,21 +86,29 @@ class Rig:
         assert self.mosquitto is not None
         return self.mosquitto.port
 
+    @property
+    def files(self) -> Campus:
+        return self.campus.write()
+
+    def mqtt(self, identity: str = APP) -> MqttSettings:
+        """How ``identity`` (an app, a flooder, the wiretap) logs in, quick to reconnect."""
+        return self.files.mqtt(identity).model_copy(update={"keepalive_s": 5, "reconnect_max_s": 1})
+
     def start(self) -> Rig:
         for sub in ("mosquitto", "redis", "campus"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         try:
-            self.mosquitto = start_mosquitto(workdir=self.root / "mosquitto", persistence=True)
             self.redis = start_redis(
                 workdir=self.root / "redis", appendonly=True, appendfsync=self._appendfsync
             )
+            mqtt_port = free_port()
             node_env: dict[str, dict[str, str]] = {}
             if self._proxied is not None:
-                self.proxy = LinkProxy(self.mosquitto.port).start()
+                self.proxy = LinkProxy(mqtt_port).start()
                 node_env[self._proxied] = {"SLUICEGATE_MQTT__PORT": str(self.proxy.port)}
             self._campus = LocalCampus(
                 self.root / "campus",
-                mqtt_port=self.mosquitto.port,
+                mqtt_port=mqtt_port,
                 redis_url=f"redis://127.0.0.1:{self.redis.port}/0",
                 key_for=key,
                 env=self._env,
@@ -96,8 +116,17 @@ class Rig:
                 edge_cpu=self._edge_cpu,
                 nodes=self._nodes,
                 node_env=node_env,
-                servers={"mosquitto": self.mosquitto, "redis": self.redis},
+                apps=RIG_APPS,
             )
+            files = self._campus.write()
+            issue_identity(files, WIRETAP)
+            with files.acl_file.open("a") as acl:  # the test's wiretap: it reads everything
+                acl.write(f"# the fault tests' wiretap\nuser {WIRETAP}\n")
+                acl.write(f"topic read {topics.ROOT}/#\n\n")
+            self.mosquitto = start_campus_mosquitto(
+                files, workdir=self.root / "mosquitto", persistence=True
+            )
+            self._campus.servers.update(mosquitto=self.mosquitto, redis=self.redis)
             self._campus.start()
             self.wait_fleet_online()
         except BaseException:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from tests.faults.app import App, Observer, Timeline
 from tests.faults.ledger import Ledger, Verdict
-from tests.faults.rig import Rig, burst
+from tests.faults.rig import WIRETAP, Rig, burst
 
 Trigger = Callable[[Ledger, Timeline], bool]
 Fault = Callable[[App, Observer], Awaitable[None]]
@@ -83,8 +83,8 @@ async def run_fault(
     prefix: str = "job",
 ) -> Outcome:
     """Burst ``jobs`` at ``edge``; run ``fault`` once ``trigger`` holds; wait for results."""
-    app = await App(rig.mqtt_port).start()
-    observer = await Observer(rig.mqtt_port).start()
+    app = await App(rig.mqtt()).start()
+    observer = await Observer(rig.mqtt(WIRETAP)).start()
     t0 = time.monotonic()
     seconds: dict[str, float] = {}
     try:
