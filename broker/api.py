@@ -1,5 +1,5 @@
 """The broker's HTTP API (aiohttp): health, fleet, jobs, dead letters, policy, Prometheus
-metrics, OpenAPI.
+metrics, enrollment of new nodes (on the replica holding the campus CA), OpenAPI.
 
 A thin shell: every handler asks the :class:`BrokerView` for plain data and renders it as
 JSON; nothing here decides anything or touches Redis directly. The OpenAPI description is
@@ -30,6 +30,12 @@ class BrokerView(Protocol):
     def policy(self) -> dict[str, Any] | None: ...
 
     def metrics(self) -> bytes: ...
+
+
+class Enrollment(Protocol):
+    """The enrollment desk (``broker.enrollment``): status and document for a request."""
+
+    async def enroll(self, body: bytes) -> tuple[int, dict[str, Any]]: ...
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -160,6 +166,22 @@ OPENAPI: dict[str, Any] = {
                 "responses": {"200": {"description": "metrics"}},
             }
         },
+        "/v1/enroll": {
+            "post": {
+                "summary": "Enroll a new node with a join token (sluicegate <role> install --join)",
+                "description": "Body: {claims, csr (PEM, CN = the node id, its own Ed25519 "
+                "key), proof (the token secret's MAC over the CSR), role}. The token's secret "
+                "is never sent. Each token enrolls one node once; every issue and refusal is "
+                "audited (enroll.issued / enroll.refused).",
+                "responses": {
+                    "200": {"description": "certificate, campus CA, signed policy in force"},
+                    "400": {"description": "join.malformed"},
+                    "403": {"description": "join.bad_proof, join.expired, join.wrong_scope"},
+                    "409": {"description": "join.reused"},
+                    "503": {"description": "this replica does not serve enrollment"},
+                },
+            }
+        },
         "/openapi.json": {
             "get": {
                 "summary": "This description",
@@ -170,8 +192,8 @@ OPENAPI: dict[str, Any] = {
 }
 
 
-def make_app(view: BrokerView) -> web.Application:
-    """The aiohttp application for ``view``."""
+def make_app(view: BrokerView, enrollment: Enrollment) -> web.Application:
+    """The aiohttp application for ``view`` and the enrollment desk."""
 
     async def health(_request: web.Request) -> web.Response:
         data = view.health()
@@ -208,20 +230,27 @@ def make_app(view: BrokerView) -> web.Application:
     async def openapi(_request: web.Request) -> web.Response:
         return _json(OPENAPI)
 
-    app = web.Application()
+    async def enroll(request: web.Request) -> web.Response:
+        status, doc = await enrollment.enroll(await request.read())
+        return _json(doc, status)
+
+    app = web.Application(client_max_size=64 * 1024)
     app.router.add_get("/health", health)
     app.router.add_get("/fleet", fleet)
     app.router.add_get("/jobs/{job_id}", job)
     app.router.add_get("/dead-letters", dead_letters)
     app.router.add_get("/policy", policy)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/enroll", enroll)
     app.router.add_get("/openapi.json", openapi)
     return app
 
 
-async def start_http(view: BrokerView, host: str, port: int) -> tuple[web.AppRunner, int]:
+async def start_http(
+    view: BrokerView, enrollment: Enrollment, host: str, port: int
+) -> tuple[web.AppRunner, int]:
     """Serve the API; returns the runner (to clean up) and the port actually bound."""
-    runner = web.AppRunner(make_app(view), access_log=None)
+    runner = web.AppRunner(make_app(view, enrollment), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -56,6 +56,11 @@ def dead_letters() -> str:
     return f"{PREFIX}:dead-letters"
 
 
+def join_token(token_id: str) -> str:
+    """String: a join token already used (single use); expires with the token."""
+    return f"{PREFIX}:join:{token_id}"
+
+
 def replica_lease(broker_id: str) -> str:
     """String: the instance that serves as broker replica ``broker_id`` (expires unless its
     holder renews it): a second process with the same id refuses to start."""

@@ -15,6 +15,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from broker.api import start_http
+from broker.enrollment import EnrollmentDesk
 from broker.lease import ReplicaLease
 from broker.service import Broker, status_message
 from broker.view import HttpView
@@ -23,6 +24,7 @@ from policies.errors import PolicyError
 from policies.redis_stores import AsyncRedisStreamAuditStore, audit_stream_key
 from sluicegate import identity, topics
 from sluicegate.config import Settings
+from sluicegate.enroll.authority import Authority
 from sluicegate.errors import ConfigError, IdentityInUse
 from sluicegate.mqtt import MqttTransport
 from sluicegate.policy_feed import PolicyFeed, bootstrap_envelope
@@ -122,7 +124,11 @@ async def _serve(
     if envelope is not None and feed.current is not None:
         # Every node takes the policy from here, verifies it, and never goes back a version.
         transport.publish_nowait(topics.policy(), envelope, qos=1, retain=True)
-    runner, port = await start_http(HttpView(broker, feed, transport), cfg.http_host, cfg.http_port)
+    authority = Authority(cfg.ca_dir) if cfg.ca_dir is not None else None
+    desk = EnrollmentDesk(authority, redis, broker.audit, lambda: feed.envelope)
+    runner, port = await start_http(
+        HttpView(broker, feed, transport), desk, cfg.http_host, cfg.http_port
+    )
     log.info("broker %s: HTTP API on http://%s:%d", cfg.id, cfg.http_host, port)
     if http_port_ready is not None:
         http_port_ready.set_result(port)

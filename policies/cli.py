@@ -126,6 +126,73 @@ def sign(
             typer.echo("note: this key is not a signer of this policy (fine for a rotation)")
 
 
+@app.command(name="add-node")
+def add_node_command(
+    policy_file: PolicyArg,
+    edge: Annotated[str | None, typer.Option(help="Add this edge (line PC).")] = None,
+    worker: Annotated[str | None, typer.Option(help="Add this pool worker.")] = None,
+    broker: Annotated[str | None, typer.Option(help="Add this broker replica.")] = None,
+    app_id: Annotated[str | None, typer.Option("--app", help="Add this vision app.")] = None,
+    key: Annotated[
+        str | None, typer.Option(help="The node's key, ed25519:… ('sluicegate enroll list').")
+    ] = None,
+    zone: Annotated[str | None, typer.Option(help="The edge's zone (or a new pool's).")] = None,
+    pool: Annotated[str | None, typer.Option(help="The worker's pool.")] = None,
+    app_edge: Annotated[
+        list[str] | None, typer.Option("--app-edge", help="An edge the app submits to.")
+    ] = None,
+    results: Annotated[
+        list[str] | None, typer.Option(help="A topic prefix the app takes results under.")
+    ] = None,
+    sign_key: Annotated[
+        Path | None, typer.Option("--sign", help="Sign the new version with this key file.")
+    ] = None,
+    key_id: Annotated[str | None, typer.Option(help="Label of that signature.")] = None,
+) -> None:
+    """Add a node or an app to the policy file, raise its version, and (with --sign) sign
+    it afresh; the other officers add their signatures with 'policy sign'. Comments and
+    layout are kept."""
+    from policies.edit import add_node
+
+    chosen = [
+        (kind, name)
+        for kind, name in (("edge", edge), ("worker", worker), ("broker", broker), ("app", app_id))
+        if name is not None
+    ]
+    with _reported():
+        if len(chosen) != 1:
+            raise PolicyParseError(
+                "name exactly one of --edge, --worker, --broker or --app", source="add-node"
+            )
+        kind, name = chosen[0]
+        text, policy = add_node(
+            read_bytes(policy_file).decode("utf-8"),
+            kind,  # type: ignore[arg-type]
+            name,
+            key=key,
+            zone=zone,
+            pool=pool,
+            edges=app_edge or (),
+            results=results or (),
+            source=str(policy_file),
+        )
+        _write_atomic(policy_file, text.encode("utf-8"))
+        typer.echo(f"added {kind} {name!r}: {policy.campus!r} is now v{policy.version}")
+        sig_path = _sig_path(policy_file, None)
+        if sign_key is None:
+            typer.echo(f"sign it: sluicegate policy sign {policy_file} --key <officer key>")
+            return
+        signing_key = load_signing_key(sign_key)
+        ids = [r.key_id for r in policy.signers if r.public == signing_key.public]
+        label = key_id or (ids[0] if ids else sign_key.stem)
+        bundle = add_signature(None, policy, sign_policy(policy, signing_key, label))
+        _write_atomic(sig_path, dump_signatures(bundle))
+        typer.echo(
+            f"signed v{policy.version} as {label!r} into {sig_path}; 1 of "
+            f"{policy.signer_threshold} required signer keys"
+        )
+
+
 @app.command()
 def verify(
     policy_file: PolicyArg,

@@ -27,6 +27,7 @@ from policies.signing import add_signature, dump_signatures, sign_policy
 from sluicegate import pki
 from sluicegate.acl import render_acl
 from sluicegate.config import MqttSettings
+from sluicegate.enroll.authority import init_folder
 from sluicegate.mosquitto import ListenerTls
 
 FAB = "campus/fab-north"
@@ -167,10 +168,10 @@ def _app_tables(apps: Mapping[str, AppSpec]) -> str:
 
 
 def _write_pki(root: Path, keys: dict[str, SigningKey], now: float) -> dict[str, Path]:
-    """The campus CA, Mosquitto's server certificate and one client certificate per
+    """The campus CA (with its join-token key: ``root`` is an enrollment authority folder
+    the broker serves), Mosquitto's server certificate and one client certificate per
     identity in ``keys``; returns the key files written besides the node keys."""
-    ca = pki.new_authority("demo-campus", now=now)
-    pki.save_authority(ca, root)
+    ca = init_folder(root, "demo-campus", now=now)
     server_key, server = pki.server_identity(ca, ("127.0.0.1", "localhost"), now=now)
     key_file = root / f"{MOSQUITTO}.key"
     pki.write_private(key_file, pki.key_pem(server_key))
@@ -256,11 +257,12 @@ def write_campus(
             f'tls_key_file = "{key_files[node]}"\n'
         )
 
+    ca_dir = f'ca_dir = "{root}"\n' if secure else ""
     (root / f"{BROKER}.toml").write_text(
         mqtt(BROKER)
         + f'\n[broker]\nid = "{BROKER}"\nredis_url = "{redis_url}"\nhttp_port = {http_port}\n'
         f'key_file = "{key_files[BROKER]}"\npolicy_file = "{policy_file}"\n'
-        f'state_dir = "{root / "state" / BROKER}"\n'
+        f'state_dir = "{root / "state" / BROKER}"\n{ca_dir}'
     )
     for edge, zone in LINES.items():
         # A line PC is modest: one job at a time, and more than a few waiting is a burst.

@@ -20,6 +20,7 @@ import typer
 
 from policies.cli import app as policy_app
 from sluicegate.deploy.cli import register as register_deploy
+from sluicegate.enroll.cli import ca_app, enroll_app
 from sluicegate.errors import SluicegateError
 
 T = TypeVar("T")
@@ -40,6 +41,8 @@ app.add_typer(pool_app, name="pool")
 app.add_typer(broker_app, name="broker")
 app.add_typer(models_app, name="models")
 app.add_typer(policy_app, name="policy", help="Signed compliance policies.")
+app.add_typer(ca_app, name="ca")
+app.add_typer(enroll_app, name="enroll")
 
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", "-c", help="TOML settings file.", exists=False)

@@ -142,6 +142,9 @@ class BrokerSettings(_Section):
     http_port: int = Field(8780, ge=0, le=65535)
     key_file: Path | None = None  # signs placement tokens and audit records
     policy_file: Path | None = None  # the signed policy it serves (with .sig beside it)
+    # The campus CA folder ('sluicegate ca init'): with it this replica serves enrollment
+    # (POST /v1/enroll on its HTTP API). Keep it on one replica, readable by it alone.
+    ca_dir: Path | None = None
     state_dir: Path | None = None
     models_dir: Path | None = None  # manifests: what each model requires
     telemetry_interval_s: float = Field(1.0, gt=0.0, le=3600.0)  # expected from nodes

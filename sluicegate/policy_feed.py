@@ -127,6 +127,7 @@ class PolicyFeed:
         self._state_dir = state_dir
         self._clock = clock
         self._policy: Policy | None = None
+        self._envelope: bytes | None = None
         self._anchor: TrustAnchor | None = None
         self._callbacks: list[Callable[[Policy], None]] = []
         self.refused: Counter[str] = Counter()
@@ -151,6 +152,11 @@ class PolicyFeed:
     @property
     def anchor(self) -> TrustAnchor | None:
         return self._anchor
+
+    @property
+    def envelope(self) -> bytes | None:
+        """The signed envelope of the policy held (what enrollment hands a new node)."""
+        return self._envelope
 
     def why_none(self) -> str:
         """Why ``current`` is None, in words an operator can act on."""
@@ -197,6 +203,7 @@ class PolicyFeed:
         if not verdict.changed:
             return verdict
         self._policy = verdict.policy
+        self._envelope = data
         self.accepted += 1
         policy = verdict.policy
         log.info(

@@ -54,6 +54,14 @@ PlaintextOpt = Annotated[
     bool,
     typer.Option("--plaintext", help="MQTT without TLS: for debugging on a trusted machine only."),
 ]
+JoinOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--join",
+        help="A join token ('sluicegate enroll token'): make this node's key here, get its "
+        "certificate and the campus CA, pin the policy; id, zone and MQTT come from it.",
+    ),
+]
 PurgeOpt = Annotated[
     bool, typer.Option(help="Also delete the state folder: the outbox and the node's key.")
 ]
@@ -69,17 +77,52 @@ def _root(root: Path) -> Path:
 
 
 def _install(
-    role: Role, root: Path, values: NodeValues, exec_path: Path | None, devices: list[str] | None
+    role: Role,
+    root: Path,
+    values: NodeValues,
+    exec_path: Path | None,
+    devices: list[str] | None,
+    join: str | None = None,
 ) -> None:
     from sluicegate.deploy.installer import install
 
     try:
+        if join is not None:
+            values = _enroll(role, _root(root), values, join)
         report = install(role, _root(root), values, executable=exec_path, devices=devices or ())
     except SluicegateError as exc:
         _fail(str(exc))
         return
     for line in report.lines():
         typer.echo(line)
+
+
+def _enroll(role: Role, root: Path, values: NodeValues, token: str) -> NodeValues:
+    """Enroll the node into its state folder; the values its config gets from the token."""
+    import dataclasses
+    import time
+
+    from sluicegate.deploy.installer import prepare_state_dir
+    from sluicegate.enroll.client import enroll
+    from sluicegate.errors import ConfigError
+
+    state = prepare_state_dir(role, root)
+    done = enroll(token, state, role=role, now=time.time())
+    for given, name, what in ((values.id, done.node, "--id"), (values.zone, done.zone, "--zone")):
+        if role == "broker" and what == "--zone":
+            continue
+        if given is not None and given != name:
+            raise ConfigError(f"{what} {given!r} disagrees with the join token's {name!r}")
+    how = "enrolled" if done.fresh else "already enrolled"
+    typer.echo(f"{how} as {role} {done.node} in {done.zone}; its key {done.key}")
+    return dataclasses.replace(
+        values,
+        id=done.node,
+        zone=None if role == "broker" else done.zone,
+        mqtt_host=values.mqtt_host or done.mqtt_host,
+        mqtt_port=values.mqtt_port or done.mqtt_port,
+        plaintext=False,
+    )
 
 
 def _install_command(role: Role) -> Callable[..., None]:
@@ -93,11 +136,12 @@ def _install_command(role: Role) -> Callable[..., None]:
         exec_path: ExecOpt = None,
         device: DeviceOpt = None,
         plaintext: PlaintextOpt = False,
+        join: JoinOpt = None,
     ) -> None:
         from sluicegate.deploy.configs import NodeValues
 
         values = NodeValues(node_id, zone, mqtt_host, mqtt_port, models_dir, plaintext)
-        _install(role, root, values, exec_path, device)
+        _install(role, root, values, exec_path, device, join)
 
     def install_broker(
         root: RootOpt = Path("/"),
@@ -108,11 +152,12 @@ def _install_command(role: Role) -> Callable[..., None]:
         exec_path: ExecOpt = None,
         device: DeviceOpt = None,
         plaintext: PlaintextOpt = False,
+        join: JoinOpt = None,
     ) -> None:
         from sluicegate.deploy.configs import NodeValues
 
         values = NodeValues(node_id, None, mqtt_host, mqtt_port, models_dir, plaintext)
-        _install(role, root, values, exec_path, device)
+        _install(role, root, values, exec_path, device, join)
 
     command = install_broker if role == "broker" else install_node  # a broker has no zone
     command.__doc__ = (
