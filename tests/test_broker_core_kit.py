@@ -21,7 +21,7 @@ from sluicegate.wire_pool import (
     WorkerCapabilities,
     WorkerTelemetry,
 )
-from tests.policies.policy_testkit import base_doc, policy_of
+from tests.policies.policy_testkit import base_doc, policy_of, workers
 
 NOW = 1_780_000_000.0
 N1 = "campus/fab-north/line-1"
@@ -41,13 +41,14 @@ def campus_policy(
     classes: dict[str, Any] | None = None,
     version: int = 1,
 ) -> Policy:
-    """The testkit's two-fab policy with ``pools`` (zone -> worker ids) instead of its own."""
+    """The testkit's two-fab policy with ``pools`` (zone -> worker ids, each listed with its
+    published test key) instead of its own."""
     doc = base_doc(version=version)
     pools = pools if pools is not None else {NDC: ["gpu-1"], SDC: ["npu-1"], CLOUD: ["cloud-1"]}
     doc["pools"] = {
-        f"pool-{i}": {"zone": zone, "workers": workers}
-        for i, (zone, workers) in enumerate(sorted(pools.items()))
-        if workers
+        f"pool-{i}": {"zone": zone, "workers": workers(*ids)}
+        for i, (zone, ids) in enumerate(sorted(pools.items()))
+        if ids
     }
     doc["classes"]["recipe-overlay"] = {
         "allow": [

@@ -37,7 +37,59 @@ def test_ids_that_would_break_topics_are_refused(bad: str) -> None:
 
 def test_topics_are_versioned_and_scoped() -> None:
     assert topics.edge_submit("line-3") == "sluicegate/v1/edge/line-3/jobs"
-    assert topics.pool_work("campus/fab-north/dc", "gpu-1").startswith("sluicegate/v1/pool/")
+    work = topics.pool_work("campus/fab-north/dc", "gpu-1", "line-3")
+    assert work == "sluicegate/v1/pool/campus/fab-north/dc/gpu-1/work/line-3"
+
+
+@pytest.mark.parametrize(
+    ("topic", "filter_of_all", "sender"),
+    [
+        (topics.placement_request("line-3"), topics.placement_requests_all(), "line-3"),
+        (topics.placement_release("line-3"), topics.placement_releases_all(), "line-3"),
+        (topics.completion("gpu-1"), topics.completions_all(), "gpu-1"),
+        (topics.edge_returns("line-3", "gpu-1"), topics.edge_returns_all("line-3"), "gpu-1"),
+        (
+            topics.pool_work("campus/fab-north/dc", "gpu-1", "line-3"),
+            topics.pool_work_all("campus/fab-north/dc", "gpu-1"),
+            "line-3",
+        ),
+    ],
+)
+def test_a_message_sent_on_its_own_behalf_names_its_sender_last(
+    topic: str, filter_of_all: str, sender: str
+) -> None:
+    assert topics.sender(topic) == sender
+    assert topics.matches(filter_of_all, topic)
+
+
+def test_replicas_share_the_filter_of_every_edges_requests() -> None:
+    shared = topics.placement_requests_shared("brokers")
+    assert shared == f"$share/brokers/{topics.placement_requests_all()}"
+
+
+def test_another_senders_topic_does_not_match_an_edges_filter() -> None:
+    assert not topics.matches(
+        topics.edge_returns_all("line-3"), topics.edge_returns("line-4", "gpu-1")
+    )
+    assert not topics.matches(
+        topics.pool_work_all("campus/fab-north/dc", "gpu-1"),
+        topics.pool_work("campus/fab-north/dc", "gpu-2", "line-3"),
+    )
+
+
+@pytest.mark.parametrize(
+    ("topic", "node"),
+    [
+        (topics.edge_status("line-3"), "line-3"),
+        (topics.edge_telemetry("line-3"), "line-3"),
+        (topics.worker_telemetry("gpu-1"), "gpu-1"),
+        (topics.worker_capabilities("gpu-1"), "gpu-1"),
+        (topics.broker_status("broker-1"), "broker-1"),
+        ("sluicegate/v1", ""),
+    ],
+)
+def test_node_of_reads_the_node_level_of_a_per_node_topic(topic: str, node: str) -> None:
+    assert topics.node_of(topic) == node
 
 
 def test_config_file_then_env_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
