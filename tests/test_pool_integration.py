@@ -2,7 +2,9 @@
 audit stream) against real Mosquitto and redis-server, driven by a bare paho client that
 publishes work messages exactly as an edge agent would.
 
-The module gets a Mosquitto of its own: the retained policy topic is global.
+The module gets a Mosquitto of its own: the retained policy topic is global. It is a plain
+one (no TLS, no ACL), so the worker runs with ``[mqtt] plaintext``; each test sends as an
+edge of its own that the policy lists.
 """
 
 from __future__ import annotations
@@ -33,21 +35,26 @@ from sluicegate import topics
 from sluicegate.config import Settings, load_settings
 from sluicegate.servers import ServerProcess, running, start_mosquitto
 from sluicegate.transport import Message
-from tests.policies.policy_testkit import base_doc, policy_of
+from tests.policies.policy_testkit import policy_of
 from tests.pool_kit import (
     JPEG,
+    SPARE_EDGES,
     TRUTH,
     WORKER,
     WORKER_ZONE,
     WorkSpec,
     envelope,
     flip_bit,
+    policy_doc,
     token,
     write_policy_file,
 )
 from tests.support import PlainClient, Received, sluicegate_cmd
 
 pytestmark = pytest.mark.integration
+
+PLAINTEXT = "[mqtt]\nplaintext = true\n"  # a worker process on the plain test Mosquitto
+_edges = iter(SPARE_EDGES)
 
 
 class WorkerThread:
@@ -133,7 +140,7 @@ def pool(
 ) -> Iterator[WorkerThread]:
     folder = tmp_path_factory.mktemp("pool")
     settings = load_settings(
-        mqtt={"port": broker.port},
+        mqtt={"port": broker.port, "plaintext": True},
         pool={
             "id": WORKER,
             "zone": WORKER_ZONE,
@@ -154,24 +161,25 @@ def pool(
 
 
 class App:
-    """Plays the edge agent that placed the jobs: its returns topic (where workers send
-    results) plus the broker's completions, on one plain client. Each test's messages name
-    an edge of its own."""
+    """Plays the edge agent that placed the jobs: its returns topic (where the worker sends
+    results) plus the worker's completions, on one plain client. Each test sends as an edge
+    of its own (one of the policy's spare edges)."""
 
-    def __init__(self, port: int, unique: str) -> None:
+    def __init__(self, port: int) -> None:
         self.client = PlainClient(port)
-        self.edge = f"edge-{unique}"
-        self.returns = topics.edge_returns(self.edge)
+        self.edge = next(_edges)
+        self.returns = topics.edge_returns(self.edge, WORKER)
         self.client.subscribe(self.returns)
-        self.client.subscribe(topics.completions())
+        self.client.subscribe(topics.completion(WORKER))
         self.seen: list[Received] = []
 
-    def send(self, msg: Message) -> Message:
-        """Publish ``msg`` as this test's edge (its edge-id property is replaced)."""
-        props = tuple(
-            (k, self.edge if k == topics.PROP_EDGE else v) for k, v in msg.user_properties
-        )
-        msg = replace(msg, user_properties=props)
+    def work(self, spec: WorkSpec) -> Message:
+        """``spec`` as this edge sends it: on the worker's work topic under its id."""
+        return replace(spec, edge=self.edge).message()
+
+    def send(self, work: WorkSpec | Message) -> Message:
+        """Publish ``work`` (a spec, sent as this edge, or a message built by :meth:`work`)."""
+        msg = self.work(work) if isinstance(work, WorkSpec) else work
         publish_work(self.client, msg)
         return msg
 
@@ -196,15 +204,17 @@ class App:
 
     def completion(self, job_id: str) -> dict[str, Any]:
         got = self._take(
-            lambda r: r.topic == topics.completions() and json.loads(r.payload)["job_id"] == job_id
+            lambda r: (
+                r.topic == topics.completion(WORKER) and json.loads(r.payload)["job_id"] == job_id
+            )
         )
         doc: dict[str, Any] = json.loads(got.payload)
         return doc
 
 
 @pytest.fixture
-def app(broker: ServerProcess, unique: str) -> Iterator[App]:
-    client = App(broker.port, unique)
+def app(broker: ServerProcess) -> Iterator[App]:
+    client = App(broker.port)
     yield client
     client.client.close()
 
@@ -216,7 +226,7 @@ def _job_id(msg: Message) -> str:
 def test_placed_job_gets_its_result_and_the_broker_a_completion(
     app: App, pool: WorkerThread, broker: ServerProcess
 ) -> None:
-    msg = app.send(WorkSpec(correlation=b"\x00corr\xff").message())
+    msg = app.send(WorkSpec(correlation=b"\x00corr\xff"))
     result = app.result(msg)
     assert result["status"] == "ok", result
     assert result["outputs"]["label"] == TRUTH
@@ -242,23 +252,35 @@ def test_refused_before_decoding_audited_and_the_worker_keeps_serving(
     app: App, pool: WorkerThread, redis_url: str, worker_key: tuple[Path, SigningKey]
 ) -> None:
     not_an_image = b"GIF89a? no: not even that"
-    first = app.send(WorkSpec(job_id=f"twice-{uuid.uuid4().hex[:6]}").message())
+    first = app.send(WorkSpec(job_id=f"twice-{uuid.uuid4().hex[:6]}"))
     assert app.result(first)["status"] == "ok"
     sent = {
         "token.replayed": replace(first, correlation_data=b"replay"),
-        "token.missing": WorkSpec(token="").message(),
-        "token.bad_signature": WorkSpec(
-            job_id="flip", payload=not_an_image, token=flip_bit(token("flip", not_an_image))
-        ).message(),
-        "token.wrong_target": WorkSpec(
-            job_id="other", token=token("other", JPEG, worker="south-npu-1")
-        ).message(),
-        "token.payload_mismatch": WorkSpec(
-            job_id="swap", payload=not_an_image, token=token("swap", JPEG)
-        ).message(),
-        "token.expired": WorkSpec(
-            job_id="old", token=token("old", JPEG, now=time.time() - 60)
-        ).message(),
+        "token.missing": app.work(WorkSpec(token="")),
+        "token.bad_signature": app.work(
+            WorkSpec(
+                job_id="flip", payload=not_an_image, token=flip_bit(token("flip", not_an_image))
+            )
+        ),
+        "token.wrong_target": app.work(
+            WorkSpec(job_id="other", token=token("other", JPEG, worker="south-npu-1"))
+        ),
+        "token.payload_mismatch": app.work(
+            WorkSpec(job_id="swap", payload=not_an_image, token=token("swap", JPEG))
+        ),
+        "token.expired": app.work(
+            WorkSpec(job_id="old", token=token("old", JPEG, now=time.time() - 60))
+        ),
+        # The origin checked is the sending edge's zone in the policy: a token minted for
+        # another line's job is refused even if the message claims that line.
+        "token.wrong_origin": app.work(
+            WorkSpec(
+                job_id="south",
+                token=token("south", JPEG, origin="campus/fab-south/line-1"),
+                origin_property="campus/fab-south/line-1",
+            )
+        ),
+        "edge.id_mismatch": app.work(WorkSpec(job_id="forged", edge_property="north-l1-pc")),
     }
     for msg in sent.values():
         app.send(msg)
@@ -266,7 +288,7 @@ def test_refused_before_decoding_audited_and_the_worker_keeps_serving(
         result = app.result(msg)
         assert (result["status"], result["code"]) == ("rejected", code), result
         assert "bad_image" not in result["reason"]
-    after = app.send(WorkSpec().message())
+    after = app.send(WorkSpec())
     assert app.result(after)["status"] == "ok"
 
     client = redis.Redis.from_url(redis_url)
@@ -285,13 +307,13 @@ def test_refused_before_decoding_audited_and_the_worker_keeps_serving(
     assert summary.count == len(entries)
     assert set(sent) <= set(reasons)
     jobs = {str(decode_record(e).data.get("job_id")) for e in entries}
-    assert {"flip", "other", "swap", "old"} <= jobs
+    assert {"flip", "other", "swap", "old", "south", "forged"} <= jobs
 
 
 def test_a_burst_of_same_model_jobs_comes_back_in_fewer_batches(
     app: App, pool: WorkerThread
 ) -> None:
-    messages = [WorkSpec().message() for _ in range(12)]
+    messages = [app.work(WorkSpec()) for _ in range(12)]
     for msg in messages:
         app.send(msg)
     for msg in messages:
@@ -306,7 +328,7 @@ def test_a_burst_of_same_model_jobs_comes_back_in_fewer_batches(
 def test_policy_on_the_retained_topic_replaces_the_bootstrap(
     app: App, pool: WorkerThread, broker: ServerProcess
 ) -> None:
-    v2 = policy_of(base_doc(version=2))
+    v2 = policy_of(policy_doc(version=2))
     plain = PlainClient(broker.port)
     try:
         info = plain.client.publish(topics.policy(), envelope(v2), qos=1, retain=True)
@@ -316,23 +338,21 @@ def test_policy_on_the_retained_topic_replaces_the_bootstrap(
     # A token minted under v1 stops verifying once the worker holds v2.
     deadline = time.monotonic() + 10
     while True:
-        result = app.result(app.send(WorkSpec().message()))
+        result = app.result(app.send(WorkSpec()))
         if result["status"] != "ok" or time.monotonic() > deadline:
             break
     assert result["code"] == "token.policy_mismatch", result
-    msg = WorkSpec(job_id="v2-job").message()
-    v2_token = token("v2-job", JPEG, policy=v2)
-    props = tuple((k, v2_token if k == topics.PROP_TOKEN else v) for k, v in msg.user_properties)
-    assert app.result(app.send(replace(msg, user_properties=props)))["status"] == "ok"
+    v2_job = WorkSpec(job_id="v2-job", token=token("v2-job", JPEG, policy=v2))
+    assert app.result(app.send(v2_job))["status"] == "ok"
 
 
 def test_cli_worker_serves_and_shares_the_replay_cache_across_restarts(
-    redis_url: str, tmp_path: Path, unique: str, worker_key: tuple[Path, SigningKey]
+    redis_url: str, tmp_path: Path, worker_key: tuple[Path, SigningKey]
 ) -> None:
     with running(start_mosquitto()) as own:
         config = tmp_path / "pool.toml"
         config.write_text(
-            "[pool]\n"
+            PLAINTEXT + "[pool]\n"
             f'policy_file = "{write_policy_file(tmp_path)}"\n'
             f'state_dir = "{tmp_path / "state"}"\n'
             f'redis_url = "{redis_url}"\n'
@@ -340,8 +360,8 @@ def test_cli_worker_serves_and_shares_the_replay_cache_across_restarts(
             f'key_file = "{worker_key[0]}"\n',
             encoding="utf-8",
         )
-        app = App(own.port, unique)
-        msg = WorkSpec().message()
+        app = App(own.port)
+        msg = app.work(WorkSpec())
         try:
             for expected in ("ok", "token.replayed"):
                 proc = start_pool_process(own.port, config)
@@ -390,12 +410,10 @@ def start_pool_process(
         watcher.close()
 
 
-def test_after_a_broker_restart_the_worker_re_announces_and_serves(
-    tmp_path: Path, unique: str
-) -> None:
+def test_after_a_broker_restart_the_worker_re_announces_and_serves(tmp_path: Path) -> None:
     with running(start_mosquitto()) as own:
         settings = load_settings(
-            mqtt={"port": own.port, "reconnect_min_s": 1, "reconnect_max_s": 2},
+            mqtt={"port": own.port, "reconnect_min_s": 1, "reconnect_max_s": 2, "plaintext": True},
             pool={"id": WORKER, "zone": WORKER_ZONE, "policy_file": write_policy_file(tmp_path)},
         )
         watcher = PlainClient(own.port)
@@ -413,9 +431,9 @@ def test_after_a_broker_restart_the_worker_re_announces_and_serves(
                 assert seen == {topics.worker_capabilities(WORKER), topics.worker_status(WORKER)}
             finally:
                 fresh.close()
-            app = App(own.port, unique)
+            app = App(own.port)
             try:
-                assert app.result(app.send(WorkSpec().message()))["status"] == "ok"
+                assert app.result(app.send(WorkSpec()))["status"] == "ok"
             finally:
                 app.client.close()
         finally:
@@ -426,7 +444,7 @@ def test_a_killed_worker_is_marked_offline_by_its_last_will(
     broker: ServerProcess, tmp_path: Path
 ) -> None:
     config = tmp_path / "pool.toml"
-    config.write_text(f'[pool]\npolicy_file = "{write_policy_file(tmp_path)}"\n')
+    config.write_text(PLAINTEXT + f'[pool]\npolicy_file = "{write_policy_file(tmp_path)}"\n')
     proc = start_pool_process(broker.port, config, worker=("cloud-gpu-1", "offsite/cloud-east"))
     watcher = PlainClient(broker.port)
     try:
@@ -448,7 +466,7 @@ def test_a_killed_worker_is_marked_offline_by_its_last_will(
 
 def test_cli_names_the_providers_it_would_accept(tmp_path: Path) -> None:
     config = tmp_path / "pool.toml"
-    config.write_text('[pool]\nproviders = ["CANNExecutionProvider"]\n')
+    config.write_text(PLAINTEXT + '[pool]\nproviders = ["CANNExecutionProvider"]\n')
     done = subprocess.run(
         sluicegate_cmd("pool", "run", "--config", str(config), "--port", "1"),
         capture_output=True,

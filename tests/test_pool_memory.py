@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,11 +40,15 @@ from tests.pool_kit import (
     WorkSpec,
     envelope,
     flip_bit,
+    pin,
     token,
 )
 
 REGISTRY = ModelRegistry.from_dir(default_models_dir())
-RESULTS = topics.edge_returns(EDGE)  # results go back to the edge that placed the job
+# Results go back to the edge that sent the job, under this worker's id; completions to the
+# broker under it too.
+RESULTS = topics.edge_returns(EDGE, WORKER)
+COMPLETIONS = topics.completion(WORKER)
 
 
 class GatedModel(LoadedModel):
@@ -76,16 +81,16 @@ class Harness:
         return [json.loads(m.payload) for m in self.broker.log if m.topic == RESULTS]
 
     def completions(self) -> list[dict[str, Any]]:
-        return [json.loads(m.payload) for m in self.broker.log if m.topic == topics.completions()]
+        return [json.loads(m.payload) for m in self.broker.log if m.topic == COMPLETIONS]
 
-    async def returned(self, msg: Message) -> Message:
-        """The message that returned ``msg``'s result to its edge."""
+    async def returned(self, msg: Message, to: str = RESULTS) -> Message:
+        """The message that returned ``msg``'s result to its edge (on ``to``)."""
         return await self.broker.wait_for(
-            lambda m: m.topic == RESULTS and m.correlation_data == msg.correlation_data
+            lambda m: m.topic == to and m.correlation_data == msg.correlation_data
         )
 
-    async def result_for(self, msg: Message) -> dict[str, Any]:
-        result: dict[str, Any] = json.loads((await self.returned(msg)).payload)
+    async def result_for(self, msg: Message, to: str = RESULTS) -> dict[str, Any]:
+        result: dict[str, Any] = json.loads((await self.returned(msg, to)).payload)
         return result
 
     async def close(self) -> None:
@@ -94,6 +99,7 @@ class Harness:
 
 
 async def start(
+    state_dir: Path,
     *,
     policy: bool = True,
     replay: AsyncReplayCache | None = None,
@@ -105,11 +111,13 @@ async def start(
         MemoryTransport(broker).publish_nowait(topics.policy(), envelope(), qos=1, retain=True)
     settings = PoolSettings(id=WORKER, zone=WORKER_ZONE, telemetry_interval_s=0.05, **pool)
     store, key = MemoryAuditStore(), SigningKey.generate()
+    feed = PolicyFeed(node=WORKER, state_dir=pin(state_dir))
+    feed.load()
     worker = PoolWorker(
         settings,
         MemoryTransport(broker),
         registry,
-        feed=PolicyFeed(node=WORKER),
+        feed=feed,
         replay=replay or MemoryAsyncReplayCache(),
         audit=AuditSink(AsyncAuditWriter(store, key)),
         probe=HostProbe(),
@@ -122,8 +130,8 @@ async def start(
 
 
 @pytest_asyncio.fixture
-async def pool() -> AsyncIterator[Harness]:
-    harness = await start()
+async def pool(tmp_path: Path) -> AsyncIterator[Harness]:
+    harness = await start(tmp_path)
     yield harness
     await harness.close()
 
@@ -136,7 +144,7 @@ async def test_good_job_result_completion_capabilities_and_status(pool: Harness)
     assert result["ran_on"] == {"kind": "pool", "node": WORKER, "zone": WORKER_ZONE}
     assert result["offload"] == {"requested": True, "placed": True, "worker": WORKER}
     assert result["timings_ms"]["inference_ms"] > 0
-    done = await pool.broker.wait_for(lambda m: m.topic == topics.completions())
+    done = await pool.broker.wait_for(lambda m: m.topic == COMPLETIONS)
     record = json.loads(done.payload)
     assert (record["status"], record["worker_id"], record["batch_size"]) == ("ok", WORKER, 1)
     caps = json.loads(pool.broker.retained[topics.worker_capabilities(WORKER)].payload)
@@ -157,7 +165,7 @@ async def test_results_return_to_the_edge_with_job_attempt_and_worker(pool: Harn
         topics.PROP_WORKER: WORKER,
     }
     assert json.loads(back.payload)["status"] == "ok"
-    done = await pool.broker.wait_for(lambda m: m.topic == topics.completions())
+    done = await pool.broker.wait_for(lambda m: m.topic == COMPLETIONS)
     record = json.loads(done.payload)
     assert (record["job_id"], record["attempt"], record["edge_id"]) == ("job-a3", 3, EDGE)
     # Nothing goes anywhere but the edge's returns topic and the broker's completions.
@@ -165,14 +173,15 @@ async def test_results_return_to_the_edge_with_job_attempt_and_worker(pool: Harn
     assert sent == {RESULTS}
 
 
-async def test_work_without_an_edge_id_is_refused_counted_and_audited(pool: Harness) -> None:
-    pool.send(WorkSpec(job_id="lost-1", edge=None))
-    refused = pool.send(WorkSpec(job_id="lost-2", edge="bad/edge"))
+async def test_work_on_a_topic_naming_no_edge_is_refused_counted_and_audited(
+    pool: Harness,
+) -> None:
+    pool.send(WorkSpec(job_id="lost-1", edge=""))
+    refused = pool.send(WorkSpec(job_id="lost-2", edge="-bad"))
     # A refusal that can be returned proves the two before it were screened first.
     after = await pool.result_for(pool.send(WorkSpec(job_id="after", token="")))
     assert after["code"] == "token.missing"
-    assert pool.worker.refused["no_edge_id"] == 1
-    assert pool.worker.refused["bad_property"] == 1
+    assert pool.worker.refused["no_edge_id"] == 2
     assert pool.worker.outbox.unreturned == 2
     assert pool.worker.decode_attempts == 0
     assert not [m for m in pool.broker.log if m.correlation_data == refused.correlation_data]
@@ -181,8 +190,39 @@ async def test_work_without_an_edge_id_is_refused_counted_and_audited(pool: Harn
         str(decode_record(e).data["job_id"]): decode_record(e).data for e in pool.store.entries[1:]
     }
     assert audited["lost-1"]["reason"] == "no_edge_id"
-    assert audited["lost-2"]["reason"] == "bad_property"
-    assert "'bad/edge'" in str(audited["lost-2"]["message"])
+    assert audited["lost-2"]["reason"] == "no_edge_id"
+    assert "work/-bad'" in str(audited["lost-2"]["message"])
+
+
+async def test_work_naming_another_edge_goes_back_refused_to_the_edge_that_sent_it(
+    pool: Harness,
+) -> None:
+    forged = pool.send(WorkSpec(job_id="forged", edge_property="south-l1-pc"))
+    result = await pool.result_for(forged)  # on this edge's returns, not south-l1-pc's
+    assert (result["status"], result["code"]) == ("rejected", "edge.id_mismatch")
+    assert result["offload"]["placed"] is False
+    assert pool.worker.decode_attempts == 0
+    assert pool.completions() == []  # never placed here: nothing for the broker
+    named = topics.edge_inbox("south-l1-pc")
+    assert not [m for m in pool.broker.log if topics.matches(named, m.topic)]
+    await pool.worker.audit.flush(5)
+    (record,) = [decode_record(e).data for e in pool.store.entries[1:]]
+    assert (record["job_id"], record["reason"]) == ("forged", "edge.id_mismatch")
+
+
+async def test_work_from_an_edge_the_policy_does_not_list_is_refused_unread(
+    pool: Harness,
+) -> None:
+    ghost = pool.send(WorkSpec(job_id="ghost", edge="ghost-pc"))  # a valid token and all
+    result = await pool.result_for(ghost, to=topics.edge_returns("ghost-pc", WORKER))
+    assert (result["status"], result["code"]) == ("rejected", "edge.not_in_policy")
+    assert "'ghost-pc'" in result["reason"]
+    assert pool.worker.refused == {"edge.not_in_policy": 1}
+    assert pool.worker.decode_attempts == 0
+    assert pool.completions() == []
+    await pool.worker.audit.flush(5)
+    (record,) = [decode_record(e).data for e in pool.store.entries[1:]]
+    assert (record["job_id"], record["reason"]) == ("ghost", "edge.not_in_policy")
 
 
 async def test_refusals_are_answered_counted_audited_and_never_decoded(pool: Harness) -> None:
@@ -256,8 +296,8 @@ async def test_a_burst_of_same_model_jobs_runs_in_fewer_batches(pool: Harness) -
     assert pool.worker.batch_sizes == {8: 2}
 
 
-async def test_without_a_policy_work_is_refused_until_one_arrives() -> None:
-    harness = await start(policy=False)
+async def test_without_a_policy_work_is_refused_until_one_arrives(tmp_path: Path) -> None:
+    harness = await start(tmp_path, policy=False)
     try:
         refused = await harness.result_for(harness.send(WorkSpec()))
         assert refused["code"] == "policy.missing"
@@ -276,8 +316,8 @@ class DownCache:
         raise ConnectionError("Error 111 connecting to 127.0.0.1:6390. Connection refused.")
 
 
-async def test_an_unreachable_replay_cache_fails_closed() -> None:
-    harness = await start(replay=DownCache())
+async def test_an_unreachable_replay_cache_fails_closed(tmp_path: Path) -> None:
+    harness = await start(tmp_path, replay=DownCache())
     try:
         result = await harness.result_for(harness.send(WorkSpec()))
         assert result["code"] == "token.replay_unavailable"
@@ -287,9 +327,12 @@ async def test_an_unreachable_replay_cache_fails_closed() -> None:
         await harness.close()
 
 
-async def test_deadline_passing_in_the_queue_expires_and_a_full_queue_refuses() -> None:
+async def test_deadline_passing_in_the_queue_expires_and_a_full_queue_refuses(
+    tmp_path: Path,
+) -> None:
     gated = GatedModel(REGISTRY.get("defect-v1"))
     harness = await start(
+        tmp_path,
         registry=ModelRegistry({"defect-v1": gated}),
         concurrency=1,
         max_batch=1,
@@ -314,9 +357,11 @@ async def test_deadline_passing_in_the_queue_expires_and_a_full_queue_refuses() 
         await harness.close()
 
 
-async def test_shutdown_answers_what_was_admitted_and_refuses_the_rest() -> None:
+async def test_shutdown_answers_what_was_admitted_and_refuses_the_rest(tmp_path: Path) -> None:
     gated = GatedModel(REGISTRY.get("defect-v1"))
-    harness = await start(registry=ModelRegistry({"defect-v1": gated}), concurrency=1, max_batch=2)
+    harness = await start(
+        tmp_path, registry=ModelRegistry({"defect-v1": gated}), concurrency=1, max_batch=2
+    )
     queued = [harness.send(WorkSpec()) for _ in range(3)]
     await asyncio.sleep(0.05)
     harness.stop.set()

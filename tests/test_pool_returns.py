@@ -1,5 +1,6 @@
-"""Real tier: a pool worker returns each result to the edge that placed the job, never to
-the app's topic, and refuses before decoding a work message that names no edge.
+"""Real tier: a pool worker returns each result to the edge that sent the job, under its own
+worker id, never to the app's topic, and refuses before decoding a work message whose topic
+names no edge or whose edge the policy does not list.
 
 A real worker (MQTT transport, ONNX Runtime, Redis replay cache and audit stream) against
 its own Mosquitto and the session's redis-server, driven by a bare paho client that reads
@@ -30,13 +31,15 @@ from sluicegate import topics
 from sluicegate.config import load_settings
 from sluicegate.servers import ServerProcess, running, start_mosquitto
 from sluicegate.transport import Message
-from tests.pool_kit import TRUTH, WORKER, WORKER_ZONE, WorkSpec, write_policy_file
+from tests.pool_kit import SPARE_EDGES, TRUTH, WORKER, WORKER_ZONE, WorkSpec, write_policy_file
 from tests.support import PlainClient, ServiceThread
 
 pytestmark = pytest.mark.integration
 
 APP_TOPIC = "tests/app/results"  # what an app asked for: the worker must not use it
+COMPLETIONS = topics.completion(WORKER)
 REDIS_DB = 8  # this module's own: its worker's audit stream holds only its records
+_next_edge = iter(SPARE_EDGES)  # each test sends as an edge of its own
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class Got:
 
 class Edge:
     """A bare paho client in the role of the edge agent ``edge_id``: sends work messages
-    and reads its returns topic (and the app topic and completions, to see what else goes
+    and reads its returns topics (and the app topic and completions, to see what else goes
     out), keeping each message's user properties."""
 
     def __init__(self, port: int, edge_id: str) -> None:
@@ -67,7 +70,7 @@ class Edge:
         self.client.connect("127.0.0.1", port)
         self.client.loop_start()
         assert connected.wait(10)
-        for topic in (topics.edge_returns(edge_id), APP_TOPIC, topics.completions()):
+        for topic in (topics.edge_returns_all(edge_id), APP_TOPIC, topics.completions_all()):
             _rc, mid = self.client.subscribe(topic, qos=1)
             while self._subacks.get(timeout=10) != mid:
                 pass
@@ -102,7 +105,7 @@ class Edge:
         while True:
             got = self.inbox.get(timeout=15)
             seen.append(got)
-            if got.topic == topics.completions() and json.loads(got.payload)["job_id"] == job_id:
+            if got.topic == COMPLETIONS and json.loads(got.payload)["job_id"] == job_id:
                 return seen
 
     def close(self) -> None:
@@ -128,7 +131,7 @@ def worker(
     finally:
         client.close()
     settings = load_settings(
-        mqtt={"port": mqtt.port},
+        mqtt={"port": mqtt.port, "plaintext": True},  # one role on a plain Mosquitto
         pool={
             "id": WORKER,
             "zone": WORKER_ZONE,
@@ -149,14 +152,15 @@ def worker(
 
 
 @pytest.fixture
-def edge(mqtt: ServerProcess, unique: str) -> Iterator[Edge]:
-    made = Edge(mqtt.port, f"edge-{unique}")
+def edge(mqtt: ServerProcess) -> Iterator[Edge]:
+    made = Edge(mqtt.port, next(_next_edge))
     yield made
     made.close()
 
 
 def _message(edge: Edge, spec: WorkSpec) -> Message:
-    return spec.message() if spec.edge is None else replace(spec, edge=edge.edge_id).message()
+    """``spec`` as ``edge`` sends it: on the worker's work topic under its own id."""
+    return replace(spec, edge=edge.edge_id).message()
 
 
 def test_the_result_returns_to_the_edge_with_job_attempt_worker_and_correlation(
@@ -165,7 +169,7 @@ def test_the_result_returns_to_the_edge_with_job_attempt_worker_and_correlation(
     job = f"job-{uuid.uuid4().hex[:8]}"
     edge.send(_message(edge, WorkSpec(job_id=job, attempt="2", correlation=b"\x00app\xff")))
     seen = edge.until_completion(job)
-    assert [g.topic for g in seen] == [topics.edge_returns(edge.edge_id), topics.completions()]
+    assert [g.topic for g in seen] == [topics.edge_returns(edge.edge_id, WORKER), COMPLETIONS]
     back, done = seen
     assert back.qos == 1
     assert back.correlation_data == b"\x00app\xff"
@@ -185,22 +189,42 @@ def test_a_refusal_returns_to_the_edge_too(worker: ServiceThread, edge: Edge) ->
     job = f"job-{uuid.uuid4().hex[:8]}"
     edge.send(_message(edge, WorkSpec(job_id=job, token="", attempt="3")))
     back = edge.inbox.get(timeout=15)
-    assert back.topic == topics.edge_returns(edge.edge_id)
+    assert back.topic == topics.edge_returns(edge.edge_id, WORKER)
     assert back.user_properties[topics.PROP_ATTEMPT] == "3"
     result = json.loads(back.payload)
     assert (result["status"], result["code"]) == ("rejected", "token.missing")
 
 
-def test_work_without_an_edge_id_is_refused_before_decoding_and_audited(
+def test_an_edge_the_policy_does_not_list_has_its_work_refused_unread(
+    worker: ServiceThread, mqtt: ServerProcess
+) -> None:
+    stranger = Edge(mqtt.port, "unlisted-pc")
+    try:
+        job = f"job-{uuid.uuid4().hex[:8]}"
+        stranger.send(_message(stranger, WorkSpec(job_id=job)))  # a valid token and all
+        back = stranger.inbox.get(timeout=15)
+    finally:
+        stranger.close()
+    assert back.topic == topics.edge_returns("unlisted-pc", WORKER)
+    result = json.loads(back.payload)
+    assert (result["job_id"], result["status"], result["code"]) == (
+        job,
+        "rejected",
+        "edge.not_in_policy",
+    )
+    assert result["offload"]["placed"] is False
+
+
+def test_work_on_a_topic_naming_no_edge_is_refused_before_decoding_and_audited(
     worker: ServiceThread, edge: Edge, redis_server: ServerProcess, mqtt: ServerProcess
 ) -> None:
     lost = f"lost-{uuid.uuid4().hex[:8]}"
-    edge.send(WorkSpec(job_id=lost, edge=None).message())
+    edge.send(WorkSpec(job_id=lost, edge="").message())  # .../work/ matches .../work/+
     # A job sent after it comes back; nothing came back, or went anywhere, for the first.
     after = f"job-{uuid.uuid4().hex[:8]}"
     edge.send(_message(edge, WorkSpec(job_id=after)))
     seen = edge.until_completion(after)
-    assert [g.topic for g in seen] == [topics.edge_returns(edge.edge_id), topics.completions()]
+    assert [g.topic for g in seen] == [topics.edge_returns(edge.edge_id, WORKER), COMPLETIONS]
     assert json.loads(seen[0].payload)["job_id"] == after
     telemetry = PlainClient(mqtt.port)
     try:

@@ -20,6 +20,7 @@ from center_pool.hardware import (
 )
 from center_pool.intake import Limits, Refusal, Work, admit_work, check_token, read_work
 from policies import PlacementClaims
+from sluicegate import topics
 from sluicegate.config import PoolSettings
 from tests.image_bytes import png_header_only
 from tests.policies.policy_testkit import NOW
@@ -59,8 +60,10 @@ def _through_token(spec: WorkSpec) -> tuple[Work, PlacementClaims]:
             False,
             "payload_too_large",
         ),
-        (WorkSpec(job_id="j", token="x", edge=None), False, "no_edge_id"),
-        (WorkSpec(job_id="j", token="x", edge="no/slash"), False, "bad_property"),
+        (WorkSpec(job_id="j", token="x", edge=""), False, "no_edge_id"),
+        (WorkSpec(job_id="j", token="x", edge="-lead"), False, "no_edge_id"),
+        (WorkSpec(job_id="j", token="x", edge_property="south-l1-pc"), False, "edge.id_mismatch"),
+        (WorkSpec(job_id="j", token="x", edge_property="no/slash"), False, "edge.id_mismatch"),
         (WorkSpec(job_id="j", token="x", attempt="0"), False, "bad_property"),
         (WorkSpec(job_id="j", token="x", attempt="2.5"), False, "bad_property"),
         (WorkSpec(job_id="j", token="x", attempt="9" * 5000), False, "bad_property"),
@@ -79,28 +82,45 @@ def test_read_work_refuses_before_the_token_is_checked(
 
 
 @pytest.mark.parametrize(
-    ("edge", "attempt", "returned_to"),
+    ("edge", "named", "attempt", "returned_to"),
     [
-        ("north-l1-pc", None, ("north-l1-pc", 1)),
-        ("north-l1-pc", "3", ("north-l1-pc", 3)),
-        (None, "2", (None, 2)),  # refused: nowhere to return it, only counted and audited
-        ("a/b", "2", (None, 2)),
+        ("north-l1-pc", None, None, ("north-l1-pc", 1)),
+        ("north-l1-pc", None, "3", ("north-l1-pc", 3)),
+        ("north-l1-pc", "", "3", ("north-l1-pc", 3)),  # the edge-id property is optional
+        # To the edge that sent it, never to the one its property names.
+        ("north-l1-pc", "south-l1-pc", "2", ("north-l1-pc", 2)),
+        ("", None, "2", (None, 2)),  # refused: nowhere to return it, only counted and audited
+        ("-lead", None, "2", (None, 2)),
     ],
 )
-def test_a_refusal_goes_back_to_the_valid_edge_named_with_its_attempt(
-    edge: str | None, attempt: str | None, returned_to: tuple[str | None, int]
+def test_a_refusal_goes_back_to_the_edge_that_sent_it_with_its_attempt(
+    edge: str, named: str | None, attempt: str | None, returned_to: tuple[str | None, int]
 ) -> None:
-    got = _read(WorkSpec(job_id="j", token="", edge=edge, attempt=attempt))
+    got = _read(WorkSpec(job_id="j", token="", edge=edge, edge_property=named, attempt=attempt))
     assert isinstance(got, Refusal)
     assert (got.edge_id, got.attempt) == returned_to
 
 
-def test_a_missing_edge_id_is_refused_with_a_reason_that_says_where_results_go() -> None:
-    got = _read(WorkSpec(job_id="j", token="x", edge=None))
+def test_work_on_a_topic_that_names_no_edge_is_refused_saying_where_work_goes() -> None:
+    got = _read(WorkSpec(job_id="j", token="x", edge=""))
     assert isinstance(got, Refusal)
-    assert "'edge-id'" in got.reason
-    assert WORKER in got.reason
+    assert "names no edge" in got.reason
+    assert topics.pool_work("<zone>", WORKER, "<edge id>") in got.reason
     assert "edge agent" in got.reason
+
+
+def test_an_edge_id_property_naming_another_edge_is_refused_naming_both() -> None:
+    got = _read(WorkSpec(job_id="j", token="x", edge_property="south-l1-pc"))
+    assert isinstance(got, Refusal)
+    assert (got.code, got.token_passed) == ("edge.id_mismatch", False)
+    assert "'south-l1-pc'" in got.reason
+    assert "'north-l1-pc'" in got.reason
+
+
+def test_the_edge_is_read_from_the_work_topic() -> None:
+    got = _read(WorkSpec(job_id="j", token="x", edge="north-l1-pc", edge_property=""))
+    assert isinstance(got, Work)
+    assert got.edge_id == "north-l1-pc"
 
 
 @pytest.mark.parametrize(
@@ -120,6 +140,16 @@ def test_a_missing_edge_id_is_refused_with_a_reason_that_says_where_results_go()
         (_spec(token=token("job-2", JPEG, now=NOW)), NOW, "token.wrong_job"),
         (_spec(), NOW + 60, "token.expired"),
         (_spec(token="AAAA"), NOW, "token.malformed"),
+        # The origin is the sending edge's zone in the policy, whatever the message declares.
+        (
+            _spec(
+                token=token("job-1", JPEG, now=NOW, origin="campus/fab-south/line-1"),
+                origin_property="campus/fab-south/line-1",
+            ),
+            NOW,
+            "token.wrong_origin",
+        ),
+        (_spec(edge="ghost-pc"), NOW, "edge.not_in_policy"),
     ],
 )
 def test_check_token_names_the_token_problem(spec: WorkSpec, now: float, code: str) -> None:
@@ -129,6 +159,27 @@ def test_check_token_names_the_token_problem(spec: WorkSpec, now: float, code: s
     assert isinstance(verdict, Refusal)
     assert verdict.code == code, verdict.reason
     assert WORKER in verdict.reason
+
+
+def test_an_edge_the_policy_does_not_list_is_refused_before_its_token_is_read() -> None:
+    work = _read(_spec(edge="ghost-pc", token="AAAA"))  # a token that would not parse
+    assert isinstance(work, Work)
+    verdict = check_token(work, POLICY, now=NOW, worker_id=WORKER)
+    assert isinstance(verdict, Refusal)
+    assert (verdict.code, verdict.edge_id, verdict.token_passed) == (
+        "edge.not_in_policy",
+        "ghost-pc",
+        False,
+    )
+    assert f"v{POLICY.version}" in verdict.reason
+
+
+def test_a_false_origin_zone_property_does_not_change_the_origin_checked() -> None:
+    work, claims = _through_token(_spec(origin_property="offsite/cloud-east"))
+    entry = POLICY.edge("north-l1-pc")
+    assert entry is not None
+    assert claims.origin_zone == entry.zone == "campus/fab-north/line-1"
+    assert work.prop(topics.PROP_ORIGIN_ZONE) == "offsite/cloud-east"
 
 
 def test_a_non_image_with_a_valid_token_passes_the_token_and_fails_the_header() -> None:
