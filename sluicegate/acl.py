@@ -6,7 +6,8 @@ certificate (``use_identity_as_username``), which is also its client id
 
 - **Own topics, for every authenticated user** (``pattern`` lines, ``%u`` = its username):
   a node may write only the topics that carry its own id (telemetry, status, capabilities,
-  placement requests and releases, completions) and read its own inbox and the policy. So
+  placement requests and releases, completions) and read its own inbox and the policy;
+  its probe topic it may both write and read (``sluicegate doctor``'s round trips). So
   a node the policy does not list yet can still ask, and be refused by name, but can speak
   for no one else.
 - **Between roles, per user, from the policy**: a worker reads its own zone-scoped work
@@ -61,6 +62,8 @@ def own_topics() -> list[Rule]:
         ("read", topics.client_results(SELF)),
         ("read", topics.policy()),
         ("read", topics.broker_status_all()),
+        ("write", topics.node_probe(SELF)),
+        ("read", topics.node_probe(SELF)),
     ]
 
 

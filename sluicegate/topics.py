@@ -188,6 +188,12 @@ def policy() -> str:
     return f"{ROOT}/policy"
 
 
+def node_probe(node_id: str) -> str:
+    """A topic only ``node_id`` writes and reads and nothing in the product listens to:
+    ``sluicegate doctor`` times QoS 1 round trips through Mosquitto there (not retained)."""
+    return f"{ROOT}/probe/{node_id}"
+
+
 def sender(topic: str) -> str:
     """Who sent a message on a per-sender topic: the last level of a placement request,
     release, completion, return or work topic (the ACL lets only that node write it)."""

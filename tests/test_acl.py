@@ -164,6 +164,11 @@ FLOWS: dict[str, list[tuple[str, str, str]]] = {
         ("north-l1-pc", "read", topics.policy()),
         ("north-gpu-1", "read", topics.policy()),
     ],
+    "node_probe": [
+        (node, access, topics.node_probe(node))
+        for node in ("north-l1-pc", "north-gpu-1", "broker-1")
+        for access in ("write", "read")
+    ],
 }
 # Filters and helpers: they name no topic of their own.
 NOT_TOPICS = {"check_id", "matches", "sender", "node_of"}
@@ -205,6 +210,8 @@ def test_every_topic_of_the_topics_module_has_its_flows_in_the_acl() -> None:
         ("north-inspect", "read", topics.client_results("south-inspect")),
         ("stranger", "read", topics.edge_telemetry("north-l1-pc")),
         ("stranger", "write", topics.edge_submit("north-l1-pc")),
+        ("north-l1-pc", "read", topics.node_probe("north-gpu-1")),
+        ("north-gpu-1", "write", topics.node_probe("north-l1-pc")),
     ],
 )
 def test_what_no_identity_may_do(user: str, access: str, topic: str) -> None:
