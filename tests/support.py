@@ -26,9 +26,14 @@ from paho.mqtt.properties import Properties
 
 from edge_agent.agent import EdgeAgent
 from edge_agent.service import serve
+from policies import load_signing_key
+from policies.edit import add_node
+from policies.signing import add_signature, dump_signatures, sign_policy
 from sluicegate import topics
+from sluicegate.campus import OFFICER, Campus
 from sluicegate.config import Settings
 from sluicegate.vision.runtime import ModelRegistry
+from tests.policies.policy_testkit import key
 
 
 @dataclass(frozen=True)
@@ -238,3 +243,26 @@ def wait_until(check: Callable[[], Any], timeout: float = 10.0) -> Any:
             return value
         time.sleep(0.05)  # the next poll of the state we wait on
     raise AssertionError(f"condition not reached within {timeout} s")
+
+
+def list_brokers(campus: Campus, ids: tuple[str, ...]) -> dict[str, Path]:
+    """Add broker replicas ``ids`` to ``campus``'s policy (each under broker_signers with its
+    published test key, written beside the campus's keys) and sign it again as the campus
+    officer: a replica starts only with the key the policy lists for its id. Returns each
+    replica's key file (its ``[broker] key_file``)."""
+    if not ids:
+        raise ValueError("list_brokers needs at least one broker id")
+    text = campus.policy_file.read_text()
+    files = {}
+    for broker_id in ids:
+        text, policy = add_node(text, "broker", broker_id, key=key(broker_id).public_text)
+        files[broker_id] = campus.root / f"{broker_id}.key"
+        files[broker_id].write_bytes(key(broker_id).to_pem())
+        files[broker_id].chmod(0o600)
+    campus.policy_file.write_text(text)
+    officer = load_signing_key(campus.key_files[OFFICER])
+    bundle = add_signature(None, policy, sign_policy(policy, officer, OFFICER))
+    campus.policy_file.with_name(campus.policy_file.name + ".sig").write_bytes(
+        dump_signatures(bundle)
+    )
+    return files

@@ -2,12 +2,17 @@
 MQTT publishers of capabilities and telemetry (a worker is nothing more to the broker).
 
 Checks placement within the policy, model requirements, sub-health, silent workers, the
-Redis reservation, the job explanation over HTTP, metrics, OpenAPI and the audit chain.
+Redis reservation, the job explanation over HTTP, metrics, OpenAPI and the audit chain, and
+who is speaking: the requesting edge is the one whose topic carried the request, its origin
+zone the policy's, and workers, completions and releases count only as the policy and their
+topics say. The test Mosquitto is a plain one (no TLS, no ACL), so the campus is written
+open (``secure=False``) and anything may be sent on any topic, as a forger would.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 import time
@@ -22,6 +27,7 @@ import redis
 from broker import keys as broker_keys
 from broker.run import serve
 from policies import load_policy, verify, verify_chain
+from policies.audit import decode_record
 from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
 from sluicegate import topics, wire
 from sluicegate.campus import Campus, write_campus
@@ -29,6 +35,7 @@ from sluicegate.config import Settings, load_settings
 from sluicegate.servers import ServerProcess, free_port
 from sluicegate.vision.runtime import default_models_dir
 from sluicegate.wire_pool import (
+    Completion,
     ModelCapability,
     PlacementRelease,
     PlacementReply,
@@ -48,7 +55,9 @@ WORKERS = {
     "north-gpu": (f"{FAB}/dc", "nvidia-l4"),
     "cloud-1": ("offsite/cloud-east", "x86-cpu"),
 }
+UNLISTED = (f"{FAB}/dc", "x86-cpu")  # where a worker the policy does not list says it is
 DIGEST = "ab" * 32
+EDGE = "line-1-pc"  # one of the campus's two edges, in f"{FAB}/line-1"
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +66,9 @@ def campus(
 ) -> Campus:
     root = tmp_path_factory.mktemp("campus")
     redis_url = f"redis://127.0.0.1:{redis_server.port}/0"
-    made = write_campus(root, key, mqtt_port=mosquitto.port, redis_url=redis_url, workers=WORKERS)
+    made = write_campus(
+        root, key, mqtt_port=mosquitto.port, redis_url=redis_url, workers=WORKERS, secure=False
+    )
     # A second model that only a CUDA worker may run.
     models = root / "models"
     models.mkdir()
@@ -99,8 +110,19 @@ class Fleet:
     def __init__(self, port: int) -> None:
         self.client = PlainClient(port)
 
-    def capabilities(self, worker: str, *, providers: list[str], memory_mb: int = 16000) -> None:
-        zone, device = WORKERS[worker]
+    def capabilities(
+        self,
+        worker: str,
+        *,
+        providers: list[str],
+        memory_mb: int = 16000,
+        zone: str | None = None,
+        on: str | None = None,
+    ) -> None:
+        """``worker``'s capabilities (in ``zone``, by default its own), published on ``on``'s
+        topic (by default its own)."""
+        listed, device = WORKERS.get(worker, UNLISTED)
+        zone = zone or listed
         caps = WorkerCapabilities(
             worker_id=worker,
             zone=zone,
@@ -112,7 +134,7 @@ class Fleet:
             models={m: ModelCapability(version="1.0.0") for m in ("defect-v1", "defect-gpu")},
         )
         info = self.client.client.publish(
-            topics.worker_capabilities(worker), wire.dump(caps), qos=1, retain=True
+            topics.worker_capabilities(on or worker), wire.dump(caps), qos=1, retain=True
         )
         info.wait_for_publish(10)
 
@@ -125,7 +147,7 @@ class Fleet:
         bandwidth: float = 0.1,
         capacity: int = 16,
     ) -> None:
-        zone, device = WORKERS[worker]
+        zone, device = WORKERS.get(worker, UNLISTED)
         tel = WorkerTelemetry(
             node=worker,
             zone=zone,
@@ -157,16 +179,21 @@ def ask(
     *,
     data_class: str = "wafer-image",
     model: str = "defect-v1",
-    origin: str = f"{FAB}/line-1",
     max_wait_ms: float = 0.0,
+    edge: str = EDGE,
+    named: str | None = None,
+    origin: str = "",
+    response_topic: str | None = None,
 ) -> PlacementReply:
+    """Ask for a placement on ``edge``'s request topic, as a request naming edge ``named``
+    (by default ``edge``) and declaring ``origin``, with ``response_topic`` as its MQTT
+    Response Topic; the reply is read on ``edge``'s own reply topic."""
     client = PlainClient(mosquitto.port)
-    reply_topic = topics.placement_replies(f"t-{uuid.uuid4().hex[:6]}")
-    client.subscribe(reply_topic)
+    client.subscribe(topics.placement_replies(edge))
     job_id = uuid.uuid4().hex
     req = PlacementRequest(
         job_id=job_id,
-        edge_id="line-1-pc",
+        edge_id=named or edge,
         origin_zone=origin,
         model=model,
         data_class=data_class,
@@ -182,11 +209,14 @@ def ask(
     from paho.mqtt.properties import Properties
 
     props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
-    props.ResponseTopic = reply_topic
+    if response_topic is not None:
+        props.ResponseTopic = response_topic
     props.CorrelationData = job_id.encode()
-    client.client.publish(topics.placement_requests(), wire.dump(req), qos=1, properties=props)
+    topic = topics.placement_request(edge)
+    client.client.publish(topic, wire.dump(req), qos=1, properties=props)
     got = client.next(timeout=15)
     client.close()
+    assert got.topic == topics.placement_replies(edge)
     assert got.correlation_data == job_id.encode()
     return PlacementReply.model_validate_json(got.payload)
 
@@ -218,7 +248,7 @@ def test_placement_within_policy_explained_reserved_and_audited(
     reply = ask(mosquitto)
     assert reply.status == "placed", reply
     assert reply.worker_id in ("north-a", "north-b", "north-gpu")
-    assert reply.work_topic == topics.pool_work(f"{FAB}/dc", reply.worker_id)
+    assert reply.work_topic == topics.pool_work(f"{FAB}/dc", reply.worker_id, EDGE)
     policy = load_policy(campus.policy_file)
     claims = verify(
         reply.token or "",
@@ -229,6 +259,7 @@ def test_placement_within_policy_explained_reserved_and_audited(
         worker_id=reply.worker_id,
     )
     assert claims.data_class == "wafer-image"
+    assert claims.origin_zone == f"{FAB}/line-1"  # the edge's zone in the policy
     r = redis.Redis(port=redis_server.port)
     assert r.zscore(broker_keys.reservations(reply.worker_id), reply.job_id) is not None
     # The decision's record is written right after the reply (the in-flight part before it).
@@ -420,7 +451,8 @@ def test_a_placement_handed_back_unused_frees_its_slot_at_once(
     edge = PlainClient(mosquitto.port)
 
     def hand_back(payload: bytes) -> None:
-        edge.client.publish(topics.placement_releases(), payload, qos=1).wait_for_publish(10)
+        topic = topics.placement_release("line-1-pc")
+        edge.client.publish(topic, payload, qos=1).wait_for_publish(10)
 
     release = PlacementRelease(
         job_id=first.job_id,
@@ -429,8 +461,10 @@ def test_a_placement_handed_back_unused_frees_its_slot_at_once(
         attempt=1,
         reason="placed after the edge stopped waiting (50 ms)",
     )
-    # Not JSON, another edge's, an older attempt's, another worker's: none is this
-    # placement, so none releases it (the record below names the one that did).
+    # Not JSON, another edge's (sent on this edge's topic: refused by name), an older
+    # attempt's, another worker's: none is this placement, so none releases it (the record
+    # below names the one that did).
+    refused_before = _identity_refusals(settings, "release.id_mismatch")
     hand_back(b"{not json")
     for wrong in ({"edge_id": "line-2-pc"}, {"attempt": 2}, {"worker_id": "north-a"}):
         hand_back(wire.dump(release.model_copy(update=wrong)))
@@ -450,6 +484,163 @@ def test_a_placement_handed_back_unused_frees_its_slot_at_once(
     assert job["inflight"]["released_at"] is not None
     metrics = http(settings, "/metrics")[1]
     assert "sluicegate_placements_released_total 1.0" in metrics
+    assert _identity_refusals(settings, "release.id_mismatch") == refused_before + 1
     again = ask(mosquitto)  # the broker kept serving, and the slot is free again
     assert (again.status, again.worker_id) == ("placed", "north-b")
     edge.close()
+
+
+def _identity_refusals(settings: Settings, code: str) -> float:
+    """``sluicegate_identity_refusals_total{code}`` as the broker reports it (0 before any)."""
+    text = http(settings, "/metrics")[1]
+    pattern = rf'^sluicegate_identity_refusals_total\{{code="{re.escape(code)}"\}} (\S+)$'
+    found = re.search(pattern, text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def _everyone_free(settings: Settings, fleet: Fleet) -> None:
+    for worker in WORKERS:
+        fleet.capabilities(worker, providers=["CPUExecutionProvider"])
+        fleet.telemetry(worker)
+    _ready(
+        settings,
+        lambda ws: all(
+            name in ws and (ws[name]["load"] or {}).get("queue_depth") == 0 for name in WORKERS
+        ),
+    )
+
+
+def test_a_request_on_one_edges_topic_naming_another_is_refused_and_answered_to_the_sender(
+    broker: tuple[ServiceThread, Settings],
+    fleet: Fleet,
+    mosquitto: ServerProcess,
+) -> None:
+    _thread, settings = broker
+    _everyone_free(settings, fleet)
+    before = _identity_refusals(settings, "edge.id_mismatch")
+    named = PlainClient(mosquitto.port)  # what line-2-pc hears
+    try:
+        named.subscribe(topics.placement_replies("line-2-pc"))
+        # line-1-pc asks as line-2-pc, and names line-2-pc's reply topic as Response Topic.
+        forged = ask(
+            mosquitto,
+            edge="line-1-pc",
+            named="line-2-pc",
+            response_topic=topics.placement_replies("line-2-pc"),
+        )
+        assert (forged.status, forged.code) == ("refused", "edge.id_mismatch")
+        assert (forged.token, forged.worker_id) == (None, None)
+        assert "'line-2-pc'" in (forged.reason or "")
+        assert "'line-1-pc'" in (forged.reason or "")
+        assert _identity_refusals(settings, "edge.id_mismatch") == before + 1
+        # line-2-pc's own request is answered to it; the forged one's answer never was.
+        own = ask(mosquitto, edge="line-2-pc")
+        assert own.status == "placed", own
+        first = PlacementReply.model_validate_json(named.next().payload)
+        assert first.job_id == own.job_id
+    finally:
+        named.close()
+
+
+def test_an_edge_the_policy_does_not_list_gets_no_placement(
+    broker: tuple[ServiceThread, Settings],
+    fleet: Fleet,
+    mosquitto: ServerProcess,
+) -> None:
+    _thread, settings = broker
+    _everyone_free(settings, fleet)
+    before = _identity_refusals(settings, "edge.not_in_policy")
+    stranger = ask(mosquitto, edge="line-9-pc", origin=f"{FAB}/line-1")
+    assert (stranger.status, stranger.code) == ("refused", "edge.not_in_policy")
+    assert stranger.token is None
+    assert "'line-9-pc'" in (stranger.reason or "")
+    assert _identity_refusals(settings, "edge.not_in_policy") == before + 1
+    assert ask(mosquitto).status == "placed"  # a listed edge, asking just the same
+
+
+def test_the_origin_zone_is_the_edges_in_the_policy_whatever_the_request_declares(
+    broker: tuple[ServiceThread, Settings],
+    fleet: Fleet,
+    mosquitto: ServerProcess,
+    campus: Campus,
+) -> None:
+    _thread, settings = broker
+    _everyone_free(settings, fleet)
+    reply = ask(mosquitto, edge="line-2-pc", origin="offsite/cloud-east")
+    assert reply.status == "placed", reply
+    assert reply.work_topic == topics.pool_work(f"{FAB}/dc", reply.worker_id or "", "line-2-pc")
+    claims = verify(
+        reply.token or "",
+        load_policy(campus.policy_file),
+        now=time.time(),
+        job_id=reply.job_id,
+        payload_sha256=bytes.fromhex(DIGEST),
+        worker_id=reply.worker_id,
+    )
+    assert claims.origin_zone == f"{FAB}/line-2"
+
+
+def test_workers_count_only_as_the_policy_and_their_topics_say_and_are_audited_once(
+    broker: tuple[ServiceThread, Settings],
+    fleet: Fleet,
+    mosquitto: ServerProcess,
+    redis_server: ServerProcess,
+) -> None:
+    _thread, settings = broker
+    _everyone_free(settings, fleet)
+    codes = (
+        "worker.not_in_policy",
+        "worker.zone_mismatch",
+        "worker.id_mismatch",
+        "completion.id_mismatch",
+    )
+    before = {code: _identity_refusals(settings, code) for code in codes}
+    cpu = ["CPUExecutionProvider"]
+    fleet.capabilities("ghost-gpu", providers=cpu)  # a worker the policy does not list ...
+    fleet.capabilities("ghost-gpu", providers=cpu)  # ... again ...
+    fleet.telemetry("ghost-gpu")  # ... and reporting: counted each time, audited once
+    fleet.capabilities("cloud-1", providers=cpu, zone=f"{FAB}/dc")  # not its zone
+    fleet.capabilities("north-b", providers=cpu, memory_mb=1, on="north-gpu")  # not its topic
+    done = Completion(
+        job_id="not-mine",
+        worker_id="north-b",
+        status="ok",
+        model="defect-v1",
+        service_ms=5.0,
+        queue_ms=0.0,
+        batch_size=1,
+        ts=time.time(),
+    )
+    info = fleet.client.client.publish(topics.completion("north-a"), wire.dump(done), qos=1)
+    info.wait_for_publish(10)
+    wanted = {
+        "worker.not_in_policy": 3,
+        "worker.zone_mismatch": 1,
+        "worker.id_mismatch": 1,
+        "completion.id_mismatch": 1,
+    }
+    wait_until(
+        lambda: all(
+            _identity_refusals(settings, code) == before[code] + n for code, n in wanted.items()
+        )
+    )
+    workers = {w["id"]: w for w in http(settings, "/fleet")[1]["workers"]}
+    assert "ghost-gpu" not in workers
+    assert workers["cloud-1"]["zone"] == "offsite/cloud-east"
+    assert workers["north-b"]["capabilities"]["memory_total_mb"] == 16000
+    r = redis.Redis(port=redis_server.port)
+    store = RedisStreamAuditStore(r, audit_stream_key("broker-1"))
+
+    def refused_ghost() -> list[dict[str, Any]]:
+        found = []
+        for entry in store.entries():
+            record = decode_record(entry)
+            if record.kind == "identity.refused":
+                decisions = json.loads(str(record.data["decisions"]))
+                found += [d for d in decisions if d["node"] == "ghost-gpu"]
+        return found
+
+    (audited,) = wait_until(refused_ghost)
+    assert (audited["kind"], audited["code"]) == ("worker", "worker.not_in_policy")
+    assert "'ghost-gpu'" in audited["reason"]
+    fleet.capabilities("cloud-1", providers=cpu)  # leave its retained document its own

@@ -61,7 +61,7 @@ from sluicegate.wire_pool import (
 )
 from tests import support
 from tests.policies.policy_testkit import key
-from tests.support import PlainClient, sluicegate_cmd
+from tests.support import PlainClient, list_brokers, sluicegate_cmd
 
 NOW = 1_800_000_000.0
 
@@ -252,10 +252,12 @@ async def test_scripts_are_loaded_again_after_redis_forgets_them(
 # -- real tier: broker processes, Mosquitto, Redis ------------------------------------------
 
 EDGE = "line-1-pc"
-ORIGIN = f"{FAB}/line-1"
 ZONE = f"{FAB}/dc"
 INTERVAL_S = 0.5  # the brokers' telemetry interval in these tests; workers report twice as often
 REDIS_DB = 7  # no other test module uses it
+# The replicas every test's campus lists (besides broker-1), each with its own key: a test
+# runs at most two. Always the same ones, so every test's policy has the same version.
+REPLICAS = ("broker-a", "broker-b")
 
 
 @pytest.fixture(scope="module")
@@ -280,8 +282,14 @@ def broker_redis(redis_server: ServerProcess) -> str:
 
 @pytest.fixture
 def campus(tmp_path: Path, mqtt: ServerProcess, broker_redis: str, unique: str) -> Campus:
+    """An open campus (the module's Mosquitto is a plain one) whose policy lists
+    :data:`REPLICAS` and four workers of this test's own."""
     workers = {f"w{i}-{unique}": (ZONE, "x86-cpu") for i in range(1, 5)}
-    return write_campus(tmp_path, key, mqtt_port=mqtt.port, redis_url=broker_redis, workers=workers)
+    made = write_campus(
+        tmp_path, key, mqtt_port=mqtt.port, redis_url=broker_redis, workers=workers, secure=False
+    )
+    list_brokers(made, REPLICAS)
+    return made
 
 
 class FakeWorker:
@@ -353,10 +361,18 @@ class FakeWorker:
 
 
 class BrokerProcess:
-    """``sluicegate broker run`` as its own process, with its own id and HTTP port."""
+    """``sluicegate broker run`` as its own process, as replica ``broker_id`` (one the policy
+    lists, with its key) on its own HTTP port."""
 
-    def __init__(self, campus: Campus, mqtt: ServerProcess, redis_url: str, **env: str) -> None:
-        self.id = f"broker-{uuid.uuid4().hex[:6]}"
+    def __init__(
+        self,
+        campus: Campus,
+        mqtt: ServerProcess,
+        redis_url: str,
+        broker_id: str = REPLICAS[0],
+        **env: str,
+    ) -> None:
+        self.id = broker_id
         self.http_port = free_port()
         watcher = PlainClient(mqtt.port)
         try:
@@ -365,6 +381,7 @@ class BrokerProcess:
                 **os.environ,
                 "SLUICEGATE_BROKER__TELEMETRY_INTERVAL_S": str(INTERVAL_S),
                 "SLUICEGATE_BROKER__MISSED_INTERVALS": "4",
+                "SLUICEGATE_BROKER__KEY_FILE": str(campus.root / f"{broker_id}.key"),
                 **{f"SLUICEGATE_BROKER__{k.upper()}": v for k, v in env.items()},
             }
             self.proc = subprocess.Popen(
@@ -432,7 +449,7 @@ class Edge:
 
     def __init__(self, port: int) -> None:
         self.client = PlainClient(port)
-        self.reply_topic = topics.placement_replies(f"{EDGE}-{uuid.uuid4().hex[:6]}")
+        self.reply_topic = topics.placement_replies(EDGE)  # where the broker answers it
         self.client.subscribe(self.reply_topic)
         self.client.subscribe(topics.edge_notices(EDGE))
         self.notices: list[JobNotice] = []
@@ -442,7 +459,6 @@ class Edge:
         req = PlacementRequest(
             job_id=job_id,
             edge_id=EDGE,
-            origin_zone=ORIGIN,
             model="defect-v1",
             data_class="wafer-image",
             payload_sha256="ab" * 32,
@@ -454,10 +470,9 @@ class Edge:
             attempt=attempt,
         )
         props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
-        props.ResponseTopic = self.reply_topic
         props.CorrelationData = f"{job_id}/{attempt}".encode()
         info = self.client.client.publish(
-            topics.placement_requests(), wire.dump(req), qos=1, properties=props
+            topics.placement_request(EDGE), wire.dump(req), qos=1, properties=props
         )
         info.wait_for_publish(10)
         while props.CorrelationData not in self._replies:
@@ -648,7 +663,7 @@ def _complete(port: int, job: str, worker: str, attempt: int) -> None:
     )
     client = PlainClient(port)
     try:
-        info = client.client.publish(topics.completions(), wire.dump(done), qos=1)
+        info = client.client.publish(topics.completion(worker), wire.dump(done), qos=1)
         info.wait_for_publish(10)
     finally:
         client.close()
@@ -693,13 +708,13 @@ def test_a_restarted_broker_sends_the_notices_for_jobs_placed_before_it(
     edge: Edge,
     processes: list[Any],
 ) -> None:
-    first = BrokerProcess(campus, mqtt, broker_redis)
+    first = BrokerProcess(campus, mqtt, broker_redis, REPLICAS[0])
     processes.append(first)
     workers = _workers(campus, mqtt, processes, 2)
     _online(first, workers)
     placed = {job: edge.place(job) for job in _jobs(6)}
     first.kill()  # SIGKILL: nothing flushed, nothing said
-    second = BrokerProcess(campus, mqtt, broker_redis)
+    second = BrokerProcess(campus, mqtt, broker_redis, REPLICAS[1])
     processes.append(second)
     # It reads what is in flight from Redis as it starts.
     wait_until(lambda: second.http("/health")[1]["inflight_at_start"]["jobs"] == len(placed))
@@ -747,7 +762,7 @@ def test_two_brokers_on_one_redis_send_one_notice_per_job(
     edge: Edge,
     processes: list[Any],
 ) -> None:
-    brokers = [BrokerProcess(campus, mqtt, broker_redis) for _ in range(2)]
+    brokers = [BrokerProcess(campus, mqtt, broker_redis, replica) for replica in REPLICAS]
     processes.extend(brokers)
     (worker,) = _workers(campus, mqtt, processes, 1)
     for broker in brokers:
