@@ -13,28 +13,34 @@ from typing import Literal
 
 import tomlkit
 from tomlkit.exceptions import TOMLKitError
-from tomlkit.items import Table
+from tomlkit.items import InlineTable, Table
 
 from policies.errors import PolicyParseError
-from policies.keys import decode_public_key, public_key_text
+from policies.keys import parse_public_key, public_key_text
 from policies.loader import parse_policy
 from policies.model import Policy
 
 Kind = Literal["edge", "worker", "broker", "app"]
 
 
-def _table(doc: tomlkit.TOMLDocument, *path: str) -> Table:
-    node: tomlkit.TOMLDocument | Table = doc
+def _fresh(
+    parent: tomlkit.TOMLDocument | Table | InlineTable, *, super_table: bool = False
+) -> Table | InlineTable:
+    """A new table for ``parent``: inline inside an inline table (TOML allows no other)."""
+    if isinstance(parent, InlineTable):
+        return tomlkit.inline_table()
+    return tomlkit.table(is_super_table=super_table)
+
+
+def _table(doc: tomlkit.TOMLDocument, *path: str) -> Table | InlineTable:
+    """The table at ``path``, made if missing (the policy loaded, so what exists is one,
+    spelt as a section or inline)."""
+    node: tomlkit.TOMLDocument | Table | InlineTable = doc
     for name in path:
         if name not in node:
-            node[name] = tomlkit.table(is_super_table=len(path) > 1 and name == path[0])
-        child = node[name]
-        if not isinstance(child, Table):
-            raise PolicyParseError(
-                "is not a table in this file", source="policy", key=".".join(path)
-            )
-        node = child
-    assert isinstance(node, Table)
+            node[name] = _fresh(node, super_table=len(path) > 1 and name == path[0])
+        node = node[name]
+    assert isinstance(node, Table | InlineTable)
     return node
 
 
@@ -44,7 +50,7 @@ def _key(text: str | None, what: str) -> str:
             f"adding {what} needs its key (ed25519:…, from 'sluicegate enroll list')",
             source="--key",
         )
-    return public_key_text(decode_public_key(text))
+    return public_key_text(parse_public_key(text))
 
 
 def add_node(
@@ -73,10 +79,11 @@ def add_node(
     if kind == "edge":
         if zone is None:
             raise PolicyParseError("adding an edge needs its zone", source="--zone")
-        entry = tomlkit.table()
+        edges_table = _table(doc, "edges")
+        entry = _fresh(edges_table)
         entry["zone"] = zone
         entry["key"] = _key(key, f"edge {node_id!r}")
-        _table(doc, "edges")[node_id] = entry
+        edges_table[node_id] = entry
     elif kind == "worker":
         if pool is None:
             raise PolicyParseError("adding a worker needs its pool", source="--pool")
@@ -88,7 +95,7 @@ def add_node(
                     f"no pool {pool!r} (known: {known}); give --zone to create it",
                     source="--pool",
                 )
-            fresh = tomlkit.table()
+            fresh = _fresh(pools)
             fresh["zone"] = zone
             fresh["workers"] = tomlkit.inline_table()
             pools[pool] = fresh
@@ -101,11 +108,12 @@ def add_node(
             raise PolicyParseError(
                 "adding an app needs the edges it submits to", source="--app-edge"
             )
-        entry = tomlkit.table()
+        apps_table = _table(doc, "apps")
+        entry = _fresh(apps_table)
         entry["edges"] = list(edges)
         if results:
             entry["results"] = list(results)
-        _table(doc, "apps")[node_id] = entry
+        apps_table[node_id] = entry
     doc["version"] = old.version + 1
     new_text = tomlkit.dumps(doc)
     return new_text, parse_policy(new_text, source=source)
