@@ -54,6 +54,7 @@ from edge_agent.outbox import Accepted, Outbox, Stored
 from edge_agent.reporting import Load, status_message, telemetry
 from sluicegate import topics, wire
 from sluicegate.config import EdgeSettings, OffloadSettings
+from sluicegate.policy_feed import PolicyFeed
 from sluicegate.transport import Message, Transport
 from sluicegate.vision.image import PayloadLimits as Limits
 from sluicegate.vision.postprocess import Outputs as VisionOutputs
@@ -85,8 +86,10 @@ class EdgeAgent:
         offload_settings: OffloadSettings | None = None,
         outbox: Outbox | None = None,
         executor: Executor | None = None,
+        feed: PolicyFeed | None = None,
     ) -> None:
         topics.check_id("edge id", settings.id)
+        self._feed = feed  # what policy it holds and refused, for its telemetry
         self.settings = settings
         self._transport = transport
         self._registry = registry
@@ -502,6 +505,8 @@ class EdgeAgent:
             offloaded=self.offloaded,
             offload_pending=self._offloads.offering,
             events=self.counters,
+            policy_version=self._feed.held.version if self._feed and self._feed.held else None,
+            policy_refused=self._feed.refused if self._feed is not None else {},
         )
         return telemetry(self.settings, load)
 

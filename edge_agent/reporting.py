@@ -8,7 +8,7 @@ process's figures).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from edge_agent.load import ModelFigures
@@ -42,6 +42,8 @@ class Load:
     offloaded: int
     offload_pending: int
     events: Mapping[str, int]
+    policy_version: int | None = None
+    policy_refused: Mapping[str, int] = field(default_factory=dict)
 
 
 def telemetry(settings: EdgeSettings, load: Load) -> wire.EdgeTelemetry:
@@ -67,4 +69,6 @@ def telemetry(settings: EdgeSettings, load: Load) -> wire.EdgeTelemetry:
         offloaded=load.offloaded,
         offload_pending=load.offload_pending,
         events=dict(load.events),
+        policy_version=load.policy_version,
+        policy_refused=dict(load.policy_refused),
     )

@@ -126,6 +126,7 @@ async def _serve(
         offload=client,
         offload_settings=offload,
         outbox=open_outbox(settings),
+        feed=feed,
     )
     try:
         await identity.serve_guarded(guard, stop, agent.run)

@@ -128,6 +128,10 @@ class EdgeTelemetry(_Wire):
     # Durability events since start: accepted, duplicates, redelivered, replayed,
     # republished, fenced_returns, late_results, dead_letters, outbox_errors, ...
     events: dict[str, int] = Field(default_factory=dict)
+    # The verified policy version this edge holds, and the policies it refused by reason
+    # (policy.unknown_signer, policy.rollback, ...): a forged retained policy shows here.
+    policy_version: int | None = None
+    policy_refused: dict[str, int] = Field(default_factory=dict)
 
 
 class NodeStatus(_Wire):
