@@ -113,7 +113,7 @@ class FakePlacement:
             await answer
         if job.job_id in self.decline:
             return Declined("no_capacity", "the test declined it")
-        return Placement("w1", "campus/dc", topics.pool_work("campus/dc", "w1"), "tok", b"")
+        return Placement("w1", "campus/dc", topics.pool_work("campus/dc", "w1", EDGE), "tok", b"")
 
     def answer_all(self) -> int:
         """Let every placement held by ``slow`` be answered; returns how many."""
@@ -359,12 +359,13 @@ class EdgeRig:
         )
 
     def give_back(self, job_id: str, attempt: int) -> None:
+        """Worker w1 (where every placement goes) returns its result for ``attempt``."""
         props = (
             (topics.PROP_JOB_ID, job_id),
             (topics.PROP_ATTEMPT, str(attempt)),
             (topics.PROP_WORKER, "w1"),
         )
-        topic = topics.edge_returns(EDGE)
+        topic = topics.edge_returns(EDGE, "w1")
         self.call(
             lambda: self.pool.publish_nowait(
                 topic, pool_result(job_id), qos=1, user_properties=props

@@ -7,10 +7,13 @@ events with timeouts (queue.get with a timeout), never fixed sleeps.
 from __future__ import annotations
 
 import asyncio
+import functools
+import os
 import queue
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -33,7 +36,7 @@ from sluicegate import topics
 from sluicegate.campus import OFFICER, Campus
 from sluicegate.config import Settings
 from sluicegate.vision.runtime import ModelRegistry
-from tests.policies.policy_testkit import key
+from tests.policies.policy_testkit import base_doc, key, policy_of, signed, to_toml
 
 
 @dataclass(frozen=True)
@@ -170,14 +173,38 @@ def sluicegate_cmd(*args: str) -> list[str]:
     return [str(Path(sys.executable).with_name("sluicegate")), *args]
 
 
-def start_agent_process(port: int, edge_id: str, *extra: str) -> subprocess.Popen[bytes]:
-    """``sluicegate edge run`` as its own process; returns once it is online."""
+@functools.cache
+def installed_policy() -> Path:
+    """The testkit's signed policy as a file with its ``.sig`` beside it, as an operator
+    installs one: what a node on the plain test Mosquitto starts from (its trust anchor).
+    Written once per session, in the session's state folder (see conftest)."""
+    folder = Path(os.environ.get("XDG_STATE_HOME") or tempfile.mkdtemp()) / "installed-policy"
+    folder.mkdir(parents=True, exist_ok=True)
+    doc = base_doc()
+    path = folder / "campus.toml"
+    path.write_text(to_toml(doc), encoding="utf-8")
+    officers = signed(policy_of(doc), "officer-alice", "officer-bob")
+    path.with_name(path.name + ".sig").write_bytes(dump_signatures(officers))
+    return path
+
+
+def start_agent_process(
+    port: int, edge_id: str, *extra: str, policy_file: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """``sluicegate edge run`` as its own process against the plain test Mosquitto (so with
+    ``[mqtt] plaintext``) and with ``policy_file`` (by default :func:`installed_policy`) as
+    its bootstrap policy, both set in its environment; returns once it is online."""
+    env = {
+        **os.environ,
+        "SLUICEGATE_MQTT__PLAINTEXT": "true",
+        "SLUICEGATE_OFFLOAD__POLICY_FILE": str(policy_file or installed_policy()),
+    }
     watcher = PlainClient(port)
     try:
         watcher.subscribe(topics.edge_status(edge_id))
         # Output goes to the test's own (captured) stdout/stderr, shown if the test fails.
         proc = subprocess.Popen(
-            sluicegate_cmd("edge", "run", "--port", str(port), "--id", edge_id, *extra)
+            sluicegate_cmd("edge", "run", "--port", str(port), "--id", edge_id, *extra), env=env
         )
         while True:
             try:

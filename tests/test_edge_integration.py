@@ -1,5 +1,8 @@
 """Real tier: an edge agent with the real MQTT transport and ONNX Runtime, against a real
 Mosquitto, driven by a plain paho-mqtt v5 client that knows nothing of Sluicegate's code.
+
+The test Mosquitto is a plain one, so the agent runs with ``[mqtt] plaintext``, starting
+from an installed signed policy (no campus broker is online: it serves everything here).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from sluicegate.servers import ServerProcess
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir
 from sluicegate.vision.synth import LABELS, encode_jpeg, encode_png, generate
 from tests.image_bytes import corrupt_jpeg, jpeg_header_only, png_header_only, sample_jpeg
-from tests.support import AgentThread, PlainClient
+from tests.support import AgentThread, PlainClient, installed_policy
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +39,8 @@ def registry() -> ModelRegistry:
 @pytest.fixture(scope="module")
 def edge(mosquitto: ServerProcess, registry: ModelRegistry) -> Iterator[AgentThread]:
     settings = load_settings(
-        mqtt={"port": mosquitto.port},
+        mqtt={"port": mosquitto.port, "plaintext": True},
+        offload={"policy_file": installed_policy()},
         edge={
             "id": f"edge-{uuid.uuid4().hex[:8]}",
             "zone": "campus/test/line-1",

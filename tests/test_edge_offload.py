@@ -1,10 +1,11 @@
 """In-memory tier: the edge's offload path against a scripted broker (real crypto, real model).
 
 The scripted broker answers placement requests the way the campus broker would (a token
-minted with the test broker key, or a refusal), so each branch of the edge's decision is
-exercised: sent to the worker with a token the edge verified, or kept local with the
-reason in its result. A :class:`GatedOutbox` holds (or fails) the acceptance commit, to
-show what the edge does while a new job's placement and its commit overlap.
+minted with the test broker key for the origin zone the policy gives the edge whose topic
+carried the request, or a refusal, on that edge's reply topic), so each branch of the
+edge's decision is exercised: sent to the worker with a token the edge verified, or kept
+local with the reason in its result. A :class:`GatedOutbox` holds (or fails) the acceptance
+commit, to show what the edge does while a new job's placement and its commit overlap.
 """
 
 from __future__ import annotations
@@ -44,13 +45,26 @@ from tests.policies.policy_testkit import base_doc, key, policy_of
 
 REGISTRY = ModelRegistry.from_dir(default_models_dir())
 POLICY = policy_of(base_doc())
-ZONE = "campus/fab-north/line-1"
+EDGE = "north-l1-pc"
+ZONE = "campus/fab-north/line-1"  # EDGE's zone in the policy
+WORKER = "north-gpu-1"
 JPEG, TRUTH = sample_jpeg(21, "scratch")
 Responder = Callable[[PlacementRequest], PlacementReply | None]
 
 
+def as_broker_hears(msg: Message) -> tuple[PlacementRequest, str]:
+    """A placement request as the campus broker takes it: from the edge whose topic carried
+    it, with that edge's zone in the policy as its origin; and where the answer goes (that
+    edge's reply topic, whatever the message's Response Topic)."""
+    edge = topics.sender(msg.topic)
+    req = PlacementRequest.model_validate_json(msg.payload)
+    entry = POLICY.edge(edge)
+    assert entry is not None, f"edge {edge} is not in the test policy"
+    return req.model_copy(update={"origin_zone": entry.zone}), topics.placement_replies(edge)
+
+
 def placed(
-    worker: str = "north-gpu-1", zone: str = "campus/fab-north/dc", *, checked: bool = True
+    worker: str = WORKER, zone: str = "campus/fab-north/dc", *, checked: bool = True
 ) -> Responder:
     """A broker that places on ``worker``; ``checked=False`` signs without asking the policy,
     as a compromised or misconfigured broker might."""
@@ -90,7 +104,7 @@ def placed(
             token=token,
             worker_id=worker,
             worker_zone=zone,
-            work_topic=topics.pool_work(zone, worker),
+            work_topic=topics.pool_work(zone, worker, req.edge_id),
         )
 
     return answer
@@ -138,18 +152,27 @@ class Rig:
     edge: MemoryTransport  # the agent's own
     client: PlacementClient
 
-    def give_back(self, job_id: str, attempt: int, payload: bytes | None = None) -> bytes:
-        """A worker returns its result for ``attempt`` of ``job_id``; returns the bytes."""
+    def give_back(
+        self,
+        job_id: str,
+        attempt: int,
+        payload: bytes | None = None,
+        *,
+        worker: str = WORKER,
+        named: str | None = None,
+    ) -> bytes:
+        """``worker`` returns its result for ``attempt`` of ``job_id`` on its returns topic,
+        its worker-id property naming ``named`` (by default itself); returns the bytes."""
         payload = payload or pool_result(job_id)
         self.pool.publish_nowait(
-            topics.edge_returns(self.agent.settings.id),
+            topics.edge_returns(self.agent.settings.id, worker),
             payload,
             qos=1,
             correlation_data=job_id.encode(),
             user_properties=(
                 (topics.PROP_JOB_ID, job_id),
                 (topics.PROP_ATTEMPT, str(attempt)),
-                (topics.PROP_WORKER, "north-gpu-1"),
+                (topics.PROP_WORKER, named or worker),
             ),
         )
         return payload
@@ -159,7 +182,7 @@ class Rig:
             job_id=job_id,
             attempt=attempt,
             kind=kind,  # type: ignore[arg-type]
-            worker_id="north-gpu-1",
+            worker_id=WORKER,
             crashes=attempt,
             reason=reason,
         )
@@ -176,7 +199,7 @@ class Rig:
 
     async def released(self, n: int) -> list[PlacementRelease]:
         """The placements the edge handed back to the broker, once there are at least ``n``."""
-        found = await self._logged(n, lambda m: m.topic == topics.placement_releases())
+        found = await self._logged(n, lambda m: m.topic == topics.placement_release(EDGE))
         return [PlacementRelease.model_validate_json(m.payload) for m in found]
 
     async def _logged(self, n: int, wanted: Callable[[Message], bool]) -> list[Message]:
@@ -260,7 +283,7 @@ class Rig:
         sent it."""
 
         def asks(m: Message) -> bool:
-            if m.topic != topics.placement_requests() or m is besides:
+            if m.topic != topics.placement_request(EDGE) or m is besides:
                 return False
             return PlacementRequest.model_validate_json(m.payload).job_id == job_id
 
@@ -268,11 +291,11 @@ class Rig:
 
     def answer(self, request: Message, responder: Responder | None = None) -> None:
         """Answer a placement request by hand, as the broker would (placed, by default)."""
-        reply = (responder or placed())(PlacementRequest.model_validate_json(request.payload))
+        heard, reply_topic = as_broker_hears(request)
+        reply = (responder or placed())(heard)
         assert reply is not None
-        assert request.response_topic is not None
         self.pool.publish_nowait(
-            request.response_topic, wire.dump(reply), correlation_data=request.correlation_data
+            reply_topic, wire.dump(reply), correlation_data=request.correlation_data
         )
 
     def sent(self) -> list[str]:
@@ -322,8 +345,8 @@ def pool_result(
             code=code,
             model="defect-v1",
             outputs=wire.Outputs(label="scratch", scores={"scratch": 0.9}) if not code else None,
-            ran_on=wire.RanOn(kind="pool", node="north-gpu-1", zone="campus/fab-north/dc"),
-            offload=wire.Offload(requested=True, placed=placed, worker="north-gpu-1"),
+            ran_on=wire.RanOn(kind="pool", node=WORKER, zone="campus/fab-north/dc"),
+            offload=wire.Offload(requested=True, placed=placed, worker=WORKER),
         )
     )
 
@@ -374,26 +397,26 @@ async def rig(
     broker_side = MemoryTransport(broker)
 
     def on_request(msg: Message) -> None:
-        req = PlacementRequest.model_validate_json(msg.payload)
+        req, reply_topic = as_broker_hears(msg)
         requests.append(req)
         reply = responder(req) if responder is not None else None
-        if reply is not None and msg.response_topic:
+        if reply is not None:
             broker_side.publish_nowait(
-                msg.response_topic, wire.dump(reply), correlation_data=msg.correlation_data
+                reply_topic, wire.dump(reply), correlation_data=msg.correlation_data
             )
 
-    await broker_side.subscribe(topics.placement_requests(), on_request)
+    await broker_side.subscribe(topics.placement_requests_all(), on_request)
     online = wire.NodeStatus(node="b1", kind="edge", zone="campus", state="online")
     broker_side.publish_nowait(topics.broker_status("b1"), wire.dump(online), retain=True)
     settings = load_settings(
-        edge={"id": "north-l1-pc", "zone": ZONE, "concurrency": 1},
+        edge={"id": EDGE, "zone": ZONE, "concurrency": 1},
         offload={"placement_timeout_ms": placement_timeout_ms, "result_timeout_s": result_timeout},
     )
     transport = MemoryTransport(broker)
     policy: Policy = POLICY
     client = PlacementClient(
         transport,
-        edge_id="north-l1-pc",
+        edge_id=EDGE,
         zone=ZONE,
         policy=lambda: policy,
         timeout_s=settings.offload.placement_timeout_ms / 1000.0,
@@ -422,15 +445,20 @@ async def rig(
 
 async def test_late_job_is_placed_verified_and_sent_to_the_worker(rig: Rig) -> None:
     job_id = rig.submit()
-    work = await rig.first(topics.pool_work("campus/fab-north/dc", "north-gpu-1"))
+    work = await rig.first(topics.pool_work("campus/fab-north/dc", WORKER, EDGE))
+    asked = await rig.asked(job_id)
+    assert asked.topic == topics.placement_request(EDGE)  # who asks is the topic's
+    assert PlacementRequest.model_validate_json(asked.payload).origin_zone == ""  # not claimed
     req = rig.requests[0]
     assert req.job_id == job_id
+    assert req.edge_id == EDGE
     assert req.payload_sha256 == hashlib.sha256(JPEG).hexdigest()
     assert req.reason == "deadline"
     assert len(wire.dump(req)) < 1024  # metadata and a hash, never the image
     assert work.payload == JPEG
     # The worker answers this edge, which owns the job, not the app.
-    assert work.response_topic == topics.edge_returns("north-l1-pc")
+    assert work.response_topic == topics.edge_returns(EDGE, WORKER)
+    assert work.user_property(topics.PROP_EDGE) == EDGE
     assert work.correlation_data == job_id.encode()
     assert work.user_property(topics.PROP_ATTEMPT) == "1"
     assert req.attempt == 1
@@ -492,8 +520,8 @@ async def test_a_placement_answered_after_the_edge_gave_up_is_handed_back(rig: R
     rig.answer(refusal, refused("no_capacity", "every allowed worker is full"))  # nothing held
     rig.answer(request)  # placed, 200 ms too late: the slot must not wait out its expiry
     (released,) = await rig.released(1)
-    assert (released.job_id, released.worker_id, released.attempt) == (late, "north-gpu-1", 1)
-    assert released.edge_id == "north-l1-pc"
+    assert (released.job_id, released.worker_id, released.attempt) == (late, WORKER, 1)
+    assert released.edge_id == EDGE
     assert released.reason == "placed after the edge stopped waiting (200 ms)"
     assert rig.sent() == []  # and the image never left for it
     assert rig.client.released == 1
@@ -520,7 +548,7 @@ async def test_edge_refuses_a_placement_its_policy_forbids(rig: Rig) -> None:
 )
 async def test_ocr_crops_may_go_offsite(rig: Rig) -> None:
     rig.submit(data_class="ocr-crop")
-    work = await rig.first(topics.pool_work("offsite/cloud-east", "cloud-gpu-1"))
+    work = await rig.first(topics.pool_work("offsite/cloud-east", "cloud-gpu-1", EDGE))
     assert work.user_property(topics.PROP_DATA_CLASS) == "ocr-crop"
 
 
@@ -590,6 +618,21 @@ async def test_lost_worker_means_a_new_attempt_and_the_old_one_is_fenced(rig: Ri
     assert rig.agent.counters["workers_lost"] == 1
 
 
+async def test_a_return_from_a_worker_the_attempt_did_not_go_to_is_discarded(rig: Rig) -> None:
+    job_id = rig.submit()
+    await rig.work(1)
+    forged = pool_result(job_id, "failed", code="forged")
+    rig.give_back(job_id, 1, forged, worker="south-npu-1")  # the right attempt, another worker
+    rig.give_back(job_id, 1, forged, named="south-npu-1")  # on its topic, naming another
+    sent = rig.give_back(job_id, 1)  # the worker the attempt went to
+    (result,) = await rig.results(1)  # returns are handled in order: the two came first
+    assert result.payload == sent
+    assert rig.agent.counters["fenced_returns"] == 1  # the stranger's
+    assert rig.agent.counters["bad_returns"] == 1  # the one whose properties lie
+    await rig.concluded(job_id)  # and both were acked, discarded
+    assert [m.payload for m in rig.broker.log if m.topic == "app/results"] == [sent]
+
+
 async def test_dead_letter_notice_answers_failed_with_the_reason(rig: Rig) -> None:
     job_id = rig.submit()
     await rig.work(1)
@@ -651,13 +694,13 @@ async def test_a_placement_answered_during_the_commit_has_its_work_sent_at_once(
     (work,) = await rig.work(1)  # ... and the image is on its way ...
     assert gate.staged  # ... while the commit is still to come
     assert work.user_property(topics.PROP_ATTEMPT) == "1"
-    submit = topics.edge_submit("north-l1-pc")
+    submit = topics.edge_submit(EDGE)
     assert [m.topic for m in rig.edge.unacked] == [submit]  # not accepted yet
     sent = rig.give_back(job_id, 1)  # the worker answers before the commit lands
-    await rig.broker.wait_for(lambda m: m.topic == topics.edge_returns("north-l1-pc"), 10)
-    assert sorted(m.topic for m in rig.edge.unacked) == sorted(
-        [submit, topics.edge_returns("north-l1-pc")]
-    )  # the return is held, unacked
+    returns = topics.edge_returns(EDGE, WORKER)
+    await rig.broker.wait_for(lambda m: m.topic == returns, 10)
+    # The return is held, unacked.
+    assert sorted(m.topic for m in rig.edge.unacked) == sorted([submit, returns])
     assert [m for m in rig.broker.log if m.topic == "app/results"] == []
     gate.release()
     (result,) = await rig.results(1)
@@ -682,7 +725,7 @@ async def test_a_return_whose_attempt_is_on_disk_reaches_the_app_before_its_comm
     sent = rig.give_back(job_id, 1)
     (result,) = await rig.results(1)  # ... and the app has the result already
     assert result.payload == sent
-    returns = topics.edge_returns("north-l1-pc")
+    returns = topics.edge_returns(EDGE, WORKER)
     assert [m.topic for m in rig.edge.unacked] == [returns]  # acked only once committed
     assert gate.staged
     gate.release()
@@ -703,7 +746,7 @@ async def test_a_return_whose_attempt_is_not_on_disk_yet_waits_for_its_commit(
     gate.holding = True  # ... but the attempt's record waits
     await rig.work(1)
     sent = rig.give_back(job_id, 1)
-    returns = topics.edge_returns("north-l1-pc")
+    returns = topics.edge_returns(EDGE, WORKER)
     for _ in range(100):  # until the edge holds the return, unacked, and a while after
         if any(m.topic == returns for m in rig.edge.unacked):
             break
@@ -780,12 +823,12 @@ async def test_a_failed_commit_drops_the_early_placement(
         await rig.stored_when(barrier, lambda stored: not stored.pending)  # acked once stored
         assert rig.agent.counters["fenced_returns"] == 1
         assert rig.edge.unacked == []
-        assert [m for m in rig.broker.log if m.topic == topics.placement_releases()] == []
+        assert [m for m in rig.broker.log if m.topic == topics.placement_release(EDGE)] == []
         return
     assert rig.sent() == [barrier]  # the failed job's image never left
     # Its placement, answered after the failure, goes back to the broker.
     (released,) = await rig.released(1)
-    assert (released.job_id, released.worker_id, released.attempt) == (job_id, "north-gpu-1", 1)
+    assert (released.job_id, released.worker_id, released.attempt) == (job_id, WORKER, 1)
     assert "after the edge stopped waiting" in released.reason
 
 
@@ -832,7 +875,7 @@ async def test_a_repeat_is_not_offered_and_its_image_is_not_sent_again(rig: Rig)
     assert rig.agent.counters["duplicates"] == 2
     assert rig.agent.counters["accepted"] == 2
     assert rig.edge.unacked == []
-    assert [m for m in rig.broker.log if m.topic == topics.placement_releases()] == []
+    assert [m for m in rig.broker.log if m.topic == topics.placement_release(EDGE)] == []
 
 
 @gated
@@ -866,7 +909,7 @@ async def test_a_repeat_of_a_forgotten_job_answered_during_its_commit_is_not_run
     assert rig.agent.counters["fenced_returns"] == 1
     assert rig.agent.counters["duplicates"] == 1
     assert rig.edge.unacked == []
-    assert [m for m in rig.broker.log if m.topic == topics.placement_releases()] == []
+    assert [m for m in rig.broker.log if m.topic == topics.placement_release(EDGE)] == []
 
 
 async def test_a_redelivered_request_is_offered_only_once_it_proves_new(rig: Rig) -> None:
