@@ -21,6 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from policies.model import Policy
 from sluicegate import topics
 from sluicegate.transport import Message
 from sluicegate.vision.image import ImageInfo, PayloadProblem, inspect_payload
@@ -261,3 +262,29 @@ def shutting_down(msg: Message, edge_id: str, new_id: Callable[[], str]) -> Refu
 def queue_key(job: Job) -> tuple[int, float]:
     """Order of the local queue: higher priority first, then earliest deadline (then FIFO)."""
     return (-job.priority, job.deadline if job.deadline is not None else math.inf)
+
+
+def results_topics(policy: Policy, edge_id: str) -> tuple[str, ...]:
+    """The topic filters this edge may answer on: the default response topic of each app
+    the policy lets submit to it, and those apps' results prefixes. Empty when the policy
+    names no app for this edge (then nothing is checked here)."""
+    out: list[str] = []
+    for app in policy.apps:
+        if edge_id in app.edges:
+            out.append(topics.client_results(app.app_id))
+            out += [f"{prefix}/#" for prefix in app.results]
+    return tuple(out)
+
+
+def unanswerable(job: Job, allowed: tuple[str, ...], edge_id: str) -> Refusal | None:
+    """A job whose Response Topic this edge may not publish to (the ACL would drop its
+    result): refused before it is accepted, with nowhere to say so but the log."""
+    if not allowed or any(topics.matches(f, job.response_topic) for f in allowed):
+        return None
+    reason = (
+        f"edge {edge_id} may not answer on Response Topic {job.response_topic!r}; the policy "
+        f"lets its apps take results on {', '.join(allowed)}"
+    )
+    return Refusal(
+        job.job_id, "rejected", "response_topic_not_allowed", reason, None, None, job.model
+    )

@@ -216,3 +216,35 @@ def test_a_retained_policy_signed_by_unknown_keys_is_refused_and_the_policy_kept
         rogue.close()
         watcher.close()
         campus.restart("broker-1")  # publishes the real policy retained again
+
+
+def test_a_job_asking_for_results_on_another_apps_topic_is_refused_before_acceptance(
+    campus: LocalCampus,
+) -> None:
+    files = campus.write()
+    thief = TlsClient(files, "app-line-1")  # may submit to line-1-pc
+    victim = TlsClient(files, "app-line-2")
+    watcher = TlsClient(files, "observer")
+    try:
+        victim.subscribe("app/line-2/#")
+        watcher.subscribe(topics.edge_telemetry("line-1-pc"))
+        image = sample_jpeg(4)[0]
+        ack = thief.publish(
+            topics.edge_submit("line-1-pc"),
+            image,
+            response_topic="app/line-2/stolen",
+            user=[("model", "defect-v1")],
+        )
+        assert not ack.is_failure  # the app may submit; the edge refuses to answer there
+
+        def counted() -> bool:
+            tel = wire.EdgeTelemetry.model_validate_json(watcher.get(timeout=5).payload)
+            return tel.events.get("response_topic_not_allowed", 0) >= 1
+
+        assert wait_until(counted, timeout=15)
+        with pytest.raises(queue.Empty):
+            victim.get(timeout=0.5)
+        unharmed(campus, "line-1-pc")
+    finally:
+        for client in (thief, victim, watcher):
+            client.close()

@@ -214,3 +214,35 @@ def test_a_refused_request_within_the_size_limit_has_its_derived_id() -> None:
     assert isinstance(decision, Refusal)
     assert bad.response_topic is not None
     assert decision.job_id == derive_job_id(bad.response_topic, b"corr-1", bad.payload)
+
+
+def test_an_edge_answers_only_where_the_policy_lets_its_apps_take_results() -> None:
+    from edge_agent.admission import results_topics, unanswerable
+    from tests.policies.policy_testkit import base_doc, policy_of
+
+    doc = base_doc()
+    doc["apps"] = {"inspect": {"edges": ["north-l1-pc"], "results": ["app/north"]}}
+    policy = policy_of(doc)
+    allowed = results_topics(policy, "north-l1-pc")
+    assert allowed == ("sluicegate/v1/clients/inspect/results", "app/north/#")
+    assert results_topics(policy, "other-pc") == ()
+    table = {
+        "app/north/line-1/results": None,
+        "sluicegate/v1/clients/inspect/results": None,
+        "app/south/results": "response_topic_not_allowed",
+        "sluicegate/v1/clients/other/results": "response_topic_not_allowed",
+    }
+    admitted = _admit(_msg(job_id="rt-1"))
+    assert isinstance(admitted, Job)
+
+    def job_for(topic: str) -> Job:
+        return Job(**{**{f: getattr(admitted, f) for f in Job.__slots__}, "response_topic": topic})
+
+    for topic, code in table.items():
+        job = job_for(topic)
+        refusal = unanswerable(job, allowed, "north-l1-pc")
+        assert (refusal.code if refusal else None) == code, topic
+        if refusal is not None:
+            assert refusal.response_topic is None  # nowhere to say so
+            assert "app/north/#" in refusal.reason
+    assert unanswerable(job_for("anything"), (), "e") is None
