@@ -4,15 +4,17 @@ It subscribes to one edge agent's submit topic and answers each request at once,
 paho's callback, with a small JSON result on the request's Response Topic and the same
 Correlation Data. No validation, no queue, no compute: what MQTT alone costs.
 
-    python bench/relay.py PORT EDGE_ID [TOPIC [QOS]]
+    python bench/relay.py PORT EDGE_ID [TOPIC [QOS [CA CERT KEY]]]
 
 With TOPIC, it answers requests on that topic instead of the edge's submit topic; QOS (1
 unless given) is its subscription's and its replies', to mirror what it stands beside.
+With CA, CERT and KEY it logs in over TLS with that client certificate (a secured campus).
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
 import sys
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,10 @@ def main() -> None:
     client.on_socket_open = lambda _c, _u, s: s.setsockopt(
         socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
     )
+    if len(sys.argv) > 7:
+        context = ssl.create_default_context(cafile=sys.argv[5])
+        context.load_cert_chain(sys.argv[6], sys.argv[7])
+        client.tls_set_context(context)
     client.connect("127.0.0.1", port)
     client.loop_forever()
 
