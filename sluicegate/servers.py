@@ -225,7 +225,7 @@ def start_mosquitto(
     """
     if tls is not None and probe is None:
         raise ServerError("a secured Mosquitto needs a probe TLS context for its readiness ping")
-    binary = find_binary("mosquitto")
+    find_binary("mosquitto")  # before writing anything
     port = port or free_port()
     workdir = workdir or Path(tempfile.mkdtemp(prefix="sg-mosquitto-"))
     conf = workdir / "mosquitto.conf"
@@ -241,7 +241,17 @@ def start_mosquitto(
         )
         + "".join(f"{line}\n" for line in extra_config)
     )
-    argv = [binary, "-c", str(conf)]
+    return start_mosquitto_conf(conf, port=port, probe=probe)
+
+
+def start_mosquitto_conf(
+    conf: Path, *, port: int, probe: ssl.SSLContext | None = None
+) -> ServerProcess:
+    """Start ``mosquitto -c conf``, a configuration the caller wrote whose listener is on
+    127.0.0.1:``port``, in ``conf``'s folder, and wait until it answers CONNECT (over TLS
+    with ``probe``, a client context, when given)."""
+    argv = [find_binary("mosquitto"), "-c", str(conf)]
+    workdir = conf.parent
     server = ServerProcess(
         "mosquitto", "127.0.0.1", port, _spawn(argv, workdir), workdir, argv, tls=probe
     )
