@@ -194,17 +194,19 @@ class Client:
         *,
         edge: str = "edge-1",
         client_id: str | None = None,
+        response_topic: str | None = None,
         default_timeout: float = 30.0,
         connect_timeout: float = 10.0,
         remember: int = 10_000,
     ) -> None:
+        """The arguments of :class:`AsyncClient`."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="sluicegate-client", daemon=True
         )
         self._thread.start()
         try:
-            make = _make_async(mqtt, edge, client_id, default_timeout, remember)
+            make = _make_async(mqtt, edge, client_id, response_topic, default_timeout, remember)
             self._async = self._call(make, None)
             self._call(self._async.connect(connect_timeout), None)
         except BaseException:
@@ -244,9 +246,19 @@ class Client:
 
 
 async def _make_async(
-    mqtt: MqttSettings | None, edge: str, client_id: str | None, timeout: float, remember: int
+    mqtt: MqttSettings | None,
+    edge: str,
+    client_id: str | None,
+    response_topic: str | None,
+    timeout: float,
+    remember: int,
 ) -> AsyncClient:
     # The AsyncClient creates asyncio primitives, so it is built on the client's own loop.
     return AsyncClient(
-        mqtt, edge=edge, client_id=client_id, default_timeout=timeout, remember=remember
+        mqtt,
+        edge=edge,
+        client_id=client_id,
+        response_topic=response_topic,
+        default_timeout=timeout,
+        remember=remember,
     )

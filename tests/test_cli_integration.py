@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import uuid
@@ -16,9 +17,11 @@ import pytest
 from sluicegate import AsyncClient, Client, topics
 from sluicegate.config import MqttSettings
 from sluicegate.errors import RequestTimeout
-from sluicegate.servers import ServerProcess
+from sluicegate.localcampus import LocalCampus, start_campus_mosquitto
+from sluicegate.servers import ServerProcess, free_port, running
 from sluicegate.vision.synth import generate
 from tests.image_bytes import sample_jpeg
+from tests.policies.policy_testkit import key
 from tests.support import PlainClient, sluicegate_cmd, start_agent_process
 
 pytestmark = pytest.mark.integration
@@ -52,7 +55,7 @@ def test_edge_run_submit_and_clean_stop(mosquitto: ServerProcess, tmp_path: Path
         ok = _run("submit", str(image), "--model", "defect-v1", "--edge", edge_id, "--port", port)
         assert ok.returncode == 0, ok.stderr
         doc = json.loads(ok.stdout)
-        assert doc["status"] == "ok"
+        assert doc["status"] == "ok", doc
         assert doc["outputs"]["label"] == "pit"
         assert doc["ran_on"]["zone"] == "campus/cli/line-1"
         bad = _run("submit", str(image), "--model", "nope", "--edge", edge_id, "--port", port)
@@ -74,6 +77,7 @@ def test_killed_agent_goes_offline_by_last_will(mosquitto: ServerProcess) -> Non
     finally:
         agent.kill()
         agent.wait()
+    instance = {k: status.pop(k) for k in ("instance", "since", "host")}
     assert status == {
         "v": 1,
         "node": edge_id,
@@ -81,6 +85,8 @@ def test_killed_agent_goes_offline_by_last_will(mosquitto: ServerProcess) -> Non
         "zone": "campus/line-1",
         "state": "offline",
     }
+    assert instance["instance"]
+    assert instance["since"]
 
 
 def _readme_example() -> dict[str, list[str]]:
@@ -96,40 +102,47 @@ def _readme_example() -> dict[str, list[str]]:
     return commands
 
 
-def test_readme_mosquitto_example_works(mosquitto: ServerProcess, tmp_path: Path) -> None:
+def test_readme_mosquitto_example_works(tmp_path: Path) -> None:
+    """The README's example, run as written against the demo's secured campus (its edge of
+    line 1, its app's certificate), with only the port added."""
     cmds = _readme_example()
     assert set(cmds) == {"mosquitto_sub", "sluicegate", "mosquitto_pub"}
-    port = ["-p", str(mosquitto.port)]
-    # The agent's outbox lives in this test's folder: "line-3" is a fixed id, and a job id
-    # derived from the README's request is the same on every run.
-    config = tmp_path / "edge.toml"
-    config.write_text(f'[edge]\noutbox_path = "{tmp_path / "line-3.db"}"\n')
-    agent = start_agent_process(
-        mosquitto.port, "line-3", "--zone", "campus/fab-north/line-3", "--config", str(config)
+    campus = LocalCampus(
+        tmp_path / "campus",
+        mqtt_port=free_port(),
+        redis_url="redis://127.0.0.1:1/0",  # no broker: the job runs on its edge
+        key_for=key,
+        nodes=("line-1-pc",),
     )
-    # -d makes mosquitto_sub report its SUBACK, so the job is published only once it listens;
-    # stdbuf makes it write each line as it happens, as it does on a terminal.
-    sub = subprocess.Popen(
-        ["stdbuf", "-oL", *cmds["mosquitto_sub"], *port, "-d", "-W", "30"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert sub.stdout is not None
-        while "received SUBACK" not in sub.stdout.readline():
-            assert sub.poll() is None
-        subprocess.run(sluicegate_cmd(*cmds["sluicegate"][1:]), cwd=tmp_path, check=True)
-        subprocess.run([*cmds["mosquitto_pub"], *port], cwd=tmp_path, check=True, timeout=30)
-        out, _ = sub.communicate(timeout=40)
-    finally:
-        sub.kill()
-        agent.send_signal(signal.SIGTERM)
-        agent.wait(20)
+    files = campus.write()
+    for name in ("ca.pem", "app-line-1.pem", "app-line-1.key", "app-campus.pem", "app-campus.key"):
+        shutil.copy(files.root / name, tmp_path / name)
+    port = ["-p", str(files.mqtt_port)]
+    with running(start_campus_mosquitto(files)):
+        campus.start()
+        # -d makes mosquitto_sub report its SUBACK, so the job is published only once it
+        # listens; stdbuf makes it write each line as it happens, as it does on a terminal.
+        sub = subprocess.Popen(
+            ["stdbuf", "-oL", *cmds["mosquitto_sub"], *port, "-d", "-W", "30"],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+        )
+        try:
+            assert sub.stdout is not None
+            while "received SUBACK" not in sub.stdout.readline():
+                assert sub.poll() is None
+            subprocess.run(sluicegate_cmd(*cmds["sluicegate"][1:]), cwd=tmp_path, check=True)
+            subprocess.run([*cmds["mosquitto_pub"], *port], cwd=tmp_path, check=True, timeout=30)
+            out, _ = sub.communicate(timeout=40)
+        finally:
+            sub.kill()
+            campus.stop()
     line = next(ln for ln in out.splitlines() if ln.startswith("job-0001 "))
     doc = json.loads(line.removeprefix("job-0001 "))
-    assert doc["status"] == "ok"
+    assert doc["status"] == "ok", doc
     assert doc["outputs"]["label"] == "scratch"
-    assert doc["ran_on"] == {"kind": "edge", "node": "line-3", "zone": "campus/fab-north/line-3"}
+    assert doc["ran_on"] == {"kind": "edge", "node": "line-1-pc", "zone": "campus/fab-north/line-1"}
 
 
 def test_sync_client_with_numpy_image_and_timeout(mosquitto: ServerProcess) -> None:
