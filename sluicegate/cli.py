@@ -20,6 +20,7 @@ import typer
 
 from policies.cli import app as policy_app
 from sluicegate.deploy.cli import register as register_deploy
+from sluicegate.doctor.cli import register as register_doctor
 from sluicegate.enroll.cli import ca_app, enroll_app
 from sluicegate.errors import SluicegateError
 
@@ -316,6 +317,7 @@ def bundle(
 
 # <role> install / uninstall, config show and --version (sluicegate/deploy/cli.py)
 register_deploy(app, {"edge": edge_app, "pool": pool_app, "broker": broker_app})
+register_doctor(app)  # doctor, mosquitto config (sluicegate/doctor/cli.py)
 
 
 def main() -> None:

@@ -1,0 +1,113 @@
+"""``sluicegate doctor`` and ``sluicegate mosquitto config``: thin shells over
+:func:`sluicegate.doctor.diagnose` and :func:`sluicegate.mosquitto.plant_config`.
+
+Doctor exits 0 when every check passed (warnings included), 1 when one failed and 2 on a
+usage error of ours, and prints one line per check. The Mosquitto configuration is the one
+doctor's Nagle check asks for. Heavy imports happen inside the commands.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from sluicegate.deploy.layout import ROLES, check_role, node_paths
+from sluicegate.errors import ConfigError
+
+mosquitto_app = typer.Typer(help="The campus's Mosquitto.", no_args_is_help=True)
+
+
+def _usage(message: str) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+def doctor(
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            "-c",
+            help="The node's TOML settings (default: /etc/sluicegate/<role>.toml if there).",
+        ),
+    ] = None,
+    role: Annotated[
+        str | None, typer.Option(help="edge, pool or broker (default: from the config file).")
+    ] = None,
+    broker_url: Annotated[
+        str | None,
+        typer.Option(
+            help="A broker replica's HTTP API, for the clock check (default: the broker_url "
+            "of the node's enrollment.json)."
+        ),
+    ] = None,
+) -> None:
+    """Check that this node can serve, one line per check; exit 1 if one fails.
+
+    Config, identity, MQTT, TLS, clock, policy, models, state folder, Mosquitto's round trip.
+    """
+    import logging
+
+    from sluicegate.doctor.run import diagnose, infer_role
+
+    logging.basicConfig(level=logging.ERROR)  # the checks say what went wrong themselves
+    if role is None:
+        found = infer_role(config)
+        if found is None:
+            if config is not None and not config.is_file():
+                _usage(f"config file {config} does not exist")
+            where = f"{config}'s sections" if config is not None else "no --config"
+            _usage(f"cannot tell the role from {where}; pass --role {'|'.join(ROLES)}")
+            return
+        chosen = found
+    else:
+        try:
+            chosen = check_role(role)
+        except ConfigError as exc:
+            _usage(str(exc))
+            return
+    if broker_url is not None and not broker_url.startswith(("http://", "https://")):
+        _usage(f"--broker-url {broker_url!r} is not an http:// or https:// URL")
+    if config is None:
+        installed = node_paths(chosen, Path("/")).config
+        config = installed if installed.is_file() else None
+    report = diagnose(config, chosen, broker_url=broker_url)
+    typer.echo(report.text(), nl=False)
+    raise typer.Exit(report.exit_code)
+
+
+@mosquitto_app.command("config")
+def mosquitto_config(
+    ca: Annotated[Path, typer.Option("--ca", help="The campus CA certificate (ca.pem).")],
+    cert: Annotated[Path, typer.Option("--cert", help="Mosquitto's server certificate.")],
+    key: Annotated[Path, typer.Option("--key", help="Its private key (readable by Mosquitto).")],
+    acl: Annotated[Path, typer.Option("--acl", help="The ACL of 'sluicegate policy acl'.")],
+    port: Annotated[int, typer.Option(min=1, max=65535, help="The TLS listener's port.")] = 8883,
+    bind: Annotated[str, typer.Option(help="The address it listens on.")] = "0.0.0.0",
+    persistence_dir: Annotated[
+        Path, typer.Option(help="Where Mosquitto keeps sessions and retained messages.")
+    ] = Path("/var/lib/mosquitto"),
+    out: Annotated[Path | None, typer.Option(help="Write here instead of stdout.")] = None,
+) -> None:
+    """Print the mosquitto.conf a campus needs: TLS with client certificates required, each
+    identity its username and client id, no anonymous clients, the ACL, set_tcp_nodelay."""
+    from sluicegate.mosquitto import ListenerTls, plant_config
+
+    for flag, path in (("--ca", ca), ("--cert", cert), ("--key", key), ("--acl", acl)):
+        if not path.is_file():
+            _usage(f"{flag} {path} is not a file")
+    tls = ListenerTls(ca.resolve(), cert.resolve(), key.resolve(), acl.resolve())
+    text = plant_config(tls, port=port, bind=bind, persistence_dir=persistence_dir.resolve())
+    if out is None:
+        typer.echo(text, nl=False)
+        return
+    out.write_text(text, encoding="utf-8")
+    typer.echo(f"wrote {out}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``doctor`` and ``mosquitto config`` to ``app``."""
+    app.command()(doctor)
+    app.add_typer(mosquitto_app, name="mosquitto")
