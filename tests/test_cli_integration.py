@@ -12,17 +12,22 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+import paho.mqtt.client as paho
 import pytest
+import redis
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from sluicegate import AsyncClient, Client, topics
 from sluicegate.config import MqttSettings
 from sluicegate.errors import RequestTimeout
 from sluicegate.localcampus import LocalCampus, start_campus_mosquitto
-from sluicegate.servers import ServerProcess, free_port, running
+from sluicegate.servers import ServerProcess, free_port, running, start_mosquitto, start_redis
 from sluicegate.vision.synth import generate
 from tests.image_bytes import sample_jpeg
 from tests.policies.policy_testkit import key
-from tests.support import PlainClient, sluicegate_cmd, start_agent_process
+from tests.support import PlainClient, sluicegate_cmd, start_agent_process, wait_until
 
 pytestmark = pytest.mark.integration
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -201,3 +206,66 @@ def test_models_list_and_synth(tmp_path: Path) -> None:
     wrong = _run("synth", str(tmp_path / "y.jpg"), "--label", "dent")
     assert wrong.returncode == 2
     assert "unknown label 'dent'" in wrong.stderr
+
+
+def test_demo_on_the_users_servers_removes_what_it_made(tmp_path: Path) -> None:
+    """``demo --open --port --redis-port``: afterwards the user's Mosquitto holds none of its
+    retained messages or sessions, and the user's Redis none of its keys; what the user had
+    there is untouched."""
+    with running(start_mosquitto()) as mqtt, running(start_redis()) as store:
+        mine = redis.Redis(port=store.port, db=0)
+        mine.set("users-own-key", "kept")
+        plain = PlainClient(mqtt.port)
+        try:
+            plain.client.publish("users/own", b"kept", qos=1, retain=True).wait_for_publish(10)
+        finally:
+            plain.close()
+        done = subprocess.run(
+            sluicegate_cmd(
+                "demo",
+                "--open",
+                "--port",
+                str(mqtt.port),
+                "--redis-port",
+                str(store.port),
+                "--seconds",
+                "3",
+                "--rate",
+                "3",
+            ),
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        assert mine.get("users-own-key") == b"kept"
+        for db in range(1, 16):
+            assert redis.Redis(port=store.port, db=db).dbsize() == 0, db
+        watcher = PlainClient(mqtt.port)
+        try:
+            watcher.subscribe(f"{topics.ROOT}/#")
+            watcher.subscribe("users/own")  # its retained copy comes after the first's
+            seen = []
+            while (got := watcher.inbox.get(timeout=10)).topic != "users/own":
+                seen.append(got.topic)
+            assert seen == []
+        finally:
+            watcher.close()
+        for node in ("edge-line-1-pc", "edge-line-2-pc", "pool-north-cpu-1"):
+            assert not _session_present(mqtt.port, f"sg-{node}"), node
+
+
+def _session_present(port: int, client_id: str) -> bool:
+    flags: list[bool] = []
+    client = paho.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv5)
+    client.on_connect = lambda _c, _u, f, _rc, _p: flags.append(f.session_present)
+    props = Properties(PacketTypes.CONNECT)
+    props.SessionExpiryInterval = 0  # looking must not leave one behind
+    client.connect("127.0.0.1", port, clean_start=False, properties=props)
+    client.loop_start()
+    try:
+        wait_until(lambda: flags, timeout=10)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+    return flags[0]
