@@ -166,6 +166,7 @@ class IdentityGuard:
         self._grace_s = grace_s
         self.me = me or this_process()
         self.fenced = asyncio.Event()
+        self.waiting = asyncio.Event()  # set while it waits to see whether a holder is alive
         self.reason = ""
         self._retained = asyncio.Event()
         self._suspect: Instance | None = None
@@ -186,6 +187,7 @@ class IdentityGuard:
                 self._suspect.describe(),
                 self._grace_s,
             )
+            self.waiting.set()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._lost.wait(), self._grace_s)
         if self._suspect is not None and self._lost.is_set():
