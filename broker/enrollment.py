@@ -96,15 +96,7 @@ class EnrollmentDesk:
             return REFUSED.get(exc.code, 403), {"code": exc.code, "error": str(exc)}
         authority.record(issued, now=now)
         self.issued += 1
-        record = {
-            "node": claims.node,
-            "role": claims.role,
-            "zone": claims.zone,
-            "key": issued.key_text,
-            "serial": format(issued.cert.serial_number, "x"),
-            "token": claims.id,
-        }
-        self._audit.add(claims.node, encode(record), "enroll.issued")
+        self._audit.add(claims.node, encode(issued.record()), "enroll.issued")
         log.info(
             "enrolled %s %s in %s (%s)", claims.role, claims.node, claims.zone, issued.key_text
         )

@@ -111,18 +111,14 @@ async def _serve(
     worker: PoolWorker | None = None
     try:
         await transport.connect(timeout=connect_timeout)
-        status = topics.worker_status(pool.id)
-        guard = identity.IdentityGuard(
-            transport,
-            node=pool.id,
-            status_topic=status,
-            reannounce=lambda: transport.publish_nowait(
-                status, status_message(pool, "online"), qos=1, retain=True
-            ),
-            grace_s=identity.grace_for(settings.mqtt),
-        )
         try:
-            await guard.claim()
+            guard = await identity.claim(
+                transport,
+                settings.mqtt,
+                node=pool.id,
+                status_topic=topics.worker_status(pool.id),
+                online=status_message(pool, "online"),
+            )
             worker = PoolWorker(
                 pool,
                 transport,

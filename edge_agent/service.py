@@ -101,18 +101,14 @@ async def _serve(
             clock=time.time,
         )
     await transport.connect(timeout=connect_timeout)
-    status = topics.edge_status(edge.id)
-    guard = identity.IdentityGuard(
-        transport,
-        node=edge.id,
-        status_topic=status,
-        reannounce=lambda: transport.publish_nowait(
-            status, status_message(edge, "online"), qos=1, retain=True
-        ),
-        grace_s=identity.grace_for(settings.mqtt),
-    )
     try:
-        await guard.claim()
+        guard = await identity.claim(
+            transport,
+            settings.mqtt,
+            node=edge.id,
+            status_topic=topics.edge_status(edge.id),
+            online=status_message(edge, "online"),
+        )
     except BaseException:
         await transport.close()
         raise

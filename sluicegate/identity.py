@@ -224,6 +224,23 @@ class IdentityGuard:
             self.fenced.set()
 
 
+async def claim(
+    transport: Transport, mqtt: MqttSettings, *, node: str, status_topic: str, online: bytes
+) -> IdentityGuard:
+    """Claim ``node``'s identity on a connected transport (``online``: the node's retained
+    status document, published again if a newer instance shows up); IdentityInUse if
+    another process holds it."""
+    guard = IdentityGuard(
+        transport,
+        node=node,
+        status_topic=status_topic,
+        reannounce=lambda: transport.publish_nowait(status_topic, online, qos=1, retain=True),
+        grace_s=grace_for(mqtt),
+    )
+    await guard.claim()
+    return guard
+
+
 async def serve_guarded(
     guard: IdentityGuard, stop: asyncio.Event, run: Callable[[asyncio.Event], Awaitable[object]]
 ) -> None:

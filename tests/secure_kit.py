@@ -8,6 +8,7 @@ intruder with a certificate of its own) are issued here with the campus CA.
 
 from __future__ import annotations
 
+import json
 import queue
 import ssl
 import threading
@@ -16,14 +17,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import paho.mqtt.client as paho
+import redis as redis_sync
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
 from policies import SigningKey
+from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
 from sluicegate import pki
 from sluicegate.campus import Campus, write_campus
 from sluicegate.localcampus import start_campus_mosquitto
@@ -178,6 +182,21 @@ def refused_login(campus: Campus, identity: str | None) -> str:
         return f"{type(exc).__name__}: {exc}"
     client.close()
     raise AssertionError(f"{identity!r} logged in")
+
+
+def audited(redis_url: str, kind: str, node: str = "broker-1") -> list[dict[str, Any]]:
+    """The entries of ``kind`` in ``node``'s audit log in Redis, decoded (each record holds
+    a JSON list of them)."""
+    client = redis_sync.Redis.from_url(redis_url)
+    out: list[dict[str, Any]] = []
+    try:
+        for raw in RedisStreamAuditStore(client, audit_stream_key(node)).entries():
+            record = json.loads(raw)
+            if record["kind"] == kind:
+                out += json.loads(record["data"]["decisions"])
+    finally:
+        client.close()
+    return out
 
 
 @contextmanager

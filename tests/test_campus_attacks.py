@@ -20,10 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
 from policies import parse_policy, signed_envelope
-from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
 from sluicegate import AsyncClient, topics, wire
 from sluicegate.campus import APP_OF_LINE, APPS
 from sluicegate.identity import EXIT_IN_USE
@@ -32,7 +30,7 @@ from sluicegate.servers import ServerProcess, free_port, running
 from sluicegate.wire_pool import WorkerCapabilities, WorkerTelemetry
 from tests.image_bytes import sample_jpeg
 from tests.policies.policy_testkit import base_doc, key, policy_of, signed
-from tests.secure_kit import TlsClient, issue_identity
+from tests.secure_kit import TlsClient, audited, issue_identity
 from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -94,15 +92,7 @@ def _http(lc: LocalCampus, path: str) -> Any:
 
 
 def _audited(lc: LocalCampus, kind: str) -> list[dict[str, Any]]:
-    port = int(lc.redis_url.rsplit(":", 1)[1].split("/")[0])
-    client = redis.Redis(port=port, db=DB)
-    out: list[dict[str, Any]] = []
-    for raw in RedisStreamAuditStore(client, audit_stream_key("broker-1")).entries():
-        record = json.loads(raw)
-        if record["kind"] == kind:
-            out += json.loads(record["data"]["decisions"])
-    client.close()
-    return out
+    return audited(lc.redis_url, kind)
 
 
 def test_a_worker_the_policy_does_not_list_gets_no_work_and_is_audited(campus: LocalCampus) -> None:

@@ -21,9 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
-from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
 from sluicegate import AsyncClient, pki, topics, wire
 from sluicegate.campus import Campus
 from sluicegate.enroll.authority import Authority
@@ -34,6 +32,7 @@ from sluicegate.wire_pool import PlacementReply, PlacementRequest
 from tests.image_bytes import sample_jpeg
 from tests.policies.policy_testkit import key
 from tests.secure_kit import TlsClient
+from tests.secure_kit import audited as audit_entries
 from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -97,15 +96,8 @@ def token(campus: LocalCampus, node: str, role: str, zone: str, ttl: str = "1h")
 
 
 def audited(campus: LocalCampus, kind: str) -> list[dict[str, Any]]:
-    """The broker's audit records of ``kind``, their decisions decoded."""
-    client = redis.Redis(port=int(campus.redis_url.rsplit(":", 1)[1].split("/")[0]), db=DB)
-    out = []
-    for raw in RedisStreamAuditStore(client, audit_stream_key("broker-1")).entries():
-        record = json.loads(raw)
-        if record["kind"] == kind:
-            out += json.loads(record["data"]["decisions"])
-    client.close()
-    return out
+    """The broker's audit entries of ``kind``."""
+    return audit_entries(campus.redis_url, kind)
 
 
 def as_identity(files: Campus, name: str, state: Path) -> None:

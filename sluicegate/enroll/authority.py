@@ -66,6 +66,18 @@ class Issued:
     cert: x509.Certificate
     key_text: str
 
+    def record(self) -> dict[str, str]:
+        """Who was enrolled: what the registry and the audit log keep."""
+        claims = self.claims
+        return {
+            "node": claims.node,
+            "role": claims.role,
+            "zone": claims.zone,
+            "key": self.key_text,
+            "serial": format(self.cert.serial_number, "x"),
+            "token": claims.id,
+        }
+
 
 def init_folder(folder: Path, campus: str, *, now: float) -> pki.Authority:
     """A new campus CA and token key in ``folder`` (refused if one is there)."""
@@ -144,16 +156,8 @@ class Authority:
 
     def record(self, issued: Issued, *, now: float | None = None) -> None:
         """Append the enrolled node to the registry the officers read."""
-        claims = issued.claims
-        line = {
-            "node": claims.node,
-            "role": claims.role,
-            "zone": claims.zone,
-            "key": issued.key_text,
-            "serial": format(issued.cert.serial_number, "x"),
-            "token": claims.id,
-            "at": round(now if now is not None else time.time(), 3),
-        }
+        line: dict[str, object] = dict(issued.record())
+        line["at"] = round(now if now is not None else time.time(), 3)
         with (self.folder / REGISTRY).open("a") as handle:
             handle.write(json.dumps(line, sort_keys=True) + "\n")
 
