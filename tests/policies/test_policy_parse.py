@@ -84,7 +84,12 @@ BAD_DOCS = [
     (("expires",), 12, "expires", "expected a date-time"),
     (("zones", "Campus/North"), "x", "zones", "expected a zone like 'campus/fab-north/dc'"),
     (("pools", "north-dc", "zonee"), "x", "pools.north-dc.zonee", "accepted keys here: zone"),
-    (("pools", "bad id!"), {"zone": "x", "workers": {"w": key("w").public_text}}, "pools", "an id of 1-64"),
+    (
+        ("pools", "bad id!"),
+        {"zone": "x", "workers": {"w": key("w").public_text}},
+        "pools",
+        "an id of 1-64",
+    ),
     (
         ("classes", "ocr-crop", "allow", 0),
         "campus/**/dc",
