@@ -226,6 +226,19 @@ class CampusRig:
         }
         relay_ready(self.drivers[FLOOR])
 
+    def pids(self) -> dict[str, int]:
+        """The process id of every node, server and the relay of this campus."""
+        assert self.local is not None
+        assert self.mosquitto is not None
+        assert self.redis is not None
+        assert self.relay is not None
+        out = {node: proc.pid for node, proc in self.local.processes.items()}
+        return out | {
+            "mosquitto": self.mosquitto.pid,
+            "redis": self.redis.pid,
+            "relay": self.relay.pid,
+        }
+
     def tls_session(self) -> dict[str, str]:
         """What a client's TLS handshake with this campus's Mosquitto negotiates (a fresh
         connection as ``bench-floor``; open: nothing)."""

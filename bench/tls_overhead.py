@@ -29,8 +29,10 @@ Edge overhead = edge path - bare compute; offload overhead = offload path - its 
 (p50 minus p50, p99 minus p99). A warm-up of ``--warmup`` slots on each campus is
 discarded; then ``--rounds`` rounds, each ``--jobs / --rounds`` slots on the open campus,
 then as many on the secured one, open-loop at ``--rate`` slots/s. Target: the secured
-campus's offload overhead p50 at most 1.10 times the open one's. Prints a table, then the
-``RESULT {...}`` line (BENCHMARKS.md).
+campus's offload overhead p50 at most 1.10 times the open one's. Over the counted blocks it
+also takes the CPU time (user + system) of each process of each campus, the driver's own
+included, per counted slot: where a difference between the campuses is spent. Prints a
+table, then the ``RESULT {...}`` line (BENCHMARKS.md).
 
     .venv/bin/python bench/tls_overhead.py                 # about 3 minutes on 2 cores
     .venv/bin/python bench/tls_overhead.py --jobs 2000 --rounds 20
@@ -53,6 +55,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import cv2
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -115,6 +118,34 @@ def run_block(
     return out
 
 
+DRIVER = "driver (bare compute, 4 clients)"
+
+
+class CpuMeter:
+    """CPU time (user + system) each process of a campus spends over the counted blocks;
+    this driver's own (its bare compute and its MQTT clients) under :data:`DRIVER`."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.procs = {name: psutil.Process(pid) for name, pid in pids.items()}
+        self.procs[DRIVER] = psutil.Process()
+        self.spent = dict.fromkeys(self.procs, 0.0)
+        self._at: dict[str, float] = {}
+
+    def _now(self) -> dict[str, float]:
+        times = {name: proc.cpu_times() for name, proc in self.procs.items()}
+        return {name: t.user + t.system for name, t in times.items()}
+
+    def start(self) -> None:
+        self._at = self._now()
+
+    def stop(self) -> None:
+        for name, value in self._now().items():
+            self.spent[name] += value - self._at[name]
+
+    def per_slot_ms(self, slots: int) -> dict[str, float]:
+        return {name: 1000.0 * s / slots for name, s in self.spent.items()}
+
+
 def figures(s: dict[str, list[float]]) -> dict[str, float]:
     """One campus's figures (ms) from its samples."""
     f = {}
@@ -169,20 +200,24 @@ def main() -> None:
             for name in SECURITY:
                 rigs[name] = CampusRig(Path(tmp) / name, name).__enter__()
             tls = rigs["secure"].tls_session()
+            meters = {name: CpuMeter(rig.pids()) for name, rig in rigs.items()}
             for name, rig in rigs.items():
                 run_block(rig, f"warm-{name}", args.warmup, args.rate, image, digest, bare)
             base, extra = divmod(args.jobs, args.rounds)
             for r in range(args.rounds):
                 slots = base + (1 if r < extra else 0)
                 for name, rig in rigs.items():
+                    meters[name].start()
                     got = run_block(rig, f"r{r}", slots, args.rate, image, digest, bare)
+                    meters[name].stop()
                     for key, values in got.items():
                         samples[name][key] += values
                     per_round[name].append(pct(got["offload"], 50) - pct(got["direct"], 50))
         finally:
             for rig in rigs.values():
                 rig.stop()
-    report(args, image, samples, per_round, tls, time.monotonic() - started)
+    cpu = {name: meter.per_slot_ms(args.jobs) for name, meter in meters.items()}
+    report(args, image, samples, per_round, tls, cpu, time.monotonic() - started)
 
 
 ROWS = [
@@ -205,6 +240,7 @@ def report(
     samples: dict[str, dict[str, list[float]]],
     per_round: dict[str, list[float]],
     tls: dict[str, str],
+    cpu: dict[str, dict[str, float]],
     elapsed_s: float,
 ) -> None:
     fig = {name: figures(samples[name]) for name in SECURITY}
@@ -246,6 +282,15 @@ def report(
         f"(floor of its extra legs {deltas['extra_legs_floor']:+.3f}; subject "
         f"{deltas['offload_subject']:+.3f}, baseline {deltas['offload_baseline']:+.3f})"
     )
+    print(f"{'CPU per counted slot, ms':46}{'open':>10}{'secure':>12}{'secure - open':>15}")
+    for proc in sorted(cpu["open"], key=lambda n: cpu["secure"][n] - cpu["open"][n]):
+        o, s = cpu["open"][proc], cpu["secure"][proc]
+        print(f"  {proc:44}{o:10.2f}{s:12.2f}{s - o:+15.2f}")
+    total = {name: sum(cpu[name].values()) for name in SECURITY}
+    print(
+        f"  {'all of them':44}{total['open']:10.2f}{total['secure']:12.2f}"
+        f"{total['secure'] - total['open']:+15.2f}"
+    )
     for name in SECURITY:
         rounds = " ".join(f"{x:.2f}" for x in per_round[name])
         print(f"offload overhead p50 by round, {name:6}: {rounds}")
@@ -262,6 +307,7 @@ def report(
         "ratio": ratio,
         "tls_cost_p50_ms": deltas,
         "rounds_offload_overhead_p50_ms": per_round,
+        "cpu_per_slot_ms": cpu,
         "target": TARGET,
         "met": met,
         "params": {
