@@ -5,9 +5,11 @@ Processes: a Mosquitto and a Redis started for the run; one ``sluicegate broker 
 replica over a campus policy with ``--workers`` pool workers, played by this driver, which
 publishes their capabilities and telemetry (large capacity, so every request can be
 placed); ``bench/relay.py`` on another topic; the driver, a plain paho-mqtt v5 client
-keeping ``--window`` requests outstanding. Rounds alternate broker and relay. Each broker
-reply is a real decision: policy, index, atomic Redis reservation, a signed token and an
-audit record.
+keeping ``--window`` requests outstanding, as edge ``line-1-pc`` (on its request topic;
+the broker answers on that edge's reply topic, where the relay is told to answer too).
+Rounds alternate broker and relay. Each broker reply is a real decision: policy, index,
+atomic Redis reservation, a signed token and an audit record. The campus is written open
+(no TLS, no ACL: ``secure=False``), as the figures before identity-by-topic were measured.
 
     .venv/bin/python bench/broker_throughput.py            # about 40 s on 2 cores
     .venv/bin/python bench/broker_throughput.py --seconds 10 --rounds 5
@@ -49,7 +51,7 @@ from sluicegate.wire_pool import (  # noqa: E402
     WorkerTelemetry,
 )
 
-ZONE, ORIGIN = "campus/fab-north/dc", "campus/fab-north/line-1"
+ZONE, EDGE = "campus/fab-north/dc", "line-1-pc"
 RELAY_TOPIC = "bench/relay/placement"
 TARGET = {"decisions_per_s": 3000.0}
 # DESIGN.md's floor for the same bare paho relay on its 2-core reference machine. The
@@ -60,7 +62,7 @@ DESIGN_RELAY_PER_S = 7000.0
 
 class Driver:
     def __init__(self, port: int) -> None:
-        self.reply_topic = f"bench/{os.getpid()}/replies"
+        self.reply_topic = topics.placement_replies(EDGE)  # the broker answers the edge here
         self.cond = threading.Condition()
         self.replies = 0
         self.statuses: dict[str, int] = {}  # broker replies by status
@@ -100,8 +102,7 @@ class Driver:
         return wire.dump(
             PlacementRequest(
                 job_id=f"bench-{i}-{os.getpid()}",
-                edge_id="line-1-pc",
-                origin_zone=ORIGIN,
+                edge_id=EDGE,
                 model="defect-v1",
                 data_class="wafer-image",
                 payload_sha256=f"{i:064x}",
@@ -140,7 +141,7 @@ class Driver:
             with self.cond:
                 self.cond.wait_for(partial(self._room, sent - window), 5.0)
             props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
-            props.ResponseTopic = self.reply_topic
+            props.ResponseTopic = self.reply_topic  # the relay's; the broker knows the edge's
             props.CorrelationData = str(sent).encode()
             # Unique job ids matter to the broker (one reservation per job).
             payload = self.payloads[sent % len(self.payloads)].replace(
@@ -225,6 +226,7 @@ def main() -> None:
             redis_url=f"redis://127.0.0.1:{redis.port}/0",
             workers=dict.fromkeys(workers, (ZONE, "x86-cpu")),
             http_port=free_port(),
+            secure=False,
         )
         cmd = [sys.executable, "-m", "sluicegate.cli", "broker", "run", "--log-level", "warning"]
         if profile := os.environ.get("SG_BENCH_PROFILE"):  # a cProfile of the broker, to read
@@ -250,11 +252,12 @@ def main() -> None:
         subject_cpu: list[float] = []  # the broker's CPU µs per decision, each round
         baseline_cpu: list[float] = []
         try:
-            driver.round(topics.placement_requests(), 2.0, args.window)  # warm-up
+            requests = topics.placement_request(EDGE)
+            driver.round(requests, 2.0, args.window)  # warm-up
             broker_proc, relay_proc = psutil.Process(broker.pid), psutil.Process(relay.pid)
             for _ in range(args.rounds):
                 rate, cpu = driver.round(
-                    topics.placement_requests(),
+                    requests,
                     args.seconds,
                     args.window,
                     count=True,

@@ -5,8 +5,10 @@ beside two baselines run in the same process layout and interleaved with it:
 * bare relay: a paho client that answers each request at once (``bench/relay.py``), the
   floor of the messaging itself on this machine.
 
-Processes: a Mosquitto started for the run, the edge agent (``sluicegate edge run``) and the
-relay as their own processes, and this driver, a plain paho-mqtt v5 client. Latency runs
+Processes: a Mosquitto started for the run (a plain one: the agent runs with ``[mqtt]
+plaintext``, from the test policy as its installed bootstrap policy; no broker is online, so
+it offers nothing), the edge agent (``sluicegate edge run``) and the relay as their own
+processes, and this driver, a plain paho-mqtt v5 client. Latency runs
 open-loop at ``--rate`` jobs/s; each slot times one bare compute, one agent job and one
 relay round trip, in that order. Throughput alternates rounds of bare compute on
 ``--concurrency`` threads, of the agent and of the relay, each kept busy by a window of
@@ -25,6 +27,7 @@ import platform
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -49,6 +52,7 @@ from sluicegate import topics  # noqa: E402
 from sluicegate.servers import running, start_mosquitto  # noqa: E402
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir  # noqa: E402
 from sluicegate.vision.synth import encode_jpeg, generate  # noqa: E402
+from tests.pool_kit import write_policy_file  # noqa: E402
 
 MODEL = "defect-v1"
 AGENT, RELAY = "bench-edge", "bench-relay"
@@ -72,15 +76,18 @@ def make_image(payload_kb: int) -> bytes:
 
 @dataclass
 class Driver:
-    """A plain paho client that timestamps each result as it arrives (on paho's thread)."""
+    """A plain paho client that timestamps each result as it arrives (on paho's thread).
+    ``results`` is the Response Topic it asks for (by default ``bench/<pid>/results``; an
+    edge whose policy lists apps answers only under their results prefixes)."""
 
     port: int
+    results: str = ""
     sent: dict[bytes, float] = field(default_factory=dict)
     done: dict[bytes, tuple[float, bytes]] = field(default_factory=dict)
     cond: threading.Condition = field(default_factory=threading.Condition)
 
     def __post_init__(self) -> None:
-        self.topic = f"bench/{os.getpid()}/results"
+        self.topic = self.results or f"bench/{os.getpid()}/results"
         self.client = paho.Client(CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
         self.client.on_message = self._on_message
         self.client.on_socket_open = lambda _c, _u, s: s.setsockopt(6, 1, 1)  # TCP_NODELAY
@@ -154,11 +161,13 @@ class Driver:
         self.client.loop_stop()
 
 
-def start_agent(port: int, concurrency: int) -> subprocess.Popen[bytes]:
+def start_agent(port: int, concurrency: int, policy_file: Path) -> subprocess.Popen[bytes]:
     env = dict(
         os.environ,
         SLUICEGATE_EDGE__CONCURRENCY=str(concurrency),
         SLUICEGATE_EDGE__QUEUE_SIZE="4096",
+        SLUICEGATE_MQTT__PLAINTEXT="true",
+        SLUICEGATE_OFFLOAD__POLICY_FILE=str(policy_file),
     )
     argv = [sys.executable, "-m", "sluicegate.cli", "edge", "run", "--port", str(port)]
     return subprocess.Popen([*argv, "--id", AGENT, "--log-level", "warning"], env=env)
@@ -262,8 +271,13 @@ def main() -> None:
         batch, _decode_ms, _preprocess_ms = model.prepare(image)
         session.run(None, {input_name: batch})
 
-    with running(start_mosquitto()) as server:
-        agent, relay = start_agent(server.port, args.concurrency), start_relay(server.port)
+    with (
+        tempfile.TemporaryDirectory(prefix="sg-bench-") as tmp,
+        running(start_mosquitto()) as server,
+    ):
+        policy_file = write_policy_file(Path(tmp))
+        agent = start_agent(server.port, args.concurrency, policy_file)
+        relay = start_relay(server.port)
         driver = Driver(server.port)
         try:
             driver.wait_online(AGENT, agent)

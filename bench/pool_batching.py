@@ -4,7 +4,9 @@ batching and bare compute (baselines), interleaved, over a real Mosquitto.
 Processes: a Mosquitto started for the run, two ``sluicegate pool run`` workers (one with
 ``--max-batch`` and ``--window-ms``, one with max batch 1 and no window; same concurrency),
 and this driver, a plain paho-mqtt v5 client that mints each placement token itself with the
-*published test* broker key under the test policy (bench only: those keys prove nothing).
+*published test* broker key under the test policy (bench only: those keys prove nothing) and
+sends the work as the test policy's edge, on its work topics. The Mosquitto is a plain one
+(the workers run with ``[mqtt] plaintext``).
 
 * Throughput: rounds alternate bare compute (prepare + ``session.run`` per image), bare
   batched compute (``--max-batch`` prepares, one ``session.run``), both on as many threads
@@ -54,7 +56,14 @@ from sluicegate import topics  # noqa: E402
 from sluicegate.servers import running, start_mosquitto  # noqa: E402
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir  # noqa: E402
 from tests.image_bytes import sample_jpeg  # noqa: E402
-from tests.pool_kit import BROKER, DATA_CLASS, ORIGIN, POLICY, write_policy_file  # noqa: E402
+from tests.pool_kit import (  # noqa: E402
+    BROKER,
+    DATA_CLASS,
+    EDGE,
+    ORIGIN,
+    POLICY,
+    write_policy_file,
+)
 
 MODEL = "defect-v1"
 BATCHED = ("north-gpu-1", "campus/fab-north/dc")  # workers the test policy knows
@@ -76,15 +85,15 @@ class Driver:
     cond: threading.Condition = field(default_factory=threading.Condition)
 
     def __post_init__(self) -> None:
-        # The workers return results to the edge a work message names; the driver plays it.
-        self.edge = f"bench-{os.getpid()}"
-        self.topic = topics.edge_returns(self.edge)
+        # The workers return results to the edge that sent the work; the driver plays it.
+        self.edge = EDGE
+        self.topic = topics.edge_returns_all(self.edge)
         self.digest = payload_digest(self.image)
         self.client = paho.Client(CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
         # TCP_NODELAY, as every Sluicegate client sets it.
         self.client.on_socket_open = lambda _c, _u, s: s.setsockopt(6, 1, 1)  # type: ignore[attr-defined]
         self.client.message_callback_add(self.topic, self._on_result)
-        self.client.message_callback_add(topics.completions(), self._on_completion)
+        self.client.message_callback_add(topics.completions_all(), self._on_completion)
         self.client.message_callback_add(topics.worker_all("status"), self._on_status)
         self.online: set[str] = set()
         connected = threading.Event()
@@ -92,7 +101,7 @@ class Driver:
         self.client.connect("127.0.0.1", self.port)
         self.client.loop_start()
         connected.wait(10)
-        for t in (self.topic, topics.completions(), topics.worker_all("status")):
+        for t in (self.topic, topics.completions_all(), topics.worker_all("status")):
             self.client.subscribe(t, qos=1)
 
     def _on_result(self, _c: paho.Client, _u: object, msg: paho.MQTTMessage) -> None:
@@ -128,7 +137,7 @@ class Driver:
             now=time.time(),
         )
         props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
-        props.ResponseTopic = self.topic
+        props.ResponseTopic = topics.edge_returns(self.edge, worker[0])  # as the edge sets it
         props.CorrelationData = job.encode()
         props.ContentType = "image/jpeg"
         props.UserProperty = [
@@ -142,7 +151,7 @@ class Driver:
         ]
         with self.cond:
             self.sent[job.encode()] = time.perf_counter()
-        work = topics.pool_work(worker[1], worker[0])
+        work = topics.pool_work(worker[1], worker[0], self.edge)
         self.client.publish(work, self.image, qos=1, properties=props)
 
     def wait_count(self, n: int, timeout: float = 60.0) -> None:
@@ -249,7 +258,9 @@ def main() -> None:
     lat: dict[str, list[float]] = {"batched": [], "plain": []}
     with tempfile.TemporaryDirectory() as tmp, running(start_mosquitto()) as server:
         config = Path(tmp) / "pool.toml"
-        config.write_text(f'[pool]\npolicy_file = "{write_policy_file(Path(tmp))}"\n')
+        config.write_text(
+            f'[mqtt]\nplaintext = true\n[pool]\npolicy_file = "{write_policy_file(Path(tmp))}"\n'
+        )
         procs = [
             start_worker(
                 server.port, BATCHED, config, args.max_batch, args.window_ms, args.concurrency
