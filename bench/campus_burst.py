@@ -1,10 +1,12 @@
 """Benchmark: deadline attainment through a 10x burst on one line, with offload (subject)
 and edge-only (baseline: the same campus with offloading switched off), interleaved.
 
-Each run starts a fresh local campus (broker, two edges, an on-campus and an off-site
-worker; ``sluicegate.localcampus``) on one Mosquitto and one Redis, then drives the demo's
-traffic (``sluicegate.demo.stream``): ``--rate`` images/s per line, and for ``--burst`` s
-line 1 at ten times that, in volleys of 20, every job with a 200 ms deadline. The edge
+Each run writes a fresh local campus (broker, two edges, an on-campus and an off-site
+worker; ``sluicegate.localcampus``), secured as a plant runs it (its own CA, a certificate
+per node and app, the generated ACL), starts a Mosquitto for it and the processes on one
+Redis, then drives the demo's traffic (``sluicegate.demo.stream``, each line's vision app
+as its own identity): ``--rate`` images/s per line, and for ``--burst`` s line 1 at ten
+times that, in volleys of 20, every job with a 200 ms deadline. The edge
 agents are capped to ``--edge-cpu`` of one core (a CPU cgroup), so a line PC is the modest
 machine it is in a plant and the burst exceeds what it can do alone; the workers are not
 capped. Attainment counts jobs answered ``ok`` within 200 ms of submission, as the vision
@@ -30,43 +32,46 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sluicegate.config import MqttSettings  # noqa: E402
 from sluicegate.demo import DEADLINE_MS, Tally, stream  # noqa: E402
-from sluicegate.localcampus import LocalCampus, cpu_cap_available  # noqa: E402
-from sluicegate.servers import running, start_mosquitto, start_redis  # noqa: E402
+from sluicegate.localcampus import (  # noqa: E402
+    LocalCampus,
+    cpu_cap_available,
+    start_campus_mosquitto,
+)
+from sluicegate.servers import free_port, running, start_redis  # noqa: E402
 
 TARGET = {"attainment": 0.99}
 
 
-def one_run(
-    mqtt_port: int, redis_port: int, db: int, offload: bool, args: argparse.Namespace
-) -> Tally:
+def one_run(redis_port: int, db: int, offload: bool, args: argparse.Namespace) -> Tally:
     env = {} if offload else {"SLUICEGATE_OFFLOAD__ENABLED": "false"}
     with tempfile.TemporaryDirectory(prefix="sg-burst-") as tmp:
         campus = LocalCampus(
             Path(tmp),
-            mqtt_port=mqtt_port,
+            mqtt_port=free_port(),
             redis_url=f"redis://127.0.0.1:{redis_port}/{db}",
             env=env,
             edge_cpu=args.edge_cpu,
         )
-        campus.start()
-        tally = Tally()
-        try:
-            asyncio.run(
-                stream(
-                    MqttSettings(port=mqtt_port),
-                    args.rate,
-                    args.burst + 2.0,
-                    asyncio.Event(),
-                    tally,
-                    live=False,
-                    burst_at=1.0,
-                    burst_for=args.burst,
+        files = campus.write()
+        with running(start_campus_mosquitto(files)):
+            campus.start()
+            tally = Tally()
+            try:
+                asyncio.run(
+                    stream(
+                        files,
+                        args.rate,
+                        args.burst + 2.0,
+                        asyncio.Event(),
+                        tally,
+                        live=False,
+                        burst_at=1.0,
+                        burst_for=args.burst,
+                    )
                 )
-            )
-        finally:
-            campus.stop()
+            finally:
+                campus.stop()
         return tally
 
 
@@ -102,10 +107,10 @@ def main() -> None:
         print("note: edges run uncapped (no writable CPU cgroup, or --edge-cpu 0)")
         args.edge_cpu = None
     subject, baseline = [], []
-    with running(start_mosquitto()) as mqtt, running(start_redis()) as redis:
+    with running(start_redis()) as redis:
         for r in range(args.rounds):
-            baseline.append(summary(one_run(mqtt.port, redis.port, 2 * r, False, args)))
-            subject.append(summary(one_run(mqtt.port, redis.port, 2 * r + 1, True, args)))
+            baseline.append(summary(one_run(redis.port, 2 * r, False, args)))
+            subject.append(summary(one_run(redis.port, 2 * r + 1, True, args)))
     print(
         f"campus burst: {args.rate:g}/s per line, line 1 at 10x for {args.burst:g} s in volleys "
         f"of 20, deadline {DEADLINE_MS:g} ms, edges capped at {args.edge_cpu or 1:.0%} of a core, "

@@ -1,19 +1,22 @@
 """Benchmark: end-to-end offload overhead, beside the same image published straight to the
 same worker (the baseline), interleaved on the same Mosquitto in the same run.
 
-Processes: a Mosquitto and a Redis started for the run; the local campus (a broker, two
-edge agents, an on-campus and an off-site worker, ``sluicegate.localcampus``) with the
-edges told to offload every job (``SLUICEGATE_OFFLOAD__QUEUE_BOUND=0``); this driver, a
-plain paho-mqtt v5 client.
+Processes: a Mosquitto and a Redis started for the run; the local campus (a broker, edge
+agent line-1-pc, an on-campus and an off-site worker, ``sluicegate.localcampus``) with the
+edge told to offload every job (``SLUICEGATE_OFFLOAD__QUEUE_BOUND=0``); this driver, a
+plain paho-mqtt v5 client. The campus runs open (``secure=False``: no TLS, no ACL): the
+baseline and the messaging floor need topics the generated ACL grants nobody (a relay's,
+and another edge's work and returns), and TLS would change the floors the figures are
+read against.
 
 * Subject: a wafer image submitted to edge line-1-pc, which asks the broker, verifies the
   token, and publishes the image to the chosen worker (north-cpu-1, the only one the
   policy allows), which answers the app.
 * Baseline: the same image published by the driver straight to north-cpu-1's work topic
   with a token the driver minted itself with the campus broker key (what a bare worker
-  needs, nothing more). The worker returns that result to the returns topic of the edge id
-  the work message names, as it does for a real edge; the driver plays that edge
-  (``bench-direct``) and listens there.
+  needs, nothing more). The worker returns that result to the returns topic of the edge
+  that sent the work, as it does for a real edge; the driver plays the campus's other edge
+  (``line-2-pc``, whose agent is not started) on its work and returns topics.
 
 * Messaging floor: in each slot too, the same image and a 1 KB message through a bare
   paho relay (``bench/relay.py``, QoS 1) on the same Mosquitto. The offloaded job travels
@@ -59,13 +62,13 @@ from edge_path import Driver, make_image, pct  # noqa: E402
 from policies import load_policy, load_signing_key, mint  # noqa: E402
 from policies.keys import SigningKey, signature_valid  # noqa: E402
 from sluicegate import topics  # noqa: E402
-from sluicegate.localcampus import LocalCampus  # noqa: E402
+from sluicegate.campus import APP_OF_LINE, APPS  # noqa: E402
+from sluicegate.localcampus import ROLE, LocalCampus  # noqa: E402
 from sluicegate.servers import running, start_mosquitto, start_redis  # noqa: E402
 
 EDGE, WORKER, ZONE = "line-1-pc", "north-cpu-1", "campus/fab-north/dc"
-ORIGIN = "campus/fab-north/line-1"
 CLASS = "wafer-image"
-DIRECT_EDGE = "bench-direct"  # the edge id the baseline's work names; the driver plays it
+DIRECT_EDGE = "line-2-pc"  # the edge the baseline's work comes from: the driver plays it
 TARGET = {"overhead_p50_ms": 1.0, "overhead_p99_ms": 3.0}
 RELAY_TOPIC = "bench/relay/offload"
 DESIGN_RTT_MS = {"image": 0.43, "small": 0.17}  # DESIGN.md's QoS 1 round trips, p50
@@ -145,6 +148,8 @@ def main() -> None:
                 "SLUICEGATE_OFFLOAD__QUEUE_BOUND": "0",
                 "SLUICEGATE_EDGE__OUTBOX_SYNCHRONOUS": args.outbox_sync,
             },
+            nodes=[node for node in ROLE if node != DIRECT_EDGE],
+            secure=False,
         )
         files = campus.start()
         relay = subprocess.Popen(
@@ -152,12 +157,17 @@ def main() -> None:
         )
         policy = load_policy(files.policy_file)
         broker_key = load_signing_key(files.key_files["broker-1"])
-        driver = Driver(mqtt.port)
+        # Results under app-line-1's own prefix, the only Response Topics line-1-pc answers
+        # on (ending in "results", which bench/offload_trace.py's stamps name).
+        prefix = APPS[APP_OF_LINE[EDGE]][1]
+        driver = Driver(mqtt.port, results=f"{prefix}/bench-{os.getpid()}/results")
         store = redis_sync.Redis(port=redis.port)
         redis_rtt: list[float] = []
-        driver.listen(topics.edge_returns(DIRECT_EDGE))
+        driver.listen(topics.edge_returns(DIRECT_EDGE, WORKER))
         relay_ready(driver)
-        work_topic = topics.pool_work(ZONE, WORKER)
+        work_topic = topics.pool_work(ZONE, WORKER, DIRECT_EDGE)
+        direct_origin = policy.edge(DIRECT_EDGE)
+        assert direct_origin is not None, f"{DIRECT_EDGE} is not in the campus policy"
         subject: list[float] = []
         baseline: list[float] = []
         floors: dict[str, list[float]] = {"image": [], "small": []}
@@ -186,7 +196,7 @@ def main() -> None:
                     job_id=job_b,
                     payload_sha256=digest,
                     data_class=CLASS,
-                    origin_zone=ORIGIN,
+                    origin_zone=direct_origin.zone,
                     target_worker=WORKER,
                     now=time.time(),
                 )
@@ -195,7 +205,7 @@ def main() -> None:
                     (topics.PROP_MODEL, "defect-v1"),
                     (topics.PROP_TOKEN, token),
                     (topics.PROP_DATA_CLASS, CLASS),
-                    (topics.PROP_ORIGIN_ZONE, ORIGIN),
+                    (topics.PROP_ORIGIN_ZONE, direct_origin.zone),
                     (topics.PROP_EDGE, DIRECT_EDGE),
                     (topics.PROP_ATTEMPT, "1"),
                 ]

@@ -28,7 +28,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# (stamp, stamp): one step of a subject job, in order (role.kind.topic-tail).
+# (stamp, stamp): one step of a subject job, in order (role.kind.what the topic carries).
 SUBJECT_STEPS = [
     ("edge.in.jobs", "edge.out.request", "edge: admission, SHA-256, request out"),
     ("edge.out.request", "broker.in.request", "edge -> broker: the request"),

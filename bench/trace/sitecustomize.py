@@ -21,6 +21,18 @@ from typing import Any
 
 _DIR = os.environ.get("SG_TRACE")
 _JOB = re.compile(rb'"job_id"\s*:\s*"([^"]+)"')
+# Per-sender topics end in the sender's id (``sluicegate.topics.sender``): what they are is
+# the level before it.
+_PER_SENDER = {"request", "release", "completions", "returns", "work"}
+
+
+def _what(topic: str) -> str:
+    """What a topic carries, in one word: its last level, or the one before the sender's
+    id on a per-sender topic (``.../work/line-1-pc`` is ``work``)."""
+    levels = topic.rsplit("/", 2)
+    if len(levels) == 3 and levels[1] in _PER_SENDER:
+        return levels[1]
+    return levels[-1]
 
 
 def _role() -> str | None:
@@ -49,7 +61,7 @@ def _install(role: str, lines: list[str]) -> None:
     pid = os.getpid()
 
     def stamp(kind: str, topic: str, job: str) -> None:
-        lines.append(f"{time.time():.6f} {pid} {role} {kind} {topic.rsplit('/', 1)[-1]} {job}\n")
+        lines.append(f"{time.time():.6f} {pid} {role} {kind} {_what(topic)} {job}\n")
 
     handed = mqtt.MqttTransport._call
 
