@@ -38,13 +38,14 @@ from typing import IO, Literal
 
 from pydantic import ValidationError
 
-from sluicegate import wire
+from sluicegate import topics, wire
 from sluicegate.config import MqttSettings
 from sluicegate.errors import ConfigError, IdentityError, IdentityInUse
 from sluicegate.transport import Message, Transport
 
 log = logging.getLogger(__name__)
 
+PROBE_WAIT_S = 5.0  # for the probe's echo, which marks the end of the retained status
 EXIT_IN_USE = 3  # the process exit status when another process serves this identity
 
 
@@ -168,7 +169,6 @@ class IdentityGuard:
         self.fenced = asyncio.Event()
         self.waiting = asyncio.Event()  # set while it waits to see whether a holder is alive
         self.reason = ""
-        self._retained = asyncio.Event()
         self._suspect: Instance | None = None
         self._lost = asyncio.Event()
         self._claimed = False
@@ -176,9 +176,7 @@ class IdentityGuard:
     async def claim(self) -> None:
         """Return once this process may serve; raise IdentityInUse if another does."""
         self._transport.on_disconnect(self._lost.set)
-        await self._transport.subscribe(self._topic, self._on_status, qos=1)
-        with contextlib.suppress(TimeoutError):  # no retained status: a node never seen
-            await asyncio.wait_for(self._retained.wait(), 1.0)
+        await self._status_seen()
         if self._suspect is not None and not self._lost.is_set():
             log.warning(
                 "node %s: its status says another process serves it (%s); waiting %.0f s to "
@@ -198,6 +196,35 @@ class IdentityGuard:
             )
         self._claimed = True
 
+    async def _status_seen(self) -> None:
+        """Subscribe to the node's status and return once its retained copy, if there is
+        one, has arrived: Mosquitto sends a subscription's retained messages before what
+        is published after it, so a message of our own through the node's probe topic,
+        once back, says nothing more is coming."""
+        probe = topics.node_probe(self._node)
+        marker = f"claim {self.me.id} {time.monotonic_ns()}".encode()
+        echoed = asyncio.Event()
+
+        def on_probe(msg: Message) -> None:
+            if msg.payload == marker:
+                echoed.set()
+
+        await self._transport.subscribe(probe, on_probe, qos=1)
+        await self._transport.subscribe(self._topic, self._on_status, qos=1)
+        self._transport.publish_nowait(probe, marker, qos=1)
+        try:
+            await asyncio.wait_for(echoed.wait(), PROBE_WAIT_S)
+        except TimeoutError:
+            log.warning(
+                "node %s: its probe topic %s did not echo within %.0f s (an ACL generated "
+                "before probe topics existed? regenerate it with 'sluicegate policy acl')",
+                self._node,
+                probe,
+                PROBE_WAIT_S,
+            )
+        finally:
+            await self._transport.unsubscribe(probe)
+
     def _on_status(self, msg: Message) -> None:
         if not msg.payload:
             return
@@ -211,7 +238,6 @@ class IdentityGuard:
         other = instance_of(status)
         if not self._claimed:
             self._suspect = other if standing in ("senior", "junior") else None
-            self._retained.set()
             return
         if standing == "junior":  # it must stop; make sure it sees us
             self._reannounce()

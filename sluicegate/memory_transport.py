@@ -231,6 +231,11 @@ class MemoryTransport:
         if wait and qos > 0 and self._broker.hold_pubacks:
             await self._broker._hold(self)
 
+    async def unsubscribe(self, topic_filter: str) -> None:
+        self._subs.pop(topic_filter, None)
+        self.subscriptions.pop(topic_filter, None)
+        self._session.filters.pop(topic_filter, None)
+
     async def subscribe(
         self, topic_filter: str, handler: Handler, *, qos: int = 1, manual_ack: bool = False
     ) -> None:

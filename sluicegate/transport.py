@@ -98,6 +98,9 @@ class Transport(Protocol):
         """Deliver each matching message to ``handler`` on the loop; with ``manual_ack`` the
         handler must call :meth:`ack` for each message (QoS ≥ 1) once it is safe to."""
 
+    async def unsubscribe(self, topic_filter: str) -> None:
+        """Stop delivering messages matching ``topic_filter``."""
+
     def ack(self, message: Message) -> None:
         """Acknowledge a message from a manual-ack subscription; a no-op for QoS 0, for a
         message of an automatically acked subscription, and for one that arrived over a
