@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from sluicegate.errors import BundleError, ModelIntegrityError
-from sluicegate.vision.manifest import load_manifest
+from sluicegate.vision.manifest import load_manifest, verified_model
 
 # Never in a bundle: the [project.optional-dependencies] dev and models tools.
 DEV_TOOLS = frozenset(
@@ -159,19 +159,7 @@ def verified_models(models_dir: Path) -> dict[str, bytes]:
     files: dict[str, bytes] = {}
     for manifest_path in manifests:
         manifest = load_manifest(manifest_path)
-        model_path = models_dir / manifest.file
-        try:
-            blob = model_path.read_bytes()
-        except OSError as exc:
-            raise ModelIntegrityError(
-                f"model file {model_path} named by {manifest_path} cannot be read: {exc.strerror}"
-            ) from exc
-        actual = hashlib.sha256(blob).hexdigest()
-        if actual != manifest.sha256:
-            raise ModelIntegrityError(
-                f"model file {model_path} does not match its manifest {manifest_path}: "
-                f"expected sha256 {manifest.sha256}, actual {actual}; not bundling it"
-            )
+        blob = verified_model(models_dir, manifest_path, manifest)
         files[manifest_path.name] = manifest_path.read_bytes()
         files[manifest.file] = blob
     return files

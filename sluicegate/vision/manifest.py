@@ -3,11 +3,13 @@
 A manifest (``models/<name>.json``) sits beside its ``.onnx`` file and is the only place
 where input size, colour order, normalisation, labels and postprocessing are written down;
 the build script, the edge agent and the pool workers all read them from here, so training
-and serving cannot drift apart. This module validates manifests; it never opens the model.
+and serving cannot drift apart. This module validates manifests and checks a model file's
+bytes against its manifest's sha256 (:func:`verified_model`); it never loads the model.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Annotated, Literal
@@ -163,6 +165,25 @@ def load_manifest(path: Path) -> ModelManifest:
     except ValidationError as exc:
         problems = "; ".join(_describe(err) for err in exc.errors(include_url=False))
         raise ModelIntegrityError(f"invalid model manifest {path}: {problems}") from exc
+
+
+def verified_model(folder: Path, manifest_path: Path, manifest: ModelManifest) -> bytes:
+    """The bytes of the model file ``manifest`` names in ``folder``, once their sha256 is the
+    manifest's; ModelIntegrityError naming both files otherwise."""
+    model_path = folder / manifest.file
+    try:
+        blob = model_path.read_bytes()
+    except OSError as exc:
+        raise ModelIntegrityError(
+            f"model file {model_path} named by {manifest_path} cannot be read: {exc.strerror}"
+        ) from exc
+    actual = hashlib.sha256(blob).hexdigest()
+    if actual != manifest.sha256:
+        raise ModelIntegrityError(
+            f"model file {model_path} does not match its manifest {manifest_path}: "
+            f"expected sha256 {manifest.sha256}, actual {actual}"
+        )
+    return blob
 
 
 def _describe(err: ErrorDetails) -> str:

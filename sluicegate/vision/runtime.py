@@ -12,7 +12,6 @@ ONNX Runtime to one thread each by default so concurrent jobs do not oversubscri
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import time
@@ -27,7 +26,7 @@ import onnxruntime as ort
 
 from sluicegate.errors import ModelError, ModelIntegrityError, UnknownModelError
 from sluicegate.vision.image import ImageInfo, check_dimensions, dct_reduction, decode, probe
-from sluicegate.vision.manifest import ModelManifest, load_manifest
+from sluicegate.vision.manifest import ModelManifest, load_manifest, verified_model
 from sluicegate.vision.postprocess import Outputs, postprocess
 from sluicegate.vision.preprocess import preprocess
 
@@ -221,18 +220,7 @@ def _open_verified(
     intra_op_threads: int,
 ) -> Any:
     model_path = folder / manifest.file
-    try:
-        blob = model_path.read_bytes()
-    except OSError as exc:
-        raise ModelIntegrityError(
-            f"model file {model_path} named by {manifest_path} cannot be read: {exc.strerror}"
-        ) from exc
-    actual = hashlib.sha256(blob).hexdigest()
-    if actual != manifest.sha256:
-        raise ModelIntegrityError(
-            f"model file {model_path} does not match its manifest {manifest_path}: "
-            f"expected sha256 {manifest.sha256}, actual {actual}"
-        )
+    blob = verified_model(folder, manifest_path, manifest)
     try:
         session = ort.InferenceSession(
             blob, sess_options=session_options(intra_op_threads), providers=providers
