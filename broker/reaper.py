@@ -1,5 +1,5 @@
 """The broker's asyncio shell for placed jobs after the decision: worker deaths, fencing of
-completions, dead letters.
+completions, dead letters, placements their edge hands back.
 
 A worker's Last Will arrives through :meth:`Reaper.worker_gone`; silence is found by a sweep
 every interval over the workers that hold jobs in flight campus-wide (``broker.inflight``),
@@ -19,7 +19,9 @@ import asyncio
 import logging
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
+from broker import keys
 from broker.decision_audit import DecisionAudit, encode
 from broker.fleet import Fleet
 from broker.inflight import InflightStore
@@ -33,11 +35,12 @@ from broker.recovery import (
     judge_completion,
     worker_gone,
 )
+from broker.reservations import RELEASE
 from broker.store import BrokerStore
 from sluicegate import topics, wire
 from sluicegate.config import BrokerSettings
 from sluicegate.transport import Transport
-from sluicegate.wire_pool import Completion, JobNotice
+from sluicegate.wire_pool import Completion, JobNotice, PlacementRelease
 
 log = logging.getLogger(__name__)
 
@@ -266,3 +269,47 @@ class Reaper:
             )
         except Exception as exc:
             log.error("job %s: notice to %s not sent: %s", notify.job_id, topic, exc)
+
+    def release(self, rel: PlacementRelease, freed: Callable[[], None]) -> None:
+        """An edge hands back a placement it will not use: the slot is free now, if it is
+        the placement the job's record in Redis names (anything else changes nothing).
+        Every replica hears it: Redis releases it once, and the replica whose view holds
+        the reservation drops it there (then ``freed``)."""
+        self._store.script(
+            RELEASE,
+            (
+                keys.reservations(rel.worker_id),
+                keys.inflight(rel.job_id),
+                keys.inflight_on(rel.worker_id),
+            ),
+            (rel.job_id, rel.worker_id, rel.edge_id, rel.attempt, int(self._clock() * 1000)),
+            partial(self._released, rel, freed),
+        )
+
+    def _released(self, rel: PlacementRelease, freed: Callable[[], None], reply: Any) -> None:
+        if not reply:  # not the placement in flight: stale, or not this edge's
+            log.warning(
+                "ignored the release of job %s attempt %d on %s from %s: not the placement "
+                "in flight",
+                rel.job_id,
+                rel.attempt,
+                rel.worker_id,
+                rel.edge_id,
+            )
+            return
+        if self._fleet.reservation(rel.job_id) == rel.worker_id:
+            self._fleet.release(rel.job_id)
+            freed()
+        if int(reply) != 1:  # another replica released it in Redis first
+            return
+        self._metrics.released.inc()
+        record = {
+            "job_id": rel.job_id,
+            "status": "released",
+            "edge": rel.edge_id,
+            "worker": rel.worker_id,
+            "attempt": rel.attempt,
+            "reason": rel.reason,
+        }
+        self._audit.add(rel.job_id, encode(record), "placement.released")
+        self._store.job_status(rel.job_id, {"status": "released", "released": record})

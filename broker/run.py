@@ -25,7 +25,7 @@ from policies.redis_stores import AsyncRedisStreamAuditStore, audit_stream_key
 from sluicegate import identity, topics
 from sluicegate.config import Settings
 from sluicegate.enroll.authority import Authority
-from sluicegate.errors import ConfigError, IdentityInUse
+from sluicegate.errors import ConfigError
 from sluicegate.mqtt import MqttTransport
 from sluicegate.policy_feed import PolicyFeed, bootstrap_envelope
 from sluicegate.transport import Will
@@ -133,23 +133,10 @@ async def _serve(
     if http_port_ready is not None:
         http_port_ready.set_result(port)
     keeper = asyncio.ensure_future(lease.keep())
-    until = asyncio.Event()
-
-    async def watch() -> None:
-        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(lease.lost.wait())]
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        for task in waits:
-            task.cancel()
-        until.set()
-
-    watcher = asyncio.ensure_future(watch())
     try:
-        await broker.run(until)
+        await identity.serve_until_fenced(stop, lease.lost, lambda: lease.reason, broker.run)
     finally:
-        for task in (keeper, watcher):
-            task.cancel()
+        keeper.cancel()
         await runner.cleanup()
         await transport.close()
-    if lease.lost.is_set():
-        raise IdentityInUse(lease.reason)
     return broker

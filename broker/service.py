@@ -21,25 +21,24 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Literal, TypeVar
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ValidationError
 
-from broker import keys
 from broker.decision import Decision, Placed, as_record
 from broker.decision_audit import DecisionAudit, encode
 from broker.demand import PoolDemand, pool_demand
 from broker.fleet import Fleet
-from broker.identity import Refusal, edge_origin, same_sender, worker_standing
+from broker.gatekeeper import Gatekeeper
+from broker.identity import Refusal
 from broker.inflight import InflightStore
 from broker.metrics import BrokerMetrics
 from broker.mlfq import MLFQ, Waiting
 from broker.params import FleetParams, PlacementParams
 from broker.placement import decide
 from broker.reaper import Reaper
-from broker.reservations import RELEASE, Hold, Reservations
+from broker.reservations import Hold, Reservations
 from broker.store import BrokerStore
 from policies import AsyncAuditWriter, Policy, SigningKey, mint
 from policies.errors import PolicyError
@@ -107,6 +106,7 @@ class Broker:
         self.edges: dict[str, wire.EdgeTelemetry] = {}
         self._inbox: asyncio.Queue[_Pending] = asyncio.Queue()
         self.audit = DecisionAudit(audit, clock)
+        self.gate = Gatekeeper(policy, self.metrics, self.audit)
         wait_s = settings.max_wait_ms / 1000.0
         self.waiting: MLFQ[_Pending] = MLFQ(max(wait_s, 1e-3), max(wait_s / 10.0, 1e-4))
         self._room = asyncio.Event()  # capacity may have freed: look at the waiting room
@@ -116,7 +116,6 @@ class Broker:
         self._pools: tuple[bytes, dict[str, str]] = (b"", {})  # policy digest, worker -> pool
         self.store = BrokerStore(redis, int(self.params.stale_after_s * 1000))
         self._reserve_ok = True
-        self._refused_nodes: set[tuple[str, str, bytes]] = set()  # audited once each
         self.inflight = InflightStore(redis, self.store)
         self.reaper = Reaper(
             settings,
@@ -150,48 +149,24 @@ class Broker:
         if policy is None:
             self._answer(item, None, "no_policy", "the broker holds no verified policy")
             return
-        origin = edge_origin(policy, edge_id, request.edge_id)
+        origin = self.gate.origin(policy, edge_id, request.edge_id)
         if isinstance(origin, Refusal):
-            self.metrics.identity_refusals.labels(origin.code).inc()
             self._answer(item, None, origin.code, origin.reason)
             return
         if request.origin_zone != origin:
             item.request = request.model_copy(update={"origin_zone": origin})
         self._inbox.put_nowait(item)
 
-    def _standing(self, msg: Message, worker_id: str, zone: str) -> bool:
-        """Whether the worker whose topic carried ``msg`` may be placed on as it describes
-        itself; a refusal is counted, logged and audited once per worker, code and policy."""
-        sender = topics.node_of(msg.topic)
-        policy = self._policy()
-        refusal = None if policy is None else worker_standing(policy, sender, worker_id, zone)
-        if refusal is None:
-            return policy is not None
-        self._refuse_node(sender, "worker", refusal, policy)
-        return False
-
-    def _refuse_node(self, sender: str, kind: str, refusal: Refusal, policy: Policy | None) -> None:
-        self.metrics.identity_refusals.labels(refusal.code).inc()
-        seen = (sender, refusal.code, policy.digest if policy is not None else b"")
-        if seen in self._refused_nodes:
-            return
-        if len(self._refused_nodes) > 10_000:
-            self._refused_nodes.clear()
-        self._refused_nodes.add(seen)
-        log.warning("refused %s %s [%s]: %s", kind, sender, refusal.code, refusal.reason)
-        record = {"node": sender, "kind": kind, "code": refusal.code, "reason": refusal.reason}
-        self.audit.add(sender, encode(record), "identity.refused")
-
     def on_capabilities(self, msg: Message) -> None:
         caps = _parse(WorkerCapabilities, msg)
-        if caps is not None and self._standing(msg, caps.worker_id, caps.zone):
+        if caps is not None and self.gate.worker(msg, caps.worker_id, caps.zone):
             self.fleet.apply_capabilities(caps, self._clock())
             self._room.set()
             self.store.node_document(caps.worker_id, "capabilities", msg.payload)
 
     def on_worker_telemetry(self, msg: Message) -> None:
         tel = _parse(WorkerTelemetry, msg)
-        if tel is not None and self._standing(msg, tel.node, tel.zone):
+        if tel is not None and self.gate.worker(msg, tel.node, tel.zone):
             self.fleet.apply_telemetry(tel, self._clock())
             self._room.set()
             self.store.node_document(tel.node, "telemetry", msg.payload)
@@ -207,11 +182,7 @@ class Broker:
 
     def on_completion(self, msg: Message) -> None:
         done = _parse(Completion, msg)
-        if done is None:
-            return
-        refusal = same_sender("completion", topics.sender(msg.topic), done.worker_id)
-        if refusal is not None:
-            self._refuse_node(topics.sender(msg.topic), "worker", refusal, self._policy())
+        if done is None or not self.gate.own("completion", "worker", msg, done.worker_id):
             return
         self.fleet.apply_completion(done, self._clock())
         self._room.set()
@@ -225,50 +196,8 @@ class Broker:
         Every replica hears it: Redis releases it once, and the replica whose view holds
         the reservation drops it there."""
         rel = _parse(PlacementRelease, msg)
-        if rel is None:
-            return
-        refusal = same_sender("release", topics.sender(msg.topic), rel.edge_id)
-        if refusal is not None:
-            self._refuse_node(topics.sender(msg.topic), "edge", refusal, self._policy())
-            return
-        self.store.script(
-            RELEASE,
-            (
-                keys.reservations(rel.worker_id),
-                keys.inflight(rel.job_id),
-                keys.inflight_on(rel.worker_id),
-            ),
-            (rel.job_id, rel.worker_id, rel.edge_id, rel.attempt, int(self._clock() * 1000)),
-            partial(self._released, rel),
-        )
-
-    def _released(self, rel: PlacementRelease, reply: Any) -> None:
-        if not reply:  # not the placement in flight: stale, or not this edge's
-            log.warning(
-                "ignored the release of job %s attempt %d on %s from %s: not the placement "
-                "in flight",
-                rel.job_id,
-                rel.attempt,
-                rel.worker_id,
-                rel.edge_id,
-            )
-            return
-        if self.fleet.reservation(rel.job_id) == rel.worker_id:
-            self.fleet.release(rel.job_id)
-            self._room.set()
-        if int(reply) != 1:  # another replica released it in Redis first
-            return
-        self.metrics.released.inc()
-        record = {
-            "job_id": rel.job_id,
-            "status": "released",
-            "edge": rel.edge_id,
-            "worker": rel.worker_id,
-            "attempt": rel.attempt,
-            "reason": rel.reason,
-        }
-        self.audit.add(rel.job_id, encode(record), "placement.released")
-        self.store.job_status(rel.job_id, {"status": "released", "released": record})
+        if rel is not None and self.gate.own("release", "edge", msg, rel.edge_id):
+            self.reaper.release(rel, self._room.set)
 
     def on_edge_telemetry(self, msg: Message) -> None:
         tel = _parse(wire.EdgeTelemetry, msg)

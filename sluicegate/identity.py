@@ -267,15 +267,18 @@ async def claim(
     return guard
 
 
-async def serve_guarded(
-    guard: IdentityGuard, stop: asyncio.Event, run: Callable[[asyncio.Event], Awaitable[object]]
+async def serve_until_fenced(
+    stop: asyncio.Event,
+    fenced: asyncio.Event,
+    reason: Callable[[], str],
+    run: Callable[[asyncio.Event], Awaitable[object]],
 ) -> None:
-    """Run ``run(until)`` until ``stop`` or until the guard fences this process (then
-    IdentityInUse)."""
+    """Run ``run(until)`` until ``stop`` or ``fenced`` is set; after ``fenced``,
+    IdentityInUse with ``reason()``."""
     until = asyncio.Event()
 
     async def watch() -> None:
-        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(guard.fenced.wait())]
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(fenced.wait())]
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -288,8 +291,16 @@ async def serve_guarded(
         await run(until)
     finally:
         watcher.cancel()
-    if guard.fenced.is_set():
-        raise IdentityInUse(guard.reason)
+    if fenced.is_set():
+        raise IdentityInUse(reason())
+
+
+async def serve_guarded(
+    guard: IdentityGuard, stop: asyncio.Event, run: Callable[[asyncio.Event], Awaitable[object]]
+) -> None:
+    """Run ``run(until)`` until ``stop`` or until the guard fences this process (then
+    IdentityInUse)."""
+    await serve_until_fenced(stop, guard.fenced, lambda: guard.reason, run)
 
 
 def grace_for(mqtt: MqttSettings) -> float:
