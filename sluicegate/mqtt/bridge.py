@@ -49,13 +49,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import paho.mqtt.client as paho
-from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
+from paho.mqtt.enums import MQTTErrorCode
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
 from sluicegate.config import MqttSettings
 from sluicegate.errors import TransportError
+from sluicegate.mqtt.client import new_client
 from sluicegate.mqtt.packets import new_properties, publish_properties, to_message
 from sluicegate.mqtt.routing import AckTable, Subscription
 from sluicegate.transport import Handler, Message, UserProperties, Will
@@ -125,30 +126,7 @@ class MqttTransport:
         # lock is not reentrant, so such a publish waits for the writer (see publish_nowait).
         self._in_paho = False
         self._handlers_published = False  # a handler published during this read
-        self._client = paho.Client(
-            CallbackAPIVersion.VERSION2,
-            client_id=client_id,
-            protocol=paho.MQTTv5,
-            manual_ack=True,
-        )
-        if settings.username:
-            password = settings.password.get_secret_value() if settings.password else None
-            self._client.username_pw_set(settings.username, password)
-        if settings.tls_ca_file is not None:
-            cert, key = settings.tls_cert_file, settings.tls_key_file
-            try:
-                self._client.tls_set(
-                    ca_certs=str(settings.tls_ca_file),
-                    certfile=str(cert) if cert is not None else None,
-                    keyfile=str(key) if key is not None else None,
-                )
-            except (OSError, ssl.SSLError, ValueError) as exc:
-                raise TransportError(
-                    f"cannot load the TLS files ([mqtt] tls_ca_file {settings.tls_ca_file}, "
-                    f"tls_cert_file {cert}, tls_key_file {key}): {exc}"
-                ) from exc
-        if will is not None:
-            self._client.will_set(will.topic, will.payload, qos=will.qos, retain=will.retain)
+        self._client = new_client(settings, client_id, will)
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
         self._client.on_publish = self._on_publish
