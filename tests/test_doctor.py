@@ -32,6 +32,7 @@ from sluicegate.cli import app
 from sluicegate.config import MqttSettings
 from sluicegate.doctor import Report, diagnose
 from sluicegate.doctor import judge as j
+from sluicegate.doctor import judge_node as jn
 from sluicegate.doctor.facts import (
     BrokerClock,
     Connect,
@@ -111,11 +112,11 @@ def test_a_finding_prints_as_one_line_per_verdict_and_warning() -> None:
 def test_nagle_is_a_slow_round_trip_over_a_near_network(
     p50_ms: float, connect_ms: float | None, suspected: bool
 ) -> None:
-    assert j.nagle_suspected(p50_ms, connect_ms) is suspected
-    finding = j.judge_round_trip(RoundTrip("t", (p50_ms,) * 3), connect_ms)
+    assert jn.nagle_suspected(p50_ms, connect_ms) is suspected
+    finding = jn.judge_round_trip(RoundTrip("t", (p50_ms,) * 3), connect_ms)
     assert (finding.status == "FAIL") is suspected
     if suspected:
-        assert finding.fix == j.NODELAY_FIX
+        assert finding.fix == jn.NODELAY_FIX
         assert "set_tcp_nodelay true in mosquitto.conf" in finding.lines()[0]
 
 
@@ -129,7 +130,7 @@ def test_nagle_is_a_slow_round_trip_over_a_near_network(
     ],
 )
 def test_a_failed_round_trip_names_what_to_do(stage: Any, in_fix: str) -> None:
-    finding = j.judge_round_trip(RoundTrip("sluicegate/v1/probe/x", error="no", stage=stage), 0.1)
+    finding = jn.judge_round_trip(RoundTrip("sluicegate/v1/probe/x", error="no", stage=stage), 0.1)
     assert finding.status == "FAIL"
     assert in_fix in finding.fix
 
@@ -183,7 +184,7 @@ def test_clock_without_an_answer_or_a_date_fails_naming_the_flag() -> None:
     ],
 )
 def test_the_state_folder(state: StateDir, status: str, words: str) -> None:
-    finding = j.judge_state_dir(state)
+    finding = jn.judge_state_dir(state)
     assert finding.status == status
     if status == "FAIL":
         assert words in finding.detail
@@ -221,7 +222,7 @@ EXPIRES = POLICY.expires
     ],
 )
 def test_the_pinned_policy(state: PolicyState, now: float, status: str, words: str) -> None:
-    finding = j.judge_policy(state, "edge", "[offload] policy_file", now=now)
+    finding = jn.judge_policy(state, "edge", "[offload] policy_file", now=now)
     assert finding.status == status, finding
     if words != "warn":
         assert words in finding.detail
@@ -331,25 +332,25 @@ def test_the_node_connects_as_itself(
 @pytest.mark.parametrize(
     ("mqtt", "role", "login"),
     [
-        (TLS, "edge", j.Login(EDGE, False, 3600)),  # its own session, never a clean start
-        (TLS.model_copy(update={"session_expiry_s": 60}), "pool", j.Login(EDGE, False, 60)),
-        (TLS, "broker", j.Login(EDGE, False, 0)),  # a broker keeps no session
-        (MqttSettings(plaintext=True), "edge", j.Login(f"sg-doctor-{EDGE}-7", True, 0)),
+        (TLS, "edge", jn.Login(EDGE, False, 3600)),  # its own session, never a clean start
+        (TLS.model_copy(update={"session_expiry_s": 60}), "pool", jn.Login(EDGE, False, 60)),
+        (TLS, "broker", jn.Login(EDGE, False, 0)),  # a broker keeps no session
+        (MqttSettings(plaintext=True), "edge", jn.Login(f"sg-doctor-{EDGE}-7", True, 0)),
     ],
 )
 def test_doctor_logs_in_without_wiping_the_nodes_session(
-    mqtt: MqttSettings, role: str, login: j.Login
+    mqtt: MqttSettings, role: str, login: jn.Login
 ) -> None:
-    assert j.login_for(mqtt, role, EDGE, "7") == login
+    assert jn.login_for(mqtt, role, EDGE, "7") == login
 
 
 def test_a_running_node_or_one_that_cannot_be_told_is_not_logged_in_as() -> None:
-    assert j.login_skip(Running(False, "no lock"), EDGE) is None
-    running = j.login_skip(Running(True, "pid 7 holds /s/x.lock"), EDGE)
+    assert jn.login_skip(Running(False, "no lock"), EDGE) is None
+    running = jn.login_skip(Running(True, "pid 7 holds /s/x.lock"), EDGE)
     assert running is not None
     assert running.status == "SKIP"
     assert "is running" in running.detail
-    unknown = j.login_skip(Running(None, "no lock file"), EDGE)
+    unknown = jn.login_skip(Running(None, "no lock file"), EDGE)
     assert unknown is not None
     assert unknown.status == "SKIP"
 
@@ -373,8 +374,8 @@ def test_reachability_names_the_setting() -> None:
 
 
 def test_models() -> None:
-    assert j.judge_models(Models(Path("/m"), "[edge] models_dir", ("defect-v1",))).status == "OK"
-    bad = j.judge_models(Models(Path("/m"), "[edge] models_dir", error="sha256 differs"))
+    assert jn.judge_models(Models(Path("/m"), "[edge] models_dir", ("defect-v1",))).status == "OK"
+    bad = jn.judge_models(Models(Path("/m"), "[edge] models_dir", error="sha256 differs"))
     assert bad.status == "FAIL"
     assert "[edge] models_dir" in bad.fix
 
@@ -460,7 +461,7 @@ def test_a_healthy_node_passes_every_check(campus: Campus, tmp_path: Path) -> No
     assert report.connect is not None
     p50 = sorted(trip.rtts_ms)[len(trip.rtts_ms) // 2]
     print(f"nodelay Mosquitto: p50 {p50:.2f} ms, TCP connect {report.connect.best_ms:.2f} ms")
-    assert report.finding("MQTT round trip") == j.judge_round_trip(trip, report.connect.best_ms)
+    assert report.finding("MQTT round trip") == jn.judge_round_trip(trip, report.connect.best_ms)
     for role, node in (("pool", "north-cpu-1"), ("broker", "broker-1")):
         other = diagnose(node_config(campus, tmp_path / role, node), role)  # type: ignore[arg-type]
         assert other.exit_code == 0, show(other)
@@ -599,12 +600,12 @@ def test_a_mosquitto_without_nodelay_is_found_by_its_round_trip(
         p50 = sorted(trip.rtts_ms)[len(trip.rtts_ms) // 2]
         print(f"{name} Mosquitto: p50 {p50:.2f} ms, TCP connect {connect.best_ms:.2f} ms")
         finding = report.finding("MQTT round trip")
-        assert finding == j.judge_round_trip(trip, connect.best_ms)
-        results[name] = (finding, j.nagle_suspected(p50, connect.best_ms))
+        assert finding == jn.judge_round_trip(trip, connect.best_ms)
+        results[name] = (finding, jn.nagle_suspected(p50, connect.best_ms))
     finding, suspected = results["Nagle"]
     assert suspected, "Nagle's delay did not show on the Mosquitto without set_tcp_nodelay"
     assert finding.status == "FAIL"
-    assert finding.fix == j.NODELAY_FIX
+    assert finding.fix == jn.NODELAY_FIX
     assert (
         "set_tcp_nodelay true in mosquitto.conf (sluicegate mosquitto config writes it)"
         in (finding.lines()[0])

@@ -1,7 +1,7 @@
 """Round trips through Mosquitto, logged in as the node: what ``sluicegate doctor`` times
 to find a Mosquitto that delays small packets (Nagle's algorithm).
 
-It logs in as :func:`sluicegate.doctor.judge.login_for` says (under TLS: the node's own
+It logs in as :func:`sluicegate.doctor.judge_node.login_for` says (under TLS: the node's own
 persistent session, never a clean start), subscribes to the node's probe topic only
 (``topics.node_probe``, which nothing in the product reads), publishes there at QoS 1 (not
 retained) and times each round trip: until both the PUBACK and the message itself are back.
@@ -25,7 +25,7 @@ import uuid
 from sluicegate import topics
 from sluicegate.config import MqttSettings
 from sluicegate.doctor.facts import RoundTrip
-from sluicegate.doctor.judge import Login
+from sluicegate.doctor.judge_node import Login
 from sluicegate.errors import TransportError
 from sluicegate.mqtt import MqttTransport
 from sluicegate.transport import Message

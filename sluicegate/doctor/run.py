@@ -18,7 +18,7 @@ from pathlib import Path
 
 from sluicegate.config import Settings, load_settings
 from sluicegate.deploy.layout import ROLES, Role
-from sluicegate.doctor import gather, judge
+from sluicegate.doctor import gather, judge, judge_node
 from sluicegate.doctor.facts import Connect, Finding, PolicyState, RoundTrip, Running, skip
 from sluicegate.errors import ConfigError
 from sluicegate.identity import certificate_name
@@ -160,15 +160,15 @@ def diagnose(
         policy = gather.policy_state(node.id, node.policy_file, node.state_dir, now=clock())
     out.append(_clock(settings, node, broker_url, policy, clock))
     if policy is not None:
-        out.append(judge.judge_policy(policy, role, node.policy_setting, now=clock()))
+        out.append(judge_node.judge_policy(policy, role, node.policy_setting, now=clock()))
     else:
         out.append(skip("policy", "offload is off ([offload] enabled = false): no policy used"))
     if node.models_dir is not None:
-        out.append(judge.judge_models(gather.models(node.models_dir, node.models_setting)))
+        out.append(judge_node.judge_models(gather.models(node.models_dir, node.models_setting)))
     else:
         out.append(skip("models", "a broker runs no model"))
     if node.data_dir is not None:
-        out.append(judge.judge_state_dir(gather.state_dir(node.data_dir, node.data_setting)))
+        out.append(judge_node.judge_state_dir(gather.state_dir(node.data_dir, node.data_setting)))
     else:
         out.append(skip("state dir", f"no {node.data_setting}: this node keeps nothing on disk"))
     trip = None
@@ -176,11 +176,11 @@ def diagnose(
     if blocked is not None:
         out.append(blocked)
     else:
-        login = judge.login_for(mqtt, role, node.id, str(os.getpid()))
+        login = judge_node.login_for(mqtt, role, node.id, str(os.getpid()))
         from sluicegate.doctor.probe import round_trips
 
         trip = asyncio.run(round_trips(mqtt, node.id, login))
-        out.append(judge.judge_round_trip(trip, connect.best_ms))
+        out.append(judge_node.judge_round_trip(trip, connect.best_ms))
     return Report(tuple(out), connect, trip)
 
 
@@ -241,4 +241,4 @@ def _login_blocked(
         running = Running(None, f"no {node.data_setting}, so no lock file")
     else:
         running = gather.node_running(node.lock_dir, node.id)
-    return judge.login_skip(running, node.id)
+    return judge_node.login_skip(running, node.id)
