@@ -276,6 +276,22 @@ def results_topics(policy: Policy, edge_id: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+class ResultsGate:
+    """:func:`unanswerable` against the policy in force, its topics worked out once per
+    policy version."""
+
+    def __init__(self, edge_id: str) -> None:
+        self._edge_id = edge_id
+        self._allowed: tuple[bytes, tuple[str, ...]] = (b"", ())
+
+    def check(self, job: Job, policy: Policy | None) -> Refusal | None:
+        if policy is None:
+            return None
+        if self._allowed[0] != policy.digest:
+            self._allowed = (policy.digest, results_topics(policy, self._edge_id))
+        return unanswerable(job, self._allowed[1], self._edge_id)
+
+
 def unanswerable(job: Job, allowed: tuple[str, ...], edge_id: str) -> Refusal | None:
     """A job whose Response Topic this edge may not publish to (the ACL would drop its
     result): refused before it is accepted, with nowhere to say so but the log."""

@@ -38,13 +38,12 @@ from edge_agent import ledger
 from edge_agent.admission import (
     Job,
     Refusal,
+    ResultsGate,
     admit,
     forgotten,
     outbox_unavailable,
     queue_full,
-    results_topics,
     shutting_down,
-    unanswerable,
 )
 from edge_agent.answers import Answers, local_result
 from edge_agent.compute import LocalRuns, RunHooks
@@ -92,7 +91,7 @@ class EdgeAgent:
     ) -> None:
         topics.check_id("edge id", settings.id)
         self._feed = feed  # what policy it holds and refused; where its apps take results
-        self._answerable: tuple[bytes, tuple[str, ...]] = (b"", ())
+        self._results_gate = ResultsGate(settings.id)
         self.settings = settings
         self._transport = transport
         self._registry = registry
@@ -192,15 +191,11 @@ class EdgeAgent:
             self._answers.refuse(decision, msg)
             return
         job = decision
-        policy = self._feed.current if self._feed is not None else None
-        if policy is not None:
-            if self._answerable[0] != policy.digest:
-                self._answerable = (policy.digest, results_topics(policy, edge))
-            nowhere = unanswerable(job, self._answerable[1], edge)
-            if nowhere is not None:
-                self.counters["response_topic_not_allowed"] += 1
-                self._answers.refuse(nowhere, msg)
-                return
+        nowhere = self._results_gate.check(job, self._feed.current if self._feed else None)
+        if nowhere is not None:
+            self.counters["response_topic_not_allowed"] += 1
+            self._answers.refuse(nowhere, msg)
+            return
         known = (
             job.job_id in self._jobs or job.job_id in self._admitting or job.job_id in self._recent
         )
