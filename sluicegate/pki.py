@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from sluicegate.errors import IdentityError
+from sluicegate.files import write_atomic
 
 CA_DAYS = 3650
 SERVER_DAYS = 825
@@ -240,11 +240,7 @@ def key_pem(key: NodeKey) -> bytes:
 def write_private(path: Path, data: bytes) -> None:
     """Write a file only its owner may read (a key), atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
-    os.replace(tmp, path)
+    write_atomic(path, data, mode=0o600)
 
 
 def read_cert(path: Path) -> x509.Certificate:

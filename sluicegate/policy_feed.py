@@ -19,7 +19,6 @@ accepts a policy it did not verify and never goes back to an older version.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from policies.loader import read_bytes
 from policies.signing import dump_anchor, parse_anchor, parse_signatures
 from sluicegate import topics
 from sluicegate.errors import ConfigError
+from sluicegate.files import write_atomic
 from sluicegate.transport import Message, Transport
 
 log = logging.getLogger(__name__)
@@ -99,16 +99,6 @@ def bootstrap_envelope(path: Path) -> bytes:
             f"with its signatures in {sig_path.name} (sluicegate policy sign)"
         ) from exc
     return signed_envelope(policy, bundle)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` in one step, durable before it returns."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 class PolicyFeed:

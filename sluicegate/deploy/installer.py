@@ -38,6 +38,7 @@ from sluicegate.deploy.layout import (
 )
 from sluicegate.deploy.units import UnitSpec, render_sysusers, render_unit
 from sluicegate.errors import ConfigError, SluicegateError
+from sluicegate.files import write_atomic
 
 __all__ = [
     "FileChange",
@@ -299,17 +300,7 @@ def _write(path: Path, text: str, mode: int) -> Action:
             path.chmod(mode)
             return "updated"
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-        try:
-            with os.fdopen(fd, "w") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.chmod(tmp, mode)  # the umask may have narrowed it
-            os.replace(tmp, path)  # readers see the old file or the new one, never half
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_atomic(path, text.encode(), mode=mode)  # readers see old or new, never half
     except OSError as exc:
         raise _failed(path, exc) from exc
     return "created" if current is None else "updated"

@@ -30,7 +30,8 @@ from sluicegate import pki
 from sluicegate.enroll.authority import EnrollAnswer, EnrollRequest
 from sluicegate.enroll.token import JoinClaims, anchor_fingerprint, parse_token, proof
 from sluicegate.errors import EnrollmentRefused, IdentityError
-from sluicegate.policy_feed import ANCHOR_FILE, ENVELOPE_FILE, write_atomic
+from sluicegate.files import write_atomic
+from sluicegate.policy_feed import ANCHOR_FILE, ENVELOPE_FILE
 
 KEY, CERT, CA = "node.key", "node.pem", "ca.pem"
 RECORD = "enrollment.json"  # where it enrolled: what 'sluicegate doctor' checks against
