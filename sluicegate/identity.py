@@ -120,12 +120,17 @@ def check_client_identity(mqtt: MqttSettings, node: str, cert_name: str | None) 
         )
 
 
+def lock_path(state_dir: Path, node: str) -> Path:
+    """The file a serving node holds locked (``sluicegate doctor`` looks at it too)."""
+    return state_dir / f"{node}.lock"
+
+
 @contextlib.contextmanager
 def node_lock(state_dir: Path, node: str) -> Iterator[None]:
     """Hold ``state_dir``'s lock while the node serves: a second process using the same
     state (the same outbox) on this machine refuses to start."""
     state_dir.mkdir(parents=True, exist_ok=True)
-    path = state_dir / f"{node}.lock"
+    path = lock_path(state_dir, node)
     handle: IO[str] = path.open("a+")
     try:
         try:

@@ -40,6 +40,7 @@ from sluicegate.doctor.facts import (
     TlsFiles,
 )
 from sluicegate.errors import IdentityError, SluicegateError
+from sluicegate.identity import lock_path
 from sluicegate.policy_feed import ANCHOR_FILE, ENVELOPE_FILE, PolicyFeed
 
 CONNECT_TIMEOUT_S = 3.0
@@ -294,7 +295,7 @@ def _free(path: Path) -> int | None:
 def node_running(lock_dir: Path, node: str) -> Running:
     """Whether a process holds the node's state lock (``sluicegate.identity.node_lock``):
     tried without blocking and let go at once, never created."""
-    path = lock_dir / f"{node}.lock"
+    path = lock_path(lock_dir, node)
     try:
         fd = os.open(path, os.O_RDONLY)
     except (FileNotFoundError, NotADirectoryError):
