@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 
 from broker import keys
 from sluicegate.errors import IdentityInUse
-from sluicegate.identity import Instance
+from sluicegate.instance import Instance
 
 log = logging.getLogger(__name__)
 

@@ -26,6 +26,7 @@ from sluicegate import identity, topics
 from sluicegate.config import Settings
 from sluicegate.enroll.authority import Authority
 from sluicegate.errors import ConfigError
+from sluicegate.instance import this_process
 from sluicegate.mqtt import MqttTransport
 from sluicegate.policy_feed import PolicyFeed, bootstrap_envelope
 from sluicegate.transport import Will
@@ -77,7 +78,7 @@ async def serve(
             )
     envelope = bootstrap_envelope(cfg.policy_file) if cfg.policy_file else None
     redis = aioredis.Redis.from_url(cfg.redis_url)
-    lease = ReplicaLease(redis, cfg.id, identity.this_process())
+    lease = ReplicaLease(redis, cfg.id, this_process())
     try:
         await lease.acquire()
     except BaseException:

@@ -18,6 +18,7 @@ import redis as redis_sync
 from sluicegate import topics
 from sluicegate.campus import Campus
 from sluicegate.errors import SluicegateError
+from sluicegate.localcampus import ROLE
 from sluicegate.mqtt import MqttTransport
 
 DATABASES = range(1, 16)  # Redis's default 16 databases; 0 is left to the user
@@ -63,8 +64,6 @@ def retained_topics(nodes: Iterable[str], roles: dict[str, str]) -> list[str]:
 
 def clear_mqtt(campus: Campus, nodes: Iterable[str]) -> None:
     """Clear the retained messages and persistent sessions the demo's nodes left."""
-    from sluicegate.localcampus import ROLE
-
     names = list(nodes)
 
     async def clear() -> None:

@@ -28,11 +28,8 @@ import contextlib
 import fcntl
 import logging
 import os
-import socket
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Literal
 
@@ -41,33 +38,13 @@ from pydantic import ValidationError
 from sluicegate import topics, wire
 from sluicegate.config import MqttSettings
 from sluicegate.errors import ConfigError, IdentityError, IdentityInUse
+from sluicegate.instance import Instance, this_process
 from sluicegate.transport import Message, Transport
 
 log = logging.getLogger(__name__)
 
 PROBE_WAIT_S = 5.0  # for the probe's echo, which marks the end of the retained status
 EXIT_IN_USE = 3  # the process exit status when another process serves this identity
-
-
-@dataclass(frozen=True, slots=True)
-class Instance:
-    """One process serving a node: a random id, when it started, on which host."""
-
-    id: str
-    since: float
-    host: str
-
-    def describe(self) -> str:
-        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.since))
-        return f"instance {self.id} on host {self.host!r}, serving since {started}"
-
-
-_PROCESS = Instance(uuid.uuid4().hex[:16], time.time(), socket.gethostname())
-
-
-def this_process() -> Instance:
-    """The instance this process is (the same for every role it runs)."""
-    return _PROCESS
 
 
 def instance_of(status: wire.NodeStatus) -> Instance | None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from sluicegate.errors import SluicegateError
+from sluicegate.instance import this_process
 
 if TYPE_CHECKING:
     from sluicegate.vision.postprocess import Outputs as VisionOutputs
@@ -156,8 +157,6 @@ def node_status(
     state: Literal["online", "offline"],
 ) -> NodeStatus:
     """This process's status as ``node``."""
-    from sluicegate.identity import this_process
-
     me = this_process()
     return NodeStatus(
         node=node, kind=kind, zone=zone, state=state, instance=me.id, since=me.since, host=me.host
