@@ -271,28 +271,6 @@ def explain_command(
             raise typer.Exit(1)
 
 
-@app.command()
-def acl(
-    policy_file: PolicyArg,
-    out: Annotated[Path | None, typer.Option(help="Write here instead of stdout.")] = None,
-    observer: Annotated[
-        list[str] | None,
-        typer.Option(help="A monitoring identity that may read status and telemetry."),
-    ] = None,
-) -> None:
-    """Write the Mosquitto ACL of the campus: each node writes only its own topics, workers
-    read only their zone's work topics, apps submit only to their edges."""
-    from sluicegate.acl import render_acl
-
-    with _reported():
-        text = render_acl(load_policy(policy_file), observers=observer or ())
-        if out is None:
-            typer.echo(text, nl=False)
-        else:
-            out.write_text(text, encoding="utf-8")
-            typer.echo(f"wrote {out}")
-
-
 def _hex32(text: str) -> bytes:
     try:
         value = bytes.fromhex(text)

@@ -4,54 +4,52 @@ Every refusal has its own class and a stable ``reason`` code (``"token.replayed"
 broker, edge and worker can count refusals by reason and write them into the audit log without
 parsing messages. A message names the bad value and what would have been accepted.
 
-    SluicegateError                              (sluicegate.errors)
-    └── PolicyError                              policy.error
-        ├── PolicyParseError                     policy.parse     file, line or key, expectation
-        ├── KeyFileError                         key.invalid      bad key file or key text
-        ├── PlacementDenied                      placement.denied mint refused: policy says no
-        ├── PolicyRefused                        a signed policy was not accepted
-        │   ├── PolicyDigestMismatch             policy.digest_mismatch   content changed
-        │   ├── UnknownSigner                    policy.unknown_signer
-        │   ├── BadSignature                     policy.bad_signature
-        │   ├── ThresholdNotMet                  policy.threshold_not_met
-        │   ├── PolicyRollback                   policy.rollback
-        │   ├── PolicyVersionConflict            policy.version_conflict  same version, new body
-        │   ├── PolicyExpired                    policy.expired           (freeze attack)
-        │   └── RotationNotAuthorised            policy.rotation_not_authorised
-        ├── TokenError
-        │   ├── TokenTooLarge                    token.too_large  (mint side)
-        │   └── TokenRefused                     a placement token was not accepted
-        │       ├── TokenMalformed               token.malformed
-        │       ├── TokenUntrustedSigner         token.untrusted_signer
-        │       ├── TokenBadSignature            token.bad_signature
-        │       ├── TokenPolicyMismatch          token.policy_mismatch
-        │       ├── TokenNotYetValid             token.not_yet_valid
-        │       ├── TokenExpired                 token.expired
-        │       ├── TokenLifetimeTooLong         token.lifetime_too_long
-        │       ├── TokenWrongJob                token.wrong_job         (mix-and-match)
-        │       ├── TokenPayloadMismatch         token.payload_mismatch
-        │       ├── TokenWrongClass              token.wrong_class
-        │       ├── TokenWrongOrigin             token.wrong_origin
-        │       ├── TokenWrongTarget             token.wrong_target
-        │       ├── TokenZoneDenied              token.zone_denied
-        │       ├── TokenReplayed                token.replayed
-        │       └── ReplayCacheFull              token.replay_cache_full (fails closed)
-        └── AuditError                           audit.error
-            ├── AuditChainBroken                 audit.chain_broken  names the first bad record
-            ├── AuditUntrustedSigner             audit.untrusted_signer  signed by another key
-            ├── AuditLogUnreadable               audit.log_unreadable  no such file, no access
-            └── AuditConflict                    audit.conflict      another writer appended
+    PolicyError                              policy.error
+    ├── PolicyParseError                     policy.parse     file, line or key, expectation
+    ├── KeyFileError                         key.invalid      bad key file or key text
+    ├── PlacementDenied                      placement.denied mint refused: policy says no
+    ├── PolicyRefused                        a signed policy was not accepted
+    │   ├── PolicyDigestMismatch             policy.digest_mismatch   content changed
+    │   ├── UnknownSigner                    policy.unknown_signer
+    │   ├── BadSignature                     policy.bad_signature
+    │   ├── ThresholdNotMet                  policy.threshold_not_met
+    │   ├── PolicyRollback                   policy.rollback
+    │   ├── PolicyVersionConflict            policy.version_conflict  same version, new body
+    │   ├── PolicyExpired                    policy.expired           (freeze attack)
+    │   └── RotationNotAuthorised            policy.rotation_not_authorised
+    ├── TokenError
+    │   ├── TokenTooLarge                    token.too_large  (mint side)
+    │   └── TokenRefused                     a placement token was not accepted
+    │       ├── TokenMalformed               token.malformed
+    │       ├── TokenUntrustedSigner         token.untrusted_signer
+    │       ├── TokenBadSignature            token.bad_signature
+    │       ├── TokenPolicyMismatch          token.policy_mismatch
+    │       ├── TokenNotYetValid             token.not_yet_valid
+    │       ├── TokenExpired                 token.expired
+    │       ├── TokenLifetimeTooLong         token.lifetime_too_long
+    │       ├── TokenWrongJob                token.wrong_job         (mix-and-match)
+    │       ├── TokenPayloadMismatch         token.payload_mismatch
+    │       ├── TokenWrongClass              token.wrong_class
+    │       ├── TokenWrongOrigin             token.wrong_origin
+    │       ├── TokenWrongTarget             token.wrong_target
+    │       ├── TokenZoneDenied              token.zone_denied
+    │       ├── TokenReplayed                token.replayed
+    │       └── ReplayCacheFull              token.replay_cache_full (fails closed)
+    └── AuditError                           audit.error
+        ├── AuditChainBroken                 audit.chain_broken  names the first bad record
+        ├── AuditUntrustedSigner             audit.untrusted_signer  signed by another key
+        ├── AuditLogUnreadable               audit.log_unreadable  no such file, no access
+        └── AuditConflict                    audit.conflict      another writer appended
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-from sluicegate.errors import SluicegateError
 
-
-class PolicyError(SluicegateError):
-    """Base of every error raised on purpose by ``policies``."""
+class PolicyError(Exception):
+    """Base of every error raised on purpose by ``policies`` (a library of its own: it
+    imports nothing of the rest of Sluicegate, whose commands catch it beside their own)."""
 
     reason: ClassVar[str] = "policy.error"
 

@@ -19,10 +19,11 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from policies.cli import app as policy_app
+from sluicegate.acl_cli import register as register_acl
 from sluicegate.deploy.cli import register as register_deploy
 from sluicegate.doctor.cli import register as register_doctor
 from sluicegate.enroll.cli import ca_app, enroll_app
-from sluicegate.errors import SluicegateError
+from sluicegate.errors import EXPECTED
 
 T = TypeVar("T")
 
@@ -41,6 +42,7 @@ broker_app = typer.Typer(help="The campus broker: fleet state and placement.", n
 app.add_typer(pool_app, name="pool")
 app.add_typer(broker_app, name="broker")
 app.add_typer(models_app, name="models")
+register_acl(policy_app)
 app.add_typer(policy_app, name="policy", help="Signed compliance policies.")
 app.add_typer(ca_app, name="ca")
 app.add_typer(enroll_app, name="enroll")
@@ -59,7 +61,7 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def _failed(exc: SluicegateError) -> None:
+def _failed(exc: Exception) -> None:
     """A role that stopped on our own error; another process serving its identity exits
     with its own status, which the systemd units do not restart on."""
     from sluicegate.errors import IdentityInUse
@@ -122,7 +124,7 @@ def edge_run(
         edge = {"id": edge_id, "zone": zone, "models_dir": models_dir}
         settings = _settings(config, host, port, edge=edge)
         run_until_signal(lambda stop: serve(settings, stop))
-    except SluicegateError as exc:
+    except EXPECTED as exc:
         _failed(exc)
 
 
@@ -148,7 +150,7 @@ def pool_run(
         pool["models_dir"] = models_dir
         settings = _settings(config, host, port, pool=pool)
         run_until_signal(lambda stop: serve(settings, stop))
-    except SluicegateError as exc:
+    except EXPECTED as exc:
         _failed(exc)
 
 
@@ -170,7 +172,7 @@ def broker_run(
         cfg = {"id": broker_id, "redis_url": redis_url, "http_port": http_port}
         settings = _settings(config, host, port, broker=cfg)
         run_until_signal(lambda stop: serve(settings, stop))
-    except SluicegateError as exc:
+    except EXPECTED as exc:
         _failed(exc)
 
 
@@ -211,7 +213,7 @@ def submit(
                 return result.model_dump_json(indent=2, exclude_none=True)
 
         out = asyncio.run(go())
-    except SluicegateError as exc:
+    except EXPECTED as exc:
         _fail(str(exc))
         return
     typer.echo(out)
@@ -249,7 +251,7 @@ def models_list(
 
     try:
         registry = ModelRegistry.from_dir(models_dir or default_models_dir())
-    except SluicegateError as exc:
+    except EXPECTED as exc:
         _fail(str(exc))
         return
     for name in registry.names():
@@ -283,7 +285,7 @@ def demo(
         code = run_demo(
             rate=rate, seconds=seconds, port=port, redis_port=redis_port, open_mode=open_mode
         )
-    except SluicegateError as exc:
+    except EXPECTED as exc:
         _fail(str(exc))
         return
     raise typer.Exit(code)
@@ -309,7 +311,7 @@ def bundle(
             models_dir=models_dir or default_models_dir(),
             say=typer.echo,
         )
-    except SluicegateError as exc:
+    except EXPECTED as exc:
         _fail(str(exc))
         return
     typer.echo("\n".join([*report.notes, report.summary()]))

@@ -17,9 +17,14 @@ log line or a ``rejected`` result can act on it without reading the code.
     │   ├── EnrollmentRefused   a join token or enrollment request was refused (``code``)
     │   └── IdentityInUse       another process already serves this node's identity
     └── BundleError             an offline install bundle cannot be built as asked
+
+``policies.errors.PolicyError`` is the policy library's own root; :data:`EXPECTED` names both
+roots, for the commands that turn any error raised on purpose into a message.
 """
 
 from __future__ import annotations
+
+from policies.errors import PolicyError
 
 
 class SluicegateError(Exception):
@@ -80,3 +85,6 @@ class IdentityInUse(IdentityError):
 
 class BundleError(SluicegateError):
     """An offline install bundle cannot be built: bad target, or no wheel for a package."""
+
+
+EXPECTED: tuple[type[Exception], ...] = (SluicegateError, PolicyError)

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import inspect
 import queue
+from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from policies.evaluate import reachable_zones
 from policies.loader import load_policy
 from sluicegate import topics
 from sluicegate.acl import render_acl
 from sluicegate.campus import Campus
+from sluicegate.cli import app
 from tests.policies.policy_testkit import EXAMPLE, base_doc, key, policy_of
 from tests.secure_kit import (
     TlsClient,
@@ -289,3 +292,22 @@ def test_a_client_claiming_a_workers_id_reads_none_of_its_work(secured: Campus) 
     finally:
         for client in (intruder, worker, edge):
             client.close()
+
+
+def test_policy_acl_writes_to_stdout_and_to_a_file(tmp_path: Path) -> None:
+    runner = CliRunner()
+    done = runner.invoke(app, ["policy", "acl", str(EXAMPLE)])
+    assert done.exit_code == 0, done.output
+    assert done.output.startswith("# Mosquitto ACL generated")
+    target = tmp_path / "acl"
+    done = runner.invoke(app, ["policy", "acl", str(EXAMPLE), "--out", str(target)])
+    assert done.exit_code == 0, done.output
+    assert target.read_text() == render_acl(load_policy(EXAMPLE))
+
+
+def test_policy_acl_names_a_bad_policy_file(tmp_path: Path) -> None:
+    bad = tmp_path / "campus.toml"
+    bad.write_text('version = "x"\n')
+    done = CliRunner().invoke(app, ["policy", "acl", str(bad)])
+    assert done.exit_code == 1
+    assert "campus.toml" in done.output

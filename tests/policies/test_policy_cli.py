@@ -222,16 +222,6 @@ def test_explain_exit_status_and_worker_targets() -> None:
     assert "Zone 'mars' is not declared" in out
 
 
-def test_acl_to_stdout_and_to_a_file(tmp_path: Path) -> None:
-    code, out = run("acl", EXAMPLE)
-    assert code == 0
-    assert out.startswith("# Mosquitto ACL generated")
-    target = tmp_path / "acl"
-    code, out = run("acl", EXAMPLE, "--out", target)
-    assert code == 0
-    assert target.read_text().startswith("# Mosquitto ACL")
-
-
 def test_audit_verify_file(tmp_path: Path) -> None:
     log = tmp_path / "audit.log"
     writer = AuditWriter(FileAuditStore(log), key("broker-1"))
