@@ -1,7 +1,8 @@
 """Edge offload: ask the campus broker where a job should run, check its answer, send it.
 
-The pure part decides *whether* to ask (:func:`offload_reason`) and checks the broker's
-placement against the edge's own verified copy of the policy (:func:`check_placement`).
+The pure part checks the broker's placement against the edge's own verified copy of the
+policy (:func:`check_placement`); whether to ask at all is the lifecycle's rule
+(``edge_agent.rules.offer_reason``).
 The shell part, :class:`PlacementClient`, is a request/response over MQTT (each request with
 correlation data of its own, every wait racing a timeout) and the publish of the image
 straight to the chosen worker's zone-scoped work topic. It never blocks the loop and never
@@ -29,55 +30,16 @@ from functools import partial
 from pydantic import ValidationError
 
 from edge_agent.admission import Job
+from edge_agent.rules import Declined, Placement
 from policies import Policy, verify
 from policies.errors import PolicyError
 from sluicegate import topics, wire
+from sluicegate.errors import TransportError
 from sluicegate.transport import Message, Transport
 from sluicegate.wire_pool import PlacementRelease, PlacementReply, PlacementRequest
 
 log = logging.getLogger(__name__)
 GIVEN_UP_KEPT = 1024  # requests given up whose late answer is still handed back if placed
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """A placement the edge has verified and may act on."""
-
-    worker_id: str
-    zone: str
-    work_topic: str
-    token: str
-    payload_sha256: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class Declined:
-    """Why a job stays on this edge after all; becomes the result's ``offload`` field."""
-
-    code: str
-    reason: str
-
-    def as_wire(self) -> wire.Offload:
-        return wire.Offload(requested=True, placed=False, code=self.code, reason=self.reason)
-
-
-def predict_completion(
-    now: float, waiting: int, in_flight: int, concurrency: int, service_s: float
-) -> float:
-    """When a job admitted now would finish here: the work ahead, shared by the slots, then
-    its own service time."""
-    return now + ((waiting + in_flight) / concurrency + 1.0) * service_s
-
-
-def offload_reason(
-    job: Job, *, predicted_done: float, waiting: int, queue_bound: int
-) -> str | None:
-    """``"deadline"`` or ``"queue"`` when the job should be offered to the broker."""
-    if job.deadline is not None and predicted_done > job.deadline:
-        return "deadline"
-    if waiting >= queue_bound:
-        return "queue"
-    return None
 
 
 @dataclass(slots=True)
@@ -266,7 +228,7 @@ class PlacementClient:
         try:
             topic = topics.placement_release(self._edge_id)
             self._transport.publish_nowait(topic, wire.dump(release), qos=1)
-        except Exception as exc:
+        except TransportError as exc:
             log.warning("could not hand back the placement of job %s: %s", job_id, exc)
 
     def place(
@@ -311,7 +273,7 @@ class PlacementClient:
                 correlation_data=key,
                 content_type=wire.RESULT_CONTENT_TYPE,
             )
-        except Exception as exc:  # a transport failure keeps the job here
+        except TransportError as exc:  # a transport failure keeps the job here
             outcome.set_result(Declined("broker_unreachable", f"could not ask the broker: {exc}"))
             return outcome
         asked = self._pending[key] = _Request(job, attempt, digest, outcome)

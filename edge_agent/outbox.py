@@ -14,91 +14,32 @@ recognised. It must never hold an unfinished job only in memory, nor let a faile
 pass for a committed one: a write that fails is an :class:`OutboxError` naming the file.
 (The path ``:memory:`` gives a database in memory, for tests: it survives nothing.)
 
-Writes never run on the event loop. Operations submitted during one loop tick travel as one
-batch to a single writer thread, which also merges batches that queued up while it was busy,
-and commits them in one transaction (a savepoint per operation, so one failing operation
-fails alone). Measured on the 2-core dev VM (``python -m edge_agent.outbox_bench``, one
-accepted 100 KB job per commit): ``synchronous=FULL`` p50 0.36 ms, p99 ~8 ms; ``NORMAL``
-p50 0.15 ms, p99 ~10-20 ms; the round trip an awaiting caller sees adds ~0.1 ms. The p99
-(WAL checkpoints, fsync stalls) would freeze the loop for every job if SQLite ran there, hence
-the thread. Grouping 32 jobs in a commit costs ~0.5 ms a job: with 100 KB images the bytes
-written, not the fsync, set the pace (~2,000 jobs/s), ample for one line PC. ``FULL`` (the
-default) survives power loss; ``NORMAL`` in WAL mode survives a killed process but may lose
-the last commits on power loss. The file is opened in exclusive locking mode: a second agent
-on the same outbox fails to start instead of sharing its jobs.
+Writes never run on the event loop: ``edge_agent.outbox_writer`` commits them on a thread of
+its own, grouped (``docs/performance.md`` has the commit figures). ``FULL`` (the default)
+survives power loss; ``NORMAL`` in WAL mode survives a killed process but may lose the last
+commits on power loss. The file is opened in exclusive locking mode: a second agent on the
+same outbox fails to start instead of sharing its jobs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import queue
 import sqlite3
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future as ThreadFuture
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 
 from edge_agent.admission import Job
 from edge_agent.errors import OutboxError
-from sluicegate.vision.image import ImageInfo
+from edge_agent.outbox_file import COLUMNS, connect, stored_row
+from edge_agent.outbox_file import Stored as Stored
+from edge_agent.outbox_writer import Batch, CommitStats, Gate, Writer
 
 T = TypeVar("T")
-State = Literal["queued", "offloaded", "done", "delivered"]
 Synchronous = Literal["FULL", "NORMAL"]
-SCHEMA_VERSION = 1
-PENDING: tuple[State, ...] = ("queued", "offloaded")
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    job_id TEXT PRIMARY KEY,
-    state TEXT NOT NULL CHECK (state IN ('queued', 'offloaded', 'done', 'delivered')),
-    payload BLOB,
-    response_topic TEXT NOT NULL,
-    correlation_data BLOB,
-    model TEXT NOT NULL,
-    image_format TEXT NOT NULL,
-    width INTEGER NOT NULL,
-    height INTEGER NOT NULL,
-    priority INTEGER NOT NULL,
-    data_class TEXT NOT NULL,
-    received_at REAL NOT NULL,
-    deadline REAL,
-    attempt INTEGER NOT NULL DEFAULT 0,
-    local_runs INTEGER NOT NULL DEFAULT 0,
-    result BLOB,
-    created_at REAL NOT NULL,
-    updated_at REAL NOT NULL,
-    delivered_at REAL
-);
-CREATE INDEX IF NOT EXISTS jobs_delivered ON jobs (delivered_at) WHERE state = 'delivered';
-CREATE TABLE IF NOT EXISTS tombstones (job_id TEXT PRIMARY KEY, delivered_at REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS tombstones_age ON tombstones (delivered_at);
-"""
-
-_COLUMNS = (
-    "job_id, state, payload, response_topic, correlation_data, model, image_format, width, "
-    "height, priority, data_class, received_at, deadline, attempt, local_runs, result"
-)
-
-
-@dataclass(frozen=True, slots=True)
-class Stored:
-    """A job as the outbox holds it. ``job.payload`` is empty once the job is done."""
-
-    job: Job
-    state: State
-    attempt: int
-    local_runs: int
-    result: bytes | None
-
-    @property
-    def pending(self) -> bool:
-        return self.state in PENDING
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,38 +51,9 @@ class Accepted:
     stored: Stored | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class CommitStats:
-    commits: int
-    operations: int
-    p50_ms: float
-    p99_ms: float
-
-
-def _stored(row: tuple[Any, ...]) -> Stored:
-    (job_id, state, payload, topic, corr, model, fmt, width, height) = row[:9]
-    (priority, data_class, received_at, deadline, attempt, local_runs, result) = row[9:]
-    job = Job(
-        job_id=job_id,
-        model=model,
-        payload=bytes(payload) if payload is not None else b"",
-        image=ImageInfo(fmt, width, height),
-        response_topic=topic,
-        correlation_data=bytes(corr) if corr is not None else None,
-        priority=priority,
-        data_class=data_class,
-        received_at=received_at,
-        deadline=deadline,
-    )
-    return Stored(job, state, attempt, local_runs, bytes(result) if result is not None else None)
-
-
-Op = Callable[[sqlite3.Connection], Any]
-_Batch = list[tuple[Op, "asyncio.Future[Any]"]]
-
-
 class Outbox:
-    """The jobs of one edge agent, on disk. Open with ``await open()``; submit from the loop."""
+    """The jobs of one edge agent, on disk. Open with ``await open()``; submit from the loop.
+    ``gate`` stands between the loop and the writer thread (``outbox_writer.Gate``)."""
 
     def __init__(
         self,
@@ -152,6 +64,7 @@ class Outbox:
         tombstone_s: float = 86_400.0,
         max_tombstones: int = 100_000,
         clock: Callable[[], float] = time.time,
+        gate: Gate | None = None,
     ) -> None:
         if synchronous not in ("FULL", "NORMAL"):
             raise ValueError(f"synchronous must be 'FULL' or 'NORMAL', got {synchronous!r}")
@@ -162,63 +75,55 @@ class Outbox:
         self.max_tombstones = max_tombstones
         self._clock = clock
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queue: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
-        self._batch: _Batch = []
-        self._thread: threading.Thread | None = None
-        self._conn: sqlite3.Connection | None = None
+        self._writer = Writer(f"outbox {self.path}", gate)
+        self._batch = Batch()
         self._killed = False
         self._closed = False
-        self._commit_s: deque[float] = deque(maxlen=4096)
-        self._handed = 0  # batches given to the writer (loop thread) ...
-        self._written = 0  # ... and committed, their results on the way to the loop
-        self._progress = threading.Condition()
-        self.commits = 0
-        self.operations = 0
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def open(self) -> list[Stored]:
         """Open (or create) the file and return the jobs not yet delivered, oldest first."""
         self._loop = asyncio.get_running_loop()
-        opened: ThreadFuture[list[Stored]] = ThreadFuture()
-        with self._progress:
-            self._handed += 1  # opening is the writer's first task
-        self._thread = threading.Thread(
-            target=self._serve, args=(opened,), name="sg-outbox", daemon=True
-        )
-        self._thread.start()
-        return await asyncio.wrap_future(opened)
+        return await self._writer.start(partial(connect, self.path, self.synchronous))
 
     async def close(self) -> None:
         """Commit what was submitted, then close the file."""
         if self._closed:
             return
-        self._flush()
+        self.flush()
         self._closed = True
-        self._queue.put(None)
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
+        await self._writer.stop()
 
     def kill(self) -> None:
         """Stop as a killed process would: a batch being committed completes, nothing queued
         after it is written, and no submitted operation ever reports back."""
         self._killed = True
         self._closed = True
-        self._batch = []
-        self._queue.put(None)
-        with self._progress:
-            self._progress.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(30.0)
+        self._batch = Batch()
+        self._writer.kill()
+
+    @property
+    def commits(self) -> int:
+        return self._writer.commits
+
+    @property
+    def gate(self) -> Gate:
+        return self._writer.gate
 
     def commit_stats(self) -> CommitStats:
         """Commit count, operations committed, and recent commit durations."""
-        times = sorted(self._commit_s)
-        if not times:
-            return CommitStats(self.commits, self.operations, 0.0, 0.0)
-        p50 = times[len(times) // 2] * 1000.0
-        p99 = times[min(len(times) - 1, int(len(times) * 0.99))] * 1000.0
-        return CommitStats(self.commits, self.operations, p50, p99)
+        return self._writer.stats()
+
+    def wait_written(self, timeout: float = 10.0) -> bool:
+        """Block until every batch passed to the writer so far is committed and its results
+        are queued for the loop (tests stage crashes with it); False on timeout."""
+        return self._writer.wait_written(timeout)
+
+    def flush(self) -> None:
+        """Hand what was submitted during this tick to the writer now (through the gate)."""
+        batch, self._batch = self._batch, Batch()
+        self._writer.hand(batch)
 
     # -- operations (loop thread) ----------------------------------------------------------------
 
@@ -229,10 +134,10 @@ class Outbox:
         now = self._clock()
 
         def op(db: sqlite3.Connection) -> Accepted:
-            known = db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE job_id = ?", (job.job_id,))
+            known = db.execute(f"SELECT {COLUMNS} FROM jobs WHERE job_id = ?", (job.job_id,))
             row = known.fetchone()
             if row is not None:
-                stored = _stored(row)
+                stored = stored_row(row)
                 moved = (job.response_topic, job.correlation_data) != (
                     stored.job.response_topic,
                     stored.job.correlation_data,
@@ -295,15 +200,17 @@ class Outbox:
 
         return self._submit(op)
 
-    def offloaded(self, job_id: str, attempt: int) -> asyncio.Future[bool]:
-        """Record that placement ``attempt`` of a pending job is about to be sent."""
+    def offloaded(
+        self, job_id: str, attempt: int, worker: str | None = None
+    ) -> asyncio.Future[bool]:
+        """Record that placement ``attempt`` of a pending job (to ``worker``) is being sent."""
         now = self._clock()
 
         def op(db: sqlite3.Connection) -> bool:
             cur = db.execute(
-                "UPDATE jobs SET state = 'offloaded', attempt = ?, updated_at = ?"
+                "UPDATE jobs SET state = 'offloaded', attempt = ?, worker = ?, updated_at = ?"
                 " WHERE job_id = ? AND state IN ('queued', 'offloaded') AND attempt < ?",
-                (attempt, now, job_id, attempt),
+                (attempt, worker, now, job_id, attempt),
             )
             return cur.rowcount == 1
 
@@ -380,9 +287,9 @@ class Outbox:
         """The stored job (any state), or None."""
 
         def op(db: sqlite3.Connection) -> Stored | None:
-            row = db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE job_id = ?", (job_id,))
+            row = db.execute(f"SELECT {COLUMNS} FROM jobs WHERE job_id = ?", (job_id,))
             found = row.fetchone()
-            return _stored(found) if found is not None else None
+            return stored_row(found) if found is not None else None
 
         return self._submit(op)
 
@@ -395,170 +302,9 @@ class Outbox:
             if not self._killed:
                 fut.set_exception(OutboxError(f"outbox {self.path} is closed"))
             return fut  # a killed outbox never reports back
-        if not self._batch:
-            loop.call_soon(self._flush)
-        self._batch.append((op, cast("asyncio.Future[Any]", fut)))
+        if not self._batch.ops:
+            loop.call_soon(self.flush)
+        self._batch.ops.append((op, cast("asyncio.Future[Any]", fut)))
         return fut
 
-    def _flush(self) -> None:
-        batch, self._batch = self._batch, []
-        if batch:
-            self._hand(batch)
-
-    def _hand(self, batch: _Batch) -> None:
-        if self._killed:
-            return
-        with self._progress:
-            self._handed += 1
-        self._queue.put(batch)
-
-    def wait_written(self, timeout: float = 10.0) -> bool:
-        """Block until every batch handed to the writer so far is committed and its results
-        are queued for the loop (tests stage crashes with it); False on timeout."""
-        with self._progress:
-            target = self._handed
-            return self._progress.wait_for(lambda: self._written >= target or self._killed, timeout)
-
-    def _resolve(self, batch: _Batch, results: list[Any]) -> None:
-        if self._killed:
-            return
-        for (_op, fut), result in zip(batch, results, strict=True):
-            if fut.done():
-                continue
-            if isinstance(result, OutboxError):
-                fut.set_exception(result)
-            else:
-                fut.set_result(result)
-
-    # -- the writer thread ---------------------------------------------------------------------
-
-    def _serve(self, opened: ThreadFuture[list[Stored]]) -> None:
-        try:
-            unfinished = self._connect()
-        except OutboxError as exc:
-            opened.set_exception(exc)
-            self._wrote(1)
-            return
-        opened.set_result(unfinished)  # queues its result for the loop
-        self._wrote(1)
-        try:
-            while (batch := self._queue.get()) is not None:
-                merged = 1
-                stop = False
-                while True:  # group commit: take whatever else queued meanwhile
-                    try:
-                        more = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if more is None:
-                        stop = True
-                        break
-                    batch.extend(more)
-                    merged += 1
-                if self._killed:
-                    break
-                results = self._commit(batch)
-                loop = self._loop
-                if loop is not None and not loop.is_closed():
-                    with contextlib.suppress(RuntimeError):  # the loop closed under us
-                        loop.call_soon_threadsafe(self._resolve, batch, results)
-                self._wrote(merged)
-                if stop:
-                    break
-        finally:
-            if self._conn is not None:
-                self._conn.close()
-
-    def _wrote(self, batches: int) -> None:
-        with self._progress:
-            self._written += batches
-            self._progress.notify_all()
-
-    def _connect(self) -> list[Stored]:
-        where = f"outbox {self.path}"
-        in_memory = str(self.path) == ":memory:"
-        try:
-            if not in_memory:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise OutboxError(
-                f"{where}: cannot create its directory ({exc.strerror}); set [edge] "
-                "outbox_path to a writable place"
-            ) from exc
-        try:
-            db = sqlite3.connect(
-                self.path, timeout=1.0, isolation_level=None, check_same_thread=False
-            )
-        except sqlite3.Error as exc:
-            raise OutboxError(f"{where} cannot be opened: {exc}; check the path") from exc
-        self._conn = db
-        try:
-            db.execute("PRAGMA locking_mode = EXCLUSIVE")
-            mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            if str(mode).lower() != ("memory" if in_memory else "wal"):
-                raise OutboxError(f"{where} cannot use WAL journaling (got {mode!r})")
-            db.execute(f"PRAGMA synchronous = {self.synchronous}")
-            version = db.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise OutboxError(
-                    f"{where} was written by a newer Sluicegate (schema {version}, this one "
-                    f"knows {SCHEMA_VERSION}); upgrade the agent or move the file away"
-                )
-            check = db.execute("PRAGMA quick_check").fetchone()[0]
-            if check != "ok":
-                raise OutboxError(f"{where} is damaged ({check}); move it away to start afresh")
-            db.execute("BEGIN IMMEDIATE")
-            for statement in _SCHEMA.split(";"):
-                if statement.strip():
-                    db.execute(statement)
-            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-            rows = db.execute(
-                f"SELECT {_COLUMNS} FROM jobs WHERE state != 'delivered' ORDER BY rowid"
-            ).fetchall()
-            db.execute("COMMIT")
-        except sqlite3.Error as exc:
-            db.close()
-            self._conn = None
-            raise OutboxError(_explain(where, exc)) from exc
-        except OutboxError:
-            db.close()
-            self._conn = None
-            raise
-        return [_stored(row) for row in rows]
-
-    def _commit(self, batch: _Batch) -> list[Any]:
-        db = self._conn
-        assert db is not None
-        started = time.perf_counter()
-        results: list[Any] = []
-        try:
-            db.execute("BEGIN IMMEDIATE")
-            for op, _fut in batch:
-                db.execute("SAVEPOINT op")
-                try:
-                    results.append(op(db))
-                except Exception as exc:
-                    db.execute("ROLLBACK TO op")
-                    results.append(OutboxError(_explain(f"outbox {self.path}", exc)))
-                db.execute("RELEASE op")
-            db.execute("COMMIT")
-        except sqlite3.Error as exc:
-            with contextlib.suppress(sqlite3.Error):
-                db.execute("ROLLBACK")
-            failed = OutboxError(_explain(f"outbox {self.path}", exc))
-            return [failed] * len(batch)
-        self._commit_s.append(time.perf_counter() - started)
-        self.commits += 1
-        self.operations += len(batch)
-        return results
-
-
-def _explain(where: str, exc: BaseException) -> str:
-    text = str(exc)
-    if "not a database" in text or "malformed" in text:
-        return f"{where} is not a usable SQLite file ({text}); move it away to start afresh"
-    if "locked" in text or "busy" in text:
-        return f"{where} is in use by another process ({text}); is another agent running?"
-    if "readonly" in text or "unable to open" in text or "disk I/O" in text:
-        return f"{where} cannot be written ({text}); check permissions and free space"
-    return f"{where}: {type(exc).__name__}: {text}"
+    # -- the writer thread -------------------------------------------------------------------------

@@ -26,8 +26,9 @@ from typing import Any
 
 from edge_agent.admission import Job
 from edge_agent.agent import EdgeAgent
-from edge_agent.offload import Declined, Placement
 from edge_agent.outbox import Accepted, Outbox, Stored
+from edge_agent.outbox_writer import Batch
+from edge_agent.rules import Declined, Placement
 from sluicegate import topics, wire
 from sluicegate.config import load_settings
 from sluicegate.memory_transport import MemoryBroker, MemoryTransport
@@ -138,16 +139,35 @@ class FakePlacement:
         return None
 
 
-class SteppedOutbox(Outbox):
-    """An outbox whose writer gets batches only between loop iterations (``release``), so
+class StepGate:
+    """Batches reach the outbox's writer only between loop iterations (:meth:`release`), so
     its answers never land on the loop in the middle of one: the interleaving of the loop's
-    callbacks and the disk's answers is the same on every run. Each job id the agent can know
-    to be on disk is in ``on_disk``: added before the caller hears of its commit, or as the
-    outbox reads it back at open (committed by an agent that died before hearing of it)."""
+    callbacks and the disk's answers is the same on every run."""
+
+    def __init__(self) -> None:
+        self._staged: list[tuple[Batch, Callable[[Batch], None]]] = []
+
+    def admit(self, batch: Batch, pass_on: Callable[[Batch], None]) -> None:
+        self._staged.append((batch, pass_on))
+
+    def release(self) -> None:
+        staged, self._staged = self._staged, []
+        for batch, pass_on in staged:
+            pass_on(batch)
+
+    def lose_staged(self) -> None:
+        """Forget the batches not yet given to the writer (a crash before their commit)."""
+        self._staged = []
+
+
+class SteppedOutbox(Outbox):
+    """An outbox behind a :class:`StepGate`. Each job id the agent can know to be on disk
+    is in ``on_disk``: added before the caller hears of its commit, or as the outbox reads
+    it back at open (committed by an agent that died before hearing of it)."""
 
     def __init__(self, *args: Any, on_disk: set[str], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._staged: list[Any] = []
+        self.stepper = StepGate()
+        super().__init__(*args, gate=self.stepper, **kwargs)
         self._on_disk = on_disk
 
     async def open(self) -> list[Stored]:
@@ -164,20 +184,6 @@ class SteppedOutbox(Outbox):
 
         accepting.add_done_callback(committed)
         return accepting
-
-    def _flush(self) -> None:
-        batch, self._batch = self._batch, []
-        if batch:
-            self._staged.append(batch)
-
-    def release(self) -> None:
-        staged, self._staged = self._staged, []
-        for batch in staged:
-            self._hand(batch)
-
-    def lose_staged(self) -> None:
-        """Forget the batches not yet given to the writer (a crash before their commit)."""
-        self._staged = []
 
 
 class Clock:
@@ -256,7 +262,7 @@ class EdgeRig:
         if self.agent is not None:
             outbox = self.agent.outbox
             assert isinstance(outbox, SteppedOutbox)
-            outbox.release()
+            outbox.stepper.release()
             assert outbox.wait_written(10.0), "the outbox writer is stuck"
         # stop() before run_forever(): poll I/O once without waiting, run what is ready, return.
         self.loop.stop()
@@ -325,7 +331,7 @@ class EdgeRig:
         if before_commit:
             outbox = self.agent.outbox
             assert isinstance(outbox, SteppedOutbox)
-            outbox.lose_staged()
+            outbox.stepper.lose_staged()
         self.call(self.agent.kill)
         self.transport.crash()
         self.executor.shutdown(cancel_futures=True)

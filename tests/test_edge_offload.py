@@ -21,17 +21,13 @@ from typing import Any, TypeVar
 
 import pytest
 
-from edge_agent import agent as agent_module
+from edge_agent import jobs as jobs_module
 from edge_agent.agent import EdgeAgent
 from edge_agent.errors import OutboxError
-from edge_agent.offload import (
-    Declined,
-    Placement,
-    PlacementClient,
-    offload_reason,
-    predict_completion,
-)
+from edge_agent.offload import PlacementClient
 from edge_agent.outbox import Outbox, Stored
+from edge_agent.outbox_writer import Batch
+from edge_agent.rules import Declined, Placement
 from policies import PlacementClaims, Policy, mint
 from policies.tokens import seal
 from sluicegate import topics, wire
@@ -114,33 +110,49 @@ def refused(code: str, reason: str) -> Responder:
     return lambda req: PlacementReply(job_id=req.job_id, status="refused", code=code, reason=reason)
 
 
-class GatedOutbox(Outbox):
-    """An outbox in memory whose writer is given nothing while it is held (a slow disk):
-    the batches wait until :meth:`release` hands them on, or fails them as a broken disk's
-    commit would."""
+class HoldGate:
+    """A slow disk between the outbox and its writer: while ``holding``, batches wait until
+    :meth:`release` passes them on, or fails them as a broken disk's commit would."""
 
     def __init__(self) -> None:
-        super().__init__(":memory:")
         self.holding = False
-        self.staged: list[Any] = []
+        self.staged: list[tuple[Batch, Callable[[Batch], None]]] = []
 
-    def _flush(self) -> None:
-        if not self.holding:
-            super()._flush()
-            return
-        batch, self._batch = self._batch, []
-        if batch:
-            self.staged.append(batch)
+    def admit(self, batch: Batch, pass_on: Callable[[Batch], None]) -> None:
+        if self.holding:
+            self.staged.append((batch, pass_on))
+        else:
+            pass_on(batch)
+
+
+class GatedOutbox(Outbox):
+    """An outbox in memory behind a :class:`HoldGate`."""
+
+    def __init__(self) -> None:
+        self.hold = HoldGate()
+        super().__init__(":memory:", gate=self.hold)
+
+    @property
+    def holding(self) -> bool:
+        return self.hold.holding
+
+    @holding.setter
+    def holding(self, value: bool) -> None:
+        self.hold.holding = value
+
+    @property
+    def staged(self) -> list[tuple[Batch, Callable[[Batch], None]]]:
+        return self.hold.staged
 
     def release(self, *, fail: OutboxError | None = None) -> None:
-        self._flush()  # a batch the loop has not flushed yet is held too
-        self.holding = False
-        staged, self.staged = self.staged, []
-        for batch in staged:
+        self.flush()  # a batch the loop has not handed on yet is held too
+        self.hold.holding = False
+        staged, self.hold.staged = self.hold.staged, []
+        for batch, pass_on in staged:
             if fail is None:
-                self._hand(batch)
+                pass_on(batch)
             else:
-                self._resolve(batch, [fail] * len(batch))
+                batch.fail(fail)
 
 
 @dataclass
@@ -570,19 +582,6 @@ async def test_no_broker_online_runs_locally_without_asking() -> None:
     assert not client.broker_available
 
 
-@pytest.mark.parametrize(
-    ("deadline", "waiting", "expected"),
-    [(None, 0, None), (None, 8, "queue"), (10.0, 0, None), (0.2, 0, "deadline"), (2.0, 8, "queue")],
-)
-def test_offload_reason(deadline: float | None, waiting: int, expected: str | None) -> None:
-    from edge_agent.admission import Job
-    from sluicegate.vision.image import ImageInfo
-
-    job = Job("j", "m", b"", ImageInfo("jpeg", 1, 1), "r", None, 5, "c", 0.0, deadline)
-    done = predict_completion(0.0, waiting, 0, 2, 0.25)
-    assert offload_reason(job, predicted_done=done, waiting=waiting, queue_bound=8) == expected
-
-
 async def test_the_workers_result_reaches_the_app_unchanged_once(rig: Rig) -> None:
     job_id = rig.submit()
     await rig.work(1)
@@ -885,7 +884,7 @@ async def test_a_repeat_of_a_forgotten_job_answered_during_its_commit_is_not_run
     """A job concluded long ago is known only to the outbox: its repeat is asked for like
     a new job, and the placement may come (and its work go) before the outbox says it
     knows the job. The app still gets the one stored result; the worker's is dropped."""
-    monkeypatch.setattr(agent_module, "RECENT_KEPT", 0)
+    monkeypatch.setattr(jobs_module, "RECENT_KEPT", 0)
     job_id = rig.submit(via_broker=True)
     await rig.work(1)
     sent = rig.give_back(job_id, 1)

@@ -158,6 +158,11 @@ class EdgeLifecycle(RuleBasedStateMachine):
         assert later == [], f"work sent before its job was on disk: {later}"
 
     @invariant()
+    def every_event_had_a_rule(self) -> None:
+        agent = self.rig.agent
+        assert agent is None or agent.counters["illegal_moves"] == 0
+
+    @invariant()
     def no_unexplained_repeats(self) -> None:
         for job_id, raw in self.rig.per_job().items():
             assert job_id in self.submitted, f"a result for {job_id}, never submitted"

@@ -1,6 +1,7 @@
-"""The code's shape that STYLE.md promises: one package owns paho, and the decision cores
-import no I/O library (asyncio, paho, redis, aiohttp), so the twin and the tables test
-the very code production runs. Read from the sources, imports inside functions included."""
+"""The code's shape that STYLE.md promises: one package owns paho, the decision cores
+import no I/O library (asyncio, paho, redis, aiohttp), not even through the project's
+modules they import, so the twin and the tables test the very code production runs, and
+``policies/`` stands on its own. Read from the sources, imports inside functions included."""
 
 from __future__ import annotations
 
@@ -25,11 +26,17 @@ PURE = [
     "broker/scoring.py",
     "broker/service_model.py",
     "broker/state.py",
-    "broker/view.py",
+    "broker/recovery.py",
     "edge_agent/admission.py",
-    "edge_agent/ledger.py",
+    "edge_agent/events.py",
+    "edge_agent/jobs.py",
+    "edge_agent/lifecycle.py",
     "edge_agent/load.py",
+    "edge_agent/returns.py",
+    "edge_agent/rules.py",
+    "edge_agent/tally.py",
     "center_pool/batching.py",
+    "center_pool/intake.py",
     "policies/evaluate.py",
     "policies/subhealth.py",
     "policies/tokens.py",
@@ -37,15 +44,65 @@ PURE = [
 ]
 
 
+def _runs(tree: ast.AST) -> list[ast.AST]:
+    """The nodes of ``tree`` that may run: not what sits under ``if TYPE_CHECKING:`` or in
+    a module's lazy ``__getattr__`` (run only when someone asks for that attribute)."""
+    out: list[ast.AST] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            todo.extend(node.orelse)
+            continue
+        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+            continue
+        out.append(node)
+        todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def imported(path: Path) -> set[str]:
+    """The dotted names of every module ``path`` imports (``from a.b import c``: both
+    ``a.b`` and ``a.b.c``, as ``c`` may be a module)."""
+    names = set()
+    for node in _runs(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
 def imported_roots(path: Path) -> set[str]:
     """The top-level names of every module ``path`` imports."""
-    roots = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            roots.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            roots.add(node.module.split(".")[0])
-    return roots
+    return {name.split(".")[0] for name in imported(path)}
+
+
+def source_of(name: str) -> Path | None:
+    """The file of project module ``name``, or None (a library, or a name in a module)."""
+    base = ROOT / Path(*name.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if name.split(".")[0] in PACKAGES and candidate.is_file():
+            return candidate
+    return None
+
+
+def reached(path: Path) -> dict[Path, Path]:
+    """Every project module ``path`` imports, directly or through others, each with the
+    module that imported it."""
+    seen: dict[Path, Path] = {}
+    todo = [path]
+    while todo:
+        here = todo.pop()
+        for name in imported(here):
+            parts = name.split(".")
+            for i in range(1, len(parts) + 1):  # a package's __init__ runs on the way
+                found = source_of(".".join(parts[:i]))
+                if found is not None and found not in seen and found != path:
+                    seen[found] = here
+                    todo.append(found)
+    return seen
 
 
 def test_only_the_mqtt_package_imports_paho() -> None:
@@ -62,8 +119,39 @@ def test_only_the_mqtt_package_imports_paho() -> None:
 
 @pytest.mark.parametrize("module", PURE)
 def test_a_decision_core_imports_no_io_library(module: str) -> None:
-    found = imported_roots(ROOT / module) & IO_LIBRARIES
+    start = ROOT / module
+    found = imported_roots(start) & IO_LIBRARIES
     assert found == set(), f"{module} imports {sorted(found)}"
+    for other, via in reached(start).items():
+        found = imported_roots(other) & IO_LIBRARIES
+        name, through = other.relative_to(ROOT), via.relative_to(ROOT)
+        assert found == set(), f"{module} reaches {name} (via {through}), which imports {found}"
+
+
+def test_policies_import_nothing_of_the_rest() -> None:
+    """``policies/`` is the library a compliance officer's tools use on their own."""
+    leaks = sorted(
+        f"{path.relative_to(ROOT)} imports {root}"
+        for path in (ROOT / "policies").rglob("*.py")
+        for root in imported_roots(path) & (set(PACKAGES) - {"policies"})
+    )
+    assert leaks == []
+
+
+def test_the_scan_follows_imports_through_the_project() -> None:
+    assert ROOT / "edge_agent" / "rules.py" in reached(ROOT / "edge_agent" / "lifecycle.py")
+    assert ROOT / "sluicegate" / "wire.py" in reached(ROOT / "edge_agent" / "rules.py")
+    shell = reached(ROOT / "edge_agent" / "dispatch.py")
+    assert ROOT / "edge_agent" / "answers.py" in shell
+
+
+def test_the_scan_skips_what_only_a_type_checker_runs(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import asyncio\n"
+        "def __getattr__(name):\n    import redis\n"
+    )
+    assert imported_roots(source) == {"typing"}
 
 
 def test_the_scan_sees_an_import_inside_a_function(tmp_path: Path) -> None:

@@ -353,7 +353,10 @@ class MqttTransport:
         props = publish_properties(
             response_topic, correlation_data, content_type, user_properties, message_expiry_s
         )
-        info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
+        try:
+            info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
+        except ValueError as exc:  # paho's word for a topic or payload MQTT does not allow
+            raise TransportError(f"publish to {topic!r} refused: {exc}") from exc
         if info.rc not in _OK:
             raise TransportError(f"publish to {topic!r} refused: {paho.error_string(info.rc)}")
         if self._in_paho:

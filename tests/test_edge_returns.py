@@ -1,4 +1,5 @@
-"""Pure tier: the edge's ledger rules for what comes back about an offloaded job.
+"""Pure tier: what comes back to the edge about an offloaded job, and the fencing rules
+that decide whether it may conclude the job (the lifecycle table's return rows).
 
 A worker's return may conclude a job only for its current attempt, from the worker that
 attempt went to (the topic says who sent it: ``stranger`` otherwise), and while the job
@@ -10,18 +11,28 @@ from __future__ import annotations
 
 import pytest
 
-from edge_agent.admission import Job
-from edge_agent.ledger import Phase, Return, Tracked, Verdict, read_return, return_verdict
+from edge_agent import events as ev
+from edge_agent.events import Life, Phase
+from edge_agent.lifecycle import transition
+from edge_agent.returns import Return, read_return
+from edge_agent.rules import Outlook
 from sluicegate import topics, wire
 from sluicegate.transport import Message
-from sluicegate.vision.image import ImageInfo
 
 EDGE = "north-l1-pc"
-JOB = Job("job-1", "defect-v1", b"", ImageInfo("jpeg", 1, 1), "app/r", None, 5, "c", 0.0, None)
+OUTLOOK = Outlook(EDGE, False, 0.0, 0, 32, 4, 3, 3.0)
 
 
-def _tracked(phase: Phase = "offloaded", attempt: int = 2, worker: str | None = "w1") -> Tracked:
-    return Tracked(JOB, phase, attempt=attempt, worker=worker)
+def _tracked(phase: Phase = "offloaded", attempt: int = 2, worker: str | None = "w1") -> Life:
+    return Life("job-1", None, phase, attempt=attempt, worker=worker)
+
+
+def return_verdict(life: Life | None, attempt: int, worker: str) -> str:
+    """What the table makes of the return: accepted, or the reason it was discarded."""
+    life = life or Life("job-1", None, "concluded")
+    _, effects = transition(life, ev.Returned(attempt, worker), 0.0, OUTLOOK)
+    discarded = [e.why for e in effects if isinstance(e, ev.Discard)]
+    return discarded[0] if discarded else "accept"
 
 
 @pytest.mark.parametrize(
@@ -32,8 +43,7 @@ def _tracked(phase: Phase = "offloaded", attempt: int = 2, worker: str | None = 
         (_tracked(), 1, "w2", "stale"),  # an older attempt, wherever it ran
         (_tracked(), 3, "w1", "stale"),  # an attempt that never was
         (_tracked(attempt=0, worker=None), 0, "w1", "stale"),  # never offloaded
-        (_tracked(worker=None), 2, "w2", "accept"),  # restarted: where it went is not known
-        (_tracked(), 2, None, "accept"),  # a caller that names no worker
+        (_tracked(worker=None), 2, "w2", "accept"),  # replayed from an older outbox
         (_tracked(phase="queued"), 2, "w1", "accept"),  # rerouted here, not started
         (_tracked(phase="queued"), 2, "w2", "stranger"),
         (_tracked(phase="running"), 2, "w1", "busy"),
@@ -42,9 +52,7 @@ def _tracked(phase: Phase = "offloaded", attempt: int = 2, worker: str | None = 
         (None, 2, "w1", "unknown"),  # concluded, or never this edge's
     ],
 )
-def test_return_verdict(
-    tracked: Tracked | None, attempt: int, worker: str | None, verdict: Verdict
-) -> None:
+def test_return_verdict(tracked: Life | None, attempt: int, worker: str, verdict: str) -> None:
     assert return_verdict(tracked, attempt, worker) == verdict
 
 

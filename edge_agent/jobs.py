@@ -1,0 +1,94 @@
+"""The one structure that knows which jobs this edge holds: each live job's entry (its
+:class:`~edge_agent.events.Life` and what the shell keeps beside it), the ids concluded
+lately, and a census by phase that the agent reads instead of keeping counters of its own.
+
+The dispatcher is its only writer: it sets a job's life after every move, and the census,
+the compute slots taken and the set of live jobs follow from that one write. No I/O, no
+asyncio.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from edge_agent.admission import Job
+from edge_agent.events import BUSY, Life, Phase
+from sluicegate.transport import Message
+
+RECENT_KEPT = 4096  # concluded job ids remembered: a repeat of one goes to the outbox
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    """A job the edge holds: its life, and the shell's handles on what is under way."""
+
+    job: Job
+    life: Life
+    # Returns and notices that came before the acceptance, with the handler to take them.
+    held: list[tuple[Callable[[Message], None], Message]] = field(default_factory=list)
+    asked: Any = None  # the placement future being waited for
+    returned: tuple[bytes, str] | None = None  # a worker's result (document, status) just in
+    result: tuple[bytes, str] | None = None  # the result being committed (document, status)
+    ack_later: Message | None = None  # acked once the result is committed
+    forwarding: Any = None  # the task publishing a result before its commit
+
+
+class JobTable:
+    """Live jobs by id, the recently concluded ids, and the census by phase."""
+
+    def __init__(self) -> None:
+        self._live: dict[str, Entry] = {}
+        self._recent: OrderedDict[str, None] = OrderedDict()
+        self.census: Counter[Phase] = Counter()
+        self.slots = 0  # compute slots held: starting, running, or admitting to run at once
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def get(self, job_id: str) -> Entry | None:
+        return self._live.get(job_id)
+
+    def known(self, job_id: str) -> bool:
+        """Held now, or concluded lately (a repeat is then answered from the outbox)."""
+        return job_id in self._live or job_id in self._recent
+
+    def add(self, entry: Entry) -> None:
+        assert entry.life.phase == "new", entry.life
+        self._live[entry.job.job_id] = entry
+        self.census["new"] += 1
+
+    def set(self, entry: Entry, life: Life) -> None:
+        """``entry`` moved to ``life``; a concluded one leaves the table."""
+        old = entry.life
+        entry.life = life
+        live = self._live.get(old.job_id) is entry
+        if not live:
+            return  # an entry already out of the table (its late callbacks)
+        self.census[old.phase] -= 1
+        self.slots -= old.holds_slot
+        if life.phase == "concluded":
+            del self._live[old.job_id]
+            return
+        self.census[life.phase] += 1
+        self.slots += life.holds_slot
+
+    def remember(self, job_id: str) -> None:
+        self._recent[job_id] = None
+        self._recent.move_to_end(job_id)
+        if len(self._recent) > RECENT_KEPT:
+            self._recent.popitem(last=False)
+
+    def held(self) -> int:
+        """Jobs that count against the edge's capacity: admitting, waiting or running."""
+        c = self.census
+        return c["admitting"] + c["queued"] + c["starting"] + c["running"]
+
+    @property
+    def busy(self) -> bool:
+        return any(self.census[phase] for phase in BUSY) or bool(self.census["new"])
+
+    def in_phase(self, phase: Phase) -> list[Entry]:
+        return [entry for entry in self._live.values() if entry.life.phase == phase]

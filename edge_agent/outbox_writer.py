@@ -1,0 +1,233 @@
+"""The outbox's writer: one thread that owns the SQLite connection and commits, in one
+transaction each, the batches of operations the loop hands it.
+
+Operations submitted during one loop tick travel as one :class:`Batch`; the thread also
+merges batches that queued up while it was busy (group commit), and runs each operation in
+a savepoint of its own, so one failing operation fails alone. Results go back to the loop
+with ``call_soon_threadsafe``. Between the loop and the thread sits a :class:`Gate`: by
+default it passes every batch on at once; a test's gate may hold batches (a slow disk),
+drop them (a crash before their commit) or fail them (a broken disk). It never runs SQLite
+on the event loop and never reports a result for a batch it did not commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import sqlite3
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future as ThreadFuture
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from edge_agent.errors import OutboxError
+
+T = TypeVar("T")
+Op = Callable[[sqlite3.Connection], Any]
+
+
+@dataclass(eq=False)
+class Batch:
+    """Operations submitted in one loop tick, each with the future of its result."""
+
+    ops: list[tuple[Op, asyncio.Future[Any]]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def fail(self, error: OutboxError) -> None:
+        """Report ``error`` for every operation (loop thread), as a failed commit would."""
+        for _op, fut in self.ops:
+            if not fut.done():
+                fut.set_exception(error)
+
+
+class Gate(Protocol):
+    """What stands between the loop and the writer: ``pass_on(batch)`` to commit it."""
+
+    def admit(self, batch: Batch, pass_on: Callable[[Batch], None]) -> None: ...
+
+
+class OpenGate:
+    """Every batch to the writer at once."""
+
+    def admit(self, batch: Batch, pass_on: Callable[[Batch], None]) -> None:
+        pass_on(batch)
+
+
+@dataclass(frozen=True, slots=True)
+class CommitStats:
+    commits: int
+    operations: int
+    p50_ms: float
+    p99_ms: float
+
+
+class Writer:
+    """The thread and its queue; ``connect`` opens the file and returns what opening read."""
+
+    def __init__(self, where: str, gate: Gate | None = None) -> None:
+        self._where = where
+        self.gate: Gate = gate or OpenGate()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._conn: sqlite3.Connection | None = None
+        self._killed = False
+        self._commit_s: deque[float] = deque(maxlen=4096)
+        self._handed = 0  # batches given to the thread (loop thread) ...
+        self._written = 0  # ... and committed, their results on the way to the loop
+        self._progress = threading.Condition()
+        self.commits = 0
+        self.operations = 0
+
+    async def start(self, connect: Callable[[], tuple[sqlite3.Connection, T]]) -> T:
+        self._loop = asyncio.get_running_loop()
+        opened: ThreadFuture[T] = ThreadFuture()
+        with self._progress:
+            self._handed += 1  # opening is the thread's first task
+        self._thread = threading.Thread(
+            target=self._serve, args=(connect, opened), name="sg-outbox", daemon=True
+        )
+        self._thread.start()
+        return await asyncio.wrap_future(opened)
+
+    def hand(self, batch: Batch) -> None:
+        """Through the gate to the thread (loop thread)."""
+        if not self._killed and batch.ops:
+            self.gate.admit(batch, self._pass_on)
+
+    def _pass_on(self, batch: Batch) -> None:
+        if self._killed:
+            return
+        with self._progress:
+            self._handed += 1
+        self._queue.put(batch)
+
+    async def stop(self) -> None:
+        """Commit what was handed over, then close the file."""
+        self._queue.put(None)
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    def kill(self) -> None:
+        """A batch being committed completes, nothing queued after it is written, and no
+        operation reports back."""
+        self._killed = True
+        self._queue.put(None)
+        with self._progress:
+            self._progress.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(30.0)
+
+    def wait_written(self, timeout: float = 10.0) -> bool:
+        """Block until every batch handed to the thread so far is committed and its results
+        are queued for the loop (tests stage crashes with it); False on timeout."""
+        with self._progress:
+            target = self._handed
+            return self._progress.wait_for(lambda: self._written >= target or self._killed, timeout)
+
+    def stats(self) -> CommitStats:
+        times = sorted(self._commit_s)
+        if not times:
+            return CommitStats(self.commits, self.operations, 0.0, 0.0)
+        p50 = times[len(times) // 2] * 1000.0
+        p99 = times[min(len(times) - 1, int(len(times) * 0.99))] * 1000.0
+        return CommitStats(self.commits, self.operations, p50, p99)
+
+    # -- the thread ------------------------------------------------------------------------------
+
+    def _serve(self, connect: Callable[[], tuple[sqlite3.Connection, T]], opened: Any) -> None:
+        try:
+            self._conn, read = connect()
+        except OutboxError as exc:
+            opened.set_exception(exc)
+            self._wrote(1)
+            return
+        opened.set_result(read)  # queues its result for the loop
+        self._wrote(1)
+        try:
+            while (batch := self._queue.get()) is not None:
+                merged, stop = self._merge(batch)
+                if self._killed:
+                    break
+                results = self._commit(batch)
+                loop = self._loop
+                if loop is not None and not loop.is_closed():
+                    with contextlib.suppress(RuntimeError):  # the loop closed under us
+                        loop.call_soon_threadsafe(self._resolve, batch, results)
+                self._wrote(merged)
+                if stop:
+                    break
+        finally:
+            if self._conn is not None:
+                self._conn.close()
+
+    def _merge(self, batch: Batch) -> tuple[int, bool]:
+        """Group commit: take whatever else queued meanwhile; (batches merged, stop)."""
+        merged = 1
+        while True:
+            try:
+                more = self._queue.get_nowait()
+            except queue.Empty:
+                return merged, False
+            if more is None:
+                return merged, True
+            batch.ops.extend(more.ops)
+            merged += 1
+
+    def _wrote(self, batches: int) -> None:
+        with self._progress:
+            self._written += batches
+            self._progress.notify_all()
+
+    def _resolve(self, batch: Batch, results: list[Any]) -> None:
+        if self._killed:
+            return
+        for (_op, fut), result in zip(batch.ops, results, strict=True):
+            if fut.done():
+                continue
+            if isinstance(result, OutboxError):
+                fut.set_exception(result)
+            else:
+                fut.set_result(result)
+
+    def _commit(self, batch: Batch) -> list[Any]:
+        db = self._conn
+        assert db is not None
+        started = time.perf_counter()
+        results: list[Any] = []
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            for op, _fut in batch.ops:
+                db.execute("SAVEPOINT op")
+                try:
+                    results.append(op(db))
+                except Exception as exc:  # sqlite3's or the operation's own: it fails alone
+                    db.execute("ROLLBACK TO op")
+                    results.append(OutboxError(explain(self._where, exc)))
+                db.execute("RELEASE op")
+            db.execute("COMMIT")
+        except sqlite3.Error as exc:
+            with contextlib.suppress(sqlite3.Error):
+                db.execute("ROLLBACK")
+            return [OutboxError(explain(self._where, exc))] * len(batch)
+        self._commit_s.append(time.perf_counter() - started)
+        self.commits += 1
+        self.operations += len(batch)
+        return results
+
+
+def explain(where: str, exc: BaseException) -> str:
+    text = str(exc)
+    if "not a database" in text or "malformed" in text:
+        return f"{where} is not a usable SQLite file ({text}); move it away to start afresh"
+    if "locked" in text or "busy" in text:
+        return f"{where} is in use by another process ({text}); is another agent running?"
+    if "readonly" in text or "unable to open" in text or "disk I/O" in text:
+        return f"{where} cannot be written ({text}); check permissions and free space"
+    return f"{where}: {type(exc).__name__}: {text}"

@@ -1,0 +1,69 @@
+"""What comes back to the edge about the jobs it offloaded, read off the wire: a worker's
+return (:func:`read_return`) and a broker's notice (:func:`read_notice`), each either a
+value or the reason it cannot be one, and whether a returned result says the work never ran
+(:func:`not_run`). Pure: what the job then does is the lifecycle table's to say.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from sluicegate import topics, wire
+from sluicegate.transport import Message
+from sluicegate.wire_pool import JobNotice
+
+# A worker's "rejected" with one of these codes (or before its token passed) means the job
+# never ran there: the edge runs it itself rather than answering the app with the refusal.
+_NOT_RUN = frozenset({"queue_full", "shutting_down", "offline", "bad_property", "no_edge_id"})
+
+
+@dataclass(frozen=True, slots=True)
+class Return:
+    """A worker's result for one attempt of a job this edge offloaded."""
+
+    job_id: str
+    attempt: int
+    worker_id: str
+    result: wire.JobResult
+    payload: bytes  # forwarded to the app unchanged
+
+
+def read_return(msg: Message) -> Return | str:
+    """The return in ``msg``, or why it cannot be one (for the log)."""
+    job_id = msg.user_property(topics.PROP_JOB_ID)
+    raw_attempt = msg.user_property(topics.PROP_ATTEMPT)
+    worker = topics.sender(msg.topic)  # the ACL lets only that worker write it
+    named = msg.user_property(topics.PROP_WORKER)
+    if named is not None and named != worker:
+        return f"the return names worker {named!r} but came from {worker!r}"
+    if not job_id:
+        return f"no {topics.PROP_JOB_ID!r} user property"
+    if raw_attempt is None or not raw_attempt.isdigit() or int(raw_attempt) < 1:
+        return f"{topics.PROP_ATTEMPT!r}={raw_attempt!r} is not an attempt number"
+    try:
+        result = wire.JobResult.model_validate_json(msg.payload)
+    except ValidationError as exc:
+        return f"the result document is malformed: {exc.error_count()} error(s)"
+    if result.job_id != job_id:
+        return f"the document is for job {result.job_id!r}, the property says {job_id!r}"
+    return Return(job_id, int(raw_attempt), worker, result, msg.payload)
+
+
+def not_run(result: wire.JobResult) -> bool:
+    """True when a returned result says the worker refused the work without running it."""
+    if result.status != "rejected":
+        return False
+    if result.offload is not None and not result.offload.placed:
+        return True
+    code = result.code or ""
+    return code in _NOT_RUN or code.startswith(("token.", "policy."))
+
+
+def read_notice(msg: Message) -> JobNotice | str:
+    """The broker's notice in ``msg``, or why it cannot be one."""
+    try:
+        return JobNotice.model_validate_json(msg.payload)
+    except ValidationError as exc:
+        return f"the notice is malformed: {exc.error_count()} error(s)"

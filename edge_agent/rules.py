@@ -1,0 +1,151 @@
+"""The edge's decisions about one job, as pure functions over plain data and ``now``.
+
+How full the edge is (:func:`has_room`), when a job would finish here
+(:func:`predict_completion`), whether to offer it to the campus broker
+(:func:`offer_reason`) or offer it again after an attempt was lost (:func:`retry_reason`),
+whether its deadline has passed and what its result then says (:func:`expiry_reason`),
+what a repeat of a known job id gets (:func:`repeat_plan`) and what a job read back after a
+restart needs (:func:`replay_plan`). The lifecycle table (``edge_agent.lifecycle``) calls
+them; so will the digital twin. No I/O, no clock, no asyncio: ``now`` is an argument.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from sluicegate import wire
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """A placement the edge has verified and may act on."""
+
+    worker_id: str
+    zone: str
+    work_topic: str
+    token: str
+    payload_sha256: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Declined:
+    """Why a job stays on this edge after all; becomes the result's ``offload`` field."""
+
+    code: str
+    reason: str
+
+    def as_wire(self) -> wire.Offload:
+        return wire.Offload(requested=True, placed=False, code=self.code, reason=self.reason)
+
+
+Answer = Placement | Declined
+
+
+@dataclass(frozen=True, slots=True)
+class Outlook:
+    """What routing a job needs to know about the edge at that moment: whether a broker can
+    be asked, the local queue and the job's predicted completion here, and the limits."""
+
+    edge_id: str
+    offload: bool  # offloading enabled and a campus broker online
+    predicted_done: float  # when the job would finish here if it joined the queue now
+    waiting: int  # jobs waiting for a local compute slot
+    queue_bound: int  # [offload] queue_bound
+    max_attempts: int  # [offload] max_attempts
+    max_local_runs: int  # [edge] max_local_runs
+    result_timeout_s: float  # [offload] result_timeout_s
+
+
+def has_room(held: int, *, queue_size: int, concurrency: int) -> bool:
+    """Whether a new job may be accepted while ``held`` jobs wait, run or commit."""
+    return held < queue_size + concurrency
+
+
+def predict_completion(
+    now: float, waiting: int, in_flight: int, concurrency: int, service_s: float
+) -> float:
+    """When a job admitted now would finish here: the work ahead, shared by the slots, then
+    its own service time."""
+    return now + ((waiting + in_flight) / concurrency + 1.0) * service_s
+
+
+def offer_reason(deadline: float | None, outlook: Outlook) -> str | None:
+    """``"deadline"`` or ``"queue"`` when a new job should be offered to the broker."""
+    if not outlook.offload:
+        return None  # nobody to ask: no task, no hashing, just run it here
+    if deadline is not None and outlook.predicted_done > deadline:
+        return "deadline"
+    if outlook.waiting >= outlook.queue_bound:
+        return "queue"
+    return None
+
+
+def retry_reason(attempt: int, deadline: float | None, outlook: Outlook) -> str | None:
+    """Why to offer a job again after ``attempt`` was lost, or None to run it here."""
+    if not outlook.offload or attempt >= outlook.max_attempts:
+        return None
+    return "deadline" if deadline is not None else "queue"
+
+
+def expiry_reason(
+    deadline: float | None, now: float, *, lost: Declined | None = None
+) -> str | None:
+    """The result's reason when a job's deadline has passed before it could start (or,
+    with ``lost``, while it was offloaded and that attempt was lost); None while it has
+    not."""
+    if deadline is None or now < deadline:
+        return None
+    late = (now - deadline) * 1000.0
+    where = (
+        "before the job could start" if lost is None else f"while it was offloaded ({lost.reason})"
+    )
+    return f"the deadline passed {late:.0f} ms ago, {where}; not run"
+
+
+def offload_expiry(sent_at: float, timeout_s: float, deadline: float | None) -> float:
+    """When to stop waiting for an offloaded job's return: after the timeout, or at its
+    deadline if that comes first (then it can only end expired)."""
+    expiry = sent_at + timeout_s
+    return min(expiry, deadline) if deadline is not None else expiry
+
+
+Repeat = Literal["redelivered", "forgotten", "retarget", "republish"]
+StoredState = Literal["queued", "offloaded", "done", "delivered"]
+
+
+def repeat_plan(stored: StoredState | None, *, dup: bool) -> Repeat:
+    """What a request gets whose job id the outbox knew already (``stored``: the row's
+    state; None: only a tombstone is left). ``dup``: the MQTT broker redelivered it."""
+    pending = stored in ("queued", "offloaded")
+    if dup and not pending:
+        # Accepted before a crash that came before its ack: not a resubmission. The job's
+        # own result is (or will be) published.
+        return "redelivered"
+    if stored is None:
+        return "forgotten"  # delivered long ago: refused, never run twice
+    if pending:
+        return "retarget"  # the result goes where the latest request asked
+    return "republish"  # answered again with its stored result
+
+
+Plan = Literal["republish", "dead_letter", "route", "await_return"]
+
+
+def replay_plan(stored: StoredState, local_runs: int, max_local_runs: int) -> Plan:
+    """What a job read back from the outbox after a restart needs next."""
+    if stored == "done":
+        return "republish"  # its result may never have reached the broker
+    if stored == "offloaded":
+        return "await_return"  # the worker may still answer; then the timeout applies
+    if local_runs >= max_local_runs:
+        return "dead_letter"
+    return "route"
+
+
+def dead_letter_reason(job_id: str, edge_id: str, runs: int) -> str:
+    return (
+        f"job {job_id} was started {runs} times on edge {edge_id} and each run ended with the "
+        "agent dying (crash, kill or power loss), so it is not run again; the image may crash "
+        "the model: check it and the agent's log, then resubmit under a new job-id to retry"
+    )

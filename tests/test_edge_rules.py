@@ -1,0 +1,93 @@
+"""Pure tier: the edge's decisions (``edge_agent.rules``), the functions the lifecycle
+table and the digital twin call: capacity, the completion prediction, whether to offer a
+job or offer it again, what a repeat of a known id gets, and what a replayed job needs."""
+
+from __future__ import annotations
+
+import pytest
+
+from edge_agent import rules
+from edge_agent.rules import Outlook
+
+
+def outlook(*, offload: bool = True, done: float = 0.0, waiting: int = 0) -> Outlook:
+    return Outlook("e1", offload, done, waiting, 8, 3, 3, 3.0)
+
+
+@pytest.mark.parametrize(
+    ("deadline", "waiting", "expected"),
+    [(None, 0, None), (None, 8, "queue"), (10.0, 0, None), (0.2, 0, "deadline"), (2.0, 8, "queue")],
+)
+def test_offer_reason(deadline: float | None, waiting: int, expected: str | None) -> None:
+    done = rules.predict_completion(0.0, waiting, 0, 2, 0.25)
+    assert rules.offer_reason(deadline, outlook(done=done, waiting=waiting)) == expected
+
+
+def test_nothing_is_offered_without_a_broker() -> None:
+    assert rules.offer_reason(0.1, outlook(offload=False, done=9.0, waiting=99)) is None
+
+
+@pytest.mark.parametrize(
+    ("waiting", "in_flight", "expected"), [(0, 0, 10.25), (2, 2, 10.5), (6, 2, 10.75)]
+)
+def test_predict_completion_shares_the_work_ahead(
+    waiting: int, in_flight: int, expected: float
+) -> None:
+    assert rules.predict_completion(10.0, waiting, in_flight, 4, 0.25) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("attempt", "deadline", "offload", "expected"),
+    [
+        (1, 5.0, True, "deadline"),
+        (1, None, True, "queue"),
+        (3, 5.0, True, None),
+        (1, 5.0, False, None),
+    ],
+)
+def test_retry_reason(
+    attempt: int, deadline: float | None, offload: bool, expected: str | None
+) -> None:
+    assert rules.retry_reason(attempt, deadline, outlook(offload=offload)) == expected
+
+
+@pytest.mark.parametrize(("held", "room"), [(0, True), (11, True), (12, False), (40, False)])
+def test_has_room(held: int, room: bool) -> None:
+    assert rules.has_room(held, queue_size=10, concurrency=2) is room
+
+
+@pytest.mark.parametrize(
+    ("stored", "dup", "plan"),
+    [
+        ("queued", False, "retarget"),
+        ("offloaded", True, "retarget"),  # a redelivery of a pending job: still its request
+        ("done", False, "republish"),
+        ("delivered", False, "republish"),
+        ("delivered", True, "redelivered"),
+        (None, False, "forgotten"),
+        (None, True, "redelivered"),
+    ],
+)
+def test_repeat_plan(stored: rules.StoredState | None, dup: bool, plan: str) -> None:
+    assert rules.repeat_plan(stored, dup=dup) == plan
+
+
+@pytest.mark.parametrize(
+    ("state", "runs", "plan"),
+    [
+        ("done", 0, "republish"),
+        ("offloaded", 9, "await_return"),
+        ("queued", 3, "dead_letter"),
+        ("queued", 2, "route"),
+    ],
+)
+def test_replay_plan(state: rules.StoredState, runs: int, plan: str) -> None:
+    assert rules.replay_plan(state, runs, 3) == plan
+
+
+def test_expiry_reason_is_none_before_the_deadline() -> None:
+    assert rules.expiry_reason(None, 5.0) is None
+    assert rules.expiry_reason(6.0, 5.0) is None
+    assert rules.expiry_reason(5.0, 5.0) == (
+        "the deadline passed 0 ms ago, before the job could start; not run"
+    )
