@@ -2,7 +2,7 @@
 
 It checks the request against the public wire contract (response topic, user properties,
 content type, size, image header) without decoding the image, and returns either a
-:class:`Job` or a :class:`Refusal` whose reason a person can act on. The clock and the id
+:class:`Job` or a :class:`RequestRefusal` whose reason a person can act on. The clock and the id
 source are passed in. This module must never do I/O, decode pixels or import the transport.
 
 A job's id is the app's ``job-id`` user property when it gives one; otherwise it is derived
@@ -48,7 +48,7 @@ class Job:
 
 
 @dataclass(frozen=True, slots=True)
-class Refusal:
+class RequestRefusal:
     """A request that will not run; ``response_topic`` is None when nobody can be told."""
 
     job_id: str
@@ -141,25 +141,15 @@ def admit(
     limits: Limits,
     now: float,
     new_id: Callable[[], str],
-) -> Job | Refusal:
+) -> Job | RequestRefusal:
     """Decide whether ``msg`` is an acceptable job; never raises for bad input."""
     raw = dict(msg.user_properties)
 
-    def ident() -> str:
-        # A malformed job-id is still echoed back in a refusal, so the sender can match it.
-        # An id is derived from the image only once its size has passed: never hash 8 MiB
-        # to refuse it.
-        given = raw.get(topics.PROP_JOB_ID)
-        if given:
-            return given
-        if len(msg.payload) <= limits.max_payload_bytes:
-            return _job_id(msg, new_id)
-        return new_id()
-
-    def refuse(code: str, reason: str, model: str | None = None) -> Refusal:
+    def refuse(code: str, reason: str, model: str | None = None) -> RequestRefusal:
         status: Literal["rejected", "expired"] = "expired" if code == "expired" else "rejected"
-        return Refusal(
-            ident(), status, code, reason, msg.response_topic, msg.correlation_data, model
+        job_id = _ident(msg, raw, limits, new_id)
+        return RequestRefusal(
+            job_id, status, code, reason, msg.response_topic, msg.correlation_data, model
         )
 
     if not msg.response_topic:
@@ -180,33 +170,18 @@ def admit(
         known = ", ".join(sorted(models)) or "none loaded"
         return refuse("unknown_model", f"unknown model {props.model!r}; known: {known}")
 
-    def refuse_for_model(code: str, reason: str) -> Refusal:
+    def refuse_for_model(code: str, reason: str) -> RequestRefusal:
         return refuse(code, reason, props.model)
 
-    size = len(msg.payload)
-    if size == 0:
-        return refuse_for_model("empty_payload", "the payload is empty; send a JPEG or PNG image")
-    if size > limits.max_payload_bytes:
-        return refuse_for_model(
-            "payload_too_large",
-            f"payload is {size} bytes; the limit is {limits.max_payload_bytes} bytes",
-        )
-    info = inspect_payload(
-        msg.payload, msg.content_type, max_pixels=limits.max_pixels, max_side=limits.max_side
-    )
+    info = _image(msg, limits)
     if isinstance(info, PayloadProblem):
         return refuse_for_model(info.code, info.reason)
-    deadline = None
-    if props.deadline_ms is not None:
-        deadline = now + props.deadline_ms / 1000.0
-    if props.deadline_at is not None:
-        at = props.deadline_at / 1000.0
-        deadline = at if deadline is None else min(deadline, at)
+    deadline = _deadline(props, now)
     if deadline is not None and deadline <= now:
         late = (now - deadline) * 1000.0
         return refuse_for_model("expired", f"the deadline passed {late:.0f} ms before receipt")
     return Job(
-        job_id=ident(),
+        job_id=_ident(msg, raw, limits, new_id),
         model=props.model,
         payload=msg.payload,
         image=info,
@@ -219,23 +194,61 @@ def admit(
     )
 
 
-def _refuse_job(job: Job, code: str, reason: str) -> Refusal:
-    return Refusal(
+def _ident(msg: Message, raw: dict[str, str], limits: Limits, new_id: Callable[[], str]) -> str:
+    """The job's id: the app's job-id (a malformed one is still echoed back in a refusal,
+    so the sender can match it), else derived from the request, but only once its size has
+    passed (never hash 8 MiB to refuse it)."""
+    given = raw.get(topics.PROP_JOB_ID)
+    if given:
+        return given
+    if len(msg.payload) <= limits.max_payload_bytes:
+        return _job_id(msg, new_id)
+    return new_id()
+
+
+def _image(msg: Message, limits: Limits) -> ImageInfo | PayloadProblem:
+    """The payload's image header, checked against the limits (never decoded here)."""
+    size = len(msg.payload)
+    if size == 0:
+        return PayloadProblem("empty_payload", "the payload is empty; send a JPEG or PNG image")
+    if size > limits.max_payload_bytes:
+        return PayloadProblem(
+            "payload_too_large",
+            f"payload is {size} bytes; the limit is {limits.max_payload_bytes} bytes",
+        )
+    return inspect_payload(
+        msg.payload, msg.content_type, max_pixels=limits.max_pixels, max_side=limits.max_side
+    )
+
+
+def _deadline(props: _Props, now: float) -> float | None:
+    """The earlier of ``deadline-ms`` (from receipt) and ``deadline-at``, if either."""
+    deadline = None
+    if props.deadline_ms is not None:
+        deadline = now + props.deadline_ms / 1000.0
+    if props.deadline_at is not None:
+        at = props.deadline_at / 1000.0
+        deadline = at if deadline is None else min(deadline, at)
+    return deadline
+
+
+def _refuse_job(job: Job, code: str, reason: str) -> RequestRefusal:
+    return RequestRefusal(
         job.job_id, "rejected", code, reason, job.response_topic, job.correlation_data, job.model
     )
 
 
-def queue_full(job: Job, edge_id: str, queue_size: int) -> Refusal:
+def queue_full(job: Job, edge_id: str, queue_size: int) -> RequestRefusal:
     reason = f"edge agent {edge_id} has {queue_size} jobs queued; retry later or lower the rate"
     return _refuse_job(job, "queue_full", reason)
 
 
-def outbox_unavailable(job: Job, edge_id: str, error: Exception) -> Refusal:
+def outbox_unavailable(job: Job, edge_id: str, error: Exception) -> RequestRefusal:
     reason = f"edge agent {edge_id} cannot store jobs now ({error}); resubmit later"
     return _refuse_job(job, "outbox_unavailable", reason)
 
 
-def forgotten(job: Job, retention_s: float) -> Refusal:
+def forgotten(job: Job, retention_s: float) -> RequestRefusal:
     """A resubmission of a job whose result was delivered so long ago that only its id is
     left: it is not run twice."""
     reason = (
@@ -246,9 +259,9 @@ def forgotten(job: Job, retention_s: float) -> Refusal:
     return _refuse_job(job, "duplicate_job", reason)
 
 
-def shutting_down(msg: Message, edge_id: str, new_id: Callable[[], str]) -> Refusal:
+def shutting_down(msg: Message, edge_id: str, new_id: Callable[[], str]) -> RequestRefusal:
     """A request that arrives while the agent stops: not admitted, answered at once."""
-    return Refusal(
+    return RequestRefusal(
         msg.user_property(topics.PROP_JOB_ID) or _job_id(msg, new_id),
         "rejected",
         "shutting_down",
@@ -284,7 +297,7 @@ class ResultsGate:
         self._edge_id = edge_id
         self._allowed: tuple[bytes, tuple[str, ...]] = (b"", ())
 
-    def check(self, job: Job, policy: Policy | None) -> Refusal | None:
+    def check(self, job: Job, policy: Policy | None) -> RequestRefusal | None:
         if policy is None:
             return None
         if self._allowed[0] != policy.digest:
@@ -292,7 +305,7 @@ class ResultsGate:
         return unanswerable(job, self._allowed[1], self._edge_id)
 
 
-def unanswerable(job: Job, allowed: tuple[str, ...], edge_id: str) -> Refusal | None:
+def unanswerable(job: Job, allowed: tuple[str, ...], edge_id: str) -> RequestRefusal | None:
     """A job whose Response Topic this edge may not publish to (the ACL would drop its
     result): refused before it is accepted, with nowhere to say so but the log."""
     if not allowed or any(topics.matches(f, job.response_topic) for f in allowed):
@@ -301,6 +314,6 @@ def unanswerable(job: Job, allowed: tuple[str, ...], edge_id: str) -> Refusal | 
         f"edge {edge_id} may not answer on Response Topic {job.response_topic!r}; the policy "
         f"lets its apps take results on {', '.join(allowed)}"
     )
-    return Refusal(
+    return RequestRefusal(
         job.job_id, "rejected", "response_topic_not_allowed", reason, None, None, job.model
     )

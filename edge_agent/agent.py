@@ -39,6 +39,9 @@ from sluicegate.vision.runtime import ModelRegistry
 log = logging.getLogger(__name__)
 
 PRUNE_INTERVAL_S = 60.0
+# Offloaded jobs are looked at this often: a job whose worker went silent joins the local
+# queue within this much of the moment a run here is still in time for its deadline.
+SWEEP_S = 0.02
 
 
 class EdgeAgent:
@@ -150,6 +153,7 @@ class EdgeAgent:
             events=self.counters,
             policy_version=self._feed.held.version if self._feed and self._feed.held else None,
             policy_refused=self._feed.refused if self._feed is not None else {},
+            prediction=self._jobs.prediction.snapshot(),
         )
         return telemetry(self.settings, load)
 
@@ -209,7 +213,7 @@ class EdgeAgent:
         if self._transport.connected:
             self._announce_online()
         self.ready.set()
-        sweep_s = min(0.25, self._offload_settings.result_timeout_s / 4.0)
+        sweep_s = min(SWEEP_S, self._offload_settings.result_timeout_s / 4.0)
         housekeeping = [
             asyncio.ensure_future(
                 self._every(self.settings.telemetry_interval_s, self._publish_telemetry)

@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from edge_agent.admission import Job, Refusal
+from edge_agent.admission import Job, RequestRefusal
 from edge_agent.errors import OutboxError
 from edge_agent.outbox import Outbox
 from edge_agent.rules import Declined
@@ -51,8 +51,10 @@ def local_result(
     times: StageTimes | None = None,
     started: float | None = None,
     declined: Declined | None = None,
+    placed_on: str | None = None,
 ) -> wire.JobResult:
-    """The result document of a job concluded on this edge."""
+    """The result document of a job concluded on this edge (``declined``: why it did not
+    leave, or came back from ``placed_on``)."""
     queue_ms = ((started or now) - job.received_at) * 1000.0
     timings = wire.Timings(
         queue_ms=round(queue_ms, 3),
@@ -70,7 +72,7 @@ def local_result(
         outputs=wire.outputs_of(outputs) if outputs is not None else None,
         ran_on=ran_on,
         timings_ms=timings,
-        offload=declined.as_wire() if declined is not None else None,
+        offload=declined.as_wire(placed_on) if declined is not None else None,
     )
 
 
@@ -86,7 +88,7 @@ class Answers:
         self.undelivered = 0  # publishes the broker never acked (published again on restart)
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    def refuse(self, refusal: Refusal, msg: Message | None = None) -> None:
+    def refuse(self, refusal: RequestRefusal, msg: Message | None = None) -> None:
         """Answer a request that was not accepted; ack it once the answer is out."""
         if refusal.response_topic is None:
             self.dropped_no_response_topic += 1
@@ -108,7 +110,7 @@ class Answers:
         self.results[result.status] += 1
         self._track(self._refuse(refusal, wire.dump(result), msg))
 
-    async def _refuse(self, refusal: Refusal, payload: bytes, msg: Message | None) -> None:
+    async def _refuse(self, refusal: RequestRefusal, payload: bytes, msg: Message | None) -> None:
         assert refusal.response_topic is not None
         try:
             await self._transport.publish(

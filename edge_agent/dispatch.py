@@ -26,7 +26,7 @@ from edge_agent import events as ev
 from edge_agent import rules
 from edge_agent.admission import (
     Job,
-    Refusal,
+    RequestRefusal,
     ResultsGate,
     admit,
     forgotten,
@@ -34,19 +34,20 @@ from edge_agent.admission import (
     queue_full,
     shutting_down,
 )
-from edge_agent.answers import Answers, local_result
+from edge_agent.answers import Answers
+from edge_agent.carry import Carrier
 from edge_agent.compute import Compute
 from edge_agent.errors import OutboxError
 from edge_agent.events import IllegalMove, Life
 from edge_agent.jobs import Entry, JobTable
 from edge_agent.lifecycle import transition
+from edge_agent.load import PredictionErrors
 from edge_agent.offload import PlacementClient
 from edge_agent.outbox import Accepted, Outbox, Stored
 from edge_agent.returns import not_run, read_notice, read_return
 from edge_agent.tally import Tally
 from sluicegate import wire
 from sluicegate.config import EdgeSettings, OffloadSettings
-from sluicegate.errors import TransportError
 from sluicegate.policy_feed import PolicyFeed
 from sluicegate.transport import Message, Transport
 from sluicegate.vision.image import PayloadLimits
@@ -92,37 +93,34 @@ class Dispatcher:
             settings.max_payload_bytes, settings.max_pixels, settings.max_side
         )
         self._results_gate = ResultsGate(settings.id)
+        self._concurrency = settings.concurrency
+        o = offload_settings  # the outlook's fixed part
+        self._limits_tail = (
+            o.queue_bound,
+            o.max_attempts,
+            settings.max_local_runs,
+            o.result_timeout_s,
+        )
+        self._depth = 0  # dispatches in progress: the pump and idleness run at the outermost
         self.mode: Mode = "starting"  # the one flag saying whether the agent still acts
         self.table = JobTable()
         self.counters: Counter[str] = Counter()
-        self.offloaded = 0  # work messages sent to pool workers since start
         self.idle = asyncio.Event()
         self.idle.set()
         self._repeats = 0  # requests for known ids whose outbox lookup is under way
         self._pumping = False
-        self._carry: dict[type[Any], Callable[[Entry, Any, Any, Message | None], None]] = {
-            ev.Ack: self._ack,
-            ev.CommitAcceptance: self._commit_acceptance,
-            ev.Ask: self._ask,
-            ev.CancelAsk: self._cancel_ask,
-            ev.Send: self._send,
-            ev.Release: self._release,
-            ev.RecordAttempt: self._record_attempt,
-            ev.Enqueue: self._enqueue,
-            ev.CountRun: self._count_run,
-            ev.Launch: self._launch,
-            ev.ConcludeHere: self._conclude_here,
-            ev.ConcludeReturn: self._conclude_return,
-            ev.Publish: self._publish,
-            ev.Hold: self._hold,
-            ev.Rehandle: self._rehandle,
-            ev.DiscardHeld: self._discard_held,
-            ev.Discard: self._discard,
-            ev.Count: self._count,
-            ev.Forget: lambda *_: None,  # the table drops it; the disk keeps it for a replay
-            ev.Remember: self._remember,
-            ev.Resync: self._resync,
-        }
+        self._effects = Carrier(
+            self,
+            table=self.table,
+            counters=self.counters,
+            transport=transport,
+            outbox=outbox,
+            compute=compute,
+            answers=answers,
+            placement=placement,
+            clock=clock,
+            ran_on=ran_on,
+        )
 
     # -- what comes in -------------------------------------------------------------------------
 
@@ -134,7 +132,7 @@ class Dispatcher:
             return
         now = self._clock()
         job = admit(msg, models=self._models, limits=self._limits, now=now, new_id=self._new_id)
-        if isinstance(job, Refusal):
+        if isinstance(job, RequestRefusal):
             self._answers.refuse(job, msg)
             return
         nowhere = self._results_gate.check(job, self._feed.current if self._feed else None)
@@ -166,7 +164,7 @@ class Dispatcher:
         )
         entry = Entry(job, Life(job.job_id, job.deadline))
         self.table.add(entry)
-        self._dispatch(entry, admit_ev, msg)
+        self.dispatch(entry, admit_ev, msg)
 
     def on_return(self, msg: Message) -> None:
         """A worker's result for a job this edge offloaded (manual ack: acked once it is
@@ -187,7 +185,7 @@ class Dispatcher:
             self._stray(ret.job_id, event, msg)
             return
         entry.returned = (ret.payload, ret.result.status)
-        self._dispatch(entry, event, msg)
+        self.dispatch(entry, event, msg)
 
     def on_notice(self, msg: Message) -> None:
         """The broker says a placed job's worker was lost, or the job is dead-lettered."""
@@ -204,12 +202,17 @@ class Dispatcher:
         if entry is None:
             self._stray(notice.job_id, event, msg)
             return
-        self._dispatch(entry, event, msg)
+        self.dispatch(entry, event, msg)
 
     def sweep(self) -> None:
-        """Offloaded jobs whose return is overdue are rerouted (the table decides which)."""
+        """Offloaded jobs whose return is overdue (or whose deadline needs a run here now)
+        are moved on; the table says how."""
+        if not self.table.census["offloaded"]:
+            return
+        now = self._clock()
         for entry in self.table.in_phase("offloaded"):
-            self._dispatch(entry, ev.Overdue())
+            if entry.life.due(now):
+                self.dispatch(entry, ev.Overdue())
 
     def replay(self, stored_jobs: list[Stored]) -> None:
         """Track the unfinished jobs read back from the outbox; publish again the results
@@ -228,7 +231,16 @@ class Dispatcher:
             entry = Entry(job, Life(job.job_id, job.deadline))
             self.table.add(entry)
             replayed = ev.Replayed(plan, stored.attempt, stored.local_runs, stored.worker)
-            self._dispatch(entry, replayed)
+            self.dispatch(entry, replayed)
+
+    @property
+    def offloaded(self) -> int:
+        """Work messages sent to pool workers since start."""
+        return self._effects.offloaded
+
+    @property
+    def prediction(self) -> PredictionErrors:
+        return self._effects.prediction
 
     @property
     def killed(self) -> bool:
@@ -236,26 +248,16 @@ class Dispatcher:
 
     def outlook(self, job: Job, now: float) -> rules.Outlook:
         """What routing ``job`` needs to know about this edge now."""
-        client, o, settings = self._placement, self._offload, self.settings
-        waiting = self.table.census["queued"]
+        client, table = self._placement, self.table
+        waiting = table.census["queued"]
         service_s = self._compute.service_s(job.model)
-        done = rules.predict_completion(
-            now, waiting, self.table.slots, settings.concurrency, service_s
-        )
-        return rules.Outlook(
-            edge_id=settings.id,
-            offload=client is not None and o.enabled and client.broker_available,
-            predicted_done=done,
-            waiting=waiting,
-            queue_bound=o.queue_bound,
-            max_attempts=o.max_attempts,
-            max_local_runs=settings.max_local_runs,
-            result_timeout_s=o.result_timeout_s,
-        )
+        done = rules.predict_completion(now, waiting, table.slots, self._concurrency, service_s)
+        offload = client is not None and self._offload.enabled and client.broker_available
+        return rules.Outlook(self.settings.id, offload, done, waiting, *self._limits_tail)
 
     # -- the one place a job moves -------------------------------------------------------------
 
-    def _dispatch(self, entry: Entry, event: ev.Event, msg: Message | None = None) -> None:
+    def dispatch(self, entry: Entry, event: ev.Event, msg: Message | None = None) -> None:
         if self.mode in GONE:
             return
         now = self._clock()
@@ -266,10 +268,15 @@ class Dispatcher:
             log.error("%s", exc)
             return
         self.table.set(entry, life)
-        for effect in effects:
-            self._carry[type(effect)](entry, effect, event, msg)
-        self._pump()
-        self._settle()
+        self._depth += 1
+        try:
+            for effect in effects:
+                self._effects.carry(entry, effect, event, msg)
+        finally:
+            self._depth -= 1
+        if not self._depth:
+            self._pump()
+            self._settle()
 
     def _stray(self, job_id: str, event: ev.Event, msg: Message) -> None:
         """A return or notice for a job this edge does not hold: the table's concluded row."""
@@ -292,7 +299,7 @@ class Dispatcher:
             while table.slots < self.settings.concurrency and len(queue):
                 entry = queue.pop()
                 if entry.life.phase == "queued" and table.get(entry.job.job_id) is entry:
-                    self._dispatch(entry, ev.Start())
+                    self.dispatch(entry, ev.Start())
         finally:
             self._pumping = False
 
@@ -302,7 +309,7 @@ class Dispatcher:
         else:
             self.idle.set()
 
-    def _later(self, fn: Callable[..., None], *args: Any) -> Callable[[Any], None]:
+    def later(self, fn: Callable[..., None], *args: Any) -> Callable[[Any], None]:
         """A completion callback that does nothing once the agent is gone."""
 
         def call(result: Any) -> None:
@@ -313,30 +320,24 @@ class Dispatcher:
 
     # -- requests: accepted, or a repeat of a known id -----------------------------------------
 
-    def _commit_acceptance(
-        self, entry: Entry, effect: Any, event: Any, msg: Message | None
-    ) -> None:
-        accepting = self._outbox.accept(entry.job, start_run=effect.start_run)
-        accepting.add_done_callback(self._later(self._acceptance, entry, msg))
-
-    def _acceptance(self, entry: Entry, msg: Message, fut: asyncio.Future[Accepted]) -> None:
+    def acceptance(self, entry: Entry, msg: Message, fut: asyncio.Future[Accepted]) -> None:
         try:
             accepted = fut.result()
         except OutboxError as exc:
-            self._dispatch(entry, ev.AcceptKnown())
+            self.dispatch(entry, ev.AcceptKnown())
             self._store_failed(entry.job, msg, exc)
             return
         if accepted.outcome == "new":
             self.counters[Tally.ACCEPTED] += 1
-            self._dispatch(entry, ev.Accepted(), msg)
+            self.dispatch(entry, ev.Accepted(), msg)
             return
-        self._dispatch(entry, ev.AcceptKnown())
+        self.dispatch(entry, ev.AcceptKnown())
         self._answer_repeat(entry.job, accepted.stored, msg)
 
     def _repeat(self, job: Job, msg: Message) -> None:
         self._repeats += 1
         self.idle.clear()
-        self._outbox.accept(job).add_done_callback(self._later(self._repeat_known, job, msg))
+        self._outbox.accept(job).add_done_callback(self.later(self._repeat_known, job, msg))
 
     def _repeat_known(self, job: Job, msg: Message, fut: asyncio.Future[Accepted]) -> None:
         self._repeats -= 1
@@ -376,179 +377,6 @@ class Dispatcher:
         self.counters[Tally.OUTBOX_ERRORS] += 1
         log.error("could not store job %s: %s", job.job_id, exc)
         self._answers.refuse(outbox_unavailable(job, self.settings.id, exc), msg)
-
-    # -- effects: messages ---------------------------------------------------------------------
-
-    def _ack(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
-        if msg is not None:
-            self._transport.ack(msg)
-
-    def _hold(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
-        assert msg is not None
-        handler = self.on_return if isinstance(event, ev.Returned) else self.on_notice
-        entry.held.append((handler, msg))
-
-    def _rehandle(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
-        held, entry.held = entry.held, []
-        for handler, came in held:
-            handler(came)
-
-    def _discard_held(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
-        held, entry.held = entry.held, []
-        for _handler, came in held:
-            self.counters[Tally.FENCED_RETURNS] += 1
-            self._transport.ack(came)
-
-    def _discard(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
-        self.counters[effect.tally] += 1
-        log.info(
-            "discarded a message for job %s (%s; %s, attempt %d)",
-            entry.job.job_id,
-            effect.why,
-            type(event).__name__,
-            entry.life.attempt,
-        )
-        if msg is not None:
-            self._transport.ack(msg)
-
-    def _count(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
-        self.counters[effect.tally] += 1
-
-    # -- effects: placement and work -----------------------------------------------------------
-
-    def _ask(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
-        assert self._placement is not None
-        asking = self._placement.place(
-            entry.job, effect.reason, effect.local_s, attempt=effect.attempt
-        )
-        entry.asked = asked = asyncio.ensure_future(asking)
-        asked.add_done_callback(self._later(self._answered, entry, effect.attempt))
-
-    def _answered(self, entry: Entry, attempt: int, fut: asyncio.Future[rules.Answer]) -> None:
-        if not fut.cancelled():
-            self._dispatch(entry, ev.Answered(attempt, fut.result()))
-
-    def _cancel_ask(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
-        if entry.asked is not None and not entry.asked.done():
-            entry.asked.cancel()  # the client hands back a placement that comes after
-
-    def _send(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
-        assert self._placement is not None
-        job_id, placement = entry.job.job_id, effect.placement
-        try:
-            self._placement.send(entry.job, placement, attempt=effect.attempt)
-        except TransportError as exc:
-            log.warning("job %s: could not send attempt %d: %s", job_id, effect.attempt, exc)
-            self._dispatch(entry, ev.SendFailed(effect.attempt))
-            return
-        self.offloaded += 1
-        log.info("job %s attempt %d sent to %s", job_id, effect.attempt, placement.worker_id)
-
-    def _release(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
-        if self._placement is not None:
-            self._placement.release(entry.job.job_id, effect.worker, effect.attempt, effect.why)
-
-    def _record_attempt(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
-        # Not awaited before the send: the outbox applies writes in order, so a return that
-        # comes back first is still recorded after its attempt. A crash before the record
-        # lands means the restarted agent places the job again under the same attempt
-        # number; whichever result returns first concludes it, the other is a repeat.
-        recording = self._outbox.offloaded(entry.job.job_id, effect.attempt, effect.worker)
-        recording.add_done_callback(self._later(self._recorded, entry, effect.attempt))
-
-    def _recorded(self, entry: Entry, attempt: int, fut: asyncio.Future[bool]) -> None:
-        exc = fut.exception()
-        if exc is None and fut.result():
-            self._dispatch(entry, ev.AttemptRecorded(attempt))
-            return
-        why = exc if exc is not None else "no pending job to record it on"
-        log.warning("job %s: attempt %d not recorded on disk: %s", entry.job.job_id, attempt, why)
-
-    # -- effects: local runs -------------------------------------------------------------------
-
-    def _enqueue(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
-        self._compute.queue.push(entry, force=True)  # accepted already: never refused now
-
-    def _count_run(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
-        counting = self._outbox.start_run(entry.job.job_id)
-        counting.add_done_callback(self._later(self._run_counted, entry))
-
-    def _run_counted(self, entry: Entry, fut: asyncio.Future[int | None]) -> None:
-        try:
-            runs = fut.result()
-        except OutboxError as exc:
-            runs = None
-            self.counters[Tally.OUTBOX_ERRORS] += 1
-            log.error("could not count the run of job %s: %s", entry.job.job_id, exc)
-        self._dispatch(entry, ev.RunCounted(runs))
-
-    def _launch(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
-        self._compute.run(entry.job, self._later(self._dispatch, entry))
-
-    # -- effects: results ----------------------------------------------------------------------
-
-    def _conclude_here(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
-        outputs, times, started = effect.detail or (None, None, None)
-        result = local_result(
-            entry.job,
-            effect.status,
-            ran_on=self._ran_on,
-            now=self._clock(),
-            code=effect.code,
-            reason=effect.reason,
-            outputs=outputs,
-            times=times,
-            started=started,
-            declined=entry.life.declined,
-        )
-        entry.result = (wire.dump(result), effect.status)
-        self._commit(entry, None)
-
-    def _conclude_return(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
-        assert entry.returned is not None
-        entry.result, entry.ack_later = entry.returned, msg
-        if effect.forward:  # the attempt is on disk: the app may have it before the commit
-            entry.forwarding = self._answers.forward(entry.job, entry.returned[0])
-        self._commit(entry, effect.attempt)
-
-    def _commit(self, entry: Entry, attempt: int | None) -> None:
-        assert entry.result is not None
-        committing = self._outbox.finish(entry.job.job_id, entry.result[0], attempt=attempt)
-        committing.add_done_callback(self._later(self._result_committed, entry))
-
-    def _result_committed(self, entry: Entry, fut: asyncio.Future[bool]) -> None:
-        try:
-            stored: bool | None = fut.result()
-        except OutboxError as exc:  # not committed: it replays (or is redelivered) later
-            log.error("could not store the result of job %s: %s", entry.job.job_id, exc)
-            stored = None
-        if stored is False:
-            log.info(
-                "job %s was concluded already on disk; this result is dropped", entry.job.job_id
-            )
-        self._dispatch(entry, ev.ResultCommitted(stored), entry.ack_later)
-
-    def _publish(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
-        assert entry.result is not None
-        payload, status = entry.result
-        self._answers.results[status] += 1
-        sent = entry.forwarding if effect.sent else None
-        self._answers.publish(entry.job, payload, record=True, sent=sent)
-
-    def _remember(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
-        self.table.remember(entry.job.job_id)
-
-    def _resync(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
-        job_id = entry.job.job_id
-        self._outbox.get(job_id).add_done_callback(self._later(self._resynced, job_id))
-
-    def _resynced(self, job_id: str, fut: asyncio.Future[Stored | None]) -> None:
-        if fut.cancelled() or fut.exception() is not None:
-            return
-        stored = fut.result()
-        if stored is not None and stored.pending and self.table.get(job_id) is None:
-            log.warning("job %s is still %s on disk; tracking it again", job_id, stored.state)
-            self.replay([stored])
 
 
 _NO_OUTLOOK = rules.Outlook("", False, 0.0, 0, 0, 1, 1, 1.0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from edge_agent import rules
 from edge_agent.rules import Answer, Declined, Outlook, Placement
@@ -39,13 +39,13 @@ PHASES: tuple[Phase, ...] = (
 # The phases that hold a compute slot, and those that make the agent busy (not idle).
 HOLDS_SLOT: frozenset[Phase] = frozenset({"starting", "running"})
 BUSY: frozenset[Phase] = frozenset(
-    {"admitting", "queued", "starting", "running", "offering", "finishing"}
+    {"new", "admitting", "queued", "starting", "running", "offering", "finishing"}
 )
 
 
-@dataclass(frozen=True, slots=True)
-class Life:
-    """Everything the rules know of one job."""
+class Life(NamedTuple):
+    """Everything the rules know of one job (a named tuple: the table makes a new one on
+    every move, and ``_replace`` is four times cheaper than ``dataclasses.replace``)."""
 
     job_id: str
     deadline: float | None
@@ -60,8 +60,16 @@ class Life:
     early: bool = False  # attempt 1's work went out before the acceptance commit landed
     declined: Declined | None = None  # why it stayed here, for the result's offload field
     expires_at: float | None = None  # offloaded: when to stop waiting for the return
+    rescue_at: float | None = None  # offloaded: when only a run here can meet the deadline
+    predicted: float | None = None  # when it would finish here, as first predicted
     ack_return: bool = False  # finishing a worker's return: ack it once committed
     forwarded: bool = False  # finishing a return published before its commit
+
+    def due(self, now: float) -> bool:
+        """Offloaded, and its return waited for until a moment the rules act on."""
+        if self.phase != "offloaded":
+            return False
+        return (self.expires_at or 0.0) <= now or (self.rescue_at or now + 1.0) <= now
 
     @property
     def holds_slot(self) -> bool:
@@ -267,6 +275,7 @@ class ConcludeHere:
     code: str | None = None
     reason: str | None = None
     detail: object = None
+    predicted: float | None = None  # ran here: when it was predicted to finish
 
 
 @dataclass(frozen=True, slots=True)

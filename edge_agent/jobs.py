@@ -44,6 +44,7 @@ class JobTable:
         self._recent: OrderedDict[str, None] = OrderedDict()
         self.census: Counter[Phase] = Counter()
         self.slots = 0  # compute slots held: starting, running, or admitting to run at once
+        self._busy = 0  # jobs in a phase that keeps the agent from being idle
 
     def __len__(self) -> int:
         return len(self._live)
@@ -59,6 +60,7 @@ class JobTable:
         assert entry.life.phase == "new", entry.life
         self._live[entry.job.job_id] = entry
         self.census["new"] += 1
+        self._busy += 1
 
     def set(self, entry: Entry, life: Life) -> None:
         """``entry`` moved to ``life``; a concluded one leaves the table."""
@@ -69,11 +71,13 @@ class JobTable:
             return  # an entry already out of the table (its late callbacks)
         self.census[old.phase] -= 1
         self.slots -= old.holds_slot
+        self._busy -= old.phase in BUSY
         if life.phase == "concluded":
             del self._live[old.job_id]
             return
         self.census[life.phase] += 1
         self.slots += life.holds_slot
+        self._busy += life.phase in BUSY
 
     def remember(self, job_id: str) -> None:
         self._recent[job_id] = None
@@ -88,7 +92,7 @@ class JobTable:
 
     @property
     def busy(self) -> bool:
-        return any(self.census[phase] for phase in BUSY) or bool(self.census["new"])
+        return self._busy > 0
 
     def in_phase(self, phase: Phase) -> list[Entry]:
         return [entry for entry in self._live.values() if entry.life.phase == phase]

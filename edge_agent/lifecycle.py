@@ -25,57 +25,11 @@ messages are expected, counted, and never move a job.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
+from edge_agent import events as ev
 from edge_agent import rules
-from edge_agent.events import (
-    PHASES,
-    Accepted,
-    AcceptKnown,
-    Ack,
-    Admit,
-    Answered,
-    Ask,
-    AttemptRecorded,
-    CancelAsk,
-    CommitAcceptance,
-    ConcludeHere,
-    ConcludeReturn,
-    Count,
-    CountRun,
-    DeadLettered,
-    Discard,
-    DiscardHeld,
-    Effect,
-    Effects,
-    Enqueue,
-    Event,
-    Forget,
-    Hold,
-    IllegalMove,
-    Launch,
-    Life,
-    Move,
-    Overdue,
-    Phase,
-    Publish,
-    RecordAttempt,
-    Rehandle,
-    Release,
-    Remember,
-    Replayed,
-    ResultCommitted,
-    Resync,
-    Returned,
-    Rule,
-    RunCounted,
-    RunDone,
-    Send,
-    SendFailed,
-    Start,
-    WorkerLost,
-)
+from edge_agent.events import PHASES, Effect, Effects, Event, IllegalMove, Life, Move, Phase, Rule
 from edge_agent.rules import Declined, Outlook, Placement
 from edge_agent.tally import Tally
 
@@ -96,30 +50,35 @@ def _stay(life: Life, *effects: Effect) -> Move:
 
 
 def _to(life: Life, phase: Phase, *effects: Effect, **changes: Any) -> Move:
-    return replace(life, phase=phase, **changes), effects
+    return life._replace(phase=phase, **changes), effects
 
 
 # -- shared moves -------------------------------------------------------------------------------
 
 
 def _expire(life: Life, reason: str, *before: Effect) -> Move:
-    return _to(life, "finishing", *before, ConcludeHere("expired", "expired", reason))
+    return _to(life, "finishing", *before, ev.ConcludeHere("expired", "expired", reason))
 
 
 def _dead_letter(life: Life, reason: str, *before: Effect) -> Move:
-    conclude = ConcludeHere("failed", "dead_letter", reason)
-    return _to(life, "finishing", *before, Count(Tally.DEAD_LETTERS), conclude)
+    conclude = ev.ConcludeHere("failed", "dead_letter", reason)
+    return _to(life, "finishing", *before, ev.Count(Tally.DEAD_LETTERS), conclude)
 
 
-def _run_here(life: Life, why: Declined | None, *before: Effect) -> Move:
-    """Into the local queue; ``why`` it did not leave goes into its result."""
-    return _to(life, "queued", *before, Enqueue(), declined=life.declined or why)
+def _run_here(life: Life, why: Declined | None, o: Outlook, *before: Effect) -> Move:
+    """Into the local queue; ``why`` it did not leave goes into its result. Its predicted
+    completion is kept from the first prediction made for it (the one an offer sent)."""
+    predicted = life.predicted or o.predicted_done
+    return _to(
+        life, "queued", *before, ev.Enqueue(), declined=life.declined or why, predicted=predicted
+    )
 
 
 def _ask(life: Life, reason: str, now: float, o: Outlook, *before: Effect) -> Move:
     attempt = life.attempt + 1
-    ask = Ask(attempt, reason, max(0.0, o.predicted_done - now))
-    return _to(life, "offering", *before, ask, asking=attempt)
+    ask = ev.Ask(attempt, reason, max(0.0, o.predicted_done - now))
+    predicted = life.predicted or o.predicted_done
+    return _to(life, "offering", *before, ask, asking=attempt, predicted=predicted)
 
 
 def _route(life: Life, now: float, o: Outlook, *before: Effect) -> Move:
@@ -131,284 +90,305 @@ def _route(life: Life, now: float, o: Outlook, *before: Effect) -> Move:
     reason = rules.offer_reason(life.deadline, o)
     if reason is not None:
         return _ask(life, reason, now, o, *before)
-    return _run_here(life, None, *before)
+    return _run_here(life, None, o, *before)
 
 
 def _reroute(life: Life, why: Declined, now: float, o: Outlook, *before: Effect) -> Move:
     """An offloaded job whose attempt was lost: expired, offered again, or run here."""
     late = rules.expiry_reason(life.deadline, now, lost=why)
-    if late is not None:
-        return _expire(life, late, *before)
+    if late is not None:  # its result still says where it went and what came of it
+        return _expire(life._replace(declined=life.declined or why), late, *before)
     reason = rules.retry_reason(life.attempt, life.deadline, o)
     if reason is not None:
         return _ask(life, reason, now, o, *before)
-    return _run_here(life, why, *before)
+    return _run_here(life, why, o, *before)
 
 
 def _placed(life: Life, placement: Placement, now: float, o: Outlook, *effects: Effect) -> Move:
     """The job is on ``placement``'s worker as attempt ``asking``."""
     attempt = life.asking
     expires = rules.offload_expiry(now, o.result_timeout_s, life.deadline)
+    rescue = rules.rescue_at(life.deadline, now, o.predicted_done)
     return _to(
         life,
         "offloaded",
-        RecordAttempt(attempt, placement.worker_id),
+        ev.RecordAttempt(attempt, placement.worker_id),
         *effects,
         attempt=attempt,
         asking=0,
         worker=placement.worker_id,
         expires_at=expires,
+        rescue_at=rescue,
         ahead=None,
         early=False,
     )
 
 
-def _not_placed(life: Life, why: Declined, *before: Effect) -> Move:
-    life = replace(life, asking=0, ahead=None)
+def _not_placed(life: Life, why: Declined, o: Outlook, *before: Effect) -> Move:
+    life = life._replace(asking=0, ahead=None)
     if why.code == "dead_letter":  # the broker will not place it again
         return _dead_letter(life, why.reason, *before)
-    return _run_here(life, why, *before)
+    return _run_here(life, why, o, *before)
 
 
 def _drop_ahead(life: Life, why: str) -> Effects:
     """Give up the placement asked for while the job was admitted."""
     if life.early:
-        return (DiscardHeld(),)  # the worker has it; what it returns finds nothing to take
+        return (ev.DiscardHeld(),)  # the worker has it; what it returns finds nothing to take
     if isinstance(life.ahead, Placement):
-        return (Release(1, life.ahead.worker_id, why),)
+        return (ev.Release(1, life.ahead.worker_id, why),)
     if life.asking and life.ahead is None:
-        return (CancelAsk(life.asking),)  # the client hands back a placement that comes after
+        return (ev.CancelAsk(life.asking),)  # the client hands back a placement that comes after
     return ()
 
 
 # -- rules --------------------------------------------------------------------------------------
 
 
-def _admit(life: Life, ev: Any, now: float, o: Outlook) -> Move:
-    assert isinstance(ev, Admit)
-    effects: list[Effect] = [CommitAcceptance(ev.run_now)]
-    if ev.ask is not None:
-        effects.append(Ask(1, ev.ask, ev.local_s))
-    return _to(life, "admitting", *effects, run_now=ev.run_now, asking=1 if ev.ask else 0)
+def _admit(life: Life, event: Any, now: float, o: Outlook) -> Move:
+    assert isinstance(event, ev.Admit)
+    effects: list[Effect] = [ev.CommitAcceptance(event.run_now)]
+    if event.ask is not None:
+        effects.append(ev.Ask(1, event.ask, event.local_s))
+    asking = 1 if event.ask else 0
+    predicted = now + event.local_s
+    return _to(
+        life, "admitting", *effects, run_now=event.run_now, asking=asking, predicted=predicted
+    )
 
 
-def _replayed(life: Life, ev: Any, now: float, o: Outlook) -> Move:
-    assert isinstance(ev, Replayed)
-    life = replace(life, attempt=ev.attempt, local_runs=ev.local_runs)
-    if ev.plan == "await_return":  # on disk as offloaded as that attempt
+def _replayed(life: Life, event: Any, now: float, o: Outlook) -> Move:
+    assert isinstance(event, ev.Replayed)
+    life = life._replace(attempt=event.attempt, local_runs=event.local_runs)
+    if event.plan == "await_return":  # on disk as offloaded as that attempt
         expires = rules.offload_expiry(now, o.result_timeout_s, life.deadline)
-        return _to(life, "offloaded", worker=ev.worker, expires_at=expires, on_disk=ev.attempt)
-    if ev.plan == "dead_letter":
-        return _dead_letter(life, rules.dead_letter_reason(life.job_id, o.edge_id, ev.local_runs))
+        return _to(
+            life, "offloaded", worker=event.worker, expires_at=expires, on_disk=event.attempt
+        )
+    if event.plan == "dead_letter":
+        return _dead_letter(
+            life, rules.dead_letter_reason(life.job_id, o.edge_id, event.local_runs)
+        )
     return _route(life, now, o)
 
 
-def _accepted(life: Life, ev: Any, now: float, o: Outlook) -> Move:
+def _accepted(life: Life, event: Any, now: float, o: Outlook) -> Move:
     if life.run_now:  # its run is counted already
         late = rules.expiry_reason(life.deadline, now)
         if late is not None:
-            return _expire(replace(life, local_runs=1), late, Ack())
-        return _to(life, "running", Ack(), Launch(), local_runs=1, run_now=False)
+            return _expire(life._replace(local_runs=1), late, ev.Ack())
+        return _to(life, "running", ev.Ack(), ev.Launch(), local_runs=1, run_now=False)
     if not life.asking:
-        return _route(life, now, o, Ack())
+        return _route(life, now, o, ev.Ack())
     late = rules.expiry_reason(life.deadline, now)
     if late is not None:
-        return _expire(life, late, Ack(), *_drop_ahead(life, "the job's deadline passed"))
+        return _expire(life, late, ev.Ack(), *_drop_ahead(life, "the job's deadline passed"))
     if life.early:
         assert isinstance(life.ahead, Placement)
-        return _placed(life, life.ahead, now, o, Ack(), Rehandle())
+        return _placed(life, life.ahead, now, o, ev.Ack(), ev.Rehandle())
     if isinstance(life.ahead, Placement):  # came during the commit, not sent then
-        return _placed(life, life.ahead, now, o, Ack(), Send(1, life.ahead))
+        return _placed(life, life.ahead, now, o, ev.Ack(), ev.Send(1, life.ahead))
     if isinstance(life.ahead, Declined):
-        return _not_placed(life, life.ahead, Ack())
-    return _to(life, "offering", Ack())  # its answer is still to come
+        return _not_placed(life, life.ahead, o, ev.Ack())
+    return _to(life, "offering", ev.Ack())  # its answer is still to come
 
 
-def _accept_known(life: Life, ev: Any, now: float, o: Outlook) -> Move:
+def _accept_known(life: Life, event: Any, now: float, o: Outlook) -> Move:
     drop = _drop_ahead(life, "a repeat of a job this edge knows")
-    return _to(life, "concluded", *drop, Forget(), run_now=False)
+    return _to(life, "concluded", *drop, ev.Forget(), run_now=False)
 
 
-def _answered_ahead(life: Life, ev: Any, now: float, o: Outlook) -> Move:
-    assert isinstance(ev, Answered)
-    if ev.attempt != life.asking or life.ahead is not None:
-        return _answered_late(life, ev, now, o)
-    if isinstance(ev.answer, Placement):  # sent at once: the commit is off the job's path
-        sent = Count(Tally.SENT_BEFORE_COMMIT)
-        return _stay(replace(life, ahead=ev.answer, early=True), Send(1, ev.answer), sent)
-    return _stay(replace(life, ahead=ev.answer))
+def _answered_ahead(life: Life, event: Any, now: float, o: Outlook) -> Move:
+    assert isinstance(event, ev.Answered)
+    if event.attempt != life.asking or life.ahead is not None:
+        return _answered_late(life, event, now, o)
+    if isinstance(event.answer, Placement):  # sent at once: the commit is off the job's path
+        sent = ev.Count(Tally.SENT_BEFORE_COMMIT)
+        return _stay(life._replace(ahead=event.answer, early=True), ev.Send(1, event.answer), sent)
+    return _stay(life._replace(ahead=event.answer))
 
 
-def _answered(life: Life, ev: Any, now: float, o: Outlook) -> Move:
-    assert isinstance(ev, Answered)
-    if ev.attempt != life.asking:
-        return _answered_late(life, ev, now, o)
-    if isinstance(ev.answer, Placement):
-        return _placed(life, ev.answer, now, o, Send(ev.attempt, ev.answer))
-    return _not_placed(life, ev.answer)
+def _answered(life: Life, event: Any, now: float, o: Outlook) -> Move:
+    assert isinstance(event, ev.Answered)
+    if event.attempt != life.asking:
+        return _answered_late(life, event, now, o)
+    if isinstance(event.answer, Placement):
+        return _placed(life, event.answer, now, o, ev.Send(event.attempt, event.answer))
+    return _not_placed(life, event.answer, o)
 
 
-def _answered_late(life: Life, ev: Any, now: float, o: Outlook) -> Move:
+def _answered_late(life: Life, event: Any, now: float, o: Outlook) -> Move:
     """An answer nobody waits for: a placement in it is handed back at once."""
-    assert isinstance(ev, Answered)
-    if isinstance(ev.answer, Placement):
-        return _stay(life, Release(ev.attempt, ev.answer.worker_id, NOT_WANTED))
+    assert isinstance(event, ev.Answered)
+    if isinstance(event.answer, Placement):
+        return _stay(life, ev.Release(event.attempt, event.answer.worker_id, NOT_WANTED))
     return _stay(life)
 
 
-def _send_failed(life: Life, ev: Any, now: float, o: Outlook) -> Move:
+def _send_failed(life: Life, event: Any, now: float, o: Outlook) -> Move:
     if life.phase == "admitting" and life.early:
-        return _stay(replace(life, early=False))  # sent once the job is accepted
+        return _stay(life._replace(early=False))  # sent once the job is accepted
     return _stay(life)  # the attempt is void: the timeout reroutes the job
 
 
-def _recorded(life: Life, ev: Any, now: float, o: Outlook) -> Move:
-    assert isinstance(ev, AttemptRecorded)
-    return _stay(replace(life, on_disk=max(life.on_disk, ev.attempt)))
+def _recorded(life: Life, event: Any, now: float, o: Outlook) -> Move:
+    assert isinstance(event, ev.AttemptRecorded)
+    return _stay(life._replace(on_disk=max(life.on_disk, event.attempt)))
 
 
-def _held(life: Life, ev: Any, now: float, o: Outlook) -> Move:
+def _held(life: Life, event: Any, now: float, o: Outlook) -> Move:
     """A return or notice for a job whose work went out before it was accepted waits for
     the acceptance; any other for an admitting job is a stray."""
-    if life.early and getattr(ev, "attempt", 1) == 1:
-        return _stay(life, Hold())
-    if isinstance(ev, Returned):
-        return _stay(life, Discard(Tally.FENCED_RETURNS, "unknown"))
-    return _stay(life, Ack(), Count(Tally.STALE_NOTICES))
+    if life.early and getattr(event, "attempt", 1) == 1:
+        return _stay(life, ev.Hold())
+    if isinstance(event, ev.Returned):
+        return _stay(life, ev.Discard(Tally.FENCED_RETURNS, "unknown"))
+    return _stay(life, ev.Ack(), ev.Count(Tally.STALE_NOTICES))
 
 
-def _returned(life: Life, ev: Any, now: float, o: Outlook) -> Move:
+def _returned(life: Life, event: Any, now: float, o: Outlook) -> Move:
     """Fencing: a return concludes the job only for its current attempt, from the worker
     that attempt went to, while the job waits on it (or waits here, rerouted, not started:
     the outbox still holds it as offloaded as that attempt)."""
-    assert isinstance(ev, Returned)
-    verdict = _verdict(life, ev)
+    assert isinstance(event, ev.Returned)
+    verdict = _verdict(life, event)
     if verdict is not None:
-        return _stay(life, Discard(Tally.FENCED_RETURNS, verdict))
-    if ev.not_run is not None:  # never ran there: run it here, no new offer
-        count = (Ack(), Count(Tally.NOT_RUN_RETURNS))
+        return _stay(life, ev.Discard(Tally.FENCED_RETURNS, verdict))
+    if event.not_run is not None:  # never ran there: run it here, no new offer
+        count = (ev.Ack(), ev.Count(Tally.NOT_RUN_RETURNS))
         if life.phase == "queued":
-            return _stay(replace(life, declined=life.declined or ev.not_run), *count)
-        return _run_here(life, ev.not_run, *count)
-    forward = life.on_disk == ev.attempt
-    conclude = ConcludeReturn(ev.attempt, forward)
+            return _stay(life._replace(declined=life.declined or event.not_run), *count)
+        return _run_here(life, event.not_run, o, *count)
+    forward = life.on_disk == event.attempt
+    conclude = ev.ConcludeReturn(event.attempt, forward)
     return _to(life, "finishing", conclude, ack_return=True, forwarded=forward)
 
 
-def _verdict(life: Life, ev: Returned) -> str | None:
+def _verdict(life: Life, event: ev.Returned) -> str | None:
     if life.phase == "concluded":
         return "unknown"  # concluded already, or never ours: a duplicate or a stray
-    if ev.attempt != life.attempt or life.attempt == 0:
+    if event.attempt != life.attempt or life.attempt == 0:
         return "stale"
-    if life.worker is not None and ev.worker != life.worker:
+    if life.worker is not None and event.worker != life.worker:
         return "stranger"  # the attempt went to another worker
     if life.phase not in ("queued", "offloaded"):
         return "busy"  # placed anew, running here, or its result is being committed
     return None
 
 
-def _worker_lost(life: Life, ev: Any, now: float, o: Outlook) -> Move:
-    assert isinstance(ev, WorkerLost)
-    if life.phase != "offloaded" or ev.attempt != life.attempt:
-        return _stay(life, Ack(), Count(Tally.STALE_NOTICES))
-    lost = Declined("worker_lost", ev.reason)
-    return _reroute(life, lost, now, o, Ack(), Count(Tally.WORKERS_LOST))
+def _worker_lost(life: Life, event: Any, now: float, o: Outlook) -> Move:
+    assert isinstance(event, ev.WorkerLost)
+    if life.phase != "offloaded" or event.attempt != life.attempt:
+        return _stay(life, ev.Ack(), ev.Count(Tally.STALE_NOTICES))
+    lost = Declined("worker_lost", event.reason)
+    return _reroute(life, lost, now, o, ev.Ack(), ev.Count(Tally.WORKERS_LOST))
 
 
-def _dead_lettered(life: Life, ev: Any, now: float, o: Outlook) -> Move:
-    assert isinstance(ev, DeadLettered)
+def _dead_lettered(life: Life, event: Any, now: float, o: Outlook) -> Move:
+    assert isinstance(event, ev.DeadLettered)
     if life.phase not in ("queued", "offering", "offloaded"):
-        return _stay(life, Ack(), Count(Tally.STALE_NOTICES))
-    return _dead_letter(replace(life, asking=0), ev.reason, Ack())
+        return _stay(life, ev.Ack(), ev.Count(Tally.STALE_NOTICES))
+    return _dead_letter(life._replace(asking=0), event.reason, ev.Ack())
 
 
-def _overdue(life: Life, ev: Any, now: float, o: Outlook) -> Move:
-    if (life.expires_at or 0.0) > now:
+def _overdue(life: Life, event: Any, now: float, o: Outlook) -> Move:
+    """The return waited for long enough: after ``result_timeout_s`` the attempt is lost
+    and the job rerouted; before it, once only a run here can still meet the deadline, the
+    job joins the local queue (the worker's return is still taken if it comes first)."""
+    if (life.expires_at or 0.0) <= now:
+        why = Declined("result_timeout", f"no result from the pool within {o.result_timeout_s} s")
+        return _reroute(life, why, now, o, ev.Count(Tally.OFFLOAD_TIMEOUTS))
+    if life.rescue_at is None or life.rescue_at > now:
         return _stay(life)
-    why = Declined("result_timeout", f"no result from the pool within {o.result_timeout_s} s")
-    return _reroute(life, why, now, o, Count(Tally.OFFLOAD_TIMEOUTS))
+    why = Declined(
+        "worker_silent",
+        f"no result from {life.worker or 'the worker'} while a run here could still meet "
+        "the deadline",
+    )
+    return _run_here(life._replace(rescue_at=None), why, o, ev.Count(Tally.OFFLOAD_RESCUES))
 
 
-def _start(life: Life, ev: Any, now: float, o: Outlook) -> Move:
+def _start(life: Life, event: Any, now: float, o: Outlook) -> Move:
     late = rules.expiry_reason(life.deadline, now)
     if late is not None:
         return _expire(life, late)
     if life.local_runs >= o.max_local_runs:  # each run so far ended with the agent dying
         reason = rules.dead_letter_reason(life.job_id, o.edge_id, life.local_runs)
         return _dead_letter(life, reason)
-    return _to(life, "starting", CountRun())
+    return _to(life, "starting", ev.CountRun())
 
 
-def _counted(life: Life, ev: Any, now: float, o: Outlook) -> Move:
-    assert isinstance(ev, RunCounted)
-    if ev.runs is None:  # disk trouble: it replays after a restart
-        return _to(life, "concluded", Forget())
-    life = replace(life, local_runs=ev.runs)
+def _counted(life: Life, event: Any, now: float, o: Outlook) -> Move:
+    assert isinstance(event, ev.RunCounted)
+    if event.runs is None:  # disk trouble: it replays after a restart
+        return _to(life, "concluded", ev.Forget())
+    life = life._replace(local_runs=event.runs)
     late = rules.expiry_reason(life.deadline, now)
     if late is not None:
         return _expire(life, late)
-    return _to(life, "running", Launch())
+    return _to(life, "running", ev.Launch())
 
 
-def _run_done(life: Life, ev: Any, now: float, o: Outlook) -> Move:
-    assert isinstance(ev, RunDone)
-    status = ev.status
+def _run_done(life: Life, event: Any, now: float, o: Outlook) -> Move:
+    assert isinstance(event, ev.RunDone)
+    status = event.status
     assert status in ("ok", "rejected", "failed"), status
-    return _to(life, "finishing", ConcludeHere(status, ev.code, ev.reason, ev.detail))  # type: ignore[arg-type]
+    conclude = ev.ConcludeHere(status, event.code, event.reason, event.detail, life.predicted)  # type: ignore[arg-type]
+    return _to(life, "finishing", conclude)
 
 
-def _committed(life: Life, ev: Any, now: float, o: Outlook) -> Move:
-    assert isinstance(ev, ResultCommitted)
-    if ev.stored is None:  # not committed: it replays (or is redelivered) later
-        return _to(life, "concluded", Count(Tally.OUTBOX_ERRORS))
-    ack = (Ack(),) if life.ack_return else ()
-    if ev.stored:
-        return _to(life, "concluded", *ack, Publish(sent=life.forwarded), Remember())
+def _committed(life: Life, event: Any, now: float, o: Outlook) -> Move:
+    assert isinstance(event, ev.ResultCommitted)
+    if event.stored is None:  # not committed: it replays (or is redelivered) later
+        return _to(life, "concluded", ev.Count(Tally.OUTBOX_ERRORS))
+    ack = (ev.Ack(),) if life.ack_return else ()
+    if event.stored:
+        return _to(life, "concluded", *ack, ev.Publish(sent=life.forwarded), ev.Remember())
     # The outbox refused a result this agent thought it could take: trust the disk.
-    return _to(life, "concluded", *ack, Count(Tally.LATE_RESULTS), Resync())
+    return _to(life, "concluded", *ack, ev.Count(Tally.LATE_RESULTS), ev.Resync())
 
 
-def _ignore(life: Life, ev: Any, now: float, o: Outlook) -> Move:
+def _ignore(life: Life, event: Any, now: float, o: Outlook) -> Move:
     return _stay(life)
 
 
-def _discard_unknown(life: Life, ev: Any, now: float, o: Outlook) -> Move:
-    if isinstance(ev, Returned):
-        return _stay(life, Discard(Tally.FENCED_RETURNS, "unknown"))
-    return _stay(life, Ack(), Count(Tally.STALE_NOTICES))
+def _discard_unknown(life: Life, event: Any, now: float, o: Outlook) -> Move:
+    if isinstance(event, ev.Returned):
+        return _stay(life, ev.Discard(Tally.FENCED_RETURNS, "unknown"))
+    return _stay(life, ev.Ack(), ev.Count(Tally.STALE_NOTICES))
 
 
 def _table() -> dict[tuple[Phase, type[Any]], Rule]:
     live: tuple[Phase, ...] = ("queued", "starting", "running", "offering", "offloaded")
     table: dict[tuple[Phase, type[Any]], Rule] = {
-        ("new", Admit): _admit,
-        ("new", Replayed): _replayed,
-        ("admitting", Accepted): _accepted,
-        ("admitting", AcceptKnown): _accept_known,
-        ("admitting", Answered): _answered_ahead,
-        ("offering", Answered): _answered,
-        ("admitting", Returned): _held,
-        ("admitting", WorkerLost): _held,
-        ("admitting", DeadLettered): _held,
-        ("offloaded", Overdue): _overdue,
-        ("starting", RunCounted): _counted,
-        ("running", RunDone): _run_done,
-        ("finishing", ResultCommitted): _committed,
-        ("concluded", Returned): _discard_unknown,
-        ("concluded", WorkerLost): _discard_unknown,
-        ("concluded", DeadLettered): _discard_unknown,
+        ("new", ev.Admit): _admit,
+        ("new", ev.Replayed): _replayed,
+        ("admitting", ev.Accepted): _accepted,
+        ("admitting", ev.AcceptKnown): _accept_known,
+        ("admitting", ev.Answered): _answered_ahead,
+        ("offering", ev.Answered): _answered,
+        ("admitting", ev.Returned): _held,
+        ("admitting", ev.WorkerLost): _held,
+        ("admitting", ev.DeadLettered): _held,
+        ("offloaded", ev.Overdue): _overdue,
+        ("starting", ev.RunCounted): _counted,
+        ("running", ev.RunDone): _run_done,
+        ("finishing", ev.ResultCommitted): _committed,
+        ("concluded", ev.Returned): _discard_unknown,
+        ("concluded", ev.WorkerLost): _discard_unknown,
+        ("concluded", ev.DeadLettered): _discard_unknown,
     }
     for phase in PHASES:
         if phase == "new":
             continue
-        table[phase, AttemptRecorded] = _recorded
-        table[phase, SendFailed] = _send_failed
-        table.setdefault((phase, Answered), _answered_late)
-        table[phase, Start] = _start if phase == "queued" else _ignore
+        table[phase, ev.AttemptRecorded] = _recorded
+        table[phase, ev.SendFailed] = _send_failed
+        table.setdefault((phase, ev.Answered), _answered_late)
+        table[phase, ev.Start] = _start if phase == "queued" else _ignore
     for phase in (*live, "finishing"):
-        table[phase, Returned] = _returned
-        table[phase, WorkerLost] = _worker_lost
-        table[phase, DeadLettered] = _dead_lettered
+        table[phase, ev.Returned] = _returned
+        table[phase, ev.WorkerLost] = _worker_lost
+        table[phase, ev.DeadLettered] = _dead_lettered
     return table
 
 

@@ -1,13 +1,14 @@
 """The edge agent's own load model: the waiting-job queue and per-model service times.
 
 Pure bookkeeping with no clock and no I/O: the shell pushes and pops jobs, reports how long
-each job's compute took, and reads back moving averages for telemetry (and, later, for
-predicting whether a job would meet its deadline locally).
+each job's compute took and how far its predicted completion was from the real one, and
+reads back moving averages (for the completion prediction) and error figures (telemetry).
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -44,6 +45,35 @@ class ServiceTimes:
 
     def snapshot(self) -> dict[str, ModelFigures]:
         return dict(self._figures)
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorFigures:
+    n: int
+    p50_ms: float  # absolute error
+    p90_ms: float
+    bias_ms: float  # mean signed error: > 0, jobs finished later than predicted
+
+
+class PredictionErrors:
+    """How far the edge's completion predictions were from what happened, for the jobs
+    that ran here: the last ``kept`` errors (seconds, actual minus predicted)."""
+
+    def __init__(self, kept: int = 1024) -> None:
+        self._errors: deque[float] = deque(maxlen=kept)
+
+    def observe(self, error_s: float) -> None:
+        self._errors.append(error_s)
+
+    def snapshot(self) -> ErrorFigures | None:
+        if not self._errors:
+            return None
+        signed = list(self._errors)
+        absolute = sorted(abs(e) for e in signed)
+        n = len(absolute)
+        p50 = absolute[n // 2] * 1000.0
+        p90 = absolute[min(n - 1, int(n * 0.9))] * 1000.0
+        return ErrorFigures(n, p50, p90, sum(signed) / n * 1000.0)
 
 
 class JobQueue(Generic[T]):

@@ -106,31 +106,8 @@ def connect(path: Path, synchronous: str) -> tuple[sqlite3.Connection, list[Stor
     except sqlite3.Error as exc:
         raise OutboxError(f"{where} cannot be opened: {exc}; check the path") from exc
     try:
-        db.execute("PRAGMA locking_mode = EXCLUSIVE")
-        mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-        if str(mode).lower() != ("memory" if in_memory else "wal"):
-            raise OutboxError(f"{where} cannot use WAL journaling (got {mode!r})")
-        db.execute(f"PRAGMA synchronous = {synchronous}")
-        version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version > SCHEMA_VERSION:
-            raise OutboxError(
-                f"{where} was written by a newer Sluicegate (schema {version}, this one "
-                f"knows {SCHEMA_VERSION}); upgrade the agent or move the file away"
-            )
-        check = db.execute("PRAGMA quick_check").fetchone()[0]
-        if check != "ok":
-            raise OutboxError(f"{where} is damaged ({check}); move it away to start afresh")
-        db.execute("BEGIN IMMEDIATE")
-        for statement in _SCHEMA.split(";"):
-            if statement.strip():
-                db.execute(statement)
-        if version == 1:  # written before attempts named their worker
-            db.execute("ALTER TABLE jobs ADD COLUMN worker TEXT")
-        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-        rows = db.execute(
-            f"SELECT {COLUMNS} FROM jobs WHERE state != 'delivered' ORDER BY rowid"
-        ).fetchall()
-        db.execute("COMMIT")
+        version = _check(db, where, in_memory, synchronous)
+        rows = _migrate(db, version)
     except sqlite3.Error as exc:
         db.close()
         raise OutboxError(explain(where, exc)) from exc
@@ -138,3 +115,38 @@ def connect(path: Path, synchronous: str) -> tuple[sqlite3.Connection, list[Stor
         db.close()
         raise
     return db, [stored_row(row) for row in rows]
+
+
+def _check(db: sqlite3.Connection, where: str, in_memory: bool, synchronous: str) -> int:
+    """Lock the file, set its journal and sync modes, and check it; its schema version."""
+    db.execute("PRAGMA locking_mode = EXCLUSIVE")
+    mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+    if str(mode).lower() != ("memory" if in_memory else "wal"):
+        raise OutboxError(f"{where} cannot use WAL journaling (got {mode!r})")
+    db.execute(f"PRAGMA synchronous = {synchronous}")
+    version = int(db.execute("PRAGMA user_version").fetchone()[0])
+    if version > SCHEMA_VERSION:
+        raise OutboxError(
+            f"{where} was written by a newer Sluicegate (schema {version}, this one "
+            f"knows {SCHEMA_VERSION}); upgrade the agent or move the file away"
+        )
+    check = db.execute("PRAGMA quick_check").fetchone()[0]
+    if check != "ok":
+        raise OutboxError(f"{where} is damaged ({check}); move it away to start afresh")
+    return version
+
+
+def _migrate(db: sqlite3.Connection, version: int) -> list[Any]:
+    """Bring the schema to this version; the rows not yet delivered, oldest first."""
+    db.execute("BEGIN IMMEDIATE")
+    for statement in _SCHEMA.split(";"):
+        if statement.strip():
+            db.execute(statement)
+    if version == 1:  # written before attempts named their worker
+        db.execute("ALTER TABLE jobs ADD COLUMN worker TEXT")
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    rows = db.execute(
+        f"SELECT {COLUMNS} FROM jobs WHERE state != 'delivered' ORDER BY rowid"
+    ).fetchall()
+    db.execute("COMMIT")
+    return rows

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from edge_agent.load import ModelFigures
+from edge_agent.load import ErrorFigures, ModelFigures
 from sluicegate import topics, wire
 from sluicegate.config import EdgeSettings
 from sluicegate.transport import Will
@@ -44,6 +44,7 @@ class Load:
     events: Mapping[str, int]
     policy_version: int | None = None
     policy_refused: Mapping[str, int] = field(default_factory=dict)
+    prediction: ErrorFigures | None = None
 
 
 def telemetry(settings: EdgeSettings, load: Load) -> wire.EdgeTelemetry:
@@ -71,4 +72,16 @@ def telemetry(settings: EdgeSettings, load: Load) -> wire.EdgeTelemetry:
         events=dict(load.events),
         policy_version=load.policy_version,
         policy_refused=dict(load.policy_refused),
+        prediction=_prediction(load.prediction),
+    )
+
+
+def _prediction(figures: ErrorFigures | None) -> wire.PredictionError | None:
+    if figures is None:
+        return None
+    return wire.PredictionError(
+        n=figures.n,
+        p50_ms=round(figures.p50_ms, 3),
+        p90_ms=round(figures.p90_ms, 3),
+        bias_ms=round(figures.bias_ms, 3),
     )

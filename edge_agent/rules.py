@@ -12,7 +12,7 @@ them; so will the digital twin. No I/O, no clock, no asyncio: ``now`` is an argu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from sluicegate import wire
 
@@ -35,15 +35,19 @@ class Declined:
     code: str
     reason: str
 
-    def as_wire(self) -> wire.Offload:
-        return wire.Offload(requested=True, placed=False, code=self.code, reason=self.reason)
+    def as_wire(self, worker: str | None = None) -> wire.Offload:
+        """The result's ``offload`` field; ``worker``: the job was placed there, and came
+        back for this reason (lost, silent, refused unrun)."""
+        placed = worker is not None
+        return wire.Offload(
+            requested=True, placed=placed, worker=worker, code=self.code, reason=self.reason
+        )
 
 
 Answer = Placement | Declined
 
 
-@dataclass(frozen=True, slots=True)
-class Outlook:
+class Outlook(NamedTuple):
     """What routing a job needs to know about the edge at that moment: whether a broker can
     be asked, the local queue and the job's predicted completion here, and the limits."""
 
@@ -108,6 +112,17 @@ def offload_expiry(sent_at: float, timeout_s: float, deadline: float | None) -> 
     deadline if that comes first (then it can only end expired)."""
     expiry = sent_at + timeout_s
     return min(expiry, deadline) if deadline is not None else expiry
+
+
+def rescue_at(deadline: float | None, now: float, predicted_done: float) -> float | None:
+    """When an offloaded job whose return has not come must join the local queue to still
+    meet its deadline: the deadline less what a run here takes now (``predicted_done`` is
+    when it would finish if it joined the queue at ``now``). None without a deadline, or
+    when a run here could not meet it anyway."""
+    if deadline is None:
+        return None
+    at = deadline - (predicted_done - now)
+    return at if at > now else None
 
 
 Repeat = Literal["redelivered", "forgotten", "retarget", "republish"]

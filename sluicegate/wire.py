@@ -107,6 +107,16 @@ class ModelLoad(_Wire):
     completed: int
 
 
+class PredictionError(_Wire):
+    """How far the edge's completion predictions were from what happened, over its last
+    jobs that ran here: absolute error p50/p90 and the mean signed error (> 0: late)."""
+
+    n: int
+    p50_ms: float
+    p90_ms: float
+    bias_ms: float
+
+
 class EdgeTelemetry(_Wire):
     """What an edge agent reports every interval."""
 
@@ -133,6 +143,7 @@ class EdgeTelemetry(_Wire):
     # (policy.unknown_signer, policy.rollback, ...): a forged retained policy shows here.
     policy_version: int | None = None
     policy_refused: dict[str, int] = Field(default_factory=dict)
+    prediction: PredictionError | None = None
 
 
 class NodeStatus(_Wire):

@@ -348,10 +348,19 @@ class EdgeRig:
 
     # -- the app and the pool ----------------------------------------------------------------
 
-    def submit(self, job_id: str | None, *, correlation: bytes) -> None:
-        props = [(topics.PROP_MODEL, "defect-v1")]
+    def submit(
+        self,
+        job_id: str | None,
+        *,
+        correlation: bytes,
+        deadline_ms: float | None = None,
+        model: str = "defect-v1",
+    ) -> None:
+        props = [(topics.PROP_MODEL, model)]
         if job_id is not None:
             props.append((topics.PROP_JOB_ID, job_id))
+        if deadline_ms is not None:
+            props.append((topics.PROP_DEADLINE_MS, str(deadline_ms)))
         self.call(
             lambda: self.app.publish_nowait(
                 topics.edge_submit(EDGE),

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from edge_agent.admission import Job, Limits, Refusal, admit, derive_job_id, queue_key
+from edge_agent.admission import Job, Limits, RequestRefusal, admit, derive_job_id, queue_key
 from edge_agent.load import JobQueue
 from sluicegate import topics
 from sluicegate.transport import Message
@@ -38,7 +38,7 @@ def _msg(
     )
 
 
-def _admit(msg: Message) -> Job | Refusal:
+def _admit(msg: Message) -> Job | RequestRefusal:
     return admit(msg, models=MODELS, limits=LIMITS, now=NOW, new_id=lambda: f"id{next(_ids)}")
 
 
@@ -81,7 +81,7 @@ def test_derived_ids_differ_when_the_request_differs(
 
 def test_request_with_nowhere_to_answer_gets_a_fresh_id() -> None:
     refusal = _admit(_msg(response_topic=None))
-    assert isinstance(refusal, Refusal)
+    assert isinstance(refusal, RequestRefusal)
     assert refusal.job_id.startswith("id")
 
 
@@ -116,7 +116,7 @@ def test_job_ids_the_wire_contract_allows_are_accepted(job_id: str) -> None:
 )
 def test_job_ids_outside_the_wire_contract_are_refused_naming_the_rule(job_id: str) -> None:
     decision = _admit(_msg(job_id=job_id))
-    assert isinstance(decision, Refusal), decision
+    assert isinstance(decision, RequestRefusal), decision
     assert (decision.code, decision.job_id) == ("bad_property", job_id)
     assert (
         decision.reason == f"user property 'job-id'={job_id!r} is invalid: expected {JOB_ID_RULE}"
@@ -153,7 +153,7 @@ def test_job_ids_outside_the_wire_contract_are_refused_naming_the_rule(job_id: s
 )
 def test_bad_requests_are_refused_with_a_reason(msg: Message, code: str, words: str) -> None:
     decision = _admit(msg)
-    assert isinstance(decision, Refusal), decision
+    assert isinstance(decision, RequestRefusal), decision
     assert decision.code == code
     assert words in decision.reason
     assert decision.status == ("expired" if code == "expired" else "rejected")
@@ -168,7 +168,7 @@ def test_corrupt_body_with_valid_header_passes_admission() -> None:
 
 def test_refusal_echoes_a_caller_job_id_even_when_other_properties_are_bad() -> None:
     decision = _admit(_msg(job_id="mine-1", priority="x"))
-    assert isinstance(decision, Refusal)
+    assert isinstance(decision, RequestRefusal)
     assert decision.job_id == "mine-1"
 
 
@@ -202,7 +202,7 @@ def test_queue_refuses_past_capacity() -> None:
 
 def test_an_oversized_payload_is_refused_without_hashing_it_for_an_id() -> None:
     decision = _admit(_msg(b"\xff" * ((1 << 20) + 1)))
-    assert isinstance(decision, Refusal)
+    assert isinstance(decision, RequestRefusal)
     assert decision.job_id.startswith("id")  # a fresh id, not one derived from the bytes
     own = _admit(_msg(b"\xff" * ((1 << 20) + 1), job_id="mine-2"))
     assert own.job_id == "mine-2"
@@ -211,7 +211,7 @@ def test_an_oversized_payload_is_refused_without_hashing_it_for_an_id() -> None:
 def test_a_refused_request_within_the_size_limit_has_its_derived_id() -> None:
     bad = _msg(priority="x")
     decision = _admit(bad)
-    assert isinstance(decision, Refusal)
+    assert isinstance(decision, RequestRefusal)
     assert bad.response_topic is not None
     assert decision.job_id == derive_job_id(bad.response_topic, b"corr-1", bad.payload)
 

@@ -9,7 +9,6 @@ worker, notices, timeouts, runs), checking at every step what must hold.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -25,7 +24,7 @@ PLACED = Placement("w1", "campus/dc", "work/w1", "tok", b"")
 OTHER = Placement("w2", "campus/dc", "work/w2", "tok", b"")
 BUSY_HERE = Outlook("edge-1", True, NOW + 9.0, 3, 0, 4, 3, 3.0)  # late here: offer it
 QUIET = Outlook("edge-1", True, NOW + 0.01, 0, 32, 4, 3, 3.0)  # on time here: run it
-OFFLINE = replace(BUSY_HERE, offload=False)
+OFFLINE = BUSY_HERE._replace(offload=False)
 
 SAMPLES: dict[type[Any], ev.Event] = {
     ev.Admit: ev.Admit(run_now=False),
@@ -66,7 +65,7 @@ def test_every_pair_has_a_row_or_raises(phase: ev.Phase, event_type: type[Any]) 
 
 
 def admitting(**changes: Any) -> Life:
-    return replace(Life("j1", None, "admitting"), **changes)
+    return Life("j1", None, "admitting")._replace(**changes)
 
 
 ROWS: list[tuple[str, Life, ev.Event, Outlook, str, list[str]]] = [
@@ -384,6 +383,6 @@ def test_a_stranger_is_told_apart_only_while_the_worker_is_known() -> None:
     moved, effects = transition(restarted, ev.Returned(1, "w9"), NOW, QUIET)
     assert moved.phase == "finishing"
     assert kinds(effects) == ["ConcludeReturn"]
-    known = replace(restarted, worker="w1")
+    known = restarted._replace(worker="w1")
     _, effects = transition(known, ev.Returned(1, "w9"), NOW, QUIET)
     assert effects == (ev.Discard(Tally.FENCED_RETURNS, "stranger"),)

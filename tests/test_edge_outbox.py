@@ -139,7 +139,7 @@ async def test_reopen_returns_unfinished_jobs_in_order(tmp_path: Path) -> None:
     await box.open()
     for name in ("z", "y", "x", "w"):
         await box.accept(job(name))
-    await box.offloaded("y", 3)
+    await box.offloaded("y", 3, "gpu-7")
     await box.finish("x", b'{"done":1}')
     await box.finish("w", b"{}")
     await box.delivered("w")
@@ -147,10 +147,10 @@ async def test_reopen_returns_unfinished_jobs_in_order(tmp_path: Path) -> None:
     again = Outbox(path, synchronous="NORMAL")
     rows = await again.open()
     await again.close()
-    assert [(r.job.job_id, r.state, r.attempt) for r in rows] == [
-        ("z", "queued", 0),
-        ("y", "offloaded", 3),
-        ("x", "done", 0),
+    assert [(r.job.job_id, r.state, r.attempt, r.worker) for r in rows] == [
+        ("z", "queued", 0, None),
+        ("y", "offloaded", 3, "gpu-7"),  # where the attempt went survives a restart
+        ("x", "done", 0, None),
     ]
     assert rows[0].job == job("z")
     assert rows[2].result == b'{"done":1}'
@@ -241,6 +241,36 @@ async def test_newer_schema_is_refused(tmp_path: Path) -> None:
         db.execute("PRAGMA user_version = 99")
     with pytest.raises(OutboxError, match="newer Sluicegate"):
         await Outbox(path).open()
+
+
+V1_JOBS = """CREATE TABLE jobs (
+    job_id TEXT PRIMARY KEY, state TEXT NOT NULL, payload BLOB, response_topic TEXT NOT NULL,
+    correlation_data BLOB, model TEXT NOT NULL, image_format TEXT NOT NULL,
+    width INTEGER NOT NULL, height INTEGER NOT NULL, priority INTEGER NOT NULL,
+    data_class TEXT NOT NULL, received_at REAL NOT NULL, deadline REAL,
+    attempt INTEGER NOT NULL DEFAULT 0, local_runs INTEGER NOT NULL DEFAULT 0, result BLOB,
+    created_at REAL NOT NULL, updated_at REAL NOT NULL, delivered_at REAL)"""
+
+
+async def test_an_outbox_of_schema_1_is_migrated_with_its_jobs(tmp_path: Path) -> None:
+    path = tmp_path / "edge.db"
+    with sqlite3.connect(path) as db:
+        db.execute(V1_JOBS)
+        db.execute(
+            "INSERT INTO jobs (job_id, state, payload, response_topic, model, image_format,"
+            " width, height, priority, data_class, received_at, attempt, created_at,"
+            " updated_at) VALUES ('old', 'offloaded', x'ffd8', 'app/r', 'defect-v1', 'jpeg',"
+            " 8, 8, 5, 'generic', 1.0, 2, 1.0, 1.0)"
+        )
+        db.execute("PRAGMA user_version = 1")
+    box = Outbox(path)
+    (row,) = await box.open()
+    assert (row.job.job_id, row.state, row.attempt, row.worker) == ("old", "offloaded", 2, None)
+    assert await box.offloaded("old", 3, "gpu-1")
+    await box.close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 2
+        assert db.execute("SELECT worker FROM jobs").fetchone()[0] == "gpu-1"
 
 
 def test_synchronous_is_checked() -> None:

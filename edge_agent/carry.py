@@ -1,0 +1,283 @@
+"""The dispatcher's hands: each effect the lifecycle table asks for, carried out against the
+outbox, the placement client, the compute pool, the transport and the answers, and each
+completion that comes back later handed to the dispatcher as the job's next event. Nothing
+here decides anything about a job: it does what the effect says, and when an effect
+fails (a send the transport refuses, a write the outbox cannot make) it says so as an
+event too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from edge_agent import events as ev
+from edge_agent import rules
+from edge_agent.answers import Answers, local_result
+from edge_agent.compute import Compute
+from edge_agent.errors import OutboxError
+from edge_agent.jobs import Entry, JobTable
+from edge_agent.load import PredictionErrors
+from edge_agent.offload import PlacementClient
+from edge_agent.outbox import Accepted, Outbox, Stored
+from edge_agent.tally import Tally
+from sluicegate import wire
+from sluicegate.errors import TransportError
+from sluicegate.transport import Message
+
+log = logging.getLogger(__name__)
+Msg = Message | None  # the message that carried the event, if one did
+
+
+class Mover(Protocol):
+    """What the carrier hands back to the dispatcher."""
+
+    def dispatch(self, entry: Entry, event: ev.Event, msg: Msg = None) -> None: ...
+    def later(self, fn: Callable[..., None], *args: Any) -> Callable[[Any], None]: ...
+    def replay(self, stored_jobs: list[Stored]) -> None: ...
+    def acceptance(self, entry: Entry, msg: Message, fut: asyncio.Future[Accepted]) -> None: ...
+    def on_return(self, msg: Message) -> None: ...
+    def on_notice(self, msg: Message) -> None: ...
+
+
+class Carrier:
+    """Carries out effects for one edge agent's jobs (loop thread only)."""
+
+    def __init__(
+        self,
+        mover: Mover,
+        *,
+        table: JobTable,
+        counters: Counter[str],
+        transport: Any,
+        outbox: Outbox,
+        compute: Compute,
+        answers: Answers,
+        placement: PlacementClient | None,
+        clock: Callable[[], float],
+        ran_on: wire.RanOn,
+    ) -> None:
+        self._mover = mover
+        self._table = table
+        self._counters = counters
+        self._transport = transport
+        self._outbox = outbox
+        self._compute = compute
+        self._answers = answers
+        self._placement = placement
+        self._clock = clock
+        self._ran_on = ran_on
+        self.offloaded = 0  # work messages sent to pool workers since start
+        self.prediction = PredictionErrors()  # of the jobs that ran here
+        self._by_type: dict[type[Any], Callable[[Entry, Any, Any, Message | None], None]] = {
+            ev.Ack: self._ack,
+            ev.CommitAcceptance: self._commit_acceptance,
+            ev.Ask: self._ask,
+            ev.CancelAsk: self._cancel_ask,
+            ev.Send: self._send,
+            ev.Release: self._release,
+            ev.RecordAttempt: self._record_attempt,
+            ev.Enqueue: self._enqueue,
+            ev.CountRun: self._count_run,
+            ev.Launch: self._launch,
+            ev.ConcludeHere: self._conclude_here,
+            ev.ConcludeReturn: self._conclude_return,
+            ev.Publish: self._publish,
+            ev.Hold: self._hold,
+            ev.Rehandle: self._rehandle,
+            ev.DiscardHeld: self._discard_held,
+            ev.Discard: self._discard,
+            ev.Count: self._count,
+            ev.Forget: lambda *_: None,  # the table drops it; the disk keeps it for a replay
+            ev.Remember: self._remember,
+            ev.Resync: self._resync,
+        }
+
+    def carry(self, entry: Entry, effect: ev.Effect, event: ev.Event, msg: Msg) -> None:
+        self._by_type[type(effect)](entry, effect, event, msg)
+
+    def _commit_acceptance(
+        self, entry: Entry, effect: Any, event: Any, msg: Message | None
+    ) -> None:
+        accepting = self._outbox.accept(entry.job, start_run=effect.start_run)
+        accepting.add_done_callback(self._mover.later(self._mover.acceptance, entry, msg))
+
+    # -- effects: messages ---------------------------------------------------------------------
+
+    def _ack(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+        if msg is not None:
+            self._transport.ack(msg)
+
+    def _hold(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+        assert msg is not None
+        handler = self._mover.on_return if isinstance(event, ev.Returned) else self._mover.on_notice
+        entry.held.append((handler, msg))
+
+    def _rehandle(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+        held, entry.held = entry.held, []
+        for handler, came in held:
+            handler(came)
+
+    def _discard_held(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+        held, entry.held = entry.held, []
+        for _handler, came in held:
+            self._counters[Tally.FENCED_RETURNS] += 1
+            self._transport.ack(came)
+
+    def _discard(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+        self._counters[effect.tally] += 1
+        log.info(
+            "discarded a message for job %s (%s; %s, attempt %d)",
+            entry.job.job_id,
+            effect.why,
+            type(event).__name__,
+            entry.life.attempt,
+        )
+        if msg is not None:
+            self._transport.ack(msg)
+
+    def _count(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+        self._counters[effect.tally] += 1
+
+    # -- effects: placement and work -----------------------------------------------------------
+
+    def _ask(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+        assert self._placement is not None
+        asking = self._placement.place(
+            entry.job, effect.reason, effect.local_s, attempt=effect.attempt
+        )
+        entry.asked = asked = asyncio.ensure_future(asking)
+        asked.add_done_callback(self._mover.later(self._answered, entry, effect.attempt))
+
+    def _answered(self, entry: Entry, attempt: int, fut: asyncio.Future[rules.Answer]) -> None:
+        if not fut.cancelled():
+            self._mover.dispatch(entry, ev.Answered(attempt, fut.result()))
+
+    def _cancel_ask(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+        if entry.asked is not None and not entry.asked.done():
+            entry.asked.cancel()  # the client hands back a placement that comes after
+
+    def _send(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+        assert self._placement is not None
+        job_id, placement = entry.job.job_id, effect.placement
+        try:
+            self._placement.send(entry.job, placement, attempt=effect.attempt)
+        except TransportError as exc:
+            log.warning("job %s: could not send attempt %d: %s", job_id, effect.attempt, exc)
+            self._mover.dispatch(entry, ev.SendFailed(effect.attempt))
+            return
+        self.offloaded += 1
+        log.info("job %s attempt %d sent to %s", job_id, effect.attempt, placement.worker_id)
+
+    def _release(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+        if self._placement is not None:
+            self._placement.release(entry.job.job_id, effect.worker, effect.attempt, effect.why)
+
+    def _record_attempt(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+        # Not awaited before the send: the outbox applies writes in order, so a return that
+        # comes back first is still recorded after its attempt. A crash before the record
+        # lands means the restarted agent places the job again under the same attempt
+        # number; whichever result returns first concludes it, the other is a repeat.
+        recording = self._outbox.offloaded(entry.job.job_id, effect.attempt, effect.worker)
+        recording.add_done_callback(self._mover.later(self._recorded, entry, effect.attempt))
+
+    def _recorded(self, entry: Entry, attempt: int, fut: asyncio.Future[bool]) -> None:
+        exc = fut.exception()
+        if exc is None and fut.result():
+            self._mover.dispatch(entry, ev.AttemptRecorded(attempt))
+            return
+        why = exc if exc is not None else "no pending job to record it on"
+        log.warning("job %s: attempt %d not recorded on disk: %s", entry.job.job_id, attempt, why)
+
+    # -- effects: local runs -------------------------------------------------------------------
+
+    def _enqueue(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+        self._compute.queue.push(entry, force=True)  # accepted already: never refused now
+
+    def _count_run(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+        counting = self._outbox.start_run(entry.job.job_id)
+        counting.add_done_callback(self._mover.later(self._run_counted, entry))
+
+    def _run_counted(self, entry: Entry, fut: asyncio.Future[int | None]) -> None:
+        try:
+            runs = fut.result()
+        except OutboxError as exc:
+            runs = None
+            self._counters[Tally.OUTBOX_ERRORS] += 1
+            log.error("could not count the run of job %s: %s", entry.job.job_id, exc)
+        self._mover.dispatch(entry, ev.RunCounted(runs))
+
+    def _launch(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+        self._compute.run(entry.job, self._mover.later(self._mover.dispatch, entry))
+
+    # -- effects: results ----------------------------------------------------------------------
+
+    def _conclude_here(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+        outputs, times, started = effect.detail or (None, None, None)
+        now = self._clock()
+        if outputs is not None and effect.predicted is not None:
+            self.prediction.observe(now - effect.predicted)
+        result = local_result(
+            entry.job,
+            effect.status,
+            ran_on=self._ran_on,
+            now=now,
+            code=effect.code,
+            reason=effect.reason,
+            outputs=outputs,
+            times=times,
+            started=started,
+            declined=entry.life.declined,
+            placed_on=entry.life.worker if entry.life.attempt else None,
+        )
+        entry.result = (wire.dump(result), effect.status)
+        self._commit(entry, None)
+
+    def _conclude_return(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+        assert entry.returned is not None
+        entry.result, entry.ack_later = entry.returned, msg
+        if effect.forward:  # the attempt is on disk: the app may have it before the commit
+            entry.forwarding = self._answers.forward(entry.job, entry.returned[0])
+        self._commit(entry, effect.attempt)
+
+    def _commit(self, entry: Entry, attempt: int | None) -> None:
+        assert entry.result is not None
+        committing = self._outbox.finish(entry.job.job_id, entry.result[0], attempt=attempt)
+        committing.add_done_callback(self._mover.later(self._result_committed, entry))
+
+    def _result_committed(self, entry: Entry, fut: asyncio.Future[bool]) -> None:
+        try:
+            stored: bool | None = fut.result()
+        except OutboxError as exc:  # not committed: it replays (or is redelivered) later
+            log.error("could not store the result of job %s: %s", entry.job.job_id, exc)
+            stored = None
+        if stored is False:
+            log.info(
+                "job %s was concluded already on disk; this result is dropped", entry.job.job_id
+            )
+        self._mover.dispatch(entry, ev.ResultCommitted(stored), entry.ack_later)
+
+    def _publish(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+        assert entry.result is not None
+        payload, status = entry.result
+        self._answers.results[status] += 1
+        sent = entry.forwarding if effect.sent else None
+        self._answers.publish(entry.job, payload, record=True, sent=sent)
+
+    def _remember(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+        self._table.remember(entry.job.job_id)
+
+    def _resync(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+        job_id = entry.job.job_id
+        self._outbox.get(job_id).add_done_callback(self._mover.later(self._resynced, job_id))
+
+    def _resynced(self, job_id: str, fut: asyncio.Future[Stored | None]) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        stored = fut.result()
+        if stored is not None and stored.pending and self._table.get(job_id) is None:
+            log.warning("job %s is still %s on disk; tracking it again", job_id, stored.state)
+            self._mover.replay([stored])

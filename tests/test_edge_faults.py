@@ -1,0 +1,150 @@
+"""In-memory tier: faults of the edge found by running it, each fixed in the lifecycle and
+shown here against the real agent, a real SQLite outbox and the memory transport's
+persistent sessions (tests/edge_kit.py steps the loop, the disk and compute).
+
+* A refusal is acknowledged only once it is out: an agent killed after refusing a request
+  but before the refusal reached the MQTT broker left the app unanswered and the request
+  acked, so never delivered again.
+* An offloaded job whose worker goes silent joins the local queue while a run here can
+  still meet its deadline, instead of waiting for the fixed result timeout.
+* A job that was placed, lost its worker and expired says so in its ``offload`` field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.edge_kit import EdgeRig
+
+SERVICE_S = 0.3  # what a local run of the model takes, as the agent has measured it
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[EdgeRig]:
+    loop = asyncio.new_event_loop()
+    rig = EdgeRig(loop, tmp_path / "edge.db", offload=True, hold_pubacks=True)
+    rig.start()
+    assert rig.agent is not None
+    rig.agent.service_times.observe("defect-v1", SERVICE_S)
+    try:
+        yield rig
+    finally:
+        rig.stop()
+        loop.close()
+
+
+def only_result(rig: EdgeRig) -> dict[str, Any]:
+    (result,) = rig.results()
+    return result
+
+
+def test_a_refusal_is_acked_only_once_the_broker_has_it(rig: EdgeRig) -> None:
+    assert rig.transport is not None
+    rig.submit("r1", correlation=b"r1", model="defect-v9")
+    rig.settle()
+    assert [r["code"] for r in rig.results()] == ["unknown_model"]  # published ...
+    assert len(rig.transport.unacked) == 1  # ... but not yet PUBACKed: the request waits
+    rig.crash()  # killed now: the request is delivered again and refused again
+    rig.start()
+    rig.settle()
+    assert [r["code"] for r in rig.results()] == ["unknown_model", "unknown_model"]
+    assert len(rig.transport.unacked) == 1
+    assert rig.broker.release_pubacks() == 1  # Mosquitto has this refusal: now it is acked
+    rig.settle()
+    assert rig.transport.unacked == []
+
+
+def test_a_silent_workers_job_runs_here_while_its_deadline_can_still_be_met(
+    rig: EdgeRig,
+) -> None:
+    agent, placement = rig.agent, rig.placement
+    assert agent is not None
+    assert placement is not None
+    start = rig.clock.now
+    rig.submit("s1", correlation=b"s1", deadline_ms=2000)
+    rig.settle(compute=False)
+    assert placement.sent == [("s1", 1)]  # on worker w1, which never answers
+    rig.clock.now = start + 2.0 - SERVICE_S - 0.05  # not yet: the worker may still answer
+    rig.call(agent.check_offloaded)
+    assert agent.counters["offload_rescues"] == 0
+    rig.clock.now = start + 2.0 - SERVICE_S + 0.01  # only a run here is in time now
+    rig.call(agent.check_offloaded)
+    rig.broker.release_pubacks()
+    rig.settle()
+    result = only_result(rig)
+    assert (result["status"], result["ran_on"]["kind"]) == ("ok", "edge")
+    assert result["offload"]["placed"] is True
+    assert (result["offload"]["worker"], result["offload"]["code"]) == ("w1", "worker_silent")
+    assert agent.counters["offload_rescues"] == 1
+    rig.give_back("s1", 1)  # the worker wakes up: its result is one too many, dropped
+    rig.settle()
+    assert len(rig.results()) == 1
+
+
+def test_a_silent_workers_late_return_is_still_taken_before_the_run_here_starts(
+    rig: EdgeRig,
+) -> None:
+    agent, placement = rig.agent, rig.placement
+    assert agent is not None
+    assert placement is not None
+    placement.decline.update({"busy-1", "busy-2"})  # these run here
+    start = rig.clock.now
+    rig.submit("s2", correlation=b"s2", deadline_ms=2000)
+    rig.settle(compute=False)
+    rig.submit("busy-1", correlation=b"b1")  # both slots taken: the rescued job waits
+    rig.submit("busy-2", correlation=b"b2")
+    rig.settle(compute=False)
+    rig.clock.now = start + 2.0 - SERVICE_S + 0.05  # rescued: into the (busy) local queue
+    rig.call(agent.check_offloaded)
+    assert agent.counters["offload_rescues"] == 1
+    rig.give_back("s2", 1)  # the worker's result, before a slot frees up here
+    rig.broker.release_pubacks()
+    rig.settle()
+    results = {r["job_id"]: r for r in rig.results()}
+    assert results["s2"]["ran_on"]["kind"] == "pool"
+
+
+def test_a_placed_job_that_lost_its_worker_and_expired_says_where_it_went(
+    rig: EdgeRig,
+) -> None:
+    start = rig.clock.now
+    rig.submit("x1", correlation=b"x1", deadline_ms=1000)
+    rig.settle(compute=False)
+    rig.clock.now = start + 1.5
+    rig.notify("x1", 1)  # the worker died; the deadline has passed meanwhile
+    rig.broker.release_pubacks()
+    rig.settle()
+    result = only_result(rig)
+    assert result["status"] == "expired"
+    offload = result["offload"]
+    assert (offload["requested"], offload["placed"], offload["worker"]) == (True, True, "w1")
+    # The lost worker, or (had the sweep looked first) the return not come by the deadline.
+    assert offload["code"] in ("worker_lost", "result_timeout")
+    assert "while it was offloaded" in result["reason"]
+
+
+def test_the_prediction_error_of_jobs_run_here_is_in_telemetry(tmp_path: Path) -> None:
+    loop = asyncio.new_event_loop()
+    rig = EdgeRig(loop, tmp_path / "edge.db")  # nothing to offload to: every job runs here
+    try:
+        agent = rig.start()
+        agent.service_times.observe("defect-v1", SERVICE_S)
+        assert agent.telemetry().prediction is None  # nothing has run yet
+        start = rig.clock.now
+        rig.submit("p1", correlation=b"p1")  # predicted to finish at start + SERVICE_S
+        rig.settle(compute=False)
+        rig.clock.now = start + SERVICE_S + 0.2  # it finishes 200 ms later than that
+        rig.settle()
+        figures = agent.telemetry().prediction
+        assert figures is not None
+        assert figures.n == 1
+        assert figures.bias_ms == pytest.approx(200.0, abs=1.0)
+        assert figures.p50_ms == pytest.approx(200.0, abs=1.0)
+    finally:
+        rig.stop()
+        loop.close()
