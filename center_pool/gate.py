@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from center_pool.intake import (
     POLICY_MISSING,
-    Refusal,
     Work,
+    WorkRefusal,
     check_token,
     read_work,
     refuse,
@@ -48,7 +48,7 @@ class Passed:
 class Stopped:
     """Refused at the gate; ``audit`` is False only for refusals that judge no token."""
 
-    refusal: Refusal
+    refusal: WorkRefusal
     work: Work | None
     audit: bool
 
@@ -96,7 +96,7 @@ class Gate:
         verdicts: list[Passed | Stopped] = []
         for msg, received in chunk:
             work = read_work(msg, limits=self._limits, now=received, worker_id=self.worker_id)
-            if isinstance(work, Refusal):
+            if isinstance(work, WorkRefusal):
                 verdicts.append(Stopped(work, None, audit=True))
             elif not accepting:
                 reason = f"worker {self.worker_id} is shutting down; ask for a new placement"
@@ -106,7 +106,7 @@ class Gate:
                 verdicts.append(Stopped(refusal, work, audit=True))
             else:
                 claims = check_token(work, policy, now=now, worker_id=self.worker_id)
-                if isinstance(claims, Refusal):
+                if isinstance(claims, WorkRefusal):
                     verdicts.append(Stopped(claims, work, audit=True))
                 else:
                     verdicts.append(Passed(work, claims))
@@ -125,7 +125,9 @@ class Gate:
                 if refusal is not None:
                     verdicts[index] = Stopped(refusal, verdicts[index].work, audit=True)
 
-    async def _claim(self, policy: Policy, verdict: Passed | Stopped, now: float) -> Refusal | None:
+    async def _claim(
+        self, policy: Policy, verdict: Passed | Stopped, now: float
+    ) -> WorkRefusal | None:
         assert isinstance(verdict, Passed)
         work = verdict.work
         try:

@@ -60,7 +60,7 @@ class Work:
 
 
 @dataclass(frozen=True, slots=True)
-class Refusal:
+class WorkRefusal:
     """A work message that will not run; ``token_passed`` says whether it was placed here."""
 
     job_id: str
@@ -93,9 +93,9 @@ class WorkItem:
     deadline: float | None
 
 
-def refuse(work: Work, code: str, reason: str, *, token_passed: bool = False) -> Refusal:
+def refuse(work: Work, code: str, reason: str, *, token_passed: bool = False) -> WorkRefusal:
     status: Literal["rejected", "expired"] = "expired" if code == "expired" else "rejected"
-    return Refusal(
+    return WorkRefusal(
         work.job_id,
         status,
         code,
@@ -109,7 +109,7 @@ def refuse(work: Work, code: str, reason: str, *, token_passed: bool = False) ->
     )
 
 
-def read_work(msg: Message, *, limits: Limits, now: float, worker_id: str) -> Work | Refusal:
+def read_work(msg: Message, *, limits: Limits, now: float, worker_id: str) -> Work | WorkRefusal:
     """Step 1: what the token is checked against; never raises for bad input."""
     props: dict[str, str] = {}
     for name, value in msg.user_properties:  # the first of a repeated property counts
@@ -193,7 +193,7 @@ def _attempt(raw: str | None) -> int | None:
 
 def check_token(
     work: Work, policy: Policy, *, now: float, worker_id: str
-) -> PlacementClaims | Refusal:
+) -> PlacementClaims | WorkRefusal:
     """Step 2: the placement token against the policy, this worker and the payload's hash;
     the origin is the sending edge's zone in the policy."""
     entry = policy.edge(work.edge_id) if work.edge_id is not None else None
@@ -219,7 +219,7 @@ def check_token(
         return refuse(work, exc.reason, f"placement token refused by worker {worker_id}: {exc}")
 
 
-def _number(work: Work, name: str, accepts: str, *, least: float) -> float | Refusal | None:
+def _number(work: Work, name: str, accepts: str, *, least: float) -> float | WorkRefusal | None:
     raw = work.prop(name)
     if raw is None:
         return None
@@ -240,10 +240,10 @@ def admit_work(
     models: Collection[str],
     limits: Limits,
     now: float,
-) -> WorkItem | Refusal:
+) -> WorkItem | WorkRefusal:
     """Step 3, after the token (and replay) passed: model, deadline, priority, image header."""
 
-    def reject(code: str, reason: str) -> Refusal:
+    def reject(code: str, reason: str) -> WorkRefusal:
         return refuse(work, code, reason, token_passed=True)
 
     assert work.edge_id is not None  # read_work refused the message otherwise
@@ -254,7 +254,7 @@ def admit_work(
     priority = _number(
         work, topics.PROP_PRIORITY, "an integer 0 (lowest) to 9 (highest)", least=0.0
     )
-    if isinstance(priority, Refusal):
+    if isinstance(priority, WorkRefusal):
         return priority
     if priority is not None and (priority != int(priority) or priority > 9):
         return reject(
@@ -265,7 +265,7 @@ def admit_work(
     deadline_ms = _number(
         work, topics.PROP_DEADLINE_AT, "unix time in milliseconds, > 0", least=1.0
     )
-    if isinstance(deadline_ms, Refusal):
+    if isinstance(deadline_ms, WorkRefusal):
         return deadline_ms
     info = inspect_payload(
         work.payload, work.content_type, max_pixels=limits.max_pixels, max_side=limits.max_side

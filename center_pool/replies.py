@@ -19,7 +19,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 
-from center_pool.intake import Refusal
+from center_pool.intake import WorkRefusal
 from sluicegate import topics, wire
 from sluicegate.config import PoolSettings
 from sluicegate.transport import Transport
@@ -28,7 +28,7 @@ from sluicegate.wire_pool import Completion
 log = logging.getLogger(__name__)
 
 
-class Outbox:
+class Replies:
     """Results and completion records of one worker, counted by status."""
 
     def __init__(
@@ -112,7 +112,7 @@ class Outbox:
         )
         self._publish(topics.completion(self._settings.id), wire.dump(record), None, job_id)
 
-    def refusal(self, refusal: Refusal) -> None:
+    def refusal(self, refusal: WorkRefusal) -> None:
         """Answer a refused job, and tell the broker if it had been placed here."""
         elapsed = (self._clock() - refusal.received_at) * 1000.0
         self.result(

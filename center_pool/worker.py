@@ -7,7 +7,7 @@ audited, and the worker keeps serving. Admitted jobs wait in the pure
 :class:`~center_pool.batching.BatchQueue`; a loop-side dispatcher hands each ready batch to a
 bounded thread pool (OpenCV and ONNX Runtime release the GIL) and takes the outcome back with
 ``call_soon_threadsafe``. Results (back to the edge that placed each job, never to the app)
-and completion records go out through the :class:`~center_pool.outbox.Outbox`. Capabilities
+and completion records go out through the :class:`~center_pool.replies.Replies`. Capabilities
 and status are retained (re-published on reconnect, offline as Last Will); telemetry goes
 out every interval. It must never block the loop on compute or I/O, and never let one bad
 message stop it serving the others.
@@ -30,8 +30,8 @@ from center_pool.execution import BatchRun, ItemRun, run_batch
 from center_pool.gate import Gate, Passed, Stopped, audit_data
 from center_pool.guard import POLICY_ACCEPTED, REFUSED, AuditSink, check_cancelled
 from center_pool.hardware import Probe
-from center_pool.intake import Refusal, Work, WorkItem, admit_work, refuse
-from center_pool.outbox import Outbox
+from center_pool.intake import Work, WorkItem, WorkRefusal, admit_work, refuse
+from center_pool.replies import Replies
 from policies import PlacementClaims, Policy
 from policies.replay import AsyncReplayCache
 from sluicegate import topics, wire
@@ -74,7 +74,7 @@ class PoolWorker:
         self._clock = clock
         self._limits = Limits(settings.max_payload_bytes, settings.max_pixels, settings.max_side)
         self._gate = Gate(settings.id, feed, replay, self._limits, clock)
-        self.outbox = Outbox(settings, transport, clock)
+        self.replies = Replies(settings, transport, clock)
         self._queue: BatchQueue[WorkItem] = BatchQueue(
             max_batch=settings.max_batch,
             window_s=settings.batch_window_ms / 1000.0,
@@ -105,7 +105,7 @@ class PoolWorker:
 
     @property
     def results(self) -> Counter[str]:
-        return self.outbox.results
+        return self.replies.results
 
     # -- intake: loop side, token before anything else ------------------------------------------
 
@@ -142,7 +142,7 @@ class PoolWorker:
     def _admit(self, work: Work, claims: PlacementClaims) -> None:
         now = self._clock()
         item = admit_work(work, claims, models=self._models, limits=self._limits, now=now)
-        if isinstance(item, Refusal):
+        if isinstance(item, WorkRefusal):
             self._refuse(Stopped(item, work, audit=False))
             return
         start_by = None
@@ -164,7 +164,7 @@ class PoolWorker:
         log.info("refused job %s [%s]: %s", refusal.job_id, refusal.code, refusal.reason)
         if stopped.audit:
             self.audit.submit(REFUSED, audit_data(stopped, self.settings.id), now=self._clock())
-        self.outbox.refusal(refusal)
+        self.replies.refusal(refusal)
 
     # -- execution: ready batches to the thread pool and back -----------------------------------
 
@@ -238,7 +238,7 @@ class PoolWorker:
             status: wire.Status = "ok" if part.outputs is not None else "failed"
             if part.code == "bad_image":
                 status = "rejected"
-            self.outbox.result(
+            self.replies.result(
                 item.job_id,
                 item.edge_id,
                 item.attempt,
@@ -251,7 +251,7 @@ class PoolWorker:
                 outputs=(wire.outputs_of(part.outputs) if part.outputs is not None else None),
             )
             service_ms = part.decode_ms + part.preprocess_ms + run.inference_ms
-            self.outbox.completion(
+            self.replies.completion(
                 item.job_id,
                 status,
                 item.model,
@@ -267,7 +267,7 @@ class PoolWorker:
         assert item.deadline is not None
         late = (now - item.deadline) * 1000.0
         queue_ms = (now - item.received_at) * 1000.0
-        self.outbox.result(
+        self.replies.result(
             item.job_id,
             item.edge_id,
             item.attempt,
@@ -278,7 +278,7 @@ class PoolWorker:
             reason=f"the deadline passed {late:.0f} ms before the job could start; not run",
             timings=wire.Timings(queue_ms=round(queue_ms, 3), total_ms=round(queue_ms, 3)),
         )
-        self.outbox.completion(
+        self.replies.completion(
             item.job_id,
             "expired",
             item.model,

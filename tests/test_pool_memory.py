@@ -182,7 +182,7 @@ async def test_work_on_a_topic_naming_no_edge_is_refused_counted_and_audited(
     after = await pool.result_for(pool.send(WorkSpec(job_id="after", token="")))
     assert after["code"] == "token.missing"
     assert pool.worker.refused["no_edge_id"] == 2
-    assert pool.worker.outbox.unreturned == 2
+    assert pool.worker.replies.unreturned == 2
     assert pool.worker.decode_attempts == 0
     assert not [m for m in pool.broker.log if m.correlation_data == refused.correlation_data]
     await pool.worker.audit.flush(5)

@@ -18,7 +18,7 @@ from center_pool.hardware import (
     open_probe,
     select_providers,
 )
-from center_pool.intake import Limits, Refusal, Work, admit_work, check_token, read_work
+from center_pool.intake import Limits, Work, WorkRefusal, admit_work, check_token, read_work
 from policies import PlacementClaims
 from sluicegate import topics
 from sluicegate.config import PoolSettings
@@ -30,7 +30,7 @@ LIMITS = Limits(max_payload_bytes=1 << 20, max_pixels=4_000_000, max_side=4000)
 MODELS = frozenset({"defect-v1"})
 
 
-def _read(spec: WorkSpec) -> Work | Refusal:
+def _read(spec: WorkSpec) -> Work | WorkRefusal:
     return read_work(spec.message(), limits=LIMITS, now=NOW, worker_id=WORKER)
 
 
@@ -77,7 +77,7 @@ def test_read_work_refuses_before_the_token_is_checked(
         props = tuple((k, v) for k, v in msg.user_properties if k != "job-id")
         msg = replace(msg, user_properties=props)
     work = read_work(msg, limits=LIMITS, now=NOW, worker_id=WORKER)
-    assert isinstance(work, Refusal)
+    assert isinstance(work, WorkRefusal)
     assert (work.code, work.token_passed, work.received_at) == (code, False, NOW)
 
 
@@ -97,13 +97,13 @@ def test_a_refusal_goes_back_to_the_edge_that_sent_it_with_its_attempt(
     edge: str, named: str | None, attempt: str | None, returned_to: tuple[str | None, int]
 ) -> None:
     got = _read(WorkSpec(job_id="j", token="", edge=edge, edge_property=named, attempt=attempt))
-    assert isinstance(got, Refusal)
+    assert isinstance(got, WorkRefusal)
     assert (got.edge_id, got.attempt) == returned_to
 
 
 def test_work_on_a_topic_that_names_no_edge_is_refused_saying_where_work_goes() -> None:
     got = _read(WorkSpec(job_id="j", token="x", edge=""))
-    assert isinstance(got, Refusal)
+    assert isinstance(got, WorkRefusal)
     assert "names no edge" in got.reason
     assert topics.pool_work("<zone>", WORKER, "<edge id>") in got.reason
     assert "edge agent" in got.reason
@@ -111,7 +111,7 @@ def test_work_on_a_topic_that_names_no_edge_is_refused_saying_where_work_goes() 
 
 def test_an_edge_id_property_naming_another_edge_is_refused_naming_both() -> None:
     got = _read(WorkSpec(job_id="j", token="x", edge_property="south-l1-pc"))
-    assert isinstance(got, Refusal)
+    assert isinstance(got, WorkRefusal)
     assert (got.code, got.token_passed) == ("edge.id_mismatch", False)
     assert "'south-l1-pc'" in got.reason
     assert "'north-l1-pc'" in got.reason
@@ -156,7 +156,7 @@ def test_check_token_names_the_token_problem(spec: WorkSpec, now: float, code: s
     work = _read(spec)
     assert isinstance(work, Work)
     verdict = check_token(work, POLICY, now=now, worker_id=WORKER)
-    assert isinstance(verdict, Refusal)
+    assert isinstance(verdict, WorkRefusal)
     assert verdict.code == code, verdict.reason
     assert WORKER in verdict.reason
 
@@ -165,7 +165,7 @@ def test_an_edge_the_policy_does_not_list_is_refused_before_its_token_is_read() 
     work = _read(_spec(edge="ghost-pc", token="AAAA"))  # a token that would not parse
     assert isinstance(work, Work)
     verdict = check_token(work, POLICY, now=NOW, worker_id=WORKER)
-    assert isinstance(verdict, Refusal)
+    assert isinstance(verdict, WorkRefusal)
     assert (verdict.code, verdict.edge_id, verdict.token_passed) == (
         "edge.not_in_policy",
         "ghost-pc",
@@ -186,7 +186,7 @@ def test_a_non_image_with_a_valid_token_passes_the_token_and_fails_the_header() 
     payload = b"%PDF-1.7 certainly not an image"
     work, claims = _through_token(_spec(payload=payload, token=token("job-1", payload, now=NOW)))
     item = admit_work(work, claims, models=MODELS, limits=LIMITS, now=NOW)
-    assert isinstance(item, Refusal)
+    assert isinstance(item, WorkRefusal)
     assert (item.code, item.token_passed) == ("bad_image", True)
 
 
@@ -212,7 +212,7 @@ def test_a_non_image_with_a_valid_token_passes_the_token_and_fails_the_header() 
 def test_admit_work_after_the_token(spec: WorkSpec, code: str) -> None:
     work, claims = _through_token(spec)
     item = admit_work(work, claims, models=MODELS, limits=LIMITS, now=NOW)
-    assert isinstance(item, Refusal)
+    assert isinstance(item, WorkRefusal)
     assert item.code == code, item.reason
     assert item.status == ("expired" if code == "expired" else "rejected")
 
@@ -220,7 +220,7 @@ def test_admit_work_after_the_token(spec: WorkSpec, code: str) -> None:
 def test_admit_work_takes_class_and_origin_from_the_verified_claims() -> None:
     work, claims = _through_token(_spec(priority=0, deadline_at_ms=(NOW + 5) * 1000))
     item = admit_work(work, claims, models=MODELS, limits=LIMITS, now=NOW)
-    assert not isinstance(item, Refusal)
+    assert not isinstance(item, WorkRefusal)
     assert (item.priority, item.deadline) == (0, NOW + 5)
     assert (item.data_class, item.origin_zone, item.edge_id, item.attempt) == (
         claims.data_class,
@@ -233,7 +233,7 @@ def test_admit_work_takes_class_and_origin_from_the_verified_claims() -> None:
 def test_admit_work_keeps_the_attempt_of_the_work_message() -> None:
     work, claims = _through_token(_spec(attempt="4"))
     item = admit_work(work, claims, models=MODELS, limits=LIMITS, now=NOW)
-    assert not isinstance(item, Refusal)
+    assert not isinstance(item, WorkRefusal)
     assert (item.edge_id, item.attempt) == ("north-l1-pc", 4)
 
 
