@@ -12,9 +12,9 @@ mostly meets; 1% ask for a model nobody has.
 
 Measured, each as subject vs baseline on the same requests, alternating:
 
-- decision latency: ``broker.placement.decide`` vs ``scan`` (the same rules over all
+- decision latency: ``broker.core.placement.decide`` vs ``scan`` (the same rules over all
   workers, reading the same precomputed per-worker figures; the best a plain O(n)
-  implementation could do) and vs ``broker.reference.decide_reference`` (the full
+  implementation could do) and vs ``broker.core.reference.decide_reference`` (the full
   specification, recomputed from scratch, sampled less often);
 - throughput: decide + local reserve + release, and the same while ingesting telemetry
   from every worker once per second of simulated time.
@@ -43,12 +43,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from broker.decision import Decision, Placed
-from broker.fleet import Fleet
-from broker.params import FleetParams, PlacementParams
-from broker.placement import decide
-from broker.reference import decide_reference
-from broker.scoring import SUBHEALTHY, link_class, transfer_costs
+from broker.core.decision import Decision, Placed
+from broker.core.fleet import Fleet
+from broker.core.params import FleetParams, PlacementParams
+from broker.core.placement import decide
+from broker.core.reference import decide_reference
+from broker.core.scoring import SUBHEALTHY, link_class, transfer_costs
 from policies.evaluate import allowed
 from policies.keys import SigningKey
 from policies.loader import parse_policy

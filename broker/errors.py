@@ -1,6 +1,6 @@
 """Errors of the campus broker.
 
-The placement core refuses jobs with :class:`~broker.placement.Refused` values, never with
+The placement core refuses jobs with :class:`~broker.core.placement.Refused` values, never with
 exceptions: a refusal is an answer, not a failure. Exceptions here are for a caller that
 misuses the core (an unknown worker id, parameters out of range), and each message names
 the bad value and what would be accepted.

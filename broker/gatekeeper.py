@@ -1,4 +1,4 @@
-"""The broker's checks of who is speaking, carried out: ``broker.identity``'s verdicts on
+"""The broker's checks of who is speaking, carried out: ``broker.core.identity``'s verdicts on
 each message, against the policy held now, counted and audited.
 
 Every refusal is counted by code (``sluicegate_identity_refusals_total``); one of a node's
@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from broker.core.identity import IdentityRefusal, edge_origin, same_sender, worker_standing
 from broker.decision_audit import DecisionAudit, encode
-from broker.identity import Refusal, edge_origin, same_sender, worker_standing
 from broker.metrics import BrokerMetrics
 from policies import Policy
 from sluicegate import topics
@@ -34,11 +34,11 @@ class Gatekeeper:
         self._audit = audit
         self._audited: set[tuple[str, str, bytes]] = set()
 
-    def origin(self, policy: Policy, edge_id: str, claimed: str) -> str | Refusal:
+    def origin(self, policy: Policy, edge_id: str, claimed: str) -> str | IdentityRefusal:
         """The origin zone of a request on ``edge_id``'s topic naming ``claimed``, or the
         refusal to answer it with (counted)."""
         origin = edge_origin(policy, edge_id, claimed)
-        if isinstance(origin, Refusal):
+        if isinstance(origin, IdentityRefusal):
             self._metrics.identity_refusals.labels(origin.code).inc()
         return origin
 
@@ -62,7 +62,9 @@ class Gatekeeper:
             self.refuse(sender, role, refusal, self._policy())
         return refusal is None
 
-    def refuse(self, sender: str, kind: str, refusal: Refusal, policy: Policy | None) -> None:
+    def refuse(
+        self, sender: str, kind: str, refusal: IdentityRefusal, policy: Policy | None
+    ) -> None:
         self._metrics.identity_refusals.labels(refusal.code).inc()
         seen = (sender, refusal.code, policy.digest if policy is not None else b"")
         if seen in self._audited:

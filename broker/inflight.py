@@ -13,7 +13,7 @@ in-flight set in one atomic step, counts the crash on each job that the worker s
 at its current attempt and marks that attempt lost, so a second claim — another replica
 that saw the same Last Will, or the same replica's silence sweep — finds nothing to do.
 The scripts touch keys named from :data:`keys.INFLIGHT_PREFIX` inside Redis, so they need
-one Redis (or Sentinel), not Redis Cluster. Decisions are ``broker.recovery``'s, not here.
+one Redis (or Sentinel), not Redis Cluster. Decisions are ``broker.core.recovery``'s, not here.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
 from broker import keys
+from broker.core.recovery import Current, LostJob
 from broker.lua import Lua, check_cancelled, execute
-from broker.recovery import Current, LostJob
 from broker.store import BrokerStore
 
 DEAD_LETTER_KEEP_S = 7 * 24 * 3600  # a dead letter stays listed and readable this long

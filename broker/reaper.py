@@ -5,9 +5,9 @@ A worker's Last Will arrives through :meth:`Reaper.worker_gone`; silence is foun
 every interval over the workers that hold jobs in flight campus-wide (``broker.inflight``),
 so a restarted replica, or one that never placed those jobs, still finds them. For each
 dead worker the atomic claim hands the jobs to exactly one replica, which asks
-:func:`broker.recovery.after_death` what to do and tells each job's edge
+:func:`broker.core.recovery.after_death` what to do and tells each job's edge
 (``topics.edge_notices``, QoS 1): place it again, or stop (dead letter). Each completion is
-fenced by :func:`broker.recovery.judge_completion` against the job's record. Every outcome
+fenced by :func:`broker.core.recovery.judge_completion` against the job's record. Every outcome
 is counted, written to the job's record and audited. The edge also re-offers a job whose
 result does not come back in time, which covers a replica that dies between its claim and
 its notices. It never decides a placement.
@@ -22,12 +22,8 @@ from functools import partial
 from typing import Any
 
 from broker import keys
-from broker.decision_audit import DecisionAudit, encode
-from broker.fleet import Fleet
-from broker.inflight import InflightStore
-from broker.lua import check_cancelled
-from broker.metrics import BrokerMetrics
-from broker.recovery import (
+from broker.core.fleet import Fleet
+from broker.core.recovery import (
     Cause,
     Current,
     Notify,
@@ -35,6 +31,10 @@ from broker.recovery import (
     judge_completion,
     worker_gone,
 )
+from broker.decision_audit import DecisionAudit, encode
+from broker.inflight import InflightStore
+from broker.lua import check_cancelled
+from broker.metrics import BrokerMetrics
 from broker.reservations import RELEASE
 from broker.store import BrokerStore
 from sluicegate import topics, wire

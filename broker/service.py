@@ -1,6 +1,6 @@
 """The campus broker's asyncio shell: MQTT and Redis in, the placement core, tokens out.
 
-It feeds the pure :class:`~broker.fleet.Fleet` from worker capabilities, telemetry, status
+It feeds the pure :class:`~broker.core.fleet.Fleet` from worker capabilities, telemetry, status
 and completion records; answers each placement request (job metadata and the image's hash,
 never the image) with a signed token or a refusal that says why; and keeps what other
 replicas and a restart need in Redis: atomic reservations, each placement in flight (edge,
@@ -9,7 +9,10 @@ explanation; a placement its edge hands back unused frees its slot at once. Requ
 decided in batches — whatever arrived while the previous batch was in Redis — so a burst
 costs one round trip. What happens to a placed job afterwards (its worker dies, a stale
 completion) is the :class:`~broker.reaper.Reaper`'s. Every decision is written to the
-signed, hash-chained audit log. It decides nothing itself.
+signed, hash-chained audit log. It decides nothing itself: placements are the core's
+(``broker.core.placement``), and how long a request waits, how long a reservation holds,
+whether to decide again after another replica won the slot and the arrival rate are
+``broker.core.service_rules``.
 """
 
 from __future__ import annotations
@@ -26,17 +29,18 @@ from typing import Any, Literal, TypeVar
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ValidationError
 
-from broker.decision import Decision, Placed, as_record
+from broker.core import service_rules
+from broker.core.decision import Decision, Placed, as_record
+from broker.core.demand import PoolDemand, pool_demand
+from broker.core.fleet import Fleet
+from broker.core.identity import IdentityRefusal
+from broker.core.mlfq import MLFQ, Waiting
+from broker.core.params import FleetParams, PlacementParams, ServiceParams
+from broker.core.placement import decide
 from broker.decision_audit import DecisionAudit, encode
-from broker.demand import PoolDemand, pool_demand
-from broker.fleet import Fleet
 from broker.gatekeeper import Gatekeeper
-from broker.identity import Refusal
 from broker.inflight import InflightStore
 from broker.metrics import BrokerMetrics
-from broker.mlfq import MLFQ, Waiting
-from broker.params import FleetParams, PlacementParams
-from broker.placement import decide
 from broker.reaper import Reaper
 from broker.reservations import Hold, Reservations
 from broker.store import BrokerStore
@@ -57,7 +61,6 @@ from sluicegate.wire_pool import (
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
-MAX_ATTEMPTS = 3  # decisions per request when another replica took the chosen slot
 WAIT_TICK_S = 0.005  # how often waiting requests are looked at when nothing else happens
 
 
@@ -98,6 +101,7 @@ class Broker:
         self._clock = clock
         self.fleet = Fleet(FleetParams.from_settings(settings), requirements or {})
         self.params = PlacementParams.from_settings(settings)
+        self.service_params = ServiceParams()
         self.reservations = Reservations(
             redis, inflight_margin_ms=int(settings.inflight_margin_s * 1000)
         )
@@ -150,7 +154,7 @@ class Broker:
             self._answer(item, None, "no_policy", "the broker holds no verified policy")
             return
         origin = self.gate.origin(policy, edge_id, request.edge_id)
-        if isinstance(origin, Refusal):
+        if isinstance(origin, IdentityRefusal):
             self._answer(item, None, origin.code, origin.reason)
             return
         if request.origin_zone != origin:
@@ -223,9 +227,11 @@ class Broker:
     async def _place_batch(self, batch: list[_Pending]) -> None:
         policy = self._policy()
         todo = batch
-        for _attempt in range(MAX_ATTEMPTS):
-            if not todo:
-                return
+        decisions = 0
+        while todo:
+            if decisions and not service_rules.decide_again(decisions, self.service_params):
+                break
+            decisions += 1
             now = self._clock()
             placed: list[tuple[_Pending, Placed]] = []
             for item in todo:
@@ -265,12 +271,15 @@ class Broker:
     def _wait(self, item: _Pending, now: float) -> bool:
         """Hold a request that found no room, if the edge waits long enough; True if held."""
         req = item.request
-        bound_s = min(self.settings.max_wait_ms, req.max_wait_ms) / 1000.0
         since = item.waiting_since if item.waiting_since is not None else now
-        answer_by = since + bound_s
-        if req.deadline_at is not None:
-            answer_by = min(answer_by, req.deadline_at)
-        if bound_s <= 0 or answer_by <= now:
+        answer_by = service_rules.answer_by(
+            since,
+            now,
+            broker_max_wait_ms=self.settings.max_wait_ms,
+            edge_max_wait_ms=req.max_wait_ms,
+            deadline_at=req.deadline_at,
+        )
+        if answer_by is None:
             return False
         item.waiting_since = since
         held = self.waiting.push(Waiting(req.job_id, req.priority, answer_by, since, item), now)
@@ -307,10 +316,13 @@ class Broker:
         state = self.fleet.state(decision.worker_id)
         latest = state.latest if state is not None else None
         capacity = latest.capacity if latest is not None else 1
-        horizon = self.settings.token_ttl_s
-        if request.deadline_at is not None:
-            horizon = max(horizon, request.deadline_at - now)
-        until_ms = int((now + horizon + 5.0) * 1000)
+        until = service_rules.reservation_until(
+            now,
+            token_ttl_s=self.settings.token_ttl_s,
+            deadline_at=request.deadline_at,
+            params=self.service_params,
+        )
+        until_ms = int(until * 1000)
         return Hold(
             decision.worker_id,
             request.job_id,
@@ -428,7 +440,8 @@ class Broker:
             tick = min(interval, 1.0)
             for pool in set(self.arrivals) | set(self._placed_by_pool):
                 rate = self._placed_by_pool.get(pool, 0) / tick
-                self.arrivals[pool] = 0.7 * self.arrivals.get(pool, rate) + 0.3 * rate
+                previous = self.arrivals.get(pool)
+                self.arrivals[pool] = service_rules.arrivals(previous, rate, self.service_params)
             self._placed_by_pool.clear()
             self.store.flush_nodes()
 

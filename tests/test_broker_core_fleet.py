@@ -8,15 +8,15 @@ import math
 
 import pytest
 
-from broker.decision import Placed
-from broker.demand import pool_demand
+from broker.core.decision import Placed
+from broker.core.demand import pool_demand
+from broker.core.fleet import Fleet
+from broker.core.forecast import forecast, predict, trend
+from broker.core.params import FleetParams, PlacementParams
+from broker.core.placement import decide
+from broker.core.service_model import ServiceModel
+from broker.core.state import TelemetrySample
 from broker.errors import InvalidParams, UnknownWorker
-from broker.fleet import Fleet
-from broker.forecast import forecast, predict, trend
-from broker.params import FleetParams, PlacementParams
-from broker.placement import decide
-from broker.service_model import ServiceModel
-from broker.state import TelemetrySample
 from sluicegate.config import BrokerSettings
 from sluicegate.vision.manifest import Requirements
 from tests.test_broker_core_kit import (

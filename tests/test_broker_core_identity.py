@@ -1,4 +1,4 @@
-"""Pure tier: who is speaking, as the broker decides it (``broker.identity``).
+"""Pure tier: who is speaking, as the broker decides it (``broker.core.identity``).
 
 The sender comes from the topic; these tables check it against the policy: an edge's origin
 zone is its policy entry's, a worker is placed on only as the policy lists it, and a
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker.identity import Refusal, edge_origin, same_sender, worker_standing
+from broker.core.identity import IdentityRefusal, edge_origin, same_sender, worker_standing
 from tests.test_broker_core_kit import CLOUD, N1, NDC, SDC, campus_policy
 
 POLICY = campus_policy({NDC: ["gpu-1"], SDC: ["npu-1"], CLOUD: ["cloud-1"]})
@@ -29,16 +29,16 @@ def test_an_edges_origin_is_its_policy_entrys_zone(
     sender: str, claimed: str, expected: str
 ) -> None:
     got = edge_origin(POLICY, sender, claimed)
-    assert (got.code if isinstance(got, Refusal) else got) == expected
+    assert (got.code if isinstance(got, IdentityRefusal) else got) == expected
 
 
 def test_an_edge_refusal_names_who_sent_and_who_was_named() -> None:
     mismatch = edge_origin(POLICY, EDGE, "south-l1-pc")
-    assert isinstance(mismatch, Refusal)
+    assert isinstance(mismatch, IdentityRefusal)
     assert "'south-l1-pc'" in mismatch.reason
     assert f"{EDGE!r}" in mismatch.reason
     unlisted = edge_origin(POLICY, "ghost-pc", "ghost-pc")
-    assert isinstance(unlisted, Refusal)
+    assert isinstance(unlisted, IdentityRefusal)
     assert f"v{POLICY.version}" in unlisted.reason
     assert "add-node" in unlisted.reason
 

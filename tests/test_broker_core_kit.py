@@ -9,8 +9,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from broker.fleet import Fleet
-from broker.params import FleetParams, PlacementParams
+from broker.core.fleet import Fleet
+from broker.core.params import FleetParams, PlacementParams
 from policies.model import Policy
 from sluicegate.vision.manifest import Requirements
 from sluicegate.wire import ModelLoad

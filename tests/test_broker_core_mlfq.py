@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from broker.core.mlfq import MLFQ, Waiting
 from broker.errors import InvalidParams
-from broker.mlfq import MLFQ, Waiting
 
 T0 = 1_000.0
 

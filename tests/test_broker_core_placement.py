@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
-from broker.decision import Placed, Refused, as_record
-from broker.params import FleetParams
-from broker.placement import decide
-from broker.reference import decide_reference
+from broker.core.decision import Placed, Refused, as_record
+from broker.core.params import FleetParams
+from broker.core.placement import decide
+from broker.core.reference import decide_reference
 from sluicegate.vision.manifest import Requirements
 from sluicegate.wire_pool import WorkerCapabilities
 from tests.test_broker_core_kit import (

@@ -17,11 +17,11 @@ from typing import Any
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from broker.decision import Decision
-from broker.fleet import Fleet
-from broker.params import FleetParams, PlacementParams
-from broker.placement import decide
-from broker.reference import decide_reference
+from broker.core.decision import Decision
+from broker.core.fleet import Fleet
+from broker.core.params import FleetParams, PlacementParams
+from broker.core.placement import decide
+from broker.core.reference import decide_reference
 from sluicegate.vision.manifest import Requirements
 from tests.test_broker_core_kit import (
     NOW,

@@ -1,7 +1,7 @@
 """No job lost, none looping for ever: what the broker does when a worker dies holding jobs,
 and with completions of attempts that are no longer current.
 
-Three tiers: the pure decisions of ``broker.recovery`` as tables; the Redis scripts of
+Three tiers: the pure decisions of ``broker.core.recovery`` as tables; the Redis scripts of
 ``broker.reservations`` / ``broker.inflight`` against a real redis-server; and brokers as real
 processes (``sluicegate broker run``) against real Mosquitto and Redis, with workers played by
 MQTT clients that carry a Last Will and can vanish without a DISCONNECT.
@@ -35,14 +35,14 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from broker import keys
-from broker.inflight import CLAIM, InflightStore
-from broker.recovery import (
+from broker.core.recovery import (
     Current,
     LostJob,
     after_death,
     judge_completion,
     worker_gone,
 )
+from broker.inflight import CLAIM, InflightStore
 from broker.reservations import Hold, Reservations
 from broker.store import BrokerStore
 from policies.audit import decode_record
@@ -65,7 +65,7 @@ from tests.support import PlainClient, list_brokers, sluicegate_cmd
 
 NOW = 1_800_000_000.0
 
-# -- pure tier: broker.recovery -------------------------------------------------------------
+# -- pure tier: broker.core.recovery -------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

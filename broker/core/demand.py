@@ -15,10 +15,10 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from broker import forecast as fc
+from broker.core import forecast as fc
+from broker.core.fleet import Fleet
+from broker.core.state import WorkerState
 from broker.errors import InvalidParams
-from broker.fleet import Fleet
-from broker.state import WorkerState
 from policies.model import Policy
 
 

@@ -1,7 +1,7 @@
 """From scored candidates and filter counts to a decision, with reasons in words.
 
-Both the fast path (``broker.placement``) and the brute-force reference
-(``broker.reference``) end here, so they cannot disagree on the acceptance rule, the
+Both the fast path (``broker.core.placement``) and the brute-force reference
+(``broker.core.reference``) end here, so they cannot disagree on the acceptance rule, the
 refusal codes or their sentences. The rules, in order:
 
 1. a best candidate exists: placed if its predicted completion meets the deadline or beats
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from broker.decision import Candidate, Candidates, Decision, Placed, Refused, Summary
-from broker.scoring import Need
+from broker.core.decision import Candidate, Candidates, Decision, Placed, Refused, Summary
+from broker.core.scoring import Need
 from policies.model import Policy, Verdict
 from sluicegate.wire_pool import PlacementRequest
 

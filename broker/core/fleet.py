@@ -34,13 +34,13 @@ import heapq
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from broker import forecast as fc
+from broker.core import forecast as fc
+from broker.core.index import PlacementIndex
+from broker.core.params import FleetParams
+from broker.core.scoring import STATUS_NAMES, needs_of
+from broker.core.service_model import ServiceModel
+from broker.core.state import Capabilities, TelemetrySample, WorkerState
 from broker.errors import UnknownWorker
-from broker.index import PlacementIndex
-from broker.params import FleetParams
-from broker.scoring import STATUS_NAMES, needs_of
-from broker.service_model import ServiceModel
-from broker.state import Capabilities, TelemetrySample, WorkerState
 from policies.model import Policy
 from policies.subhealth import HealthVerdict
 from sluicegate.vision.manifest import Requirements

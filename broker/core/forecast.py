@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from broker.params import FleetParams
-from broker.state import TelemetrySample
+from broker.core.params import FleetParams
+from broker.core.state import TelemetrySample
 
 
 @dataclass(frozen=True, slots=True)

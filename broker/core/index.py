@@ -14,8 +14,8 @@ that holds one bucket's workers. A *route* caches, per (data class, origin zone,
 the buckets the policy allows, grouped by link and device class, and the ones it denies;
 it is rebuilt when a bucket appears or the policy changes.
 
-Mutable, but pure: no clock, no I/O. Only ``broker.fleet`` writes to it and only
-``broker.placement`` reads routes and heads; it must never decide anything itself.
+Mutable, but pure: no clock, no I/O. Only ``broker.core.fleet`` writes to it and only
+``broker.core.placement`` reads routes and heads; it must never decide anything itself.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import math
 from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 
-from broker import forecast
-from broker.decision import Summary
-from broker.params import FleetParams
-from broker.scoring import (
+from broker.core import forecast
+from broker.core.decision import Summary
+from broker.core.params import FleetParams
+from broker.core.scoring import (
     NO_NEEDS,
     OFFLINE,
     OK,
@@ -37,7 +37,7 @@ from broker.scoring import (
     link_class,
     load_key,
 )
-from broker.state import Capabilities, TelemetrySample, WorkerState
+from broker.core.state import Capabilities, TelemetrySample, WorkerState
 from policies.evaluate import allowed
 from policies.model import Policy, Verdict
 from policies.subhealth import HealthVerdict, is_subhealthy
@@ -154,7 +154,7 @@ class PlacementIndex:
         self.epoch = 0  # bumps when any worker's status for any model changes
         self.routes: dict[tuple[str, str, str], Route] = {}
 
-    # -- writes (from broker.fleet) -------------------------------------------------------
+    # -- writes (from broker.core.fleet) -------------------------------------------------------
 
     def reset(self, policy: Policy | None, needs: dict[str, Need]) -> None:
         """Forget every slot and bucket (the fleet then re-adds each worker)."""
@@ -282,7 +282,7 @@ class PlacementIndex:
             slot.zone_counted = zone_counted
             self.epoch += 1
 
-    # -- reads (from broker.placement) -----------------------------------------------------
+    # -- reads (from broker.core.placement) -----------------------------------------------------
 
     def route(
         self, policy: Policy, data_class: str, origin_zone: str, model: str, campus_prefix: str

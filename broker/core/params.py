@@ -2,9 +2,10 @@
 
 :class:`FleetParams` shape the fleet's index (history kept, forecast horizon, the penalty
 for a node heading into saturation, learned service times); they are fixed for the life of
-a :class:`~broker.fleet.Fleet` because its index stores scores computed with them.
+a :class:`~broker.core.fleet.Fleet` because its index stores scores computed with them.
 :class:`PlacementParams` shape each decision (links between zones, staleness, how many
-candidates an explanation keeps). Both validate themselves and can be derived from
+candidates an explanation keeps); :class:`ServiceParams` the service's decisions around it
+(``broker.core.service_rules``). All validate themselves; the first two can be derived from
 :class:`~sluicegate.config.BrokerSettings`. No I/O, no clock.
 """
 
@@ -88,3 +89,21 @@ class PlacementParams:
     def describe(self) -> dict[str, object]:
         """The parameters as plain data, for the HTTP API and audit records."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceParams:
+    """The service's decisions around a placement (``broker.core.service_rules``)."""
+
+    # A reservation outlives the token (or the job's deadline) by this much: the worker's
+    # completion may still be on its way when either runs out.
+    reservation_grace_s: float = 5.0
+    # Decisions per request when another replica took the chosen slot each time.
+    race_decisions: int = 3
+    # Weight of the latest tick in the smoothed arrival rate per pool (EWMA).
+    arrivals_weight: float = 0.3
+
+    def __post_init__(self) -> None:
+        _check("reservation_grace_s", self.reservation_grace_s, 0.0, 3600.0)
+        _check("race_decisions", self.race_decisions, 1, 100)
+        _check("arrivals_weight", self.arrivals_weight, 1e-6, 1.0)

@@ -10,16 +10,16 @@ online and heard from within ``stale_after_s``; it has the model loaded; it has 
 execution providers the model accepts and enough free memory; its declared zone is its
 pool's zone in the policy; it has room (queued + running + reserved < capacity).
 Sub-healthy workers (the policy's rules over their latest telemetry) are candidates only
-when no healthy one is. The best candidate has the lowest score (``broker.scoring``); it
+when no healthy one is. The best candidate has the lowest score (``broker.core.scoring``); it
 is taken only if it meets the deadline or beats the edge's own estimate
-(``broker.explain``).
+(``broker.core.explain``).
 
 The fast path never looks at every worker: the fleet index keeps, per (model, zone, device
 class) bucket, its workers sorted by key; a route caches which buckets the policy allows for
 (data class, origin zone, model), grouped by link and device class. A decision reads the
 first entry of each allowed bucket, skipping whole groups whose lowest possible score cannot
 enter the top ``top_k``, then looks ``top_k`` deep into the best buckets for the ranking.
-``broker.reference.decide_reference`` is the same decision by brute force, for tests and
+``broker.core.reference.decide_reference`` is the same decision by brute force, for tests and
 the benchmark's baseline.
 
 Pure and synchronous: the clock is ``now``; the only writes are to the fleet's caches and
@@ -31,12 +31,12 @@ from __future__ import annotations
 import math
 from bisect import insort
 
-from broker.decision import Candidate, Candidates, Decision, Placed, Refused, as_record
-from broker.explain import conclude, conclude_ranked
-from broker.fleet import Fleet
-from broker.index import Bucket, Route, Slot
-from broker.params import PlacementParams
-from broker.scoring import NO_NEEDS, OFFLINE, transfer_costs
+from broker.core.decision import Candidate, Candidates, Decision, Placed, Refused, as_record
+from broker.core.explain import conclude, conclude_ranked
+from broker.core.fleet import Fleet
+from broker.core.index import Bucket, Route, Slot
+from broker.core.params import PlacementParams
+from broker.core.scoring import NO_NEEDS, OFFLINE, transfer_costs
 from policies.model import Policy, Verdict
 from sluicegate.wire_pool import PlacementRequest
 

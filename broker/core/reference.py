@@ -1,22 +1,22 @@
 """The placement decision by brute force: every worker, every rule, recomputed from scratch.
 
-This is the specification the fast path (``broker.placement``) is tested against, and the
+This is the specification the fast path (``broker.core.placement``) is tested against, and the
 baseline the placement benchmark runs beside it. It reads only the fleet's frozen
-:class:`~broker.state.WorkerState` values, its reservation counts and its learned service
+:class:`~broker.core.state.WorkerState` values, its reservation counts and its learned service
 times; it recomputes zones, verdicts, health, forecasts and keys itself, so a bug in the
 index's incremental bookkeeping shows up as a difference. It shares with the fast path
-only the rule definitions (``broker.scoring``, ``broker.forecast``) and the conclusion
-(``broker.explain``). O(workers) per decision; never use it on the hot path.
+only the rule definitions (``broker.core.scoring``, ``broker.core.forecast``) and the conclusion
+(``broker.core.explain``). O(workers) per decision; never use it on the hot path.
 """
 
 from __future__ import annotations
 
-from broker.decision import Candidate, Decision, Summary
-from broker.explain import conclude
-from broker.fleet import Fleet
-from broker.forecast import forecast
-from broker.params import PlacementParams
-from broker.scoring import (
+from broker.core.decision import Candidate, Decision, Summary
+from broker.core.explain import conclude
+from broker.core.fleet import Fleet
+from broker.core.forecast import forecast
+from broker.core.params import PlacementParams
+from broker.core.scoring import (
     ELIGIBLE,
     NO_NEEDS,
     OFFLINE,
@@ -44,7 +44,7 @@ def decide_reference(
     params: PlacementParams,
     requirements: dict[str, Requirements] | None = None,
 ) -> Decision:
-    """Same contract as ``broker.placement.decide``; ``requirements`` are the model
+    """Same contract as ``broker.core.placement.decide``; ``requirements`` are the model
     requirements the fleet was built with (none: the fleet's own)."""
     fleet.use_policy(policy)
     fleet.expire(now, params.stale_after_s)

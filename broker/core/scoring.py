@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from broker.params import OFF_SITE, SAME_SITE, SAME_ZONE, PlacementParams
-from broker.state import Capabilities, TelemetrySample
+from broker.core.params import OFF_SITE, SAME_SITE, SAME_ZONE, PlacementParams
+from broker.core.state import Capabilities, TelemetrySample
 from sluicegate.vision.manifest import Requirements
 
 # Per-(worker, model) status, in the order the reasons are checked (first wins).

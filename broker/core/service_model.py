@@ -5,7 +5,7 @@ Each ``ok`` completion record updates an exponentially weighted moving average p
 workers report in telemetry stands in; until those arrive, a configured default. The
 estimate is per device class rather than per worker on purpose: every worker of a class
 then shares one service time, which keeps scores comparable inside the fleet index (see
-``broker.index``) and lets one worker's history inform its siblings.
+``broker.core.index``) and lets one worker's history inform its siblings.
 
 Pure and deterministic: observations come in as arguments, nothing reads a clock. The
 shell may persist :meth:`ServiceModel.snapshot` and hand it back to :meth:`restore`.
