@@ -156,18 +156,41 @@ class Driver:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"{edge} did not come online")
 
+    def cache_answers(self, edge: str, timeout: float = 15.0) -> int:
+        """How many requests ``edge`` has answered as repeats of a job it knew (from its
+        outbox, not by running them), from the next telemetry it publishes: a benchmark
+        whose ids repeat measures the cache, not the path."""
+        got: dict[str, dict[str, int]] = {}
+        heard = threading.Event()
+
+        def on(_c: paho.Client, _u: object, msg: paho.MQTTMessage) -> None:
+            got["events"] = json.loads(msg.payload).get("events", {})
+            heard.set()
+
+        topic = topics.edge_telemetry(edge)
+        self.client.message_callback_add(topic, on)
+        self.client.subscribe(topic, qos=0)
+        if not heard.wait(timeout):
+            raise TimeoutError(f"no telemetry from {edge} within {timeout} s")
+        self.client.message_callback_remove(topic)
+        events = got["events"]
+        return int(events.get("duplicates", 0)) + int(events.get("redelivered", 0))
+
     def close(self) -> None:
         self.client.disconnect()
         self.client.loop_stop()
 
 
 def start_agent(port: int, concurrency: int, policy_file: Path) -> subprocess.Popen[bytes]:
+    """The agent, its state (outbox, lock) in the run's own folder: nothing of an earlier
+    run is there to be replayed or answered from."""
     env = dict(
         os.environ,
         SLUICEGATE_EDGE__CONCURRENCY=str(concurrency),
         SLUICEGATE_EDGE__QUEUE_SIZE="4096",
         SLUICEGATE_MQTT__PLAINTEXT="true",
         SLUICEGATE_OFFLOAD__POLICY_FILE=str(policy_file),
+        SLUICEGATE_OFFLOAD__STATE_DIR=str(policy_file.parent / "state"),
     )
     argv = [sys.executable, "-m", "sluicegate.cli", "edge", "run", "--port", str(port)]
     return subprocess.Popen([*argv, "--id", AGENT, "--log-level", "warning"], env=env)
@@ -223,8 +246,11 @@ def _room(driver: Driver, limit: int) -> bool:
     return len(driver.done) > limit
 
 
-def busy_round(driver: Driver, edge: str, image: bytes, window: int, seconds: float) -> float:
-    """``edge`` kept busy by ``window`` outstanding jobs; completed jobs/s."""
+def busy_round(
+    driver: Driver, edge: str, image: bytes, window: int, seconds: float, tag: str
+) -> float:
+    """``edge`` kept busy by ``window`` outstanding jobs; completed jobs/s. Correlation
+    data carries ``tag`` (the round), so no job id of one round repeats in another."""
     driver.done.clear()
     driver.sent.clear()
     issued = 0
@@ -232,7 +258,7 @@ def busy_round(driver: Driver, edge: str, image: bytes, window: int, seconds: fl
     while time.perf_counter() < t0 + seconds:
         with driver.cond:
             driver.cond.wait_for(partial(_room, driver, issued - window), 5.0)
-        driver.submit(edge, f"{edge}-{issued}".encode(), image)
+        driver.submit(edge, f"{edge}-{tag}-{issued}".encode(), image)
         issued += 1
     driver.wait_count(issued)
     return issued / (time.perf_counter() - t0)
@@ -242,10 +268,10 @@ def throughput(
     driver: Driver, bare: Callable[[], None], image: bytes, args: argparse.Namespace
 ) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"agent": [], "bare": [], "relay": []}
-    for _ in range(args.rounds):
+    for n in range(args.rounds):
         out["bare"].append(bare_round(bare, args.concurrency, args.seconds))
-        out["agent"].append(busy_round(driver, AGENT, image, args.window, args.seconds))
-        out["relay"].append(busy_round(driver, RELAY, image, args.window, args.seconds))
+        out["agent"].append(busy_round(driver, AGENT, image, args.window, args.seconds, f"r{n}"))
+        out["relay"].append(busy_round(driver, RELAY, image, args.window, args.seconds, f"r{n}"))
     return out
 
 
@@ -286,13 +312,16 @@ def main() -> None:
             lat = latency(driver, bare, image, args)
             thr = throughput(driver, bare, image, args)
             rss_mb = proc.memory_info().rss / 2**20
+            cached = driver.cache_answers(AGENT)
         finally:
             relay.kill()
             agent.send_signal(signal.SIGTERM)
             agent.wait(20)
             relay.wait(20)
             driver.close()
-    report(args, image, lat, thr, rss_mb)
+    report(args, image, lat, thr, rss_mb, cached)
+    if cached:
+        raise SystemExit(f"{cached} jobs were answered from the agent's cache: ids repeated")
 
 
 def report(
@@ -301,6 +330,7 @@ def report(
     lat: dict[str, list[float]],
     thr: dict[str, list[float]],
     rss_mb: float,
+    cached: int,
 ) -> None:
     e2e, base, relay, comp = lat["e2e"], lat["bare"], lat["relay"], lat["agent_compute"]
     own = [e - c - r for e, c, r in zip(e2e, comp, relay, strict=True)]
@@ -331,7 +361,7 @@ def report(
         f"{floor:.0f}) = {med['agent'] / floor:.2f}"
     )
     print(f"  rounds: {json.dumps({k: [round(x) for x in v] for k, v in thr.items()})}")
-    print(f"agent RSS at the end {rss_mb:.0f} MB")
+    print(f"agent RSS at the end {rss_mb:.0f} MB; answered from its cache: {cached}")
     ratios = {
         "overhead_p50_ms": ov50,
         "overhead_p99_ms": ov99,
@@ -352,6 +382,7 @@ def report(
             "own_p99_ms": pct(own, 99),
             "throughput_jps": med["agent"],
             "agent_rss_mb": rss_mb,
+            "answered_from_cache": cached,
         },
         "baseline": {
             "bare_p50_ms": pct(base, 50),
