@@ -112,20 +112,29 @@ class Answers:
 
     async def _refuse(self, refusal: RequestRefusal, payload: bytes, msg: Message | None) -> None:
         assert refusal.response_topic is not None
+        topic, corr = refusal.response_topic, refusal.correlation_data
+        if not await self._out(topic, corr, payload, refusal.job_id, "refusal"):
+            return  # unacked: the request comes again, and is refused again
+        if msg is not None:
+            self._transport.ack(msg)
+
+    async def _out(
+        self, topic: str, corr: bytes | None, payload: bytes, job_id: str, what: str
+    ) -> bool:
+        """Publish an answer QoS 1; True once the broker acked it."""
         try:
             await self._transport.publish(
-                refusal.response_topic,
+                topic,
                 payload,
                 qos=1,
-                correlation_data=refusal.correlation_data,
+                correlation_data=corr,
                 content_type=wire.RESULT_CONTENT_TYPE,
                 wait=True,
             )
-        except TransportError as exc:  # unacked: the request comes again, refused again
-            log.error("could not publish the refusal of job %s: %s", refusal.job_id, exc)
-            return
-        if msg is not None:
-            self._transport.ack(msg)
+        except TransportError as exc:
+            log.warning("the %s of job %s was not acked by the broker: %s", what, job_id, exc)
+            return False
+        return True
 
     def forward(self, job: Job, payload: bytes) -> asyncio.Task[bool]:
         """Publish a worker's result before its commit; the task says whether it was acked."""
@@ -146,21 +155,13 @@ class Answers:
                 log.warning("could not record the delivery of job %s: %s", job.job_id, exc)
 
     async def _send(self, job: Job, payload: bytes) -> bool:
-        """Publish a result QoS 1; True once the broker acked it."""
-        try:
-            await self._transport.publish(
-                job.response_topic,
-                payload,
-                qos=1,
-                correlation_data=job.correlation_data,
-                content_type=wire.RESULT_CONTENT_TYPE,
-                wait=True,
-            )
-        except TransportError as exc:  # stays undelivered on disk: published after a restart
-            self.undelivered += 1
-            log.warning("result of job %s not acked by the broker: %s", job.job_id, exc)
-            return False
-        return True
+        """Publish a result QoS 1; True once the broker acked it (else it stays undelivered
+        on disk, and is published again after a restart)."""
+        acked = await self._out(
+            job.response_topic, job.correlation_data, payload, job.job_id, "result"
+        )
+        self.undelivered += not acked
+        return acked
 
     @property
     def delivering(self) -> int:

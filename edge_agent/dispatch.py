@@ -40,7 +40,7 @@ from edge_agent.compute import Compute
 from edge_agent.errors import OutboxError
 from edge_agent.events import IllegalMove, Life
 from edge_agent.jobs import Entry, JobTable
-from edge_agent.lifecycle import transition
+from edge_agent.lifecycle import NEEDS_OUTLOOK, transition
 from edge_agent.load import PredictionErrors
 from edge_agent.offload import PlacementClient
 from edge_agent.outbox import Accepted, Outbox, Stored
@@ -171,9 +171,7 @@ class Dispatcher:
         committed, or at once when it is discarded)."""
         ret = read_return(msg)
         if isinstance(ret, str):
-            self.counters[Tally.BAD_RETURNS] += 1
-            log.warning("discarded a return on %s: %s", msg.topic, ret)
-            self._transport.ack(msg)
+            self._unreadable(msg, Tally.BAD_RETURNS, ret)
             return
         refused = None
         if not_run(ret.result):
@@ -191,9 +189,7 @@ class Dispatcher:
         """The broker says a placed job's worker was lost, or the job is dead-lettered."""
         notice = read_notice(msg)
         if isinstance(notice, str):
-            self.counters[Tally.BAD_NOTICES] += 1
-            log.warning("discarded a notice on %s: %s", msg.topic, notice)
-            self._transport.ack(msg)
+            self._unreadable(msg, Tally.BAD_NOTICES, notice)
             return
         event: ev.Event = ev.WorkerLost(notice.attempt, notice.reason)
         if notice.kind == "dead_letter":
@@ -203,6 +199,11 @@ class Dispatcher:
             self._stray(notice.job_id, event, msg)
             return
         self.dispatch(entry, event, msg)
+
+    def _unreadable(self, msg: Message, tally: Tally, why: str) -> None:
+        self.counters[tally] += 1
+        log.warning("discarded a message on %s: %s", msg.topic, why)
+        self._transport.ack(msg)
 
     def sweep(self) -> None:
         """Offloaded jobs whose return is overdue (or whose deadline needs a run here now)
@@ -261,8 +262,9 @@ class Dispatcher:
         if self.mode in GONE:
             return
         now = self._clock()
+        outlook = self.outlook(entry.job, now) if type(event) in NEEDS_OUTLOOK else _NO_OUTLOOK
         try:
-            life, effects = transition(entry.life, event, now, self.outlook(entry.job, now))
+            life, effects = transition(entry.life, event, now, outlook)
         except IllegalMove as exc:  # a bug: the job stays as it was, the agent serves on
             self.counters[Tally.ILLEGAL_MOVES] += 1
             log.error("%s", exc)

@@ -34,6 +34,11 @@ from edge_agent.rules import Declined, Outlook, Placement
 from edge_agent.tally import Tally
 
 NOT_WANTED = "the job was concluded meanwhile"
+# The events whose rules read the outlook; for the others the shell need not work it out
+# (tests/test_edge_lifecycle.py holds that their moves do not depend on it).
+NEEDS_OUTLOOK: frozenset[type[Event]] = frozenset(
+    {ev.Replayed, ev.Accepted, ev.Answered, ev.Returned, ev.WorkerLost, ev.Overdue, ev.Start}
+)
 
 
 def transition(life: Life, event: Event, now: float, outlook: Outlook) -> Move:

@@ -15,7 +15,7 @@ import pytest
 
 from edge_agent import events as ev
 from edge_agent.events import EVENTS, PHASES, IllegalMove, Life
-from edge_agent.lifecycle import TABLE, transition
+from edge_agent.lifecycle import NEEDS_OUTLOOK, TABLE, transition
 from edge_agent.rules import Declined, Outlook, Placement
 from edge_agent.tally import Tally
 
@@ -62,6 +62,27 @@ def test_every_pair_has_a_row_or_raises(phase: ev.Phase, event_type: type[Any]) 
     assert moved.phase in PHASES
     assert moved.job_id == "j1"
     assert all(type(effect).__module__ == ev.__name__ for effect in effects)
+
+
+OTHER_OUTLOOKS = (QUIET, BUSY_HERE, OFFLINE, Outlook("", False, 0.0, 0, 0, 1, 1, 1.0))
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize(
+    "event_type", [t for t in EVENTS if t not in NEEDS_OUTLOOK], ids=lambda t: t.__name__
+)
+def test_a_move_the_shell_gives_no_outlook_does_not_depend_on_it(
+    phase: ev.Phase, event_type: type[Any]
+) -> None:
+    if (phase, event_type) not in TABLE:
+        return
+    for life in (
+        Life("j1", None, phase, attempt=1, asking=1, worker="w1"),
+        Life("j1", NOW - 1.0, phase, attempt=2, asking=3, worker="w1", run_now=True),
+        Life("j1", NOW + 1.0, phase, local_runs=5, early=True, ahead=PLACED, asking=1),
+    ):
+        moves = {transition(life, SAMPLES[event_type], NOW, o) for o in OTHER_OUTLOOKS}
+        assert len(moves) == 1, moves
 
 
 def admitting(**changes: Any) -> Life:
