@@ -419,6 +419,13 @@ class Broker:
 
     # -- Redis upkeep and the audit log ----------------------------------------------------
 
+    def sync_policy(self) -> None:
+        """Let the fleet read its workers' zones from the policy in force (a decision does
+        this too; a view of the fleet before the first decision needs it as well)."""
+        policy = self._policy()
+        if policy is not None:
+            self.fleet.use_policy(policy)
+
     @property
     def redis_ok(self) -> bool:
         return self._reserve_ok and self.store.ok

@@ -146,12 +146,17 @@ def cpu_temperature(readings: dict[str, list[Any]]) -> float | None:
 
 
 class HostProbe:
-    """The host's CPU and RAM through psutil, for CPU workers and machines without NVML."""
+    """The host's CPU and RAM through psutil, for CPU workers and machines without NVML.
+    Utilisation is this worker's own share of the host's cores since the last sample: the
+    whole host's CPU counts every other process on it, so an idle worker on a busy machine
+    looked full."""
 
     def __init__(self) -> None:
         self.name = "host cpu"
         self.memory_total_mb = int(psutil.virtual_memory().total // MIB)
-        psutil.cpu_percent(None)  # prime: the first reading is always 0
+        self._process = psutil.Process()
+        self._cores = psutil.cpu_count() or 1
+        self._process.cpu_percent(None)  # prime: the first reading is always 0
 
     def sample(self) -> Sample:
         memory = psutil.virtual_memory()
@@ -163,7 +168,7 @@ class HostProbe:
             except OSError:
                 temperature = None
         return Sample(
-            utilisation=_fraction(psutil.cpu_percent(None)),
+            utilisation=_fraction(self._process.cpu_percent(None) / self._cores),
             memory_used_mb=(memory.total - memory.available) / MIB,
             memory_total_mb=memory.total / MIB,
             memory_bandwidth=None,

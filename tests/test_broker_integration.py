@@ -245,6 +245,9 @@ def test_placement_within_policy_explained_reserved_and_audited(
         fleet.capabilities(worker, providers=["CPUExecutionProvider"])
         fleet.telemetry(worker)
     wait_until(lambda: len(http(settings, "/fleet")[1]["workers"]) == len(WORKERS))
+    # Before any decision, each worker shows the zone the policy gives it.
+    shown = {w["id"]: w["policy_zone"] for w in http(settings, "/fleet")[1]["workers"]}
+    assert shown == {worker: zone for worker, (zone, _device) in WORKERS.items()}
     reply = ask(mosquitto)
     assert reply.status == "placed", reply
     assert reply.worker_id in ("north-a", "north-b", "north-gpu")
