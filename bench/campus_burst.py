@@ -25,7 +25,9 @@ import os
 import platform
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -41,9 +43,26 @@ from sluicegate.localcampus import (  # noqa: E402
 from sluicegate.servers import free_port, running, start_redis  # noqa: E402
 
 TARGET = {"attainment": 0.99}
+nan = float("nan")
 
 
-def one_run(redis_port: int, db: int, offload: bool, args: argparse.Namespace) -> Tally:
+def edge_predictions(http_port: int) -> dict[str, Any]:
+    """Each edge's completion-prediction error and rescues, from its latest telemetry as
+    the broker shows it (GET /fleet)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/fleet", timeout=10) as resp:
+        fleet = json.loads(resp.read())
+    return {
+        e["node"]: {
+            "prediction": e.get("prediction"),
+            "rescues": e.get("events", {}).get("offload_rescues", 0),
+        }
+        for e in fleet["edges"]
+    }
+
+
+def one_run(
+    redis_port: int, db: int, offload: bool, args: argparse.Namespace
+) -> tuple[Tally, dict[str, Any]]:
     env = {} if offload else {"SLUICEGATE_OFFLOAD__ENABLED": "false"}
     with tempfile.TemporaryDirectory(prefix="sg-burst-") as tmp:
         campus = LocalCampus(
@@ -70,12 +89,14 @@ def one_run(redis_port: int, db: int, offload: bool, args: argparse.Namespace) -
                         burst_for=args.burst,
                     )
                 )
+                edges = edge_predictions(campus.http_port)
             finally:
                 campus.stop()
-        return tally
+        return tally, edges
 
 
-def summary(t: Tally) -> dict[str, float | int | dict[str, int]]:
+def summary(run: tuple[Tally, dict[str, Any]]) -> dict[str, Any]:
+    t, edges = run
     lat = list(t.latencies_ms)
     answered = max(t.answered, 1)
     return {
@@ -88,6 +109,7 @@ def summary(t: Tally) -> dict[str, float | int | dict[str, int]]:
         "wafer_offsite": t.wafer_offsite,
         "statuses": dict(t.statuses),
         "where": dict(t.where),
+        "edges": edges,
     }
 
 
@@ -123,6 +145,14 @@ def main() -> None:
                 f"{name:24}{s['attainment']:8.3f}{s['p50_ms']:9.1f}{s['p99_ms']:9.1f}"
                 f"{s['answered']:7}{s['offloaded']:7}  {s['where']}"
             )
+            for edge, seen in sorted(s["edges"].items()):
+                p = {"p50_ms": nan, "p90_ms": nan, "bias_ms": nan, "n": 0}
+                p.update(seen["prediction"] or {})
+                print(
+                    f"{'':24}  {edge}: prediction error p50 {p['p50_ms']:.1f} p90 "
+                    f"{p['p90_ms']:.1f} bias {p['bias_ms']:+.1f} ms over {p['n']} jobs run "
+                    f"here; rescued {seen['rescues']}"
+                )
     att_s = float(np.median([s["attainment"] for s in subject]))
     att_b = float(np.median([s["attainment"] for s in baseline]))
     result = {
