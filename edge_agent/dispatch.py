@@ -247,12 +247,17 @@ class Dispatcher:
     def killed(self) -> bool:
         return self.mode == "killed"
 
-    def outlook(self, job: Job, now: float) -> rules.Outlook:
-        """What routing ``job`` needs to know about this edge now."""
+    def outlook(self, job: Job, now: float, own: Life | None = None) -> rules.Outlook:
+        """What routing ``job`` (whose life is ``own``, if it has one yet) needs to know
+        about this edge now. The work ahead of it here is what is queued and running and
+        what is still being admitted without a slot of its own: in a burst, most of it."""
         client, table = self._placement, self.table
         waiting = table.census["queued"]
+        ahead = waiting + table.admitting_to_route
+        if own is not None and own.phase == "admitting" and not own.run_now:
+            ahead -= 1  # not ahead of itself
         service_s = self._compute.service_s(job.model)
-        done = rules.predict_completion(now, waiting, table.slots, self._concurrency, service_s)
+        done = rules.predict_completion(now, ahead, table.slots, self._concurrency, service_s)
         offload = client is not None and self._offload.enabled and client.broker_available
         return rules.Outlook(self.settings.id, offload, done, waiting, *self._limits_tail)
 
@@ -262,7 +267,8 @@ class Dispatcher:
         if self.mode in GONE:
             return
         now = self._clock()
-        outlook = self.outlook(entry.job, now) if type(event) in NEEDS_OUTLOOK else _NO_OUTLOOK
+        needs = type(event) in NEEDS_OUTLOOK
+        outlook = self.outlook(entry.job, now, entry.life) if needs else _NO_OUTLOOK
         try:
             life, effects = transition(entry.life, event, now, outlook)
         except IllegalMove as exc:  # a bug: the job stays as it was, the agent serves on

@@ -680,6 +680,21 @@ async def test_work_the_worker_refused_runs_here(rig: Rig) -> None:
 
 
 @gated
+async def test_the_estimate_sent_counts_the_jobs_still_being_admitted_ahead(
+    rig: Rig, gate: GatedOutbox
+) -> None:
+    """A burst: three jobs arrive while none is on disk yet. Each will queue here (or leave)
+    once accepted, so each later one's local estimate counts the earlier ones (10 s each,
+    one slot), where it used to count only the queue and say 10 s for every job."""
+    gate.holding = True
+    for _ in range(3):
+        rig.submit()
+    await rig.broker.wait_for(lambda m: len(rig.requests) >= 3)
+    assert [r.local_estimate_ms for r in rig.requests] == [10_000.0, 20_000.0, 30_000.0]
+    gate.release()
+
+
+@gated
 async def test_a_placement_answered_during_the_commit_has_its_work_sent_at_once(
     rig: Rig, gate: GatedOutbox, monkeypatch: pytest.MonkeyPatch
 ) -> None:
