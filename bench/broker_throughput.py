@@ -42,8 +42,8 @@ sys.path.insert(0, str(ROOT))
 
 from policies import SigningKey  # noqa: E402
 from sluicegate import topics, wire  # noqa: E402
-from sluicegate.campus import write_campus  # noqa: E402
-from sluicegate.servers import free_port, running, start_mosquitto, start_redis  # noqa: E402
+from sluicegate.app.campus import write_campus  # noqa: E402
+from sluicegate.app.servers import free_port, running, start_mosquitto, start_redis  # noqa: E402
 from sluicegate.wire_pool import (  # noqa: E402
     ModelCapability,
     PlacementRequest,
@@ -228,7 +228,15 @@ def main() -> None:
             http_port=free_port(),
             secure=False,
         )
-        cmd = [sys.executable, "-m", "sluicegate.cli", "broker", "run", "--log-level", "warning"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "sluicegate.app.cli",
+            "broker",
+            "run",
+            "--log-level",
+            "warning",
+        ]
         if profile := os.environ.get("SG_BENCH_PROFILE"):  # a cProfile of the broker, to read
             cmd[1:1] = ["-m", "cProfile", "-o", profile]
         broker = subprocess.Popen([*cmd, "--config", str(campus.node_config("broker-1"))])

@@ -2,9 +2,9 @@
 and edge-only (baseline: the same campus with offloading switched off), interleaved.
 
 Each run writes a fresh local campus (broker, two edges, an on-campus and an off-site
-worker; ``sluicegate.localcampus``), secured as a plant runs it (its own CA, a certificate
+worker; ``sluicegate.app.localcampus``), secured as a plant runs it (its own CA, a certificate
 per node and app, the generated ACL), starts a Mosquitto for it and the processes on one
-Redis, then drives the demo's traffic (``sluicegate.demo.stream``, each line's vision app
+Redis, then drives the demo's traffic (``sluicegate.app.demo.stream``, each line's vision app
 as its own identity): ``--rate`` images/s per line, and for ``--burst`` s line 1 at ten
 times that, in volleys of 20, every job with a 200 ms deadline. The edge
 agents are capped to ``--edge-cpu`` of one core (a CPU cgroup), so a line PC is the modest
@@ -34,13 +34,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sluicegate.demo import DEADLINE_MS, Tally, stream  # noqa: E402
-from sluicegate.localcampus import (  # noqa: E402
+from sluicegate.app.demo import DEADLINE_MS, Tally, stream  # noqa: E402
+from sluicegate.app.localcampus import (  # noqa: E402
     LocalCampus,
     cpu_cap_available,
     start_campus_mosquitto,
 )
-from sluicegate.servers import free_port, running, start_redis  # noqa: E402
+from sluicegate.app.servers import free_port, running, start_redis  # noqa: E402
 
 TARGET = {"attainment": 0.99}
 nan = float("nan")

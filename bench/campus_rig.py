@@ -2,7 +2,7 @@
 drive it: what ``bench/tls_overhead.py`` runs twice side by side.
 
 Each campus has its own Redis and its own Mosquitto on a free port, and every node of
-``sluicegate.localcampus`` (broker-1, line-1-pc, line-2-pc, north-cpu-1, cloud-cpu-1) as its
+``sluicegate.app.localcampus`` (broker-1, line-1-pc, line-2-pc, north-cpu-1, cloud-cpu-1) as its
 own process. line-1-pc offers every job (``SLUICEGATE_OFFLOAD__QUEUE_BOUND=0``); line-2-pc
 has offloading switched off, so every job it takes runs there. Secured means what
 ``start_campus_mosquitto`` serves: TLS 1.3, a client certificate per identity (Ed25519 for
@@ -54,9 +54,9 @@ from policies.edit import add_node
 from policies.signing import add_signature, dump_signatures, sign_policy
 from sluicegate import pki, topics
 from sluicegate.acl import render_acl
-from sluicegate.campus import APPS, LINES, OBSERVER, OFFICER, WORKERS, Campus
-from sluicegate.localcampus import LocalCampus, start_campus_mosquitto
-from sluicegate.servers import ServerProcess, free_port, start_redis
+from sluicegate.app.campus import APPS, LINES, OBSERVER, OFFICER, WORKERS, Campus
+from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
+from sluicegate.app.servers import ServerProcess, free_port, start_redis
 
 ROOT = Path(__file__).resolve().parents[1]
 SECURITY = ("open", "secure")

@@ -2,7 +2,7 @@
 broker and workers; a Jepsen-style table of what the vision app saw.
 
 Processes: a Mosquitto (persistence on) and a Redis (append-only file, fsync every second)
-started for the run; the local campus (``sluicegate.localcampus``: a broker, two edge
+started for the run; the local campus (``sluicegate.app.localcampus``: a broker, two edge
 agents capped to ``--edge-cpu`` of a core so bursts offload, an on-campus and an off-site
 worker); this driver: an at-least-once vision app (``tests.faults.app.App``: QoS 1, known
 job ids, persistent session, raw deliveries counted per job id) and an observer of the
@@ -54,8 +54,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sluicegate.campus import BROKER, LINES, WORKERS  # noqa: E402
-from sluicegate.localcampus import ROLE  # noqa: E402
+from sluicegate.app.campus import BROKER, LINES, WORKERS  # noqa: E402
+from sluicegate.app.localcampus import ROLE  # noqa: E402
 from tests.faults.app import App, Observer, Timeline  # noqa: E402
 from tests.faults.ledger import JobRecord, Ledger, Verdict  # noqa: E402
 from tests.faults.rig import WIRETAP, Rig, RssSampler, image_for  # noqa: E402

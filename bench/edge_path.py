@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sluicegate import topics  # noqa: E402
-from sluicegate.servers import running, start_mosquitto  # noqa: E402
+from sluicegate.app.servers import running, start_mosquitto  # noqa: E402
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir  # noqa: E402
 from sluicegate.vision.synth import encode_jpeg, generate  # noqa: E402
 from tests.pool_kit import write_policy_file  # noqa: E402
@@ -192,7 +192,7 @@ def start_agent(port: int, concurrency: int, policy_file: Path) -> subprocess.Po
         SLUICEGATE_OFFLOAD__POLICY_FILE=str(policy_file),
         SLUICEGATE_OFFLOAD__STATE_DIR=str(policy_file.parent / "state"),
     )
-    argv = [sys.executable, "-m", "sluicegate.cli", "edge", "run", "--port", str(port)]
+    argv = [sys.executable, "-m", "sluicegate.app.cli", "edge", "run", "--port", str(port)]
     return subprocess.Popen([*argv, "--id", AGENT, "--log-level", "warning"], env=env)
 
 

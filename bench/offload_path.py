@@ -2,7 +2,7 @@
 same worker (the baseline), interleaved on the same Mosquitto in the same run.
 
 Processes: a Mosquitto and a Redis started for the run; the local campus (a broker, edge
-agent line-1-pc, an on-campus and an off-site worker, ``sluicegate.localcampus``) with the
+agent line-1-pc, an on-campus and an off-site worker, ``sluicegate.app.localcampus``) with the
 edge told to offload every job (``SLUICEGATE_OFFLOAD__QUEUE_BOUND=0``); this driver, a
 plain paho-mqtt v5 client. The campus runs open (``secure=False``: no TLS, no ACL): the
 baseline and the messaging floor need topics the generated ACL grants nobody (a relay's,
@@ -62,9 +62,9 @@ from edge_path import Driver, make_image, pct  # noqa: E402
 from policies import load_policy, load_signing_key, mint  # noqa: E402
 from policies.keys import SigningKey, signature_valid  # noqa: E402
 from sluicegate import topics  # noqa: E402
-from sluicegate.campus import APP_OF_LINE, APPS  # noqa: E402
-from sluicegate.localcampus import ROLE, LocalCampus  # noqa: E402
-from sluicegate.servers import running, start_mosquitto, start_redis  # noqa: E402
+from sluicegate.app.campus import APP_OF_LINE, APPS  # noqa: E402
+from sluicegate.app.localcampus import ROLE, LocalCampus  # noqa: E402
+from sluicegate.app.servers import running, start_mosquitto, start_redis  # noqa: E402
 
 EDGE, WORKER, ZONE = "line-1-pc", "north-cpu-1", "campus/fab-north/dc"
 CLASS = "wafer-image"

@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 from policies import mint, payload_digest  # noqa: E402
 from sluicegate import topics  # noqa: E402
-from sluicegate.servers import running, start_mosquitto  # noqa: E402
+from sluicegate.app.servers import running, start_mosquitto  # noqa: E402
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir  # noqa: E402
 from tests.image_bytes import sample_jpeg  # noqa: E402
 from tests.pool_kit import (  # noqa: E402
@@ -216,7 +216,7 @@ def start_worker(
         SLUICEGATE_POOL__BATCH_WINDOW_MS=str(window_ms),
         SLUICEGATE_POOL__QUEUE_SIZE="4096",
     )
-    argv = [sys.executable, "-m", "sluicegate.cli", "pool", "run", "--port", str(port)]
+    argv = [sys.executable, "-m", "sluicegate.app.cli", "pool", "run", "--port", str(port)]
     argv += ["--config", str(config), "--id", worker[0], "--zone", worker[1]]
     return subprocess.Popen([*argv, "--log-level", "warning"], env=env)
 

@@ -65,7 +65,7 @@ from campus_rig import LOCAL_EDGE, SECURITY, WORKER, CampusRig  # noqa: E402
 from edge_path import make_image, pct  # noqa: E402
 from offload_path import SMALL, extra_legs_ms  # noqa: E402
 
-from sluicegate.servers import find_binary  # noqa: E402
+from sluicegate.app.servers import find_binary  # noqa: E402
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir  # noqa: E402
 
 MODEL = "defect-v1"

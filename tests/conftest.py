@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sluicegate.servers import ServerProcess, running, start_mosquitto, start_redis
+from sluicegate.app.servers import ServerProcess, running, start_mosquitto, start_redis
 
 
 @pytest.fixture(scope="session", autouse=True)

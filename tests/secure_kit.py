@@ -29,9 +29,9 @@ from paho.mqtt.reasoncodes import ReasonCode
 from policies import SigningKey
 from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
 from sluicegate import pki
-from sluicegate.campus import Campus, write_campus
-from sluicegate.localcampus import start_campus_mosquitto
-from sluicegate.servers import ServerProcess, free_port, running
+from sluicegate.app.campus import Campus, write_campus
+from sluicegate.app.localcampus import start_campus_mosquitto
+from sluicegate.app.servers import ServerProcess, free_port, running
 from tests.policies.policy_testkit import key
 
 

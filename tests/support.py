@@ -33,7 +33,7 @@ from policies import load_signing_key
 from policies.edit import add_node
 from policies.signing import add_signature, dump_signatures, sign_policy
 from sluicegate import topics
-from sluicegate.campus import OFFICER, Campus
+from sluicegate.app.campus import OFFICER, Campus
 from sluicegate.config import Settings
 from sluicegate.vision.runtime import ModelRegistry
 from tests.policies.policy_testkit import base_doc, key, policy_of, signed, to_toml

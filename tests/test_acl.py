@@ -15,8 +15,8 @@ from policies.evaluate import reachable_zones
 from policies.loader import load_policy
 from sluicegate import topics
 from sluicegate.acl import render_acl
-from sluicegate.campus import Campus
-from sluicegate.cli import app
+from sluicegate.app.campus import Campus
+from sluicegate.app.cli import app
 from tests.policies.policy_testkit import EXAMPLE, base_doc, key, policy_of
 from tests.secure_kit import (
     TlsClient,

@@ -30,9 +30,9 @@ from policies import load_policy, verify, verify_chain
 from policies.audit import decode_record
 from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
 from sluicegate import topics, wire
-from sluicegate.campus import Campus, write_campus
+from sluicegate.app.campus import Campus, write_campus
+from sluicegate.app.servers import ServerProcess, free_port
 from sluicegate.config import Settings, load_settings
-from sluicegate.servers import ServerProcess, free_port
 from sluicegate.vision.runtime import default_models_dir
 from sluicegate.wire_pool import (
     Completion,

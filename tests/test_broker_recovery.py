@@ -48,8 +48,8 @@ from broker.store import BrokerStore
 from policies.audit import decode_record
 from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
 from sluicegate import topics, wire
-from sluicegate.campus import FAB, Campus, write_campus
-from sluicegate.servers import ServerProcess, free_port, running, start_mosquitto
+from sluicegate.app.campus import FAB, Campus, write_campus
+from sluicegate.app.servers import ServerProcess, free_port, running, start_mosquitto
 from sluicegate.wire_pool import (
     Completion,
     JobNotice,

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from sluicegate import topics
+from sluicegate.app.servers import ServerProcess
 from sluicegate.bundle.contents import (
     DEV_TOOLS,
     canonical,
@@ -37,7 +38,6 @@ from sluicegate.bundle.contents import (
     verified_models,
 )
 from sluicegate.errors import BundleError, ModelIntegrityError
-from sluicegate.servers import ServerProcess
 from sluicegate.vision.runtime import default_models_dir
 from tests.support import PlainClient, sluicegate_cmd
 

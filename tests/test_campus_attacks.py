@@ -23,10 +23,10 @@ import pytest
 
 from policies import parse_policy, signed_envelope
 from sluicegate import AsyncClient, topics, wire
-from sluicegate.campus import APP_OF_LINE, APPS
+from sluicegate.app.campus import APP_OF_LINE, APPS
+from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
+from sluicegate.app.servers import ServerProcess, free_port, running
 from sluicegate.identity import EXIT_IN_USE
-from sluicegate.localcampus import LocalCampus, start_campus_mosquitto
-from sluicegate.servers import ServerProcess, free_port, running
 from sluicegate.wire_pool import WorkerCapabilities, WorkerTelemetry
 from tests.image_bytes import sample_jpeg
 from tests.policies.policy_testkit import base_doc, key, policy_of, signed
@@ -149,7 +149,7 @@ def _second(lc: LocalCampus, node: str, env: dict[str, str]) -> subprocess.Compl
         [
             sys.executable,
             "-m",
-            "sluicegate.cli",
+            "sluicegate.app.cli",
             "edge",
             "run",
             "--config",

@@ -26,10 +26,10 @@ import redis
 
 from broker import keys as broker_keys
 from sluicegate import AsyncClient
-from sluicegate.campus import APP_OF_LINE, APPS
-from sluicegate.demo import Tally, stream
-from sluicegate.localcampus import LocalCampus, start_campus_mosquitto
-from sluicegate.servers import ServerProcess, free_port, running
+from sluicegate.app.campus import APP_OF_LINE, APPS
+from sluicegate.app.demo import Tally, stream
+from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
+from sluicegate.app.servers import ServerProcess, free_port, running
 from tests.image_bytes import sample_jpeg
 from tests.policies.policy_testkit import key
 from tests.support import wait_until

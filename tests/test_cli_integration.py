@@ -20,10 +20,10 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from sluicegate import AsyncClient, Client, topics
+from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
+from sluicegate.app.servers import ServerProcess, free_port, running, start_mosquitto, start_redis
 from sluicegate.config import MqttSettings
 from sluicegate.errors import RequestTimeout
-from sluicegate.localcampus import LocalCampus, start_campus_mosquitto
-from sluicegate.servers import ServerProcess, free_port, running, start_mosquitto, start_redis
 from sluicegate.vision.synth import generate
 from tests.image_bytes import sample_jpeg
 from tests.policies.policy_testkit import key

@@ -24,13 +24,13 @@ from pathlib import Path
 import pytest
 
 from sluicegate import Client, topics
+from sluicegate.app.servers import ServerProcess
 from sluicegate.config import MqttSettings
 from sluicegate.config_show import MASK, effective, render
 from sluicegate.deploy.configs import NodeValues
 from sluicegate.deploy.installer import install, prepare_state_dir, uninstall
 from sluicegate.deploy.layout import ROLES, Role, node_paths
 from sluicegate.errors import ConfigError
-from sluicegate.servers import ServerProcess
 from tests.image_bytes import sample_jpeg
 from tests.support import PlainClient, sluicegate_cmd
 

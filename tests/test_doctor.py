@@ -27,8 +27,10 @@ from typer.testing import CliRunner
 from policies import TrustAnchor, load_policy
 from policies.signing import add_signature, dump_anchor, dump_signatures, sign_policy
 from sluicegate import identity, pki, topics
-from sluicegate.campus import Campus, write_campus
-from sluicegate.cli import app
+from sluicegate.app.campus import Campus, write_campus
+from sluicegate.app.cli import app
+from sluicegate.app.localcampus import LocalCampus
+from sluicegate.app.servers import ServerProcess, free_port, running, start_mosquitto_conf
 from sluicegate.config import MqttSettings
 from sluicegate.doctor import Report, diagnose
 from sluicegate.doctor import judge as j
@@ -47,11 +49,9 @@ from sluicegate.doctor.facts import (
     Warn,
 )
 from sluicegate.doctor.run import infer_role
-from sluicegate.localcampus import LocalCampus
 from sluicegate.mosquitto import secure_listener
 from sluicegate.mqtt import Message, MqttTransport
 from sluicegate.policy_feed import ANCHOR_FILE
-from sluicegate.servers import ServerProcess, free_port, running, start_mosquitto_conf
 from tests.policies.policy_testkit import base_doc, key, policy_of, toml_value
 from tests.secure_kit import TlsClient, refused_login
 
@@ -412,7 +412,7 @@ def local(
     )
     files = lc.write()
     (files.root / "mosquitto").mkdir()
-    from sluicegate.localcampus import start_campus_mosquitto
+    from sluicegate.app.localcampus import start_campus_mosquitto
 
     with running(start_campus_mosquitto(files, workdir=files.root / "mosquitto")):
         yield lc

@@ -21,12 +21,12 @@ from typing import Any
 import pytest
 
 from sluicegate import topics, wire
+from sluicegate.app.servers import ServerProcess
 from sluicegate.client import AsyncClient
 from sluicegate.config import MqttSettings
 from sluicegate.errors import TransportError
 from sluicegate.memory_transport import MemoryBroker, MemoryTransport
 from sluicegate.mqtt import MqttTransport
-from sluicegate.servers import ServerProcess
 from sluicegate.transport import Message
 from tests.edge_kit import APP_TOPIC, EDGE, JPEG, EdgeRig
 from tests.image_bytes import sample_jpeg

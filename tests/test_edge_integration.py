@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from sluicegate import topics
+from sluicegate.app.servers import ServerProcess
 from sluicegate.config import load_settings
-from sluicegate.servers import ServerProcess
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir
 from sluicegate.vision.synth import LABELS, encode_jpeg, encode_png, generate
 from tests.image_bytes import corrupt_jpeg, jpeg_header_only, png_header_only, sample_jpeg

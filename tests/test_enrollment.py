@@ -23,11 +23,11 @@ from typing import Any
 import pytest
 
 from sluicegate import AsyncClient, pki, topics, wire
-from sluicegate.campus import Campus
+from sluicegate.app.campus import Campus
+from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
+from sluicegate.app.servers import ServerProcess, free_port, running
 from sluicegate.enroll.authority import Authority
 from sluicegate.enroll.token import JoinClaims, make_token, parse_token
-from sluicegate.localcampus import LocalCampus, start_campus_mosquitto
-from sluicegate.servers import ServerProcess, free_port, running
 from sluicegate.wire_pool import PlacementReply, PlacementRequest
 from tests.image_bytes import sample_jpeg
 from tests.policies.policy_testkit import key
@@ -61,7 +61,7 @@ def plant(
 
 def cli(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "sluicegate.cli", *map(str, args)],
+        [sys.executable, "-m", "sluicegate.app.cli", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -199,7 +199,7 @@ def test_an_enrolled_line_pc_gets_placements_only_once_the_signed_policy_lists_i
 
     with (tmp_path / "edge.log").open("wb") as log:
         edge = subprocess.Popen(
-            [sys.executable, "-m", "sluicegate.cli", "edge", "run", "--config", config_path],
+            [sys.executable, "-m", "sluicegate.app.cli", "edge", "run", "--config", config_path],
             env={**os.environ, "SLUICEGATE_OFFLOAD__QUEUE_BOUND": "0"},
             stdout=log,
             stderr=subprocess.STDOUT,

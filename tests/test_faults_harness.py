@@ -14,9 +14,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from sluicegate.app.servers import ServerProcess
 from sluicegate.config import MqttSettings
 from sluicegate.mqtt import MqttTransport
-from sluicegate.servers import ServerProcess
 from sluicegate.transport import Message
 from tests.faults.ledger import Ledger
 from tests.faults.malformed import KINDS, Flooder, connect_packet, publish_packet

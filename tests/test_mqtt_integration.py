@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from sluicegate.app.servers import ServerProcess, free_port, running, start_mosquitto
 from sluicegate.config import MqttSettings
 from sluicegate.errors import TransportError
 from sluicegate.mqtt import Message, MqttTransport, Will
-from sluicegate.servers import ServerProcess, free_port, running, start_mosquitto
 from tests.support import PlainClient
 
 pytestmark = pytest.mark.integration

@@ -19,10 +19,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from sluicegate.app.servers import free_port, running, start_mosquitto
 from sluicegate.config import MqttSettings
 from sluicegate.errors import TransportError
 from sluicegate.mqtt import Message, MqttTransport
-from sluicegate.servers import free_port, running, start_mosquitto
 
 pytestmark = pytest.mark.integration
 

@@ -13,6 +13,7 @@ import pytest
 from policies import Policy, TrustAnchor, signed_envelope
 from policies.signing import dump_anchor, dump_signatures
 from sluicegate import topics
+from sluicegate.app.servers import ServerProcess, running, start_mosquitto
 from sluicegate.config import MqttSettings
 from sluicegate.errors import ConfigError
 from sluicegate.memory_transport import MemoryBroker, MemoryTransport
@@ -25,7 +26,6 @@ from sluicegate.policy_feed import (
     Refused,
     consider,
 )
-from sluicegate.servers import ServerProcess, running, start_mosquitto
 from tests.policies.policy_testkit import NOW, base_doc, key, policy_of, signed, to_toml
 from tests.support import PlainClient
 

@@ -32,8 +32,8 @@ from policies import SigningKey, verify_chain
 from policies.audit import decode_record
 from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
 from sluicegate import topics
+from sluicegate.app.servers import ServerProcess, running, start_mosquitto
 from sluicegate.config import Settings, load_settings
-from sluicegate.servers import ServerProcess, running, start_mosquitto
 from sluicegate.transport import Message
 from tests.policies.policy_testkit import policy_of
 from tests.pool_kit import (

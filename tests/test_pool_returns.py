@@ -28,8 +28,8 @@ from policies import verify_chain
 from policies.audit import decode_record
 from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
 from sluicegate import topics
+from sluicegate.app.servers import ServerProcess, running, start_mosquitto
 from sluicegate.config import load_settings
-from sluicegate.servers import ServerProcess, running, start_mosquitto
 from sluicegate.transport import Message
 from tests.pool_kit import SPARE_EDGES, TRUTH, WORKER, WORKER_ZONE, WorkSpec, write_policy_file
 from tests.support import PlainClient, ServiceThread

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from sluicegate.servers import ServerProcess, _ping
+from sluicegate.app.servers import ServerProcess, _ping
 
 pytestmark = pytest.mark.integration
 

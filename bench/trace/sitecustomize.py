@@ -106,7 +106,7 @@ class _Hook(importlib.abc.MetaPathFinder):
         self.lines = lines
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> None:
-        if name == "sluicegate.cli":
+        if name == "sluicegate.app.cli":
             sys.meta_path.remove(self)
             _install(self.role, self.lines)
 

@@ -1,7 +1,7 @@
 """A TCP proxy between one client and Mosquitto that a test can cut and heal.
 
 It forwards bytes both ways on its own thread and event loop, so a blocking test (or a
-:class:`~sluicegate.localcampus.LocalCampus` start) can run beside it. ``cut("blackhole")``
+:class:`~sluicegate.app.localcampus.LocalCampus` start) can run beside it. ``cut("blackhole")``
 models a dead link: established connections stay open but nothing crosses them any more, and
 new connections are accepted and then ignored, so each side learns of the loss only through
 its MQTT keepalive. ``cut("drop")`` closes every connection and refuses new ones (a peer
@@ -18,7 +18,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from sluicegate.servers import free_port
+from sluicegate.app.servers import free_port
 
 T = TypeVar("T")
 CutMode = Literal["blackhole", "drop"]

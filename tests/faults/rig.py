@@ -1,5 +1,5 @@
 """A campus to break: Mosquitto with persistence, Redis with an append-only file, the
-:class:`~sluicegate.localcampus.LocalCampus` processes on them, and optionally one edge
+:class:`~sluicegate.app.localcampus.LocalCampus` processes on them, and optionally one edge
 behind a :class:`~tests.faults.proxy.LinkProxy`. It is secured as a plant runs it (TLS,
 a certificate per node and app, the generated ACL); the test's own wiretap, the identity
 ``fault-observer``, is added to the ACL with read access to every campus topic, and the
@@ -26,11 +26,11 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from sluicegate import topics
-from sluicegate.campus import APPS, LINES, Campus
+from sluicegate.app.campus import APPS, LINES, Campus
+from sluicegate.app.localcampus import ROLE, LocalCampus, cpu_cap_available, start_campus_mosquitto
+from sluicegate.app.servers import ServerProcess, free_port, start_redis
 from sluicegate.config import MqttSettings
 from sluicegate.errors import SluicegateError
-from sluicegate.localcampus import ROLE, LocalCampus, cpu_cap_available, start_campus_mosquitto
-from sluicegate.servers import ServerProcess, free_port, start_redis
 from tests.faults.app import App
 from tests.faults.proxy import LinkProxy
 from tests.image_bytes import sample_jpeg

@@ -27,10 +27,10 @@ from pathlib import Path
 
 from policies import SigningKey
 from sluicegate import topics, wire
-from sluicegate.campus import BROKER, LINES, OBSERVER, WORKERS, AppSpec, Campus, write_campus
+from sluicegate.app.campus import BROKER, LINES, OBSERVER, WORKERS, AppSpec, Campus, write_campus
+from sluicegate.app.servers import ServerProcess, free_port, start_mosquitto
 from sluicegate.errors import SluicegateError
 from sluicegate.mqtt import MqttTransport
-from sluicegate.servers import ServerProcess, free_port, start_mosquitto
 from sluicegate.threads import EDGE_COMPUTE
 from sluicegate.transport import Message
 
@@ -72,7 +72,7 @@ class LocalCampus:
         ``servers``: the ``mosquitto`` / ``redis`` processes the campus runs on, so that
         :meth:`kill` and :meth:`restart` reach them too. ``secure=False``: no TLS, anonymous
         MQTT, for debugging only. ``apps``: the vision apps its policy lists (default
-        :data:`~sluicegate.campus.APPS`)."""
+        :data:`~sluicegate.app.campus.APPS`)."""
         unknown = set(nodes or ()) - set(ROLE)
         if unknown:
             raise SluicegateError(f"unknown nodes {sorted(unknown)}; known: {', '.join(ROLE)}")
@@ -128,7 +128,7 @@ class LocalCampus:
         """Start ``node``'s process (its config and state directory as before)."""
         assert self.campus is not None
         log = (self.root / f"{node}.log").open("ab")
-        argv = [sys.executable, "-m", "sluicegate.cli", ROLE[node], "run"]
+        argv = [sys.executable, "-m", "sluicegate.app.cli", ROLE[node], "run"]
         argv += ["--config", str(self.campus.node_config(node)), "--log-level", self._log_level]
         with log:
             proc = subprocess.Popen(
@@ -295,7 +295,7 @@ def start_campus_mosquitto(
 ) -> ServerProcess:
     """A Mosquitto on ``campus.mqtt_port`` set up as the campus needs: secured with its CA,
     certificates and ACL (open, for a campus written with ``secure=False``); ``workdir``
-    and ``persistence`` as for :func:`~sluicegate.servers.start_mosquitto`."""
+    and ``persistence`` as for :func:`~sluicegate.app.servers.start_mosquitto`."""
     if not campus.secure:
         return start_mosquitto(port=campus.mqtt_port, workdir=workdir, persistence=persistence)
     return start_mosquitto(

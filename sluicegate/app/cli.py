@@ -19,7 +19,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from policies.cli import app as policy_app
-from sluicegate.acl_cli import register as register_acl
+from sluicegate.app.acl_cli import register as register_acl
 from sluicegate.deploy.cli import register as register_deploy
 from sluicegate.doctor.cli import register as register_doctor
 from sluicegate.enroll.cli import ca_app, enroll_app
@@ -279,7 +279,7 @@ def demo(
 ) -> None:
     """Full local demo: Mosquitto, Redis, a broker, two edges, two workers, a burst, live.
     Secured as a plant runs it (TLS, a certificate per node and app, the generated ACL)."""
-    from sluicegate.demo import run_demo
+    from sluicegate.app.demo import run_demo
 
     try:
         code = run_demo(

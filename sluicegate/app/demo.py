@@ -1,7 +1,7 @@
 """The local demo behind ``sluicegate demo``: the whole campus on one machine, on defaults.
 
 It starts a Mosquitto and a Redis on free ports (or uses ones the user names), then a local
-campus (:mod:`sluicegate.localcampus`: a broker, edge agents on two lines, a worker in the
+campus (:mod:`sluicegate.app.localcampus`: a broker, edge agents on two lines, a worker in the
 fab's data centre and one off-site), with a policy signed by keys made for this run. It runs
 secured as a plant does: a campus CA made for the run, a client certificate per node and
 per app, the ACL generated from the policy, every node's policy anchor pinned; ``--open``
@@ -36,12 +36,12 @@ from rich.panel import Panel
 from rich.table import Table
 
 from sluicegate import wire
-from sluicegate.campus import APP_OF_LINE, APPS, LINES, Campus
+from sluicegate.app.campus import APP_OF_LINE, APPS, LINES, Campus
+from sluicegate.app.demo_cleanup import clear_mqtt, empty_database, flush_database
+from sluicegate.app.localcampus import LocalCampus, cpu_cap_available, start_campus_mosquitto
+from sluicegate.app.servers import ServerProcess, free_port, running, start_redis
 from sluicegate.client import AsyncClient
-from sluicegate.demo_cleanup import clear_mqtt, empty_database, flush_database
 from sluicegate.errors import SluicegateError
-from sluicegate.localcampus import LocalCampus, cpu_cap_available, start_campus_mosquitto
-from sluicegate.servers import ServerProcess, free_port, running, start_redis
 from sluicegate.vision.synth import encode_jpeg, generate
 
 MODEL = "defect-v1"

@@ -16,9 +16,9 @@ from collections.abc import Iterable
 import redis as redis_sync
 
 from sluicegate import topics
-from sluicegate.campus import Campus
+from sluicegate.app.campus import Campus
+from sluicegate.app.localcampus import ROLE
 from sluicegate.errors import SluicegateError
-from sluicegate.localcampus import ROLE
 from sluicegate.mqtt import MqttTransport
 
 DATABASES = range(1, 16)  # Redis's default 16 databases; 0 is left to the user

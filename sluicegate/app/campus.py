@@ -49,7 +49,7 @@ PROBE = "sg-probe"  # no rights at all: Mosquitto's readiness ping
 MOSQUITTO = "mosquitto"  # the server certificate's file stem
 
 POLICY_TEMPLATE = """\
-# Sluicegate demo campus, written by sluicegate.campus with keys made for this run.
+# Sluicegate demo campus, written by sluicegate.app.campus with keys made for this run.
 format = "sluicegate-policy/1"
 campus = "demo-campus"
 version = {version}
