@@ -120,6 +120,7 @@ async def _serve(
         audit,
         requirements=requirements_of(cfg.models_dir or default_models_dir()),
     )
+    feed.on_change(broker.fleet.use_policy)  # workers' zones follow every new policy
     await transport.connect(timeout=connect_timeout)
     await feed.start(transport)
     if envelope is not None and feed.current is not None:

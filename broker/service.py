@@ -99,7 +99,8 @@ class Broker:
         self._key = key
         self._policy = policy
         self._clock = clock
-        self.fleet = Fleet(FleetParams.from_settings(settings), requirements or {})
+        # Under the policy in force from the start; run.py hands it each new one.
+        self.fleet = Fleet(FleetParams.from_settings(settings), requirements or {}, policy())
         self.params = PlacementParams.from_settings(settings)
         self.service_params = ServiceParams()
         self.reservations = Reservations(
@@ -418,13 +419,6 @@ class Broker:
         )
 
     # -- Redis upkeep and the audit log ----------------------------------------------------
-
-    def sync_policy(self) -> None:
-        """Let the fleet read its workers' zones from the policy in force (a decision does
-        this too; a view of the fleet before the first decision needs it as well)."""
-        policy = self._policy()
-        if policy is not None:
-            self.fleet.use_policy(policy)
 
     @property
     def redis_ok(self) -> bool:

@@ -43,7 +43,6 @@ class HttpView:
         }
 
     def fleet(self) -> dict[str, Any]:
-        self._broker.sync_policy()  # the policy's zone of each worker, decided upon or not
         fleet = self._broker.fleet
         workers = []
         zones: dict[str, list[str]] = defaultdict(list)

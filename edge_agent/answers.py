@@ -140,13 +140,17 @@ class Answers:
         """Publish a worker's result before its commit; the task says whether it was acked."""
         return self._track(self._send(job, payload))
 
-    def publish(self, job: Job, payload: bytes, *, record: bool, sent: Any = None) -> None:
+    def publish(
+        self, job: Job, payload: bytes, *, record: bool, sent: asyncio.Task[bool] | None = None
+    ) -> None:
         """Publish a committed result to the job's (latest) destination, in a task (or, with
         ``sent``, wait for the forward already publishing it); with ``record``, mark it
         delivered once the broker acked it."""
         self._track(self._deliver(job, payload, record=record, sent=sent))
 
-    async def _deliver(self, job: Job, payload: bytes, *, record: bool, sent: Any) -> None:
+    async def _deliver(
+        self, job: Job, payload: bytes, *, record: bool, sent: asyncio.Task[bool] | None
+    ) -> None:
         acked = await sent if sent is not None else await self._send(job, payload)
         if acked and record:
             try:

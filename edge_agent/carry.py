@@ -99,9 +99,7 @@ class Carrier:
     def carry(self, entry: Entry, effect: ev.Effect, event: ev.Event, msg: Msg) -> None:
         self._by_type[type(effect)](entry, effect, event, msg)
 
-    def _commit_acceptance(
-        self, entry: Entry, effect: Any, event: Any, msg: Message | None
-    ) -> None:
+    def _commit_acceptance(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
         accepting = self._outbox.accept(entry.job, start_run=effect.start_run)
         accepting.add_done_callback(self._mover.later(self._mover.acceptance, entry, msg))
 

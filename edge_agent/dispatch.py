@@ -108,7 +108,6 @@ class Dispatcher:
         self.idle = asyncio.Event()
         self.idle.set()
         self._repeats = 0  # requests for known ids whose outbox lookup is under way
-        self._pumping = False
         self._effects = Carrier(
             self,
             table=self.table,
@@ -298,18 +297,17 @@ class Dispatcher:
         self._transport.ack(msg)
 
     def _pump(self) -> None:
-        """Start queued jobs while a compute slot is free."""
-        if self._pumping:
-            return
-        self._pumping = True
+        """Start queued jobs while a compute slot is free (its dispatches count as nested:
+        they neither pump nor settle themselves)."""
+        queue, table = self._compute.queue, self.table
+        self._depth += 1
         try:
-            queue, table = self._compute.queue, self.table
-            while table.slots < self.settings.concurrency and len(queue):
+            while table.slots < self._concurrency and len(queue):
                 entry = queue.pop()
                 if entry.life.phase == "queued" and table.get(entry.job.job_id) is entry:
                     self.dispatch(entry, ev.Start())
         finally:
-            self._pumping = False
+            self._depth -= 1
 
     def _settle(self) -> None:
         if self.table.busy or self._repeats:

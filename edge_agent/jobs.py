@@ -12,11 +12,14 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge_agent.admission import Job
 from edge_agent.events import BUSY, Life, Phase
 from sluicegate.transport import Message
+
+if TYPE_CHECKING:  # the handles' types only: nothing here runs asyncio
+    import asyncio
 
 RECENT_KEPT = 4096  # concluded job ids remembered: a repeat of one goes to the outbox
 
@@ -29,11 +32,11 @@ class Entry:
     life: Life
     # Returns and notices that came before the acceptance, with the handler to take them.
     held: list[tuple[Callable[[Message], None], Message]] = field(default_factory=list)
-    asked: Any = None  # the placement future being waited for
+    asked: asyncio.Future[Any] | None = None  # the placement answer being waited for
     returned: tuple[bytes, str] | None = None  # a worker's result (document, status) just in
     result: tuple[bytes, str] | None = None  # the result being committed (document, status)
     ack_later: Message | None = None  # acked once the result is committed
-    forwarding: Any = None  # the task publishing a result before its commit
+    forwarding: asyncio.Task[bool] | None = None  # publishing a result before its commit
 
 
 class JobTable:
