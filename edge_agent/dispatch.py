@@ -150,17 +150,9 @@ class Dispatcher:
             self._answers.refuse(queue_full(job, edge, settings.queue_size), msg)
             return
         outlook = self.outlook(job, now)
-        offer = rules.offer_reason(job.deadline, outlook)
-        # A job that will run here at once has its run counted in the same commit that
-        # accepts it, its slot held meanwhile: one commit less before it starts. One that
-        # will be offered has its placement asked for while it commits (not a redelivery:
-        # most were accepted before a crash, and the broker would hold a slot for each).
         free = not self.table.census["queued"] and self.table.slots < settings.concurrency
-        admit_ev = ev.Admit(
-            run_now=offer is None and free,
-            ask=offer if not msg.dup else None,
-            local_s=max(0.0, outlook.predicted_done - now),
-        )
+        run_now, ask = rules.intake(job.deadline, outlook, slot_free=free, redelivered=msg.dup)
+        admit_ev = ev.Admit(run_now, ask, max(0.0, outlook.predicted_done - now))
         entry = Entry(job, Life(job.job_id, job.deadline))
         self.table.add(entry)
         self.dispatch(entry, admit_ev, msg)

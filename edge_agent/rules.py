@@ -1,12 +1,13 @@
 """The edge's decisions about one job, as pure functions over plain data and ``now``.
 
 How full the edge is (:func:`has_room`), when a job would finish here
-(:func:`predict_completion`), whether to offer it to the campus broker
-(:func:`offer_reason`) or offer it again after an attempt was lost (:func:`retry_reason`),
-whether its deadline has passed and what its result then says (:func:`expiry_reason`),
-what a repeat of a known job id gets (:func:`repeat_plan`) and what a job read back after a
-restart needs (:func:`replay_plan`). The lifecycle table (``edge_agent.lifecycle``) calls
-them; so will the digital twin. No I/O, no clock, no asyncio: ``now`` is an argument.
+(:func:`predict_completion`), how a new job is admitted (:func:`intake`), whether to offer
+it to the campus broker (:func:`offer_reason`) or offer it again after an attempt was lost
+(:func:`retry_reason`), whether its deadline has passed and what its result then says
+(:func:`expiry_reason`), what a repeat of a known job id gets (:func:`repeat_plan`) and what
+a job read back after a restart needs (:func:`replay_plan`). The lifecycle table and the
+dispatcher call them; so will the digital twin. No I/O, no clock, no asyncio: ``now`` is
+an argument.
 """
 
 from __future__ import annotations
@@ -83,6 +84,19 @@ def offer_reason(deadline: float | None, outlook: Outlook) -> str | None:
     if outlook.waiting >= outlook.queue_bound:
         return "queue"
     return None
+
+
+def intake(
+    deadline: float | None, outlook: Outlook, *, slot_free: bool, redelivered: bool
+) -> tuple[bool, str | None]:
+    """How a new job is admitted: (run at once, why to ask for a placement while it
+    commits). A job that will run here at once has its run counted in the same commit that
+    accepts it, its slot held meanwhile: one commit less before it starts. One that will be
+    offered has its placement asked for while it commits, unless the MQTT broker
+    redelivered it: most of those were accepted before a crash, and the campus broker
+    would hold a slot for each (one that proves new is offered once accepted)."""
+    offer = offer_reason(deadline, outlook)
+    return offer is None and slot_free, offer if not redelivered else None
 
 
 def retry_reason(attempt: int, deadline: float | None, outlook: Outlook) -> str | None:

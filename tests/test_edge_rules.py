@@ -91,3 +91,18 @@ def test_expiry_reason_is_none_before_the_deadline() -> None:
     assert rules.expiry_reason(5.0, 5.0) == (
         "the deadline passed 0 ms ago, before the job could start; not run"
     )
+
+
+@pytest.mark.parametrize(
+    ("deadline", "free", "dup", "expected"),
+    [
+        (10.0, True, False, (True, None)),  # on time, a slot free: run now, counted with it
+        (10.0, False, False, (False, None)),  # on time, queue first
+        (0.2, True, False, (False, "deadline")),  # late here: ask while it commits
+        (0.2, True, True, (False, None)),  # a redelivery: asked only once accepted
+    ],
+)
+def test_intake(deadline: float, free: bool, dup: bool, expected: tuple[bool, str | None]) -> None:
+    done = rules.predict_completion(0.0, 0, 0, 2, 0.25)
+    got = rules.intake(deadline, outlook(done=done), slot_free=free, redelivered=dup)
+    assert got == expected
