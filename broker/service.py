@@ -23,7 +23,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import redis.asyncio as aioredis
@@ -34,7 +33,6 @@ from broker.core.decision import Decision, Placed, as_record
 from broker.core.demand import PoolDemand, pool_demand
 from broker.core.fleet import Fleet
 from broker.core.identity import IdentityRefusal
-from broker.core.mlfq import MLFQ, Waiting
 from broker.core.params import FleetParams, PlacementParams, ServiceParams
 from broker.core.placement import decide
 from broker.decision_audit import DecisionAudit, encode
@@ -44,6 +42,7 @@ from broker.metrics import BrokerMetrics
 from broker.reaper import Reaper
 from broker.reservations import Hold, Reservations
 from broker.store import BrokerStore
+from broker.waiting_room import Pending, WaitingRoom
 from policies import AsyncAuditWriter, Policy, SigningKey, mint
 from policies.errors import PolicyError
 from sluicegate import topics, wire
@@ -61,16 +60,6 @@ from sluicegate.wire_pool import (
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
-WAIT_TICK_S = 0.005  # how often waiting requests are looked at when nothing else happens
-
-
-@dataclass
-class _Pending:
-    request: PlacementRequest
-    reply_topic: str
-    correlation: bytes | None
-    arrived: float  # perf_counter
-    waiting_since: float | None = None  # unix s, when it first found no room
 
 
 def status_message(settings: BrokerSettings, state: Literal["online", "offline"]) -> bytes:
@@ -109,13 +98,16 @@ class Broker:
         self.metrics = BrokerMetrics()
         self._decided = {s: self.metrics.decisions.labels(s) for s in ("placed", "refused")}
         self.edges: dict[str, wire.EdgeTelemetry] = {}
-        self._inbox: asyncio.Queue[_Pending] = asyncio.Queue()
+        self._inbox: asyncio.Queue[Pending] = asyncio.Queue()
         self.audit = DecisionAudit(audit, clock)
         self.gate = Gatekeeper(policy, self.metrics, self.audit)
-        wait_s = settings.max_wait_ms / 1000.0
-        self.waiting: MLFQ[_Pending] = MLFQ(max(wait_s, 1e-3), max(wait_s / 10.0, 1e-4))
-        self._room = asyncio.Event()  # capacity may have freed: look at the waiting room
-        self._someone_waits = asyncio.Event()
+        self.waiting = WaitingRoom(
+            settings.max_wait_ms,
+            clock=clock,
+            again=self._inbox.put_nowait,
+            give_up=lambda item, reason: self._answer(item, None, "no_capacity", reason),
+            gauge=self.metrics.waiting.set,
+        )
         self._placed_by_pool: Counter[str] = Counter()
         self.arrivals: dict[str, float] = {}  # jobs/s placed per pool (moving average)
         self._pools: tuple[bytes, dict[str, str]] = (b"", {})  # policy digest, worker -> pool
@@ -149,7 +141,7 @@ class Broker:
             )
             self._reply(reply_topic, msg.correlation_data, bad)
             return
-        item = _Pending(request, reply_topic, msg.correlation_data, time.perf_counter())
+        item = Pending(request, reply_topic, msg.correlation_data, time.perf_counter())
         policy = self._policy()
         if policy is None:
             self._answer(item, None, "no_policy", "the broker holds no verified policy")
@@ -166,14 +158,14 @@ class Broker:
         caps = _parse(WorkerCapabilities, msg)
         if caps is not None and self.gate.worker(msg, caps.worker_id, caps.zone):
             self.fleet.apply_capabilities(caps, self._clock())
-            self._room.set()
+            self.waiting.freed()
             self.store.node_document(caps.worker_id, "capabilities", msg.payload)
 
     def on_worker_telemetry(self, msg: Message) -> None:
         tel = _parse(WorkerTelemetry, msg)
         if tel is not None and self.gate.worker(msg, tel.node, tel.zone):
             self.fleet.apply_telemetry(tel, self._clock())
-            self._room.set()
+            self.waiting.freed()
             self.store.node_document(tel.node, "telemetry", msg.payload)
 
     def on_worker_status(self, msg: Message) -> None:
@@ -190,7 +182,7 @@ class Broker:
         if done is None or not self.gate.own("completion", "worker", msg, done.worker_id):
             return
         self.fleet.apply_completion(done, self._clock())
-        self._room.set()
+        self.waiting.freed()
         self.metrics.completions.labels(done.status).inc()
         self.metrics.job_seconds.observe(done.service_ms / 1000.0)
         self.reaper.completed(done)  # releases the worker's slot, then fences the attempt
@@ -202,7 +194,7 @@ class Broker:
         the reservation drops it there."""
         rel = _parse(PlacementRelease, msg)
         if rel is not None and self.gate.own("release", "edge", msg, rel.edge_id):
-            self.reaper.release(rel, self._room.set)
+            self.reaper.release(rel, self.waiting.freed)
 
     def on_edge_telemetry(self, msg: Message) -> None:
         tel = _parse(wire.EdgeTelemetry, msg)
@@ -225,7 +217,7 @@ class Broker:
                 for item in batch:
                     self._answer(item, None, "broker_error", "the broker failed; run locally")
 
-    async def _place_batch(self, batch: list[_Pending]) -> None:
+    async def _place_batch(self, batch: list[Pending]) -> None:
         policy = self._policy()
         todo = batch
         decisions = 0
@@ -234,7 +226,7 @@ class Broker:
                 break
             decisions += 1
             now = self._clock()
-            placed: list[tuple[_Pending, Placed]] = []
+            placed: list[tuple[Pending, Placed]] = []
             for item in todo:
                 if policy is None:
                     self._answer(item, None, "no_policy", "the broker holds no verified policy")
@@ -243,7 +235,7 @@ class Broker:
                 if isinstance(decision, Placed):
                     self.fleet.reserve(decision.worker_id, item.request.job_id, now)
                     placed.append((item, decision))
-                elif decision.code != "no_capacity" or not self._wait(item, now):
+                elif decision.code != "no_capacity" or not self.waiting.hold(item, now):
                     self._answer(item, decision, decision.code, decision.reason)
             todo = []
             holds = [self._hold(item.request, d, now) for item, d in placed]
@@ -269,50 +261,6 @@ class Broker:
         for item in todo:
             self._answer(item, None, "no_capacity", "workers filled up while placing; run locally")
 
-    def _wait(self, item: _Pending, now: float) -> bool:
-        """Hold a request that found no room, if the edge waits long enough; True if held."""
-        req = item.request
-        since = item.waiting_since if item.waiting_since is not None else now
-        answer_by = service_rules.answer_by(
-            since,
-            now,
-            broker_max_wait_ms=self.settings.max_wait_ms,
-            edge_max_wait_ms=req.max_wait_ms,
-            deadline_at=req.deadline_at,
-        )
-        if answer_by is None:
-            return False
-        item.waiting_since = since
-        held = self.waiting.push(Waiting(req.job_id, req.priority, answer_by, since, item), now)
-        self._someone_waits.set()
-        return held
-
-    async def _waiting_room(self) -> None:
-        """Give waiting requests another decision whenever capacity may have freed, in
-        multi-level-feedback order; answer those whose wait is over."""
-        while True:
-            self.metrics.waiting.set(len(self.waiting))
-            if not len(self.waiting):
-                self._someone_waits.clear()
-                await self._someone_waits.wait()
-                continue
-            # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel. Whether
-            # there is room is read off the event, not the timeout: capacity that frees
-            # as the tick ends must not be cleared unseen (the request would wait it out).
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(WAIT_TICK_S):
-                    await self._room.wait()
-            room = self._room.is_set()
-            self._room.clear()
-            now = self._clock()
-            for gone in self.waiting.expired(now):
-                item = gone.item
-                waited = (now - (item.waiting_since or now)) * 1000.0
-                reason = f"no allowed worker had room within {waited:.0f} ms; run locally"
-                self._answer(item, None, "no_capacity", reason)
-            while room and (ready := self.waiting.pop_ready(now)) is not None:
-                self._inbox.put_nowait(ready.item)
-
     def _hold(self, request: PlacementRequest, decision: Placed, now: float) -> Hold:
         state = self.fleet.state(decision.worker_id)
         latest = state.latest if state is not None else None
@@ -334,7 +282,7 @@ class Broker:
             request.deadline_at,
         )
 
-    def _grant(self, item: _Pending, decision: Placed, policy: Policy | None) -> None:
+    def _grant(self, item: Pending, decision: Placed, policy: Policy | None) -> None:
         assert policy is not None
         req = item.request
         try:
@@ -372,7 +320,7 @@ class Broker:
             self._pools = (policy.digest, {w: p.name for p in policy.pools for w in p.workers})
         return self._pools[1].get(worker_id, "?")
 
-    def _answer(self, item: _Pending, decision: Decision | None, code: str, reason: str) -> None:
+    def _answer(self, item: Pending, decision: Decision | None, code: str, reason: str) -> None:
         reply = PlacementReply(
             job_id=item.request.job_id,
             status="refused",
@@ -383,7 +331,7 @@ class Broker:
         self.metrics.refusals.labels(code).inc()
         self._finish(item, decision, reply)
 
-    def _finish(self, item: _Pending, decision: Decision | None, reply: PlacementReply) -> None:
+    def _finish(self, item: Pending, decision: Decision | None, reply: PlacementReply) -> None:
         self._reply(item.reply_topic, item.correlation, reply)
         self._decided[reply.status].inc()
         self.metrics.decision_seconds.observe(time.perf_counter() - item.arrived)
@@ -477,7 +425,7 @@ class Broker:
             asyncio.ensure_future(self.audit.run()),
             asyncio.ensure_future(self._housekeeping()),
             asyncio.ensure_future(self.store.run()),
-            asyncio.ensure_future(self._waiting_room()),
+            asyncio.ensure_future(self.waiting.run()),
             asyncio.ensure_future(self.reaper.run()),
         ]
         log.info("broker %s serving placements", self.settings.id)
