@@ -39,7 +39,7 @@ from broker.reservations import RELEASE
 from broker.store import BrokerStore
 from sluicegate import topics, wire
 from sluicegate.config import BrokerSettings
-from sluicegate.transport import Transport
+from sluicegate.transport import Message, Transport
 from sluicegate.wire_pool import Completion, JobNotice, PlacementRelease
 
 log = logging.getLogger(__name__)
@@ -258,14 +258,16 @@ class Reaper:
         )
         try:
             self._transport.publish_nowait(
-                topic,
-                wire.dump(notice),
-                qos=1,
-                content_type=wire.RESULT_CONTENT_TYPE,
-                user_properties=(
-                    (topics.PROP_JOB_ID, notify.job_id),
-                    (topics.PROP_ATTEMPT, str(notify.attempt)),
-                ),
+                Message(
+                    topic,
+                    wire.dump(notice),
+                    qos=1,
+                    content_type=wire.RESULT_CONTENT_TYPE,
+                    user_properties=(
+                        (topics.PROP_JOB_ID, notify.job_id),
+                        (topics.PROP_ATTEMPT, str(notify.attempt)),
+                    ),
+                )
             )
         except Exception as exc:
             log.error("job %s: notice to %s not sent: %s", notify.job_id, topic, exc)

@@ -29,7 +29,7 @@ from sluicegate.errors import ConfigError
 from sluicegate.instance import this_process
 from sluicegate.mqtt import MqttTransport
 from sluicegate.policy_feed import PolicyFeed, bootstrap_envelope
-from sluicegate.transport import Will
+from sluicegate.transport import Message, Will
 from sluicegate.vision.manifest import Requirements, load_manifest
 from sluicegate.vision.runtime import default_models_dir
 
@@ -125,7 +125,7 @@ async def _serve(
     await feed.start(transport)
     if envelope is not None and feed.current is not None:
         # Every node takes the policy from here, verifies it, and never goes back a version.
-        transport.publish_nowait(topics.policy(), envelope, qos=1, retain=True)
+        transport.publish_nowait(Message(topics.policy(), envelope, qos=1, retain=True))
     authority = Authority(cfg.ca_dir) if cfg.ca_dir is not None else None
     desk = EnrollmentDesk(authority, redis, broker.audit, lambda: feed.envelope)
     runner, port = await start_http(

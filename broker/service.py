@@ -359,11 +359,13 @@ class Broker:
         # a lost one costs that wait and the reservation expires.
         # QoS 1 would add a PUBACK to read per decision, here and at the edge.
         self._transport.publish_nowait(
-            topic,
-            wire.dump(reply),
-            qos=0,
-            correlation_data=correlation,
-            content_type=wire.RESULT_CONTENT_TYPE,
+            Message(
+                topic,
+                wire.dump(reply),
+                qos=0,
+                correlation_data=correlation,
+                content_type=wire.RESULT_CONTENT_TYPE,
+            )
         )
 
     # -- Redis upkeep and the audit log ----------------------------------------------------
@@ -411,10 +413,12 @@ class Broker:
 
         def announce() -> None:
             t.publish_nowait(
-                topics.broker_status(self.settings.id),
-                status_message(self.settings, "online"),
-                qos=1,
-                retain=True,
+                Message(
+                    topics.broker_status(self.settings.id),
+                    status_message(self.settings, "online"),
+                    qos=1,
+                    retain=True,
+                )
             )
 
         t.on_connect(announce)
@@ -438,10 +442,12 @@ class Broker:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(
                     t.publish(
-                        topics.broker_status(self.settings.id),
-                        status_message(self.settings, "offline"),
-                        qos=1,
-                        retain=True,
+                        Message(
+                            topics.broker_status(self.settings.id),
+                            status_message(self.settings, "offline"),
+                            qos=1,
+                            retain=True,
+                        ),
                         wait=True,
                     ),
                     2.0,

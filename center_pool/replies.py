@@ -22,7 +22,7 @@ from collections.abc import Callable
 from center_pool.intake import WorkRefusal
 from sluicegate import topics, wire
 from sluicegate.config import PoolSettings
-from sluicegate.transport import Transport
+from sluicegate.transport import Message, Transport
 from sluicegate.wire_pool import Completion
 
 log = logging.getLogger(__name__)
@@ -150,12 +150,14 @@ class Replies:
     ) -> None:
         try:
             self._transport.publish_nowait(
-                topic,
-                payload,
-                qos=1,
-                correlation_data=correlation,
-                content_type=wire.RESULT_CONTENT_TYPE,
-                user_properties=props,
+                Message(
+                    topic,
+                    payload,
+                    qos=1,
+                    correlation_data=correlation,
+                    content_type=wire.RESULT_CONTENT_TYPE,
+                    user_properties=props,
+                )
             )
         except Exception as exc:
             log.error("could not publish to %s for job %s: %s", topic, job, exc)

@@ -326,23 +326,29 @@ class PoolWorker:
             await asyncio.sleep(self.settings.telemetry_interval_s)
             if self._transport.connected:
                 try:
-                    await self._transport.publish(topic, wire.dump(self.telemetry()), qos=0)
+                    await self._transport.publish(
+                        Message(topic, wire.dump(self.telemetry()), qos=0)
+                    )
                 except Exception as exc:
                     log.warning("telemetry not published: %s", exc)
 
     def _announce(self) -> None:
         """Retained capabilities, then online: on every (re)connect."""
         self._transport.publish_nowait(
-            topics.worker_capabilities(self.settings.id),
-            wire.dump(self.capabilities),
-            qos=1,
-            retain=True,
+            Message(
+                topics.worker_capabilities(self.settings.id),
+                wire.dump(self.capabilities),
+                qos=1,
+                retain=True,
+            )
         )
         self._transport.publish_nowait(
-            topics.worker_status(self.settings.id),
-            reporting.status_message(self.settings, "online"),
-            qos=1,
-            retain=True,
+            Message(
+                topics.worker_status(self.settings.id),
+                reporting.status_message(self.settings, "online"),
+                qos=1,
+                retain=True,
+            )
         )
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -397,10 +403,12 @@ class PoolWorker:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(
                     self._transport.publish(
-                        topics.worker_status(self.settings.id),
-                        reporting.status_message(self.settings, "offline"),
-                        qos=1,
-                        retain=True,
+                        Message(
+                            topics.worker_status(self.settings.id),
+                            reporting.status_message(self.settings, "offline"),
+                            qos=1,
+                            retain=True,
+                        ),
                         wait=True,
                     ),
                     2.0,

@@ -171,14 +171,16 @@ class EdgeAgent:
         if self._transport.connected:
             topic = topics.edge_telemetry(self.settings.id)
             with contextlib.suppress(TransportError):  # QoS 0: the next one follows soon
-                self._transport.publish_nowait(topic, wire.dump(self.telemetry()), qos=0)
+                self._transport.publish_nowait(Message(topic, wire.dump(self.telemetry()), qos=0))
 
     def _announce_online(self) -> None:
         self._transport.publish_nowait(
-            topics.edge_status(self.settings.id),
-            status_message(self.settings, "online"),
-            qos=1,
-            retain=True,
+            Message(
+                topics.edge_status(self.settings.id),
+                status_message(self.settings, "online"),
+                qos=1,
+                retain=True,
+            )
         )
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -252,10 +254,12 @@ class EdgeAgent:
         with contextlib.suppress(TransportError, TimeoutError):
             await asyncio.wait_for(
                 self._transport.publish(
-                    topics.edge_status(self.settings.id),
-                    status_message(self.settings, "offline"),
-                    qos=1,
-                    retain=True,
+                    Message(
+                        topics.edge_status(self.settings.id),
+                        status_message(self.settings, "offline"),
+                        qos=1,
+                        retain=True,
+                    ),
                     wait=True,
                 ),
                 2.0,

@@ -124,11 +124,13 @@ class Answers:
         """Publish an answer QoS 1; True once the broker acked it."""
         try:
             await self._transport.publish(
-                topic,
-                payload,
-                qos=1,
-                correlation_data=corr,
-                content_type=wire.RESULT_CONTENT_TYPE,
+                Message(
+                    topic,
+                    payload,
+                    qos=1,
+                    correlation_data=corr,
+                    content_type=wire.RESULT_CONTENT_TYPE,
+                ),
                 wait=True,
             )
         except TransportError as exc:

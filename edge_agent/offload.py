@@ -227,7 +227,7 @@ class PlacementClient:
         log.info("job %s: placement %d on %s handed back: %s", job_id, attempt, worker_id, reason)
         try:
             topic = topics.placement_release(self._edge_id)
-            self._transport.publish_nowait(topic, wire.dump(release), qos=1)
+            self._transport.publish_nowait(Message(topic, wire.dump(release), qos=1))
         except TransportError as exc:
             log.warning("could not hand back the placement of job %s: %s", job_id, exc)
 
@@ -266,12 +266,14 @@ class PlacementClient:
         key = f"{job.job_id}/{attempt}/{next(self._requests)}".encode()
         try:
             self._transport.publish_nowait(
-                topics.placement_request(self._edge_id),
-                wire.dump(request),
-                qos=0,  # worth nothing after our timeout: see the broker's subscription
-                response_topic=self.reply_topic,
-                correlation_data=key,
-                content_type=wire.RESULT_CONTENT_TYPE,
+                Message(
+                    topics.placement_request(self._edge_id),
+                    wire.dump(request),
+                    qos=0,
+                    response_topic=self.reply_topic,
+                    correlation_data=key,
+                    content_type=wire.RESULT_CONTENT_TYPE,
+                )
             )
         except TransportError as exc:  # a transport failure keeps the job here
             outcome.set_result(Declined("broker_unreachable", f"could not ask the broker: {exc}"))
@@ -297,13 +299,15 @@ class PlacementClient:
         if job.deadline is not None:
             props.append((topics.PROP_DEADLINE_AT, repr(job.deadline * 1000.0)))
         self._transport.publish_nowait(
-            placement.work_topic,
-            job.payload,
-            qos=1,
-            response_topic=topics.edge_returns(self._edge_id, placement.worker_id),
-            correlation_data=job.correlation_data,
-            content_type=f"image/{job.image.format}",
-            user_properties=tuple(props),
+            Message(
+                placement.work_topic,
+                job.payload,
+                qos=1,
+                response_topic=topics.edge_returns(self._edge_id, placement.worker_id),
+                correlation_data=job.correlation_data,
+                content_type=f"image/{job.image.format}",
+                user_properties=tuple(props),
+            )
         )
 
     def close(self) -> None:

@@ -151,13 +151,15 @@ class AsyncClient:
         wait_s = timeout if timeout is not None else self._default_timeout
         try:
             await self._transport.publish(
-                topics.edge_submit(self.edge),
-                payload,
-                qos=1,
-                response_topic=self.response_topic,
-                correlation_data=correlation,
-                content_type=content_type or sniffed,
-                user_properties=tuple(props),
+                Message(
+                    topics.edge_submit(self.edge),
+                    payload,
+                    qos=1,
+                    response_topic=self.response_topic,
+                    correlation_data=correlation,
+                    content_type=content_type or sniffed,
+                    user_properties=tuple(props),
+                )
             )
             return await self._race(fut, wait_s)
         finally:

@@ -193,7 +193,7 @@ class IdentityGuard:
 
         await self._transport.subscribe(probe, on_probe, qos=1)
         await self._transport.subscribe(self._topic, self._on_status, qos=1)
-        self._transport.publish_nowait(probe, marker, qos=1)
+        self._transport.publish_nowait(Message(probe, marker, qos=1))
         try:
             await asyncio.wait_for(echoed.wait(), PROBE_WAIT_S)
         except TimeoutError:
@@ -242,7 +242,9 @@ async def claim(
         transport,
         node=node,
         status_topic=status_topic,
-        reannounce=lambda: transport.publish_nowait(status_topic, online, qos=1, retain=True),
+        reannounce=lambda: transport.publish_nowait(
+            Message(status_topic, online, qos=1, retain=True)
+        ),
         grace_s=grace_for(mqtt),
     )
     await guard.claim()

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 
 from sluicegate.errors import TransportError
 from sluicegate.topics import matches
-from sluicegate.transport import Handler, Message, UserProperties
+from sluicegate.transport import Handler, Message
 
 
 @dataclass
@@ -176,59 +176,17 @@ class MemoryTransport:
             del self._broker.sessions[session.client_id]
         self._pending = []
 
-    def publish_nowait(
-        self,
-        topic: str,
-        payload: bytes,
-        *,
-        qos: int = 0,
-        retain: bool = False,
-        response_topic: str | None = None,
-        correlation_data: bytes | None = None,
-        content_type: str | None = None,
-        user_properties: UserProperties = (),
-    ) -> None:
+    def publish_nowait(self, message: Message) -> None:
         if not self._alive:
             return  # the process is gone: nothing it "sends" leaves it
-        self._broker.route(
-            Message(
-                topic,
-                payload,
-                qos,
-                retain,
-                response_topic,
-                correlation_data,
-                content_type,
-                user_properties,
-            )
-        )
+        # What is sent is the message's value: no delivery metadata of an earlier hop.
+        self._broker.route(replace(message, ack_handle=None, dup=False))
 
-    async def publish(
-        self,
-        topic: str,
-        payload: bytes,
-        *,
-        qos: int = 0,
-        retain: bool = False,
-        response_topic: str | None = None,
-        correlation_data: bytes | None = None,
-        content_type: str | None = None,
-        user_properties: UserProperties = (),
-        wait: bool = False,
-    ) -> None:
+    async def publish(self, message: Message, *, wait: bool = False) -> None:
         if not self._alive:
             raise TransportError(f"transport {self.client_id} is gone")
-        self.publish_nowait(
-            topic,
-            payload,
-            qos=qos,
-            retain=retain,
-            response_topic=response_topic,
-            correlation_data=correlation_data,
-            content_type=content_type,
-            user_properties=user_properties,
-        )
-        if wait and qos > 0 and self._broker.hold_pubacks:
+        self.publish_nowait(message)
+        if wait and message.qos > 0 and self._broker.hold_pubacks:
             await self._broker._hold(self)
 
     async def unsubscribe(self, topic_filter: str) -> None:

@@ -63,34 +63,11 @@ class Will:
 class Transport(Protocol):
     """Publish, subscribe and connection events; handlers run on the event loop."""
 
-    def publish_nowait(
-        self,
-        topic: str,
-        payload: bytes,
-        *,
-        qos: int = 0,
-        retain: bool = False,
-        response_topic: str | None = None,
-        correlation_data: bytes | None = None,
-        content_type: str | None = None,
-        user_properties: UserProperties = (),
-    ) -> object:
-        """Hand a message to the client now; QoS ≥ 1 is retried by the client until acked."""
+    def publish_nowait(self, message: Message) -> object:
+        """Hand ``message`` to the client now; QoS ≥ 1 is retried by the client until acked."""
 
-    async def publish(
-        self,
-        topic: str,
-        payload: bytes,
-        *,
-        qos: int = 0,
-        retain: bool = False,
-        response_topic: str | None = None,
-        correlation_data: bytes | None = None,
-        content_type: str | None = None,
-        user_properties: UserProperties = (),
-        wait: bool = False,
-    ) -> None:
-        """Publish; with ``wait`` and QoS ≥ 1, return once the broker has acked."""
+    async def publish(self, message: Message, *, wait: bool = False) -> None:
+        """Publish ``message``; with ``wait`` and QoS ≥ 1, return once the broker has acked."""
 
     async def subscribe(
         self, topic_filter: str, handler: Handler, *, qos: int = 1, manual_ack: bool = False

@@ -363,13 +363,15 @@ class EdgeRig:
             props.append((topics.PROP_DEADLINE_MS, str(deadline_ms)))
         self.call(
             lambda: self.app.publish_nowait(
-                topics.edge_submit(EDGE),
-                JPEG,
-                qos=1,
-                response_topic=APP_TOPIC,
-                correlation_data=correlation,
-                content_type="image/jpeg",
-                user_properties=tuple(props),
+                Message(
+                    topics.edge_submit(EDGE),
+                    JPEG,
+                    qos=1,
+                    response_topic=APP_TOPIC,
+                    correlation_data=correlation,
+                    content_type="image/jpeg",
+                    user_properties=tuple(props),
+                )
             )
         )
 
@@ -383,7 +385,7 @@ class EdgeRig:
         topic = topics.edge_returns(EDGE, "w1")
         self.call(
             lambda: self.pool.publish_nowait(
-                topic, pool_result(job_id), qos=1, user_properties=props
+                Message(topic, pool_result(job_id), qos=1, user_properties=props)
             )
         )
 
@@ -397,7 +399,7 @@ class EdgeRig:
             reason="the worker died",
         )
         topic = topics.edge_notices(EDGE)
-        self.call(lambda: self.pool.publish_nowait(topic, wire.dump(notice), qos=1))
+        self.call(lambda: self.pool.publish_nowait(Message(topic, wire.dump(notice), qos=1)))
 
     def results(self) -> list[dict[str, Any]]:
         return [json.loads(m.payload) for m in self.received]

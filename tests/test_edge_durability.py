@@ -44,9 +44,9 @@ async def test_memory_session_redelivers_what_a_crashed_client_never_acked() -> 
     edge = MemoryTransport(broker, client_id="edge", persistent=True)
     seen: list[Message] = []
     await edge.subscribe("jobs", seen.append, manual_ack=True)
-    app.publish_nowait("jobs", b"a", qos=1)
-    app.publish_nowait("jobs", b"b", qos=1)
-    app.publish_nowait("jobs", b"fire-and-forget", qos=0)
+    app.publish_nowait(Message("jobs", b"a", qos=1))
+    app.publish_nowait(Message("jobs", b"b", qos=1))
+    app.publish_nowait(Message("jobs", b"fire-and-forget", qos=0))
     await _settle()
     assert [m.payload for m in seen] == [b"a", b"b", b"fire-and-forget"]
     edge.ack(seen[0])
@@ -54,9 +54,9 @@ async def test_memory_session_redelivers_what_a_crashed_client_never_acked() -> 
     assert [m.payload for m in edge.unacked] == [b"b"]
     edge.crash()
     edge.ack(seen[1])  # too late: the connection is gone
-    app.publish_nowait("jobs", b"c", qos=1)  # queued for the offline session
-    app.publish_nowait("jobs", b"lost", qos=0)  # QoS 0 is not queued
-    edge.publish_nowait("out", b"never sent", qos=1)
+    app.publish_nowait(Message("jobs", b"c", qos=1))  # queued for the offline session
+    app.publish_nowait(Message("jobs", b"lost", qos=0))  # QoS 0 is not queued
+    edge.publish_nowait(Message("out", b"never sent", qos=1))
     again = MemoryTransport(broker, client_id="edge", persistent=True)
     seen2: list[Message] = []
     await again.subscribe("jobs", seen2.append, manual_ack=True)
@@ -71,8 +71,8 @@ async def test_clean_session_forgets_and_held_pubacks_fail_on_crash() -> None:
     edge = MemoryTransport(broker, client_id="e")
     seen: list[Message] = []
     await edge.subscribe("jobs", seen.append, manual_ack=True)
-    MemoryTransport(broker).publish_nowait("jobs", b"a", qos=1)
-    pending = asyncio.ensure_future(edge.publish("r", b"x", qos=1, wait=True))
+    MemoryTransport(broker).publish_nowait(Message("jobs", b"a", qos=1))
+    pending = asyncio.ensure_future(edge.publish(Message("r", b"x", qos=1), wait=True))
     await _settle()
     assert not pending.done()  # routed, but no PUBACK yet
     assert [m.topic for m in broker.log].count("r") == 1
@@ -84,7 +84,7 @@ async def test_clean_session_forgets_and_held_pubacks_fail_on_crash() -> None:
     await fresh.subscribe("jobs", seen2.append, manual_ack=True)
     await _settle()
     assert seen2 == []
-    done = asyncio.ensure_future(fresh.publish("r", b"y", qos=1, wait=True))
+    done = asyncio.ensure_future(fresh.publish(Message("r", b"y", qos=1), wait=True))
     await _settle()
     assert broker.release_pubacks() == 1
     await done
@@ -215,12 +215,14 @@ def test_refused_requests_are_answered_but_not_stored(
     rig.start()
     rig.call(
         lambda: rig.app.publish_nowait(
-            topics.edge_submit(EDGE),
-            b"not an image",
-            qos=1,
-            response_topic=APP_TOPIC,
-            content_type="image/jpeg",
-            user_properties=((topics.PROP_MODEL, "defect-v1"),),
+            Message(
+                topics.edge_submit(EDGE),
+                b"not an image",
+                qos=1,
+                response_topic=APP_TOPIC,
+                content_type="image/jpeg",
+                user_properties=((topics.PROP_MODEL, "defect-v1"),),
+            )
         )
     )
     rig.settle()
@@ -365,10 +367,12 @@ async def test_client_hands_over_one_result_per_job_and_counts_the_repeat(
         assert msg.response_topic is not None
         for _ in range(2):  # as an edge that died between the PUBACK and recording it
             fake_edge.publish_nowait(
-                msg.response_topic,
-                wire.dump(result),
-                qos=1,
-                correlation_data=msg.correlation_data,
+                Message(
+                    msg.response_topic,
+                    wire.dump(result),
+                    qos=1,
+                    correlation_data=msg.correlation_data,
+                )
             )
 
     async with (

@@ -177,15 +177,17 @@ class Rig:
         its worker-id property naming ``named`` (by default itself); returns the bytes."""
         payload = payload or pool_result(job_id)
         self.pool.publish_nowait(
-            topics.edge_returns(self.agent.settings.id, worker),
-            payload,
-            qos=1,
-            correlation_data=job_id.encode(),
-            user_properties=(
-                (topics.PROP_JOB_ID, job_id),
-                (topics.PROP_ATTEMPT, str(attempt)),
-                (topics.PROP_WORKER, named or worker),
-            ),
+            Message(
+                topics.edge_returns(self.agent.settings.id, worker),
+                payload,
+                qos=1,
+                correlation_data=job_id.encode(),
+                user_properties=(
+                    (topics.PROP_JOB_ID, job_id),
+                    (topics.PROP_ATTEMPT, str(attempt)),
+                    (topics.PROP_WORKER, named or worker),
+                ),
+            )
         )
         return payload
 
@@ -199,7 +201,7 @@ class Rig:
             reason=reason,
         )
         topic = topics.edge_notices(self.agent.settings.id)
-        self.pool.publish_nowait(topic, wire.dump(notice), qos=1)
+        self.pool.publish_nowait(Message(topic, wire.dump(notice), qos=1))
 
     async def results(self, n: int = 1) -> list[Message]:
         """The results at the app, once there are at least ``n``."""
@@ -254,13 +256,15 @@ class Rig:
         )
         if via_broker:
             self.pool.publish_nowait(
-                msg.topic,
-                msg.payload,
-                qos=1,
-                response_topic=msg.response_topic,
-                correlation_data=msg.correlation_data,
-                content_type=msg.content_type,
-                user_properties=msg.user_properties,
+                Message(
+                    msg.topic,
+                    msg.payload,
+                    qos=1,
+                    response_topic=msg.response_topic,
+                    correlation_data=msg.correlation_data,
+                    content_type=msg.content_type,
+                    user_properties=msg.user_properties,
+                )
             )
         else:
             self.agent.on_message(msg)
@@ -307,7 +311,7 @@ class Rig:
         reply = (responder or placed())(heard)
         assert reply is not None
         self.pool.publish_nowait(
-            reply_topic, wire.dump(reply), correlation_data=request.correlation_data
+            Message(reply_topic, wire.dump(reply), correlation_data=request.correlation_data)
         )
 
     def sent(self) -> list[str]:
@@ -414,12 +418,12 @@ async def rig(
         reply = responder(req) if responder is not None else None
         if reply is not None:
             broker_side.publish_nowait(
-                reply_topic, wire.dump(reply), correlation_data=msg.correlation_data
+                Message(reply_topic, wire.dump(reply), correlation_data=msg.correlation_data)
             )
 
     await broker_side.subscribe(topics.placement_requests_all(), on_request)
     online = wire.NodeStatus(node="b1", kind="edge", zone="campus", state="online")
-    broker_side.publish_nowait(topics.broker_status("b1"), wire.dump(online), retain=True)
+    broker_side.publish_nowait(Message(topics.broker_status("b1"), wire.dump(online), retain=True))
     settings = load_settings(
         edge={"id": EDGE, "zone": ZONE, "concurrency": 1},
         offload={"placement_timeout_ms": placement_timeout_ms, "result_timeout_s": result_timeout},

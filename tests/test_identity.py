@@ -22,6 +22,7 @@ from sluicegate.identity import (
     serve_guarded,
 )
 from sluicegate.memory_transport import MemoryBroker, MemoryTransport
+from sluicegate.transport import Message
 
 ME = Instance("me", 1000.0, "pc-a")
 STATUS = topics.edge_status("line-1-pc")
@@ -112,7 +113,9 @@ def _guard(transport: MemoryTransport, me: Instance, announced: asyncio.Event) -
 async def test_claim_with_no_one_else_holding_it() -> None:
     broker = MemoryBroker()
     old = MemoryTransport(broker)
-    old.publish_nowait(STATUS, wire.dump(status("offline", "old", 900.0)), qos=1, retain=True)
+    old.publish_nowait(
+        Message(STATUS, wire.dump(status("offline", "old", 900.0)), qos=1, retain=True)
+    )
     guard = _guard(MemoryTransport(broker), ME, asyncio.Event())
     await guard.claim()  # offline: the last one stopped or died; no wait
     assert not guard.fenced.is_set()
@@ -122,7 +125,7 @@ async def test_a_newcomer_whose_connection_is_taken_back_refuses_to_start() -> N
     broker = MemoryBroker()
     incumbent = MemoryTransport(broker)
     live = status("online", "old", 900.0)
-    incumbent.publish_nowait(STATUS, wire.dump(live), qos=1, retain=True)
+    incumbent.publish_nowait(Message(STATUS, wire.dump(live), qos=1, retain=True))
     newcomer = MemoryTransport(broker)
     guard = _guard(newcomer, ME, asyncio.Event())
     claiming = asyncio.ensure_future(guard.claim())
@@ -138,7 +141,7 @@ async def test_while_serving_an_older_instance_fences_this_one_and_a_newer_is_ou
     guard = _guard(MemoryTransport(broker), ME, announced)
     await guard.claim()
     other = MemoryTransport(broker)
-    other.publish_nowait(STATUS, wire.dump(status("online", "new", 1100.0)), qos=1)
+    other.publish_nowait(Message(STATUS, wire.dump(status("online", "new", 1100.0)), qos=1))
     await asyncio.wait_for(announced.wait(), 5)  # a junior: this one says it serves
     assert not guard.fenced.is_set()
     stop = asyncio.Event()
@@ -153,7 +156,7 @@ async def test_while_serving_an_older_instance_fences_this_one_and_a_newer_is_ou
 
     serving = asyncio.ensure_future(serve_guarded(guard, stop, run))
     await asyncio.wait_for(started.wait(), 5)
-    other.publish_nowait(STATUS, wire.dump(status("online", "old", 900.0)), qos=1)
+    other.publish_nowait(Message(STATUS, wire.dump(status("online", "old", 900.0)), qos=1))
     with pytest.raises(IdentityInUse, match="started first"):
         await asyncio.wait_for(serving, 5)
     assert ran == ["started", "stopped"]

@@ -40,14 +40,16 @@ async def test_properties_round_trip_and_acked_publish(
     ):
         await b.subscribe(f"t/{unique}/#", got.put_nowait)
         await a.publish(
-            f"t/{unique}/x",
-            b"\x00payload",
-            qos=1,
+            Message(
+                f"t/{unique}/x",
+                b"\x00payload",
+                qos=1,
+                response_topic="r/1",
+                correlation_data=b"\x01\x02",
+                content_type="image/png",
+                user_properties=(("model", "m"), ("model", "second")),
+            ),
             wait=True,
-            response_topic="r/1",
-            correlation_data=b"\x01\x02",
-            content_type="image/png",
-            user_properties=(("model", "m"), ("model", "second")),
         )
         msg = await _next(got)
     assert msg.payload == b"\x00payload"
@@ -82,7 +84,7 @@ async def test_failing_handler_does_not_stop_delivery(
     async with MqttTransport(settings, client_id=f"h-{unique}") as t:
         await t.subscribe(f"h/{unique}", handler)
         for payload in (b"boom", b"after"):
-            await t.publish(f"h/{unique}", payload, qos=1, wait=True)
+            await t.publish(Message(f"h/{unique}", payload, qos=1), wait=True)
         assert (await _next(seen)).payload == b"boom"
         assert (await _next(seen)).payload == b"after"
 
@@ -97,7 +99,7 @@ async def test_reconnects_and_resubscribes_after_broker_restart(
     async with MqttTransport(settings, client_id=f"r-{unique}") as t:
         t.on_disconnect(lost.set)
         await t.subscribe(f"r/{unique}", got.put_nowait)
-        await t.publish(f"r/{unique}", b"before", qos=1, wait=True)
+        await t.publish(Message(f"r/{unique}", b"before", qos=1), wait=True)
         assert (await _next(got)).payload == b"before"
         await asyncio.to_thread(own_mosquitto.kill)
         await asyncio.wait_for(lost.wait(), 10)
@@ -105,7 +107,7 @@ async def test_reconnects_and_resubscribes_after_broker_restart(
         t.on_connect(back.set)
         await asyncio.to_thread(own_mosquitto.restart)
         await asyncio.wait_for(back.wait(), 15)
-        await t.publish(f"r/{unique}", b"after", qos=1, wait=True)
+        await t.publish(Message(f"r/{unique}", b"after", qos=1), wait=True)
         assert (await _next(got)).payload == b"after"
 
 
@@ -146,7 +148,7 @@ async def test_unacked_message_comes_back_after_the_connection_dies(
         )
         await durable.connect()
         await durable.subscribe(topic, got.put_nowait, qos=1, manual_ack=True)
-        await publisher.publish(topic, b"job", qos=1, wait=True)
+        await publisher.publish(Message(topic, b"job", qos=1), wait=True)
         first = await _next(got)
         assert first.payload == b"job"
         assert first.ack_handle is not None
@@ -170,17 +172,17 @@ async def test_unacked_message_comes_back_after_the_connection_dies(
         # Mosquitto reads a connection's packets in order: once this publish is acked it
         # has read that PUBACK too (else a new connection of the same id could take the
         # session over before it does, and "job" would rightly come again).
-        await durable.publish(f"{topic}/probe", b"", qos=1, wait=True)
+        await durable.publish(Message(f"{topic}/probe", b"", qos=1), wait=True)
         await durable.close()
         # While the session is offline a second job is queued for it; the first was acked.
-        await publisher.publish(topic, b"second", qos=1, wait=True)
+        await publisher.publish(Message(topic, b"second", qos=1), wait=True)
         later: asyncio.Queue[Message] = asyncio.Queue()
         resumed = MqttTransport(
             settings, client_id=f"m-{unique}", clean_start=False, session_expiry_s=60
         )
         await resumed.connect()
         await resumed.subscribe(topic, later.put_nowait, qos=1, manual_ack=True)
-        await publisher.publish(topic, b"marker", qos=1, wait=True)
+        await publisher.publish(Message(topic, b"marker", qos=1), wait=True)
         assert [(await _next(later)).payload for _ in range(2)] == [b"second", b"marker"]
         await resumed.close()
 
@@ -198,7 +200,7 @@ async def test_auto_acked_subscription_is_not_redelivered(
             )
             await t.connect()
             await t.subscribe(topic, got.put_nowait, qos=1)
-            await publisher.publish(topic, round_.encode(), qos=1, wait=True)
+            await publisher.publish(Message(topic, round_.encode(), qos=1), wait=True)
             assert (await _next(got)).payload == round_.encode()
             await t.close()
         assert got.empty()
@@ -208,6 +210,7 @@ _SUBSCRIBER = """
 import asyncio, sys
 from sluicegate.config import MqttSettings
 from sluicegate.mqtt import MqttTransport
+from sluicegate.transport import Message
 
 async def main():
     port, client_id, topic = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -244,7 +247,7 @@ async def test_message_a_killed_process_never_acked_goes_to_its_next_session(
         assert await asyncio.wait_for(proc.stdout.readline(), 20) == b"subscribed\n"
         settings = MqttSettings(port=mosquitto.port)
         async with MqttTransport(settings, client_id=f"p-{unique}") as publisher:
-            await publisher.publish(topic, b"job", qos=1, wait=True)
+            await publisher.publish(Message(topic, b"job", qos=1), wait=True)
             assert await asyncio.wait_for(proc.stdout.readline(), 10) == b"got\n"
             proc.kill()
             await proc.wait()
@@ -279,8 +282,8 @@ async def test_backlog_of_a_session_waits_in_the_broker_not_here(
     await durable.close()
     async with MqttTransport(settings, client_id=f"pub-{unique}") as publisher:
         for i in range(1500):
-            publisher.publish_nowait(topic, str(i).encode(), qos=1)
-        await publisher.publish(topic, b"last", qos=1, wait=True)
+            publisher.publish_nowait(Message(topic, str(i).encode(), qos=1))
+        await publisher.publish(Message(topic, b"last", qos=1), wait=True)
     resumed = MqttTransport(settings, client_id=f"bl-{unique}", **persistent)  # type: ignore[arg-type]
     await resumed.connect()
     async with asyncio.timeout(10):
@@ -313,7 +316,7 @@ async def test_a_publish_off_paho_callbacks_is_on_the_wire_before_the_loop_turns
         listener.subscribe(f"w/{unique}")
         async with MqttTransport(MqttSettings(port=mosquitto.port), client_id=f"w-{unique}") as t:
             for qos in (0, 1):
-                t.publish_nowait(f"w/{unique}", f"qos{qos}".encode(), qos=qos)
+                t.publish_nowait(Message(f"w/{unique}", f"qos{qos}".encode(), qos=qos))
                 got = listener.next(timeout=5)  # blocks the loop: nothing else runs meanwhile
                 assert got.payload == f"qos{qos}".encode()
     finally:
@@ -345,11 +348,11 @@ async def test_a_handlers_publish_is_on_the_wire_right_after_the_read(
                     held.set()
 
             def answer(msg: Message) -> None:
-                handler_side.publish_nowait(f"h/{unique}/out", msg.payload, qos=1)
+                handler_side.publish_nowait(Message(f"h/{unique}/out", msg.payload, qos=1))
                 loop.call_soon(hold_the_loop)
 
             await handler_side.subscribe(f"h/{unique}/in", answer, qos=1)
-            await sender.publish(f"h/{unique}/in", b"ping", qos=1, wait=True)
+            await sender.publish(Message(f"h/{unique}/in", b"ping", qos=1), wait=True)
             await asyncio.wait_for(held.wait(), 10)
     finally:
         listener.close()
@@ -367,10 +370,10 @@ async def test_a_handler_may_publish_at_qos_0(mosquitto: ServerProcess, unique: 
     ):
 
         def answer(msg: Message) -> None:
-            echo.publish_nowait(f"echo/{unique}/out", msg.payload, qos=0)
+            echo.publish_nowait(Message(f"echo/{unique}/out", msg.payload, qos=0))
 
         await echo.subscribe(f"echo/{unique}/in", answer, qos=0)
         await caller.subscribe(f"echo/{unique}/out", echoes.put_nowait, qos=0)
         for i in range(3):
-            await caller.publish(f"echo/{unique}/in", b"%d" % i, qos=1, wait=True)
+            await caller.publish(Message(f"echo/{unique}/in", b"%d" % i, qos=1), wait=True)
             assert (await _next(echoes)).payload == b"%d" % i

@@ -105,7 +105,7 @@ async def test_messages_over_tls_arrive_whole_and_in_order(
     ):
         await b.subscribe(f"tls/{unique}", got.put_nowait)
         for payload in payloads:
-            a.publish_nowait(f"tls/{unique}", payload, qos=1, correlation_data=payload[:1])
+            a.publish_nowait(Message(f"tls/{unique}", payload, qos=1, correlation_data=payload[:1]))
         received = [await _next(got, 5.0) for _ in payloads]
     assert [m.payload for m in received] == payloads
     assert [m.correlation_data for m in received] == [p[:1] for p in payloads]

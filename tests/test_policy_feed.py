@@ -26,6 +26,7 @@ from sluicegate.policy_feed import (
     Refused,
     consider,
 )
+from sluicegate.transport import Message
 from tests.policies.policy_testkit import NOW, base_doc, key, policy_of, signed, to_toml
 from tests.support import PlainClient
 
@@ -101,7 +102,7 @@ def _feed(state: Path | None, policy_file: Path | None = None, now: float = NOW)
 async def test_feed_follows_the_retained_topic_and_never_goes_back(tmp_path: Path) -> None:
     broker = MemoryBroker()
     publisher = MemoryTransport(broker)
-    publisher.publish_nowait(topics.policy(), envelope(V1), qos=1, retain=True)
+    publisher.publish_nowait(Message(topics.policy(), envelope(V1), qos=1, retain=True))
     _pin(tmp_path, V1)
     feed = _feed(tmp_path)
     seen: list[int] = []
@@ -114,7 +115,7 @@ async def test_feed_follows_the_retained_topic_and_never_goes_back(tmp_path: Pat
     assert feed.current is not None
     assert feed.current.version == 1
     for data in (envelope(V2), envelope(V1), tampered(V2), envelope(V2)):
-        publisher.publish_nowait(topics.policy(), data, qos=1, retain=True)
+        publisher.publish_nowait(Message(topics.policy(), data, qos=1, retain=True))
         await asyncio.sleep(0)
     assert feed.current.version == 2
     assert seen == [1, 2]  # the repeated v2 is no change

@@ -108,7 +108,9 @@ async def start(
 ) -> Harness:
     broker = MemoryBroker()
     if policy:
-        MemoryTransport(broker).publish_nowait(topics.policy(), envelope(), qos=1, retain=True)
+        MemoryTransport(broker).publish_nowait(
+            Message(topics.policy(), envelope(), qos=1, retain=True)
+        )
     settings = PoolSettings(id=WORKER, zone=WORKER_ZONE, telemetry_interval_s=0.05, **pool)
     store, key = MemoryAuditStore(), SigningKey.generate()
     feed = PolicyFeed(node=WORKER, state_dir=pin(state_dir))
@@ -303,7 +305,7 @@ async def test_without_a_policy_work_is_refused_until_one_arrives(tmp_path: Path
         assert refused["code"] == "policy.missing"
         assert "no verified policy" in refused["reason"]
         MemoryTransport(harness.broker).publish_nowait(
-            topics.policy(), envelope(), qos=1, retain=True
+            Message(topics.policy(), envelope(), qos=1, retain=True)
         )
         await asyncio.sleep(0.01)
         assert (await harness.result_for(harness.send(WorkSpec())))["status"] == "ok"

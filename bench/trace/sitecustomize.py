@@ -55,7 +55,8 @@ def _job(payload: bytes, props: Any) -> str:
 
 def _install(role: str, lines: list[str]) -> None:
     import broker.reservations as reservations
-    import edge_agent.agent as agent
+    import edge_agent.dispatch as dispatch
+    import edge_agent.events as ev
     import sluicegate.mqtt as mqtt
 
     pid = os.getpid()
@@ -71,9 +72,9 @@ def _install(role: str, lines: list[str]) -> None:
 
     published = mqtt.MqttTransport.publish_nowait
 
-    def publish_nowait(self: Any, topic: str, payload: bytes, **kw: Any) -> int:
-        stamp("out", topic, _job(payload, kw.get("user_properties")))
-        return published(self, topic, payload, **kw)
+    def publish_nowait(self: Any, message: Any) -> int:
+        stamp("out", message.topic, _job(message.payload, message.user_properties))
+        return published(self, message)
 
     reserve = reservations.Reservations.reserve_many
 
@@ -86,13 +87,14 @@ def _install(role: str, lines: list[str]) -> None:
             lines.append(f"{end:.6f} {pid} {role} redis reserved {hold.job_id}\n")
         return granted
 
-    accepted = agent.EdgeAgent._accepted
+    dispatched = dispatch.Dispatcher.dispatch
 
-    def on_accepted(self: Any, msg: Any, job: Any, *args: Any) -> None:
-        lines.append(f"{time.time():.6f} {pid} {role} outbox accepted {job.job_id}\n")
-        accepted(self, msg, job, *args)
+    def on_event(self: Any, entry: Any, event: Any, msg: Any = None) -> None:
+        if isinstance(event, ev.Accepted):
+            lines.append(f"{time.time():.6f} {pid} {role} outbox accepted {entry.job.job_id}\n")
+        dispatched(self, entry, event, msg)
 
-    agent.EdgeAgent._accepted = on_accepted  # type: ignore[method-assign]
+    dispatch.Dispatcher.dispatch = on_event  # type: ignore[method-assign]
     mqtt.MqttTransport._call = call  # type: ignore[method-assign]
     mqtt.MqttTransport.publish_nowait = publish_nowait  # type: ignore[method-assign]
     reservations.Reservations.reserve_many = reserve_many  # type: ignore[method-assign]

@@ -20,6 +20,7 @@ from sluicegate.app.campus import Campus
 from sluicegate.app.localcampus import ROLE
 from sluicegate.errors import SluicegateError
 from sluicegate.mqtt import MqttTransport
+from sluicegate.transport import Message
 
 DATABASES = range(1, 16)  # Redis's default 16 databases; 0 is left to the user
 
@@ -70,7 +71,7 @@ def clear_mqtt(campus: Campus, nodes: Iterable[str]) -> None:
         settings = campus.mqtt("observer")
         async with MqttTransport(settings, client_id="sg-demo-cleanup") as t:
             for topic in retained_topics(names, ROLE):
-                await t.publish(topic, b"", qos=1, retain=True, wait=True)
+                await t.publish(Message(topic, b"", qos=1, retain=True), wait=True)
         for node in names:  # end the persistent sessions of edges and workers
             if ROLE[node] in ("edge", "pool"):
                 client_id = f"sg-{ROLE[node]}-{node}"

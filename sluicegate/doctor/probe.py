@@ -81,7 +81,9 @@ async def _measure(transport: MqttTransport, topic: str, count: int) -> RoundTri
             try:
                 await asyncio.wait_for(
                     asyncio.gather(
-                        transport.publish(topic, token, qos=1, wait=True, message_expiry_s=60),
+                        transport.publish(
+                            Message(topic, token, qos=1, message_expiry_s=60), wait=True
+                        ),
                         back,
                     ),
                     TIMEOUT_S,

@@ -59,7 +59,7 @@ from sluicegate.errors import TransportError
 from sluicegate.mqtt.client import new_client
 from sluicegate.mqtt.packets import new_properties, publish_properties, to_message
 from sluicegate.mqtt.routing import AckTable, Subscription
-from sluicegate.transport import Handler, Message, UserProperties, Will
+from sluicegate.transport import Handler, Message, Will
 
 __all__ = ["MqttTransport"]
 
@@ -334,27 +334,22 @@ class MqttTransport:
 
     # -- publish / subscribe ----------------------------------------------------------------
 
-    def publish_nowait(
-        self,
-        topic: str,
-        payload: bytes,
-        *,
-        qos: int = 0,
-        retain: bool = False,
-        response_topic: str | None = None,
-        correlation_data: bytes | None = None,
-        content_type: str | None = None,
-        user_properties: UserProperties = (),
-        message_expiry_s: int | None = None,
-    ) -> int:
-        """Hand a message to paho (written at once, from outside paho's callbacks) and return
-        its message id; QoS ≥ 1 is retried by paho (also across reconnects) until the broker
-        acks it."""
+    def publish_nowait(self, message: Message) -> int:
+        """Hand ``message`` to paho (written at once, from outside paho's callbacks) and
+        return its message id; QoS ≥ 1 is retried by paho (also across reconnects) until the
+        broker acks it."""
+        topic = message.topic
         props = publish_properties(
-            response_topic, correlation_data, content_type, user_properties, message_expiry_s
+            message.response_topic,
+            message.correlation_data,
+            message.content_type,
+            message.user_properties,
+            message.message_expiry_s,
         )
         try:
-            info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
+            info = self._client.publish(
+                topic, message.payload, qos=message.qos, retain=message.retain, properties=props
+            )
         except ValueError as exc:  # paho's word for a topic or payload MQTT does not allow
             raise TransportError(f"publish to {topic!r} refused: {exc}") from exc
         if info.rc not in _OK:
@@ -365,33 +360,11 @@ class MqttTransport:
             self._paho(self._client.loop_write)  # out now, not after the loop's next poll
         return info.mid
 
-    async def publish(
-        self,
-        topic: str,
-        payload: bytes,
-        *,
-        qos: int = 0,
-        retain: bool = False,
-        response_topic: str | None = None,
-        correlation_data: bytes | None = None,
-        content_type: str | None = None,
-        user_properties: UserProperties = (),
-        wait: bool = False,
-        message_expiry_s: int | None = None,
-    ) -> None:
-        """Publish; with ``wait`` and QoS ≥ 1, return only once the broker has acked."""
-        mid = self.publish_nowait(
-            topic,
-            payload,
-            qos=qos,
-            retain=retain,
-            response_topic=response_topic,
-            correlation_data=correlation_data,
-            content_type=content_type,
-            user_properties=user_properties,
-            message_expiry_s=message_expiry_s,
-        )
-        if wait and qos > 0:
+    async def publish(self, message: Message, *, wait: bool = False) -> None:
+        """Publish ``message``; with ``wait`` and QoS ≥ 1, return only once the broker has
+        acked."""
+        mid = self.publish_nowait(message)
+        if wait and message.qos > 0:
             await self._await_ack(self._acks, mid)
 
     async def subscribe(

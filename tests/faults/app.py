@@ -118,13 +118,15 @@ class App:
         try:
             await asyncio.wait_for(
                 self._transport.publish(
-                    topics.edge_submit(req.edge),
-                    req.payload,
-                    qos=1,
-                    response_topic=self.response_topic,
-                    correlation_data=req.job_id.encode(),
-                    content_type="image/jpeg",
-                    user_properties=tuple(props),
+                    Message(
+                        topics.edge_submit(req.edge),
+                        req.payload,
+                        qos=1,
+                        response_topic=self.response_topic,
+                        correlation_data=req.job_id.encode(),
+                        content_type="image/jpeg",
+                        user_properties=tuple(props),
+                    ),
                     wait=True,
                 ),
                 ack_timeout,
