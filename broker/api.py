@@ -2,18 +2,22 @@
 metrics, enrollment of new nodes (on the replica holding the campus CA), OpenAPI.
 
 A thin shell: every handler asks the :class:`BrokerView` for plain data and renders it as
-JSON; nothing here decides anything or touches Redis directly. The OpenAPI description is
+JSON; nothing here decides anything or touches Redis directly. A view that needs Redis
+while it is away raises ``StoreUnavailable``: every route answers that with 503 and the
+reason, never a stack trace. The OpenAPI description is
 served at ``/openapi.json`` and lists exactly the routes registered below.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from aiohttp import web
 
 from broker.metrics import CONTENT_TYPE
+from sluicegate.errors import StoreUnavailable
 
 
 class BrokerView(Protocol):
@@ -46,6 +50,16 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 def _error(status: int, message: str) -> web.Response:
     return _json({"error": message}, status)
+
+
+@web.middleware
+async def _store_away(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except StoreUnavailable as exc:
+        return _json({"code": "store_unavailable", "error": str(exc)}, 503)
 
 
 DEAD_LETTERS_DEFAULT = 100
@@ -234,7 +248,7 @@ def make_app(view: BrokerView, enrollment: Enrollment) -> web.Application:
         status, doc = await enrollment.enroll(await request.read())
         return _json(doc, status)
 
-    app = web.Application(client_max_size=64 * 1024)
+    app = web.Application(client_max_size=64 * 1024, middlewares=[_store_away])
     app.router.add_get("/health", health)
     app.router.add_get("/fleet", fleet)
     app.router.add_get("/jobs/{job_id}", job)

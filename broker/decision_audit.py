@@ -22,6 +22,7 @@ from typing import Any
 from broker.lua import check_cancelled
 from policies import AsyncAuditWriter
 from policies.audit import MAX_RECORD_BYTES, Scalar
+from policies.errors import AuditError, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ class DecisionAudit:
                     }
                     try:
                         await self._writer.append(kind, data, now=self._clock())
-                    except Exception as exc:
+                    except (StoreUnavailable, AuditError) as exc:
                         log.warning("audit append failed (%s); retrying in %.1f s", exc, RETRY_S)
                         await asyncio.sleep(RETRY_S)
                         break

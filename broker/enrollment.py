@@ -17,12 +17,12 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
-from redis.exceptions import RedisError
 
 from broker import keys
 from broker.decision_audit import DecisionAudit, encode
 from sluicegate.enroll.authority import Authority, EnrollRequest
-from sluicegate.errors import EnrollmentRefused
+from sluicegate.errors import EnrollmentRefused, StoreUnavailable
+from sluicegate.store import reached
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +76,11 @@ class EnrollmentDesk:
                 return 503, {"code": "no_policy", "error": "the broker holds no verified policy"}
             ttl_ms = max(1, int((claims.exp - now) * 1000))
             try:
-                first = await self._redis.set(keys.join_token(claims.id), "1", nx=True, px=ttl_ms)
-            except RedisError as exc:
+                with reached("mark the join token used"):
+                    first = await self._redis.set(
+                        keys.join_token(claims.id), "1", nx=True, px=ttl_ms
+                    )
+            except StoreUnavailable as exc:
                 return 503, {"code": "broker_unavailable", "error": f"Redis unavailable: {exc}"}
             if not first:
                 raise EnrollmentRefused(

@@ -28,6 +28,7 @@ from broker import keys
 from broker.core.recovery import Current, LostJob
 from broker.lua import Lua, check_cancelled, execute
 from broker.store import BrokerStore
+from sluicegate.store import reaching
 
 DEAD_LETTER_KEEP_S = 7 * 24 * 3600  # a dead letter stays listed and readable this long
 FIELDS = ("edge", "worker", "attempt", "crashes", "crashed_on", "deadline_at", "placed_at")
@@ -138,6 +139,7 @@ class InflightStore:
         self._client = client
         self._store = store
 
+    @reaching("claim the jobs of lost workers")
     async def claim(self, workers: Sequence[str], now_ms: int) -> dict[str, list[LostJob]]:
         """Take every listed worker's jobs in flight (one round trip). A job comes back only
         to the one caller that claimed it for its current attempt."""
@@ -190,6 +192,7 @@ class InflightStore:
             "zremrangebyscore", keys.dead_letters(), "-inf", now_ms - DEAD_LETTER_KEEP_S * 1000
         )
 
+    @reaching("list the workers holding jobs in flight")
     async def watched(self, now_ms: int) -> list[str]:
         """Workers holding jobs in flight (records not yet expired), campus-wide."""
         async with self._client.pipeline(transaction=False) as pipe:
@@ -199,6 +202,7 @@ class InflightStore:
         check_cancelled()
         return [_text(w) for w in workers]
 
+    @reaching("look up node records")
     async def listed(self, workers: Sequence[str]) -> list[bool]:
         """Whether each worker's node record (kept alive by its telemetry) is in Redis."""
         if not workers:
@@ -210,6 +214,7 @@ class InflightStore:
         check_cancelled()
         return [bool(n) for n in found]
 
+    @reaching("count the jobs in flight on workers")
     async def jobs_on(self, workers: Sequence[str]) -> list[int]:
         """How many jobs each worker holds in flight."""
         if not workers:
@@ -221,10 +226,12 @@ class InflightStore:
         check_cancelled()
         return [int(n) for n in counts]
 
+    @reaching("read a job's record in flight")
     async def record(self, job_id: str) -> dict[str, Any] | None:
         """The job's in-flight record for people (see :func:`record_of`)."""
         return record_of(await self._client.hgetall(keys.inflight(job_id)))
 
+    @reaching("list the dead letters")
     async def dead_letters(self, limit: int) -> list[dict[str, Any]]:
         """Up to ``limit`` dead letters, newest first, each with its record."""
         found: list[Any] = await self._client.zrevrange(

@@ -16,11 +16,11 @@ import contextlib
 import logging
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from broker import keys
-from sluicegate.errors import IdentityInUse
+from sluicegate.errors import IdentityInUse, StoreUnavailable
 from sluicegate.instance import Instance
+from sluicegate.store import reached, reaching
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ class ReplicaLease:
         self.lost = asyncio.Event()
         self.reason = ""
 
+    @reaching("take the replica lease")
     async def acquire(self) -> None:
         """Take the lease, waiting one expiry for a dead holder's; IdentityInUse if a live
         process holds it."""
@@ -70,8 +71,9 @@ class ReplicaLease:
         while True:
             await asyncio.sleep(RENEW_S)
             try:
-                held = await self._redis.eval(RENEW, 1, self._key, self._value, TTL_MS)
-            except RedisError as exc:  # Redis away: placements stop anyway; keep trying
+                with reached("renew the replica lease"):
+                    held = await self._redis.eval(RENEW, 1, self._key, self._value, TTL_MS)
+            except StoreUnavailable as exc:  # Redis away: placements stop anyway; keep trying
                 log.warning("broker %s: cannot renew its replica lease: %s", self._id, exc)
                 continue
             if not held:
@@ -84,6 +86,6 @@ class ReplicaLease:
                 return
 
     async def release(self) -> None:
-        with contextlib.suppress(RedisError):
+        with contextlib.suppress(StoreUnavailable), reached("release the replica lease"):
             if await self._redis.get(self._key) == self._value.encode():
                 await self._redis.delete(self._key)

@@ -39,6 +39,7 @@ from broker.reservations import RELEASE
 from broker.store import BrokerStore
 from sluicegate import topics, wire
 from sluicegate.config import BrokerSettings
+from sluicegate.errors import StoreUnavailable, TransportError
 from sluicegate.transport import Message, Transport
 from sluicegate.wire_pool import Completion, JobNotice, PlacementRelease
 
@@ -130,7 +131,7 @@ class Reaper:
         self._started = self._clock()
         try:
             await self._load()
-        except Exception as exc:  # Redis away: the sweep finds the same workers later
+        except StoreUnavailable as exc:  # Redis away: the sweep finds the same workers later
             log.warning("could not read the jobs in flight from Redis: %s", exc)
         swept = self._clock()
         loop = asyncio.get_running_loop()
@@ -148,8 +149,8 @@ class Reaper:
                     swept = self._clock()
                     await self._sweep(swept)
                 await self._reap()
-            except Exception:
-                log.exception("recovery of lost workers' jobs failed; retrying")
+            except StoreUnavailable as exc:
+                log.warning("recovery of lost workers' jobs waits for Redis: %s", exc)
             check_cancelled()
 
     async def _load(self) -> None:
@@ -192,7 +193,7 @@ class Reaper:
         now = self._clock()
         try:
             claimed = await self._inflight.claim(sorted(gone), int(now * 1000))
-        except Exception:
+        except StoreUnavailable:
             for worker_id, cause in gone.items():  # try again next time
                 self._gone.setdefault(worker_id, cause)
             raise
@@ -269,7 +270,7 @@ class Reaper:
                     ),
                 )
             )
-        except Exception as exc:
+        except TransportError as exc:
             log.error("job %s: notice to %s not sent: %s", notify.job_id, topic, exc)
 
     def release(self, rel: PlacementRelease, freed: Callable[[], None]) -> None:

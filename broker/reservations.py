@@ -24,6 +24,7 @@ from redis.asyncio.client import Pipeline
 
 from broker import keys
 from broker.lua import Lua, execute
+from sluicegate.store import reaching
 
 # KEYS: the worker's reservations, the job's in-flight record, the worker's in-flight set,
 # the in-flight workers index. ARGV: job id, now ms, expiry ms, capacity, worker, edge,
@@ -107,6 +108,7 @@ class Reservations:
         self._client = client
         self._margin_ms = inflight_margin_ms
 
+    @reaching("reserve worker slots")
     async def reserve_many(self, holds: Sequence[Hold], now_ms: int) -> list[bool | str]:
         """Try every hold atomically (each on its own); one round trip for all of them.
         Each answer: True (reserved), False (the worker is full) or, for a dead-lettered

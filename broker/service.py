@@ -47,6 +47,8 @@ from policies import AsyncAuditWriter, Policy, SigningKey, mint
 from policies.errors import PolicyError
 from sluicegate import topics, wire
 from sluicegate.config import BrokerSettings
+from sluicegate.errors import StoreUnavailable, TransportError
+from sluicegate.supervise import until_stopped
 from sluicegate.transport import Message, Transport
 from sluicegate.vision.manifest import Requirements
 from sluicegate.wire_pool import (
@@ -212,7 +214,7 @@ class Broker:
                 batch.append(self._inbox.get_nowait())
             try:
                 await self._place_batch(batch)
-            except Exception:
+            except Exception:  # a fault in deciding still answers every request held
                 log.exception("placement batch failed; refusing its %d requests", len(batch))
                 for item in batch:
                     self._answer(item, None, "broker_error", "the broker failed; run locally")
@@ -242,11 +244,11 @@ class Broker:
             try:
                 granted = await self.reservations.reserve_many(holds, int(now * 1000))
                 self._reserve_ok = True
-            except Exception as exc:  # Redis down: no reservation, no placement
+            except StoreUnavailable as exc:  # Redis down: no reservation, no placement
                 self._reserve_ok = False
                 for item, decision in placed:
                     self.fleet.release(item.request.job_id)
-                    self._answer(item, decision, "broker_unavailable", f"Redis unavailable: {exc}")
+                    self._answer(item, decision, "broker_unavailable", str(exc))
                 return
             for (item, decision), ok in zip(placed, granted, strict=True):
                 if isinstance(ok, str):  # dead-lettered: never placed again
@@ -425,21 +427,21 @@ class Broker:
         if t.connected:
             announce()
         tasks = [
-            asyncio.ensure_future(self._placer()),
-            asyncio.ensure_future(self.audit.run()),
-            asyncio.ensure_future(self._housekeeping()),
-            asyncio.ensure_future(self.store.run()),
-            asyncio.ensure_future(self.waiting.run()),
-            asyncio.ensure_future(self.reaper.run()),
+            asyncio.create_task(self._placer(), name="placer"),
+            asyncio.create_task(self.audit.run(), name="decision audit"),
+            asyncio.create_task(self._housekeeping(), name="housekeeping"),
+            asyncio.create_task(self.store.run(), name="Redis writer"),
+            asyncio.create_task(self.waiting.run(), name="waiting room"),
+            asyncio.create_task(self.reaper.run(), name="reaper"),
         ]
         log.info("broker %s serving placements", self.settings.id)
         try:
-            await stop.wait()
+            await until_stopped(stop, tasks)
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(TransportError, TimeoutError):
                 await asyncio.wait_for(
                     t.publish(
                         Message(

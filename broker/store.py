@@ -22,6 +22,8 @@ from redis.asyncio.client import Pipeline
 
 from broker import keys
 from broker.lua import Lua, check_cancelled, execute
+from sluicegate.errors import StoreUnavailable
+from sluicegate.store import reached, reaching
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +97,7 @@ class BrokerStore:
             self.write("pexpire", keys.node(node), self._node_ttl_ms)
         self.write("ping")
 
+    @reaching("read a job's decision")
     async def job(self, job_id: str) -> dict[str, Any] | None:
         async with self._client.pipeline(transaction=False) as pipe:
             pipe.get(keys.job_decision(job_id))
@@ -121,9 +124,10 @@ class BrokerStore:
                         command.queue(pipe, kwargs, args)
 
             try:
-                replies = await execute(self._client, list(self._scripts.values()), build)
+                with reached(f"write {len(ops)} operations"):
+                    replies = await execute(self._client, list(self._scripts.values()), build)
                 self.ok = True
-            except Exception as exc:
+            except StoreUnavailable as exc:
                 self.ok = False
                 log.warning("Redis write of %d operations failed: %s", len(ops), exc)
                 check_cancelled()
@@ -132,7 +136,7 @@ class BrokerStore:
                 if then is not None:
                     try:
                         then(reply)
-                    except Exception:
+                    except Exception:  # each caller's reply handler fails alone
                         log.exception("handling a Redis reply failed")
 
 

@@ -71,7 +71,7 @@ def run_batch(
         except ImageError as exc:
             prepared.append(ItemRun(None, "bad_image", str(exc), 0.0, 0.0))
             continue
-        except Exception as exc:
+        except Exception as exc:  # OpenCV's and numpy's own errors: this job's result
             log.exception("preprocessing failed")
             reason = f"preprocessing failed: {type(exc).__name__}: {exc}"
             prepared.append(ItemRun(None, "inference_error", reason, 0.0, 0.0))
@@ -87,7 +87,7 @@ def run_batch(
         outputs = model.run(batch)
         if len(outputs) != len(tensors):
             raise RuntimeError(f"model returned {len(outputs)} outputs for {len(tensors)} inputs")
-    except Exception as exc:
+    except Exception as exc:  # onnxruntime raises its own untyped errors: the jobs' result
         log.exception("inference failed for a batch of %d %s jobs", len(tensors), model)
         reason = f"inference failed: {type(exc).__name__}: {exc}"
         inference_ms = (time.perf_counter() - t0) * 1e3

@@ -24,7 +24,7 @@ from center_pool.intake import (
 )
 from policies import PlacementClaims, Policy, acheck_replay
 from policies.audit import Scalar
-from policies.errors import TokenRefused
+from policies.errors import StoreUnavailable, TokenRefused
 from policies.replay import AsyncReplayCache
 from sluicegate import topics
 from sluicegate.policy_feed import PolicyFeed
@@ -136,7 +136,9 @@ class Gate:
             return refuse(
                 work, exc.reason, f"placement token refused by worker {self.worker_id}: {exc}"
             )
-        except Exception as exc:  # the shared cache is down: fail closed, never run unchecked
+        except (
+            StoreUnavailable
+        ) as exc:  # the shared cache is down: fail closed, never run unchecked
             reason = (
                 f"worker {self.worker_id} cannot check the token for replay "
                 f"({type(exc).__name__}: {exc}); refusing rather than risk a replay"

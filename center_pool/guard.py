@@ -23,7 +23,7 @@ from center_pool.errors import AuditSetupError
 from policies import AsyncAuditWriter, MemoryReplayCache, SigningKey, load_signing_key
 from policies.audit import Scalar
 from policies.audit_file import FileAuditStore
-from policies.errors import KeyFileError
+from policies.errors import AuditError, KeyFileError, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class AuditSink:
                 try:
                     await self.writer.append(kind, data, now=now)
                     self.written += 1
-                except Exception as exc:
+                except (StoreUnavailable, AuditError) as exc:
                     self.failed += 1
                     log.error("audit record %s %s could not be written: %s", kind, data, exc)
                 self._pending.popleft()

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from center_pool.intake import WorkRefusal
 from sluicegate import topics, wire
 from sluicegate.config import PoolSettings
+from sluicegate.errors import TransportError
 from sluicegate.transport import Message, Transport
 from sluicegate.wire_pool import Completion
 
@@ -159,5 +160,5 @@ class Replies:
                     user_properties=props,
                 )
             )
-        except Exception as exc:
+        except TransportError as exc:
             log.error("could not publish to %s for job %s: %s", topic, job, exc)

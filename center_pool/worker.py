@@ -36,7 +36,9 @@ from policies import PlacementClaims, Policy
 from policies.replay import AsyncReplayCache
 from sluicegate import topics, wire
 from sluicegate.config import PoolSettings
+from sluicegate.errors import TransportError
 from sluicegate.policy_feed import PolicyFeed
+from sluicegate.supervise import until_stopped
 from sluicegate.transport import Message, Transport
 from sluicegate.vision.image import PayloadLimits as Limits
 from sluicegate.vision.runtime import ModelRegistry
@@ -127,7 +129,7 @@ class PoolWorker:
                 verdicts: list[Passed | Stopped] = []
                 try:
                     verdicts = await self._gate.screen(chunk, accepting=self._accepting)
-                except Exception:
+                except Exception:  # a fault in screening leaves the loop serving the rest
                     log.exception("intake failed for %d work message(s)", len(chunk))
                 finally:
                     self._screening -= len(chunk)
@@ -218,7 +220,7 @@ class PoolWorker:
         self.in_flight -= len(items)
         try:
             run = future.result()
-        except Exception as exc:
+        except Exception as exc:  # whatever the batch raised is its jobs' result
             log.exception("batch of %d failed", len(items))
             failed = ItemRun(None, "inference_error", f"inference failed: {exc}", 0.0, 0.0)
             run = BatchRun(tuple(failed for _ in items), 0.0, 0)
@@ -329,7 +331,7 @@ class PoolWorker:
                     await self._transport.publish(
                         Message(topic, wire.dump(self.telemetry()), qos=0)
                     )
-                except Exception as exc:
+                except TransportError as exc:
                     log.warning("telemetry not published: %s", exc)
 
     def _announce(self) -> None:
@@ -360,8 +362,8 @@ class PoolWorker:
         self._loop = asyncio.get_running_loop()
         self._accepting = True
         tasks = [
-            asyncio.ensure_future(self.audit.run()),
-            asyncio.ensure_future(self._intake_loop()),
+            asyncio.create_task(self.audit.run(), name="audit writer"),
+            asyncio.create_task(self._intake_loop(), name="intake"),
         ]
         await self._feed.start(self._transport)
         if self._feed.current is None:  # the retained policy follows its SUBACK closely
@@ -376,7 +378,7 @@ class PoolWorker:
         self._transport.on_connect(self._announce)
         if self._transport.connected:
             self._announce()
-        tasks.append(asyncio.ensure_future(self._telemetry_loop()))
+        tasks.append(asyncio.create_task(self._telemetry_loop(), name="telemetry"))
         self.ready.set()
         log.info(
             "pool worker %s (%s, zone %s) serving %s with %s on %s",
@@ -388,7 +390,7 @@ class PoolWorker:
             work_topic,
         )
         try:
-            await stop.wait()
+            await until_stopped(stop, tasks)
         finally:
             self._accepting = False
             self._intake_wake.set()
@@ -400,7 +402,7 @@ class PoolWorker:
             await asyncio.gather(*tasks[1:], return_exceptions=True)
             if self._timer is not None:
                 self._timer.cancel()
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(TransportError, TimeoutError):
                 await asyncio.wait_for(
                     self._transport.publish(
                         Message(

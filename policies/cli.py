@@ -25,7 +25,7 @@ from policies.audit import verify_chain
 from policies.audit_file import FileAuditStore
 from policies.canonical import digest_text
 from policies.check import check_policy
-from policies.errors import AuditError, AuditLogUnreadable, PolicyError, PolicyParseError
+from policies.errors import AuditLogUnreadable, PolicyError, PolicyParseError, StoreUnavailable
 from policies.evaluate import allowed, explain
 from policies.keys import fingerprint, load_signing_key, parse_public_key, write_key_pair
 from policies.loader import load_policy, locate, read_bytes, read_document
@@ -317,8 +317,8 @@ def audit_verify(
             try:
                 store = RedisStreamAuditStore(client, stream)
                 summary = verify_chain(store.entries(), trusted, expected_head=head)
-            except redis.RedisError as exc:
-                raise AuditError(f"{redis_url} stream {stream!r}: {exc}") from exc
+            except StoreUnavailable as exc:
+                raise StoreUnavailable(f"{redis_url}: {exc}") from exc
             finally:
                 client.close()
         else:

@@ -35,6 +35,7 @@ parsing messages. A message names the bad value and what would have been accepte
     │       ├── TokenZoneDenied              token.zone_denied
     │       ├── TokenReplayed                token.replayed
     │       └── ReplayCacheFull              token.replay_cache_full (fails closed)
+    ├── StoreUnavailable                     store.unavailable   Redis cannot be reached
     └── AuditError                           audit.error
         ├── AuditChainBroken                 audit.chain_broken  names the first bad record
         ├── AuditUntrustedSigner             audit.untrusted_signer  signed by another key
@@ -195,6 +196,14 @@ class TokenReplayed(TokenRefused):
 
 class ReplayCacheFull(TokenRefused):
     reason = "token.replay_cache_full"
+
+
+class StoreUnavailable(PolicyError):
+    """The shared store (Redis) cannot be reached or refused the command: nothing was
+    decided; the caller fails closed or tries again. Raised by this package's Redis stores
+    and, for the broker's own Redis calls, by ``sluicegate.store``."""
+
+    reason = "store.unavailable"
 
 
 class AuditError(PolicyError):

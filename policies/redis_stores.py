@@ -6,11 +6,14 @@ This is the only module of ``policies`` that imports ``redis``, and it holds eve
 name the package uses. Nonces expire by themselves once their token could no longer verify;
 audit streams are never trimmed. Record ``seq`` is stored as the stream entry id
 ``<seq + 1>-0``, so Redis itself refuses a second writer that appends the same ``seq``
-(``AuditConflict``) instead of forking the chain.
+(``AuditConflict``) instead of forking the chain. Whatever else redis-py raises (Redis
+down, a timeout, a refused command) leaves here as :class:`~policies.errors.StoreUnavailable`,
+translated once by :func:`_reached`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 from typing import cast
@@ -18,7 +21,7 @@ from typing import cast
 import redis
 import redis.asyncio
 
-from policies.errors import AuditConflict, AuditError
+from policies.errors import AuditConflict, AuditError, StoreUnavailable
 
 NONCE_PREFIX = "sluicegate:policy:nonce:"
 AUDIT_PREFIX = "sluicegate:audit:"
@@ -29,6 +32,15 @@ _BATCH = 500
 def audit_stream_key(node_id: str) -> str:
     """The stream that holds ``node_id``'s audit log."""
     return AUDIT_PREFIX + node_id
+
+
+@contextlib.contextmanager
+def _reached(what: str) -> Iterator[None]:
+    """Run one Redis call; its failure is ``StoreUnavailable`` naming ``what`` was asked."""
+    try:
+        yield
+    except redis.RedisError as exc:
+        raise StoreUnavailable(f"Redis could not {what}: {type(exc).__name__}: {exc}") from exc
 
 
 def _ttl_ms(until: float, now: float) -> int:
@@ -43,7 +55,8 @@ class RedisReplayCache:
 
     def claim(self, nonce: bytes, until: float, now: float) -> bool:
         key = self.prefix + nonce.hex()
-        return bool(self.client.set(key, b"1", nx=True, px=_ttl_ms(until, now)))
+        with _reached("claim a token nonce"):
+            return bool(self.client.set(key, b"1", nx=True, px=_ttl_ms(until, now)))
 
 
 class AsyncRedisReplayCache:
@@ -54,7 +67,8 @@ class AsyncRedisReplayCache:
 
     async def claim(self, nonce: bytes, until: float, now: float) -> bool:
         key = self.prefix + nonce.hex()
-        return bool(await self.client.set(key, b"1", nx=True, px=_ttl_ms(until, now)))
+        with _reached("claim a token nonce"):
+            return bool(await self.client.set(key, b"1", nx=True, px=_ttl_ms(until, now)))
 
 
 def _conflict(stream: str, seq: int, exc: redis.ResponseError) -> AuditError:
@@ -82,19 +96,22 @@ class RedisStreamAuditStore:
         self.client, self.stream = client, stream
 
     def append(self, seq: int, entry: bytes) -> None:
-        try:
-            self.client.xadd(self.stream, {_FIELD: entry}, id=f"{seq + 1}-0")
-        except redis.ResponseError as exc:
-            raise _conflict(self.stream, seq, exc) from exc
+        with _reached(f"append audit record {seq} to {self.stream!r}"):
+            try:
+                self.client.xadd(self.stream, {_FIELD: entry}, id=f"{seq + 1}-0")
+            except redis.ResponseError as exc:
+                raise _conflict(self.stream, seq, exc) from exc
 
     def last(self) -> bytes | None:
-        rows = _rows(self.client.xrevrange(self.stream, count=1))
+        with _reached(f"read the head of {self.stream!r}"):
+            rows = _rows(self.client.xrevrange(self.stream, count=1))
         return _entry(rows[0][1]) if rows else None
 
     def entries(self) -> Iterator[bytes]:
         start = "-"
         while True:
-            rows = _rows(self.client.xrange(self.stream, min=start, count=_BATCH))
+            with _reached(f"read {self.stream!r}"):
+                rows = _rows(self.client.xrange(self.stream, min=start, count=_BATCH))
             for _, fields in rows:
                 yield _entry(fields)
             if len(rows) < _BATCH:
@@ -109,11 +126,13 @@ class AsyncRedisStreamAuditStore:
         self.client, self.stream = client, stream
 
     async def append(self, seq: int, entry: bytes) -> None:
-        try:
-            await self.client.xadd(self.stream, {_FIELD: entry}, id=f"{seq + 1}-0")
-        except redis.ResponseError as exc:
-            raise _conflict(self.stream, seq, exc) from exc
+        with _reached(f"append audit record {seq} to {self.stream!r}"):
+            try:
+                await self.client.xadd(self.stream, {_FIELD: entry}, id=f"{seq + 1}-0")
+            except redis.ResponseError as exc:
+                raise _conflict(self.stream, seq, exc) from exc
 
     async def last(self) -> bytes | None:
-        rows = _rows(await self.client.xrevrange(self.stream, count=1))
+        with _reached(f"read the head of {self.stream!r}"):
+            rows = _rows(await self.client.xrevrange(self.stream, count=1))
         return _entry(rows[0][1]) if rows else None

@@ -19,12 +19,16 @@ log line or a ``rejected`` result can act on it without reading the code.
     └── BundleError             an offline install bundle cannot be built as asked
 
 ``policies.errors.PolicyError`` is the policy library's own root; :data:`EXPECTED` names both
-roots, for the commands that turn any error raised on purpose into a message.
+roots, for the commands that turn any error raised on purpose into a message. One of its
+errors is shared: :class:`StoreUnavailable` (Redis cannot be reached, or refused a command)
+is what every Redis call of every role raises, the policy library's stores and, through
+:mod:`sluicegate.store`, the broker's own.
 """
 
 from __future__ import annotations
 
 from policies.errors import PolicyError
+from policies.errors import StoreUnavailable as StoreUnavailable
 
 
 class SluicegateError(Exception):

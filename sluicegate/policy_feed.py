@@ -202,7 +202,7 @@ class PolicyFeed:
         for callback in self._callbacks:
             try:
                 callback(policy)
-            except Exception:
+            except Exception:  # each subscriber's callback fails alone
                 log.exception("policy change callback failed")
         return verdict
 

@@ -9,11 +9,13 @@ import json
 from broker.decision_audit import BUDGET, DecisionAudit, encode, pack
 from policies import AsyncAuditWriter, verify_chain
 from policies.audit import MAX_RECORD_BYTES
+from policies.errors import StoreUnavailable
 from tests.policies.policy_testkit import key
 
 
 class FlakyStore:
-    """An in-memory audit store whose first ``failures`` appends fail like a lost Redis."""
+    """An in-memory audit store whose first ``failures`` appends fail as the Redis store's
+    do when Redis is lost (``StoreUnavailable``)."""
 
     def __init__(self, failures: int = 0) -> None:
         self.entries: list[bytes] = []
@@ -23,7 +25,7 @@ class FlakyStore:
     async def append(self, seq: int, entry: bytes) -> None:
         if self.failures:
             self.failures -= 1
-            raise ConnectionError("store unavailable")
+            raise StoreUnavailable("Redis could not append audit record: connection lost")
         assert len(entry) <= MAX_RECORD_BYTES
         self.entries.append(entry)
         self.stored.set()

@@ -49,7 +49,7 @@ from policies.audit import decode_record
 from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
 from sluicegate import topics, wire
 from sluicegate.app.campus import FAB, Campus, write_campus
-from sluicegate.app.servers import ServerProcess, free_port, running, start_mosquitto
+from sluicegate.app.servers import ServerProcess, free_port, running, start_mosquitto, start_redis
 from sluicegate.wire_pool import (
     Completion,
     JobNotice,
@@ -778,3 +778,34 @@ def test_two_brokers_on_one_redis_send_one_notice_per_job(
     sent = sum(b.metric("sluicegate_replacements_total") for b in brokers)
     assert sent == len(jobs)
     assert sorted(n.job_id for n in notices) == sorted(jobs)
+
+
+@pytest.mark.integration
+def test_with_redis_away_requests_get_a_named_refusal_and_placement_resumes_when_it_is_back(
+    tmp_path: Path, mqtt: ServerProcess, edge: Edge, processes: list[Any], unique: str
+) -> None:
+    # A Redis of this test's own, which it stops and starts again (its append-only file
+    # keeps the replica's lease across the gap).
+    with running(start_redis(appendonly=True, appendfsync="always")) as store:
+        url = f"redis://{store.host}:{store.port}/0"
+        workers = {f"w{i}-{unique}": (ZONE, "x86-cpu") for i in range(1, 3)}
+        own = write_campus(
+            tmp_path, key, mqtt_port=mqtt.port, redis_url=url, workers=workers, secure=False
+        )
+        list_brokers(own, REPLICAS)
+        broker = BrokerProcess(own, mqtt, url)
+        processes.append(broker)
+        _online(broker, _workers(own, mqtt, processes, 1))
+        placed = edge.place(_jobs(1)[0])
+        store.stop()
+        refused = edge.place(_jobs(1)[0], must_place=False)
+        assert refused.status == "refused"
+        assert refused.code == "broker_unavailable"
+        assert "Redis could not reserve worker slots" in (refused.reason or "")
+        status, body = broker.http(f"/jobs/{placed.job_id}")
+        assert status == 503
+        assert body["code"] == "store_unavailable"
+        assert "Redis could not read a job's decision" in body["error"]
+        store.start()
+        assert edge.place(_jobs(1)[0]).status == "placed"
+        assert broker.proc.poll() is None  # it served on throughout

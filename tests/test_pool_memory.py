@@ -18,14 +18,19 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+import redis.asyncio
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from center_pool.guard import AuditSink, MemoryAsyncReplayCache, MemoryAuditStore
 from center_pool.hardware import HostProbe
 from center_pool.worker import PoolWorker
 from policies import AsyncAuditWriter, SigningKey, verify_chain
 from policies.audit import decode_record
+from policies.redis_stores import AsyncRedisReplayCache
 from policies.replay import AsyncReplayCache
 from sluicegate import topics
+from sluicegate.app.servers import free_port
 from sluicegate.config import PoolSettings
 from sluicegate.memory_transport import MemoryBroker, MemoryTransport
 from sluicegate.policy_feed import PolicyFeed
@@ -313,20 +318,18 @@ async def test_without_a_policy_work_is_refused_until_one_arrives(tmp_path: Path
         await harness.close()
 
 
-class DownCache:
-    async def claim(self, nonce: bytes, until: float, now: float) -> bool:
-        raise ConnectionError("Error 111 connecting to 127.0.0.1:6390. Connection refused.")
-
-
 async def test_an_unreachable_replay_cache_fails_closed(tmp_path: Path) -> None:
-    harness = await start(tmp_path, replay=DownCache())
+    # The real Redis cache and client, pointed at a port where nothing listens.
+    down = redis.asyncio.Redis(port=free_port(), retry=Retry(NoBackoff(), 0))
+    harness = await start(tmp_path, replay=AsyncRedisReplayCache(down))
     try:
         result = await harness.result_for(harness.send(WorkSpec()))
         assert result["code"] == "token.replay_unavailable"
-        assert "Connection refused" in result["reason"]
+        assert "Redis could not claim a token nonce" in result["reason"]
         assert harness.worker.decode_attempts == 0
     finally:
         await harness.close()
+        await down.aclose()
 
 
 async def test_deadline_passing_in_the_queue_expires_and_a_full_queue_refuses(

@@ -467,7 +467,7 @@ class MqttTransport:
     def _call(self, handler: Handler, message: Message) -> None:
         try:
             handler(message)
-        except Exception:
+        except Exception:  # a handler's fault stays its own: the next message is served
             log.exception("handler for %s failed; the transport keeps serving", message.topic)
 
     def _on_connect(
@@ -556,5 +556,5 @@ class MqttTransport:
             for hook in self._connect_hooks if up else self._disconnect_hooks:
                 try:
                     hook()
-                except Exception:
+                except Exception:  # each hook fails alone
                     log.exception("connection hook failed")

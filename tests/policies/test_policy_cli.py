@@ -333,7 +333,7 @@ def test_audit_verify_redis_unreachable() -> None:
     url = f"redis://127.0.0.1:{port}/0"
     code, out = run("audit-verify", "--redis-url", url, "--stream", "s", "--policy", EXAMPLE)
     assert code == 1
-    assert "error [audit.error]" in out
+    assert "error [store.unavailable]" in out
     assert url in out
 
 
