@@ -109,6 +109,10 @@ async def _serve(
         settings.mqtt,
         client_id=identity.mqtt_client_id(settings.mqtt, cfg.id, f"sg-broker-{cfg.id}"),
         will=Will(topics.broker_status(cfg.id), status_message(cfg, "offline")),
+        # A clean session, unlike every other role: requests come on a shared subscription,
+        # and Mosquitto goes on handing a share of them to a persistent session whose
+        # replica is down (each dropped, the edge waiting out its placement timeout).
+        clean_start=True,
     )
     audit = AsyncAuditWriter(AsyncRedisStreamAuditStore(redis, audit_stream_key(cfg.id)), key)
     broker = Broker(

@@ -809,3 +809,24 @@ def test_with_redis_away_requests_get_a_named_refusal_and_placement_resumes_when
         store.start()
         assert edge.place(_jobs(1)[0]).status == "placed"
         assert broker.proc.poll() is None  # it served on throughout
+
+
+@pytest.mark.integration
+def test_a_replica_that_stopped_takes_no_share_of_the_requests(
+    campus: Campus,
+    mqtt: ServerProcess,
+    broker_redis: str,
+    edge: Edge,
+    processes: list[Any],
+) -> None:
+    # Both replicas share the request subscription; one stops. Had it kept its MQTT
+    # session, Mosquitto would go on handing it a share of the requests, lost unanswered.
+    first = BrokerProcess(campus, mqtt, broker_redis, REPLICAS[0])
+    second = BrokerProcess(campus, mqtt, broker_redis, REPLICAS[1])
+    processes += [first, second]
+    workers = _workers(campus, mqtt, processes, 2)
+    _online(first, workers)
+    _online(second, workers)
+    second.stop()
+    replies = [edge.place(job) for job in _jobs(6)]
+    assert {r.status for r in replies} == {"placed"}
