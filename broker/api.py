@@ -129,6 +129,7 @@ OPENAPI: dict[str, Any] = {
                 "responses": {
                     "200": {"description": "status, worker, top candidates and why; in flight"},
                     "404": {"description": "no placement request with this id is known"},
+                    "503": {"description": "{code: store_unavailable, error}: Redis is away"},
                 },
             }
         },
@@ -161,6 +162,7 @@ OPENAPI: dict[str, Any] = {
                         )
                     },
                     "400": {"description": "limit is not an integer 1..1000"},
+                    "503": {"description": "{code: store_unavailable, error}: Redis is away"},
                 },
             }
         },
