@@ -272,6 +272,16 @@ def wait_until(check: Callable[[], Any], timeout: float = 10.0) -> Any:
     raise AssertionError(f"condition not reached within {timeout} s")
 
 
+async def until(check: Callable[[], Any], timeout: float = 5.0) -> Any:
+    """On the event loop: give the loop back until ``check`` returns something truthy, and
+    return that; fail after ``timeout`` seconds. For state that in-memory parts change
+    from the loop's callbacks, where there is no event to await."""
+    async with asyncio.timeout(timeout):
+        while not (value := check()):  # noqa: ASYNC110 - the state has no event of its own
+            await asyncio.sleep(0)
+    return value
+
+
 def list_brokers(campus: Campus, ids: tuple[str, ...]) -> dict[str, Path]:
     """Add broker replicas ``ids`` to ``campus``'s policy (each under broker_signers with its
     published test key, written beside the campus's keys) and sign it again as the campus

@@ -30,12 +30,7 @@ from sluicegate.mqtt import MqttTransport
 from sluicegate.transport import Message
 from tests.edge_kit import APP_TOPIC, EDGE, JPEG, EdgeRig
 from tests.image_bytes import sample_jpeg
-from tests.support import PlainClient, start_agent_process
-
-
-async def _settle() -> None:
-    for _ in range(5):
-        await asyncio.sleep(0)
+from tests.support import PlainClient, start_agent_process, until
 
 
 async def test_memory_session_redelivers_what_a_crashed_client_never_acked() -> None:
@@ -47,7 +42,7 @@ async def test_memory_session_redelivers_what_a_crashed_client_never_acked() -> 
     app.publish_nowait(Message("jobs", b"a", qos=1))
     app.publish_nowait(Message("jobs", b"b", qos=1))
     app.publish_nowait(Message("jobs", b"fire-and-forget", qos=0))
-    await _settle()
+    await until(lambda: len(seen) == 3)
     assert [m.payload for m in seen] == [b"a", b"b", b"fire-and-forget"]
     edge.ack(seen[0])
     edge.ack(seen[2])  # QoS 0: nothing owed
@@ -60,9 +55,10 @@ async def test_memory_session_redelivers_what_a_crashed_client_never_acked() -> 
     again = MemoryTransport(broker, client_id="edge", persistent=True)
     seen2: list[Message] = []
     await again.subscribe("jobs", seen2.append, manual_ack=True)
-    await _settle()
-    assert [m.payload for m in seen2] == [b"b", b"c"]
-    assert [m.dup for m in seen2] == [True, False]  # only "b" was delivered before
+    app.publish_nowait(Message("jobs", b"after", qos=1))  # delivered after what was owed
+    await until(lambda: seen2 and seen2[-1].payload == b"after")
+    assert [m.payload for m in seen2] == [b"b", b"c", b"after"]
+    assert [m.dup for m in seen2] == [True, False, False]  # only "b" was delivered before
     assert not [m for m in broker.log if m.topic == "out"]
 
 
@@ -73,21 +69,21 @@ async def test_clean_session_forgets_and_held_pubacks_fail_on_crash() -> None:
     await edge.subscribe("jobs", seen.append, manual_ack=True)
     MemoryTransport(broker).publish_nowait(Message("jobs", b"a", qos=1))
     pending = asyncio.ensure_future(edge.publish(Message("r", b"x", qos=1), wait=True))
-    await _settle()
+    await broker.wait_for(lambda m: m.topic == "r")
     assert not pending.done()  # routed, but no PUBACK yet
     assert [m.topic for m in broker.log].count("r") == 1
     edge.crash()
-    await _settle()
-    assert isinstance(pending.exception(), TransportError)
+    with pytest.raises(TransportError):
+        await asyncio.wait_for(pending, 5)
     fresh = MemoryTransport(broker, client_id="e")
     seen2: list[Message] = []
     await fresh.subscribe("jobs", seen2.append, manual_ack=True)
-    await _settle()
-    assert seen2 == []
+    MemoryTransport(broker).publish_nowait(Message("jobs", b"new", qos=1))
+    await until(lambda: seen2)
+    assert [m.payload for m in seen2] == [b"new"]  # "a" went with the clean session
     done = asyncio.ensure_future(fresh.publish(Message("r", b"y", qos=1), wait=True))
-    await _settle()
-    assert broker.release_pubacks() == 1
-    await done
+    assert await until(broker.release_pubacks) == 1  # the one PUBACK held back, sent now
+    await asyncio.wait_for(done, 5)
 
 
 # -- the agent over a real outbox file, crashed at chosen points ---------------------------

@@ -38,6 +38,7 @@ from sluicegate.vision.runtime import ModelRegistry, default_models_dir
 from sluicegate.wire_pool import JobNotice, PlacementRelease, PlacementReply, PlacementRequest
 from tests.image_bytes import sample_jpeg
 from tests.policies.policy_testkit import base_doc, key, policy_of
+from tests.support import until
 
 REGISTRY = ModelRegistry.from_dir(default_models_dir())
 POLICY = policy_of(base_doc())
@@ -765,13 +766,8 @@ async def test_a_return_whose_attempt_is_not_on_disk_yet_waits_for_its_commit(
     await rig.work(1)
     sent = rig.give_back(job_id, 1)
     returns = topics.edge_returns(EDGE, WORKER)
-    for _ in range(100):  # until the edge holds the return, unacked, and a while after
-        if any(m.topic == returns for m in rig.edge.unacked):
-            break
-        await asyncio.sleep(0)
-    for _ in range(20):  # what the return set going on the loop (a publish) has run
-        await asyncio.sleep(0)
-    assert [m.topic for m in rig.edge.unacked] == [returns]
+    await until(lambda: any(m.topic == returns for m in rig.edge.unacked))
+    assert [m.topic for m in rig.edge.unacked] == [returns]  # held, unacked
     assert not [m for m in rig.broker.log if m.topic == "app/results"]
     gate.release()
     (result,) = await rig.results(1)

@@ -28,7 +28,7 @@ from sluicegate.policy_feed import (
 )
 from sluicegate.transport import Message
 from tests.policies.policy_testkit import NOW, base_doc, key, policy_of, signed, to_toml
-from tests.support import PlainClient
+from tests.support import PlainClient, until
 
 V1 = policy_of(base_doc(version=1))
 V2 = policy_of(base_doc(version=2))
@@ -111,15 +111,16 @@ async def test_feed_follows_the_retained_topic_and_never_goes_back(tmp_path: Pat
     assert feed.current is None
     assert "holds no verified policy" in feed.why_none()
     await feed.start(MemoryTransport(broker))
-    await asyncio.sleep(0)
-    assert feed.current is not None
-    assert feed.current.version == 1
-    for data in (envelope(V2), envelope(V1), tampered(V2), envelope(V2)):
+    current = await until(lambda: feed.current)
+    assert current.version == 1
+    # A tampered envelope last: once it is refused, everything before it has been taken.
+    for data in (envelope(V2), envelope(V1), tampered(V2), envelope(V2), tampered(V2)):
         publisher.publish_nowait(Message(topics.policy(), data, qos=1, retain=True))
-        await asyncio.sleep(0)
+    await until(lambda: feed.refused["policy.digest_mismatch"] == 2)
+    assert feed.current is not None
     assert feed.current.version == 2
     assert seen == [1, 2]  # the repeated v2 is no change
-    assert dict(feed.refused) == {"policy.rollback": 1, "policy.digest_mismatch": 1}
+    assert dict(feed.refused) == {"policy.rollback": 1, "policy.digest_mismatch": 2}
     assert json.loads((tmp_path / ANCHOR_FILE).read_bytes())["version"] == 2
 
     # Restart: the persisted envelope is in force before any message arrives, and the older
