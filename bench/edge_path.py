@@ -294,7 +294,7 @@ def main() -> None:
     def bare() -> None:
         # The same decode the agent runs (JPEG DCT scaling per the manifest), then
         # preprocess and session.run: compute with no messaging, queueing or threads.
-        batch, _decode_ms, _preprocess_ms = model.prepare(image)
+        batch, _decode_ms, _preprocess_ms, _frame = model.prepare(image)
         session.run(None, {input_name: batch})
 
     with (

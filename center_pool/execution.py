@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from sluicegate.errors import ImageError
+from sluicegate.vision.geometry import Frame
 from sluicegate.vision.image import ImageInfo
 from sluicegate.vision.image import PayloadLimits as Limits
 from sluicegate.vision.postprocess import Outputs
@@ -61,11 +62,12 @@ def run_batch(
 ) -> BatchRun:
     """Decode, preprocess, run once and postprocess ``jobs`` (payload, probed header)."""
     tensors: list[npt.NDArray[np.float32]] = []
+    frames: list[Frame] = []
     slots: list[int] = []
     prepared: list[ItemRun] = []
     for index, (payload, info) in enumerate(jobs):
         try:
-            tensor, decode_ms, preprocess_ms = model.prepare(
+            tensor, decode_ms, preprocess_ms, frame = model.prepare(
                 payload, info=info, max_pixels=limits.max_pixels, max_side=limits.max_side
             )
         except ImageError as exc:
@@ -77,6 +79,7 @@ def run_batch(
             prepared.append(ItemRun(None, "inference_error", reason, 0.0, 0.0))
             continue
         tensors.append(tensor)
+        frames.append(frame)
         slots.append(index)
         prepared.append(ItemRun(None, None, None, decode_ms, preprocess_ms))
     if not tensors:
@@ -84,7 +87,7 @@ def run_batch(
     t0 = time.perf_counter()
     try:
         batch = tensors[0] if len(tensors) == 1 else np.concatenate(tensors, axis=0)
-        outputs = model.run(batch)
+        outputs = model.run(batch, frames)
         if len(outputs) != len(tensors):
             raise RuntimeError(f"model returned {len(outputs)} outputs for {len(tensors)} inputs")
     except Exception as exc:  # onnxruntime raises its own untyped errors: the jobs' result

@@ -88,7 +88,7 @@ def _sample(args: tuple[int, int, int]) -> tuple[npt.NDArray[np.float32], int]:
         data = synth.encode_png(img)
     else:
         data = synth.encode_jpeg(img, int(rng.integers(60, 99)))
-    batch, _, _ = LoadedModel(manifest(), session=None).prepare(data)
+    batch, _, _, _ = LoadedModel(manifest(), session=None).prepare(data)
     return batch[0], synth.LABELS.index(label)
 
 

@@ -9,7 +9,8 @@ log line or a ``rejected`` result can act on it without reading the code.
     │   └── RequestTimeout      no answer arrived in time
     ├── ModelError
     │   ├── UnknownModelError   a job named a model this node does not have
-    │   └── ModelIntegrityError a model file does not match its manifest
+    │   ├── ModelIntegrityError a model file does not match its manifest
+    │   └── OutputError         a model's output cannot be read as its manifest says
     ├── ImageError              the payload is not an image we can safely decode
     │   └── ImageTooLargeError  the image declares more pixels than the limit
     ├── WireError               a message does not follow the wire contract
@@ -57,6 +58,10 @@ class UnknownModelError(ModelError):
 
 class ModelIntegrityError(ModelError):
     """A model file or manifest is missing, malformed, or its sha256 does not match."""
+
+
+class OutputError(ModelError):
+    """A model's output tensor has another shape than its manifest says, or holds NaN."""
 
 
 class ImageError(SluicegateError):

@@ -50,15 +50,26 @@ class Timings(_Wire):
 class Detection(_Wire):
     label: str
     score: float
-    box: tuple[float, float, float, float]  # x, y, width, height in image pixels
+    box: tuple[float, float, float, float]  # x1, y1, x2, y2 as fractions of the image
+
+
+class Region(_Wire):
+    """An anomalous area: its box (x1, y1, x2, y2, fractions of the image), its area (a
+    fraction of the image's) and its highest pixel score."""
+
+    score: float
+    box: tuple[float, float, float, float]
+    area: float
 
 
 class Outputs(_Wire):
-    """A model's answer: the top label and every label's score (and boxes for detectors)."""
+    """A model's answer: the top label and every label's score (and boxes for detectors,
+    regions for anomaly models)."""
 
     label: str | None
     scores: dict[str, float]
     detections: list[Detection] = Field(default_factory=list)
+    regions: list[Region] = Field(default_factory=list)
 
 
 class Offload(_Wire):
@@ -180,6 +191,7 @@ def outputs_of(outputs: VisionOutputs) -> Outputs:
         label=outputs.label,
         scores=outputs.scores,
         detections=[Detection(label=d.label, score=d.score, box=d.box) for d in outputs.detections],
+        regions=[Region(score=r.score, box=r.box, area=r.area) for r in outputs.regions],
     )
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from test_vision_manifest import VALID
 
+from sluicegate.errors import OutputError
 from sluicegate.vision.manifest import ModelManifest
 from sluicegate.vision.postprocess import Detection, Outputs, nms, postprocess
 
@@ -57,13 +58,13 @@ def test_classification_softmax_of_logits() -> None:
 @pytest.mark.parametrize(
     ("raw", "match"),
     [
-        ([np.zeros((1, 3), np.float32)], r"shape \(1, 3\); expected \[N, 4\]"),
+        ([np.zeros((1, 3), np.float32)], r"shape \[1, 3\]; expected \[N, 4\]"),
         ([np.zeros((4,), np.float32)], "expected"),
         ([np.zeros((1, 4)), np.zeros((1, 4))], "expected 1 output tensor"),
     ],
 )
 def test_classification_refuses_wrong_shapes(raw: list[np.ndarray], match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(OutputError, match=match):
         postprocess(raw, _classifier(softmax=False))
 
 
@@ -116,9 +117,9 @@ def test_detection_batch_and_shape_checks() -> None:
     boxes[1, 2] = (10, 10, 20, 20)
     out = postprocess([boxes, scores], _detector())
     assert [o.label for o in out] == [None, "pit", None]
-    with pytest.raises(ValueError, match=r"expected \[3, 5, 2\]"):
+    with pytest.raises(OutputError, match=r"'scores' has shape \[3, 5, 3\]; expected \[N, K, 2\]"):
         postprocess([boxes, np.zeros((3, 5, 3), np.float32)], _detector())
-    with pytest.raises(ValueError, match=r"expected \[N, K, 4\]"):
+    with pytest.raises(OutputError, match=r"expected \[N, K, 4\]"):
         postprocess([np.zeros((3, 5), np.float32), scores], _detector())
 
 

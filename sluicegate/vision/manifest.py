@@ -20,6 +20,7 @@ from pydantic_core import ErrorDetails
 from sluicegate.errors import ModelIntegrityError
 
 __all__ = [
+    "AnomalyPostprocess",
     "ClassificationPostprocess",
     "DetectionPostprocess",
     "InputSpec",
@@ -58,9 +59,15 @@ class InputSpec(_Strict):
 
 
 class ResizeSpec(_Strict):
+    """``stretch`` scales the image to width x height; ``letterbox`` (what YOLO exporters
+    expect) scales it to fit, keeping its aspect ratio, and pads the rest, centred, with
+    ``pad_value``. Results are mapped back to the original image either way."""
+
     width: int = Field(gt=0)
     height: int = Field(gt=0)
     interpolation: Interpolation = "area"
+    mode: Literal["stretch", "letterbox"] = "stretch"
+    pad_value: int = Field(default=114, ge=0, le=255)
 
 
 class PreprocessSpec(_Strict):
@@ -83,25 +90,80 @@ class ClassificationPostprocess(_Strict):
     softmax: bool = False
 
 
-class DetectionPostprocess(_Strict):
-    """Boxes ``[N, K, 4]`` and per-label scores ``[N, K, C]``, then per-label NMS.
+DetectionLayout = Literal["boxes_scores", "yolov8", "yolov5", "yolox", "nms"]
 
-    Box coordinates are in model-input pixels unless ``normalized``; results are always
-    reported normalised to ``[0, 1]`` of the image, which survives the resize.
+
+class DetectionPostprocess(_Strict):
+    """Candidate boxes and per-label scores, in the layout the exporter wrote, then per-label
+    non-maximum suppression (except ``nms``, whose graph did it).
+
+    ``layout`` (all in model-input pixels unless ``normalized``):
+
+    - ``boxes_scores``: two outputs, boxes ``[N, K, 4]`` (``box_format``) and scores
+      ``[N, K, C]`` (``outputs`` = [boxes, scores]);
+    - ``yolov8`` (v8, v11): one output ``[N, 4 + C, A]``, cx cy w h then class scores;
+    - ``yolov5``: one output ``[N, A, 5 + C]``, cx cy w h, objectness, class scores (a
+      label's score is objectness x class score);
+    - ``yolox``: one output ``[N, A, 5 + C]`` as the head writes it before decoding: x, y as
+      offsets in a grid cell, w, h as logs, for the grids of ``strides`` in order;
+    - ``nms``: one output ``[N, K, 6]`` already suppressed in the graph: x1 y1 x2 y2, score,
+      label index (rows with score 0 are padding).
+
+    Results are always reported as fractions ``[0, 1]`` of the original image, xyxy.
     """
 
     kind: Literal["detection"]
-    boxes_output: str = Field(min_length=1)
-    scores_output: str = Field(min_length=1)
+    layout: DetectionLayout = "boxes_scores"
+    outputs: tuple[str, ...] = Field(default=(), max_length=2)
+    # The two outputs of the boxes_scores layout (kept for manifests written before layouts).
+    boxes_output: str | None = None
+    scores_output: str | None = None
     box_format: Literal["xyxy", "cxcywh"] = "xyxy"
     normalized: bool = False
+    strides: tuple[PositiveInt, ...] = (8, 16, 32)
     score_threshold: float = Field(default=0.25, ge=0.0, le=1.0)
     iou_threshold: float = Field(default=0.45, gt=0.0, le=1.0)
     max_detections: int = Field(default=100, gt=0)
 
+    @model_validator(mode="after")
+    def _outputs_fit_layout(self) -> DetectionPostprocess:
+        names = self.tensor_names
+        want = 2 if self.layout == "boxes_scores" else 1
+        if len(names) != want or not all(names):
+            raise ValueError(
+                f"layout {self.layout!r} reads {want} output(s); give outputs = "
+                f"{['boxes', 'scores'] if want == 2 else ['output0']} (got {list(names)})"
+            )
+        return self
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        if self.outputs:
+            return self.outputs
+        return tuple(n for n in (self.boxes_output, self.scores_output) if n is not None)
+
+
+class AnomalyPostprocess(_Strict):
+    """An anomaly-score map ``[N, 1, H, W]`` (or ``[N, H, W]``) and, if the graph has one,
+    an image score ``[N]`` / ``[N, 1]`` (else the map's maximum), anomalib-style.
+
+    Pixels scoring at least ``pixel_threshold`` form regions (8-connected); a region smaller
+    than ``min_area`` (a fraction of the map) is noise. The image is ``labels[1]``
+    (anomalous) when its score is at least ``image_threshold``, else ``labels[0]``.
+    """
+
+    kind: Literal["anomaly"]
+    map_output: str = Field(min_length=1)
+    score_output: str | None = None
+    pixel_threshold: float = 0.5
+    image_threshold: float = 0.5
+    min_area: float = Field(default=0.0005, ge=0.0, lt=1.0)
+    max_regions: int = Field(default=50, gt=0)
+
 
 Postprocess = Annotated[
-    ClassificationPostprocess | DetectionPostprocess, Field(discriminator="kind")
+    ClassificationPostprocess | DetectionPostprocess | AnomalyPostprocess,
+    Field(discriminator="kind"),
 ]
 
 
@@ -137,6 +199,11 @@ class ModelManifest(_Strict):
             )
         if len(set(self.labels)) != len(self.labels):
             raise ValueError(f"labels must be unique, got {list(self.labels)}")
+        if isinstance(self.postprocess, AnomalyPostprocess) and len(self.labels) != 2:
+            raise ValueError(
+                f"an anomaly model has two labels, normal then anomalous (e.g. "
+                f'["good", "anomalous"]), got {list(self.labels)}'
+            )
         return self
 
     @property
@@ -145,7 +212,9 @@ class ModelManifest(_Strict):
         post = self.postprocess
         if isinstance(post, ClassificationPostprocess):
             return [post.output]
-        return [post.boxes_output, post.scores_output]
+        if isinstance(post, AnomalyPostprocess):
+            return [post.map_output] + ([post.score_output] if post.score_output else [])
+        return list(post.tensor_names)
 
 
 def load_manifest(path: Path) -> ModelManifest:

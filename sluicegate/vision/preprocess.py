@@ -12,9 +12,10 @@ import cv2
 import numpy as np
 import numpy.typing as npt
 
-from sluicegate.vision.manifest import ModelManifest, PreprocessSpec
+from sluicegate.vision.geometry import Frame, fit
+from sluicegate.vision.manifest import ModelManifest, PreprocessSpec, ResizeSpec
 
-__all__ = ["preprocess", "resize"]
+__all__ = ["frame_of", "preprocess", "resize"]
 
 _INTERPOLATION = {
     "area": cv2.INTER_AREA,
@@ -29,9 +30,31 @@ def preprocess(img_bgr: npt.NDArray[np.uint8], manifest: ModelManifest) -> npt.N
     if img_bgr.ndim != 3 or img_bgr.shape[2] != 3 or img_bgr.dtype != np.uint8:
         raise ValueError(f"expected an HxWx3 uint8 BGR image, got {img_bgr.shape} {img_bgr.dtype}")
     spec = manifest.preprocess
-    small = resize(img_bgr, spec.resize.width, spec.resize.height, spec.resize.interpolation)
+    size = spec.resize
+    if size.mode == "letterbox":
+        small = letterbox(img_bgr, frame_of(img_bgr, size), size)
+    else:
+        small = resize(img_bgr, size.width, size.height, size.interpolation)
     swap = manifest.input.color_order == "RGB"
     return np.asarray(cv2.dnn.blobFromImageWithParams(small, _params(spec, swap)), np.float32)
+
+
+def frame_of(img: npt.NDArray[np.uint8], size: ResizeSpec) -> Frame:
+    """Where ``img`` lands in the model input (see :mod:`sluicegate.vision.geometry`)."""
+    return fit(img.shape[1], img.shape[0], size.width, size.height, size.mode)
+
+
+def letterbox(img: npt.NDArray[np.uint8], frame: Frame, size: ResizeSpec) -> npt.NDArray[np.uint8]:
+    """``img`` scaled into ``frame`` and padded to the input size with ``pad_value``."""
+    placed_w, placed_h = frame.placed
+    scaled = resize(img, placed_w, placed_h, size.interpolation)
+    right = size.width - placed_w - frame.pad_x
+    bottom = size.height - placed_h - frame.pad_y
+    fill = (size.pad_value,) * 3
+    out = cv2.copyMakeBorder(
+        scaled, frame.pad_y, bottom, frame.pad_x, right, cv2.BORDER_CONSTANT, value=fill
+    )
+    return np.asarray(out, np.uint8)
 
 
 def resize(

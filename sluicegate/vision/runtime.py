@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,10 +26,11 @@ import numpy.typing as npt
 import onnxruntime as ort
 
 from sluicegate.errors import ModelError, ModelIntegrityError, UnknownModelError
+from sluicegate.vision.geometry import Frame
 from sluicegate.vision.image import ImageInfo, check_dimensions, dct_reduction, decode, probe
 from sluicegate.vision.manifest import ModelManifest, load_manifest, verified_model
 from sluicegate.vision.postprocess import Outputs, postprocess
-from sluicegate.vision.preprocess import preprocess
+from sluicegate.vision.preprocess import frame_of, preprocess
 
 __all__ = ["LoadedModel", "ModelRegistry", "StageTimes", "default_models_dir"]
 
@@ -60,10 +62,13 @@ class LoadedModel:
     def __repr__(self) -> str:
         return f"LoadedModel({self.manifest.name!r}, version={self.manifest.version!r})"
 
-    def run(self, batch: npt.NDArray[np.float32]) -> list[Outputs]:
-        """Run a float32 NCHW batch (any batch size) and read one Outputs per item."""
+    def run(
+        self, batch: npt.NDArray[np.float32], frames: Sequence[Frame] | None = None
+    ) -> list[Outputs]:
+        """Run a float32 NCHW batch (any batch size) and read one Outputs per item, each
+        mapped back to its image through its frame (see :meth:`prepare`)."""
         raw = self.session.run(self._output_names, {self._input_name: batch})
-        return postprocess(list(raw), self.manifest)
+        return postprocess(list(raw), self.manifest, frames)
 
     def prepare(
         self,
@@ -72,8 +77,9 @@ class LoadedModel:
         info: ImageInfo | None = None,
         max_pixels: int | None = None,
         max_side: int | None = None,
-    ) -> tuple[npt.NDArray[np.float32], float, float]:
-        """Bytes to input tensor: ``(batch of one, decode_ms, preprocess_ms)``.
+    ) -> tuple[npt.NDArray[np.float32], float, float, Frame]:
+        """Bytes to input tensor: ``(batch of one, decode_ms, preprocess_ms, frame)``, the
+        frame saying where the image sits in the input (for mapping results back).
 
         The header is probed first (cheap; pass ``info`` when the caller already probed);
         with limits given, an oversized image is refused before decoding. The header also
@@ -96,7 +102,7 @@ class LoadedModel:
         t1 = time.perf_counter()
         batch = preprocess(img, self.manifest)
         t2 = time.perf_counter()
-        return batch, (t1 - t0) * 1e3, (t2 - t1) * 1e3
+        return batch, (t1 - t0) * 1e3, (t2 - t1) * 1e3, frame_of(img, spec.resize)
 
     def infer_bytes(
         self,
@@ -107,11 +113,11 @@ class LoadedModel:
         max_side: int | None = None,
     ) -> tuple[Outputs, StageTimes]:
         """Decode, preprocess, run and postprocess one encoded image, timing each stage."""
-        batch, decode_ms, preprocess_ms = self.prepare(
+        batch, decode_ms, preprocess_ms, frame = self.prepare(
             data, info=info, max_pixels=max_pixels, max_side=max_side
         )
         t0 = time.perf_counter()
-        (outputs,) = self.run(batch)
+        (outputs,) = self.run(batch, (frame,))
         inference_ms = (time.perf_counter() - t0) * 1e3
         return outputs, StageTimes(decode_ms, preprocess_ms, inference_ms)
 
