@@ -87,7 +87,7 @@ def test_detection_kind_is_accepted(tmp_path: Path) -> None:
     [
         ("sha256", ..., "sha256: missing"),
         ("sha256", "xyz", "sha256: String should match pattern"),
-        ("opset", 11, "opset: Input should be greater than or equal to 17"),
+        ("opset", 6, "opset: Input should be greater than or equal to 7"),
         ("file", "../../etc/passwd.onnx", "file: String should match pattern"),
         ("input.color_order", "RGBA", "input.color_order: Input should be 'RGB' or 'BGR'"),
         ("input.layout", "NHWC", "input.layout"),

@@ -262,6 +262,80 @@ def models_list(
         )
 
 
+@models_app.command("add")
+def models_add(
+    model: Annotated[Path, typer.Argument(help="The .onnx file to serve.")],
+    kind: Annotated[
+        str, typer.Option(help="classification, yolov8 (v8/v11), yolov5, yolox, nms or anomaly.")
+    ],
+    name: Annotated[str | None, typer.Option(help="Model name (default: the file's).")] = None,
+    version: Annotated[str, typer.Option(help="Its version.")] = "1.0.0",
+    labels: Annotated[
+        Path | None,
+        typer.Option(help="One label per line (default: the names in the export's metadata)."),
+    ] = None,
+    size: Annotated[
+        str | None, typer.Option(help="WIDTHxHEIGHT, for a graph whose input size is open.")
+    ] = None,
+    bgr: Annotated[bool, typer.Option(help="The model takes BGR, not RGB.")] = False,
+    sample: Annotated[
+        Path | None, typer.Option(help="An image to run it on once (default: a synthetic one).")
+    ] = None,
+    models_dir: ModelsDirOpt = None,
+    replace: Annotated[
+        bool, typer.Option(help="Serve it in place of a model of that name.")
+    ] = False,
+) -> None:
+    """Check a model you bring, write its manifest (with its sha256), run it once, and
+    install it in the models folder."""
+    from sluicegate.vision.adding import add_model, read_labels
+    from sluicegate.vision.author import KINDS, Authoring
+    from sluicegate.vision.runtime import default_models_dir
+
+    if kind not in KINDS:
+        _fail(f"--kind {kind!r}: expected one of {', '.join(KINDS)}")
+    try:
+        wanted = _size(size)
+        how = Authoring(
+            name=name or model.stem.lower(),
+            version=version,
+            file="",
+            sha256="",
+            kind=kind,  # type: ignore[arg-type]
+            labels=read_labels(labels) if labels is not None else (),
+            size=wanted,
+            color_order="BGR" if bgr else "RGB",
+        )
+        image = sample.read_bytes() if sample is not None else None
+        added = add_model(
+            model, models_dir or default_models_dir(), how, sample=image, replace_existing=replace
+        )
+    except EXPECTED as exc:
+        _fail(str(exc))
+        return
+    except OSError as exc:
+        _fail(f"{exc.filename}: {exc.strerror}")
+        return
+    m, out = added.manifest, added.outputs
+    found = f"{len(out.detections)} detection(s)" if out.detections else f"label {out.label}"
+    typer.echo(
+        f"added {m.name} v{m.version} ({kind}, input {m.input.width}x{m.input.height}, "
+        f"{len(m.labels)} labels, sha256 {m.sha256[:16]}…) as {added.manifest_path}; "
+        f"sample image: {found} in {added.run_ms:.1f} ms"
+    )
+
+
+def _size(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    width, sep, height = text.lower().partition("x")
+    if not (sep and width.isdigit() and height.isdigit() and int(width) > 0 and int(height) > 0):
+        from sluicegate.errors import ConfigError
+
+        raise ConfigError(f"--size {text!r}: expected WIDTHxHEIGHT, e.g. 640x640")
+    return int(width), int(height)
+
+
 @app.command()
 def demo(
     rate: Annotated[float, typer.Option(help="Images per second per line (burst: 10x).")] = 15.0,

@@ -182,7 +182,7 @@ class ModelManifest(_Strict):
     # A bare file name in the manifest's own folder: no directories, no way out of it.
     file: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*\.onnx$")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    opset: int = Field(ge=17)
+    opset: int = Field(ge=7)  # the oldest operator set ONNX Runtime still runs
     input: InputSpec
     preprocess: PreprocessSpec
     labels: tuple[str, ...] = Field(min_length=1)
@@ -232,8 +232,7 @@ def load_manifest(path: Path) -> ModelManifest:
     try:
         return ModelManifest.model_validate(raw)
     except ValidationError as exc:
-        problems = "; ".join(_describe(err) for err in exc.errors(include_url=False))
-        raise ModelIntegrityError(f"invalid model manifest {path}: {problems}") from exc
+        raise ModelIntegrityError(f"invalid model manifest {path}: {problems(exc)}") from exc
 
 
 def verified_model(folder: Path, manifest_path: Path, manifest: ModelManifest) -> bytes:
@@ -253,6 +252,11 @@ def verified_model(folder: Path, manifest_path: Path, manifest: ModelManifest) -
             f"expected sha256 {manifest.sha256}, actual {actual}"
         )
     return blob
+
+
+def problems(exc: ValidationError) -> str:
+    """A manifest's validation errors, one phrase each, for a person."""
+    return "; ".join(_describe(err) for err in exc.errors(include_url=False))
 
 
 def _describe(err: ErrorDetails) -> str:
