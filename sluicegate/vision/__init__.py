@@ -2,9 +2,15 @@
 
     image       probe a JPEG/PNG header (decompression-bomb guard), decode with OpenCV
     manifest    the model manifest (pydantic): input, preprocessing, labels, postprocessing
+    geometry    where an image sits in the model input (stretch, letterbox), and back
     preprocess  decoded image -> float32 NCHW tensor, exactly as the manifest says
-    postprocess raw output tensors -> labelled Outputs (classification, detection + NMS)
+    postprocess raw output tensors -> labelled Outputs (classification, detection, anomaly)
+    detection   detector outputs in the exporters' layouts, NMS, boxes on the image
+    anomaly     anomaly-score maps -> regions and the image's verdict
     runtime     ModelRegistry / LoadedModel: verified ONNX Runtime sessions, infer_bytes
+    graph       what a brought ONNX graph declares (needs the onnx package)
+    author      a manifest for a brought graph, or why it fits no kind (pure)
+    adding      ``models add``: check, run once, install
     synth       synthetic industrial surface images with defects, for training and demos
 
 Nothing here does I/O other than reading model files, and nothing here is async: callers run
