@@ -86,8 +86,13 @@ def run_batch(
         return BatchRun(tuple(prepared), 0.0, 0)
     t0 = time.perf_counter()
     try:
-        batch = tensors[0] if len(tensors) == 1 else np.concatenate(tensors, axis=0)
-        outputs = model.run(batch, frames)
+        if model.batchable:
+            batch = tensors[0] if len(tensors) == 1 else np.concatenate(tensors, axis=0)
+            outputs = model.run(batch, frames)
+        else:  # each image at its own size (OCR): one run each
+            outputs = [
+                out for t, f in zip(tensors, frames, strict=True) for out in model.run(t, [f])
+            ]
         if len(outputs) != len(tensors):
             raise RuntimeError(f"model returned {len(outputs)} outputs for {len(tensors)} inputs")
     except Exception as exc:  # onnxruntime raises its own untyped errors: the jobs' result

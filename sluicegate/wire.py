@@ -62,14 +62,26 @@ class Region(_Wire):
     area: float
 
 
+class TextLine(_Wire):
+    """A line of text an OCR model read: the text, the recogniser's confidence, its box
+    (x1, y1, x2, y2) and its four corners (top-left first, clockwise), as fractions of the
+    image."""
+
+    text: str
+    score: float
+    box: tuple[float, float, float, float]
+    quad: list[tuple[float, float]]
+
+
 class Outputs(_Wire):
     """A model's answer: the top label and every label's score (and boxes for detectors,
-    regions for anomaly models)."""
+    regions for anomaly models, text lines for OCR models)."""
 
     label: str | None
     scores: dict[str, float]
     detections: list[Detection] = Field(default_factory=list)
     regions: list[Region] = Field(default_factory=list)
+    texts: list[TextLine] = Field(default_factory=list)
 
 
 class Offload(_Wire):
@@ -192,6 +204,10 @@ def outputs_of(outputs: VisionOutputs) -> Outputs:
         scores=outputs.scores,
         detections=[Detection(label=d.label, score=d.score, box=d.box) for d in outputs.detections],
         regions=[Region(score=r.score, box=r.box, area=r.area) for r in outputs.regions],
+        texts=[
+            TextLine(text=t.text, score=t.score, box=t.box, quad=list(t.quad))
+            for t in outputs.texts
+        ],
     )
 
 

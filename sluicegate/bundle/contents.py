@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from sluicegate.errors import BundleError, ModelIntegrityError
-from sluicegate.vision.manifest import load_manifest, verified_model
+from sluicegate.vision.manifest import load_manifest, verified_file
 
 # Never in a bundle: the [project.optional-dependencies] dev and models tools.
 DEV_TOOLS = frozenset(
@@ -148,7 +148,7 @@ def missing_requirement(pip_output: str) -> str | None:
 
 
 def verified_models(models_dir: Path) -> dict[str, bytes]:
-    """Every manifest in ``models_dir`` and the model file it names, by file name, once
+    """Every manifest in ``models_dir`` and the model files it names, by file name, once
     each model file's sha256 is its manifest's: the bytes checked are the bytes bundled."""
     manifests = sorted(models_dir.glob("*.json")) if models_dir.is_dir() else []
     if not manifests:
@@ -159,9 +159,9 @@ def verified_models(models_dir: Path) -> dict[str, bytes]:
     files: dict[str, bytes] = {}
     for manifest_path in manifests:
         manifest = load_manifest(manifest_path)
-        blob = verified_model(models_dir, manifest_path, manifest)
         files[manifest_path.name] = manifest_path.read_bytes()
-        files[manifest.file] = blob
+        for name, sha256 in manifest.files:
+            files[name] = verified_file(models_dir, manifest_path, name, sha256)
     return files
 
 

@@ -25,7 +25,9 @@ __all__ = [
     "DetectionPostprocess",
     "InputSpec",
     "ModelManifest",
+    "OcrPostprocess",
     "PreprocessSpec",
+    "RecognizerSpec",
     "ResizeSpec",
     "load_manifest",
 ]
@@ -161,8 +163,49 @@ class AnomalyPostprocess(_Strict):
     max_regions: int = Field(default=50, gt=0)
 
 
+OnnxFile = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*\.onnx$")]
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class RecognizerSpec(_Strict):
+    """The second stage of an OCR model: a CTC text recogniser (PP-OCR's), in the same
+    folder, verified by its own sha256. Its input is ``[N, 3, height, W]``, W at least
+    ``min_width``; its output ``[N, T, 1 + characters]``; its character set is in its
+    metadata (``character``)."""
+
+    file: OnnxFile
+    sha256: Sha256
+    input: str = Field(default="x", min_length=1)
+    output: str = Field(min_length=1)
+    height: int = Field(default=48, gt=0)
+    min_width: int = Field(default=320, gt=0)
+
+
+class OcrPostprocess(_Strict):
+    """Two-stage OCR under one model name: the manifest's own model is the text detector
+    (a DB probability map ``[N, 1, H, W]``, ``output``), then each text line it finds is
+    cut out and read by the ``recognizer``.
+
+    The detector's input is the image scaled so its longer side is at most the input's
+    size and its shorter at least ``min_side``, sides multiples of 32. Map pixels over
+    ``threshold`` are text; a box is kept when its mean probability reaches
+    ``box_threshold`` and grown by ``unclip_ratio``; a line is reported when its reading's
+    confidence reaches ``text_threshold``.
+    """
+
+    kind: Literal["ocr"]
+    output: str = Field(min_length=1)
+    recognizer: RecognizerSpec
+    threshold: float = Field(default=0.3, gt=0.0, lt=1.0)
+    box_threshold: float = Field(default=0.5, ge=0.0, le=1.0)
+    unclip_ratio: float = Field(default=1.6, gt=0.0)
+    max_candidates: int = Field(default=1000, gt=0)
+    min_side: int = Field(default=320, ge=32)
+    text_threshold: float = Field(default=0.5, ge=0.0, le=1.0)
+
+
 Postprocess = Annotated[
-    ClassificationPostprocess | DetectionPostprocess | AnomalyPostprocess,
+    ClassificationPostprocess | DetectionPostprocess | AnomalyPostprocess | OcrPostprocess,
     Field(discriminator="kind"),
 ]
 
@@ -180,8 +223,8 @@ class ModelManifest(_Strict):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")
     version: str = Field(min_length=1)
     # A bare file name in the manifest's own folder: no directories, no way out of it.
-    file: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*\.onnx$")
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    file: OnnxFile
+    sha256: Sha256
     opset: int = Field(ge=7)  # the oldest operator set ONNX Runtime still runs
     input: InputSpec
     preprocess: PreprocessSpec
@@ -207,6 +250,16 @@ class ModelManifest(_Strict):
         return self
 
     @property
+    def files(self) -> tuple[tuple[str, str], ...]:
+        """Every model file the manifest names (an OCR model's recogniser too), with the
+        sha256 it pins."""
+        own = ((self.file, self.sha256),)
+        post = self.postprocess
+        if isinstance(post, OcrPostprocess):
+            return (*own, (post.recognizer.file, post.recognizer.sha256))
+        return own
+
+    @property
     def output_names(self) -> list[str]:
         """The graph outputs postprocessing reads, in the order it expects them."""
         post = self.postprocess
@@ -214,6 +267,8 @@ class ModelManifest(_Strict):
             return [post.output]
         if isinstance(post, AnomalyPostprocess):
             return [post.map_output] + ([post.score_output] if post.score_output else [])
+        if isinstance(post, OcrPostprocess):
+            return [post.output]
         return list(post.tensor_names)
 
 
@@ -238,7 +293,13 @@ def load_manifest(path: Path) -> ModelManifest:
 def verified_model(folder: Path, manifest_path: Path, manifest: ModelManifest) -> bytes:
     """The bytes of the model file ``manifest`` names in ``folder``, once their sha256 is the
     manifest's; ModelIntegrityError naming both files otherwise."""
-    model_path = folder / manifest.file
+    return verified_file(folder, manifest_path, manifest.file, manifest.sha256)
+
+
+def verified_file(folder: Path, manifest_path: Path, file: str, sha256: str) -> bytes:
+    """The bytes of ``folder/file``, once their sha256 is ``sha256`` (as the manifest at
+    ``manifest_path`` pins it); ModelIntegrityError naming both files otherwise."""
+    model_path = folder / file
     try:
         blob = model_path.read_bytes()
     except OSError as exc:
@@ -246,10 +307,10 @@ def verified_model(folder: Path, manifest_path: Path, manifest: ModelManifest) -
             f"model file {model_path} named by {manifest_path} cannot be read: {exc.strerror}"
         ) from exc
     actual = hashlib.sha256(blob).hexdigest()
-    if actual != manifest.sha256:
+    if actual != sha256:
         raise ModelIntegrityError(
             f"model file {model_path} does not match its manifest {manifest_path}: "
-            f"expected sha256 {manifest.sha256}, actual {actual}"
+            f"expected sha256 {sha256}, actual {actual}"
         )
     return blob
 

@@ -24,9 +24,11 @@ from sluicegate.vision.manifest import (
     AnomalyPostprocess,
     ClassificationPostprocess,
     ModelManifest,
+    OcrPostprocess,
 )
+from sluicegate.vision.ocr import TextLine
 
-__all__ = ["Detection", "Outputs", "Region", "nms", "postprocess"]
+__all__ = ["Detection", "Outputs", "Region", "TextLine", "nms", "postprocess"]
 
 F32 = npt.NDArray[np.float32]
 
@@ -37,6 +39,7 @@ class Outputs:
     scores: dict[str, float]
     detections: tuple[Detection, ...] = ()
     regions: tuple[Region, ...] = ()
+    texts: tuple[TextLine, ...] = ()  # an OCR model's lines, in reading order
 
 
 def postprocess(
@@ -52,6 +55,8 @@ def postprocess(
         raise OutputError(f"expected {expected} output tensor(s), got {len(raw)}")
     if isinstance(post, ClassificationPostprocess):
         return _classification(np.asarray(raw[0], np.float32), post, manifest.labels)
+    if isinstance(post, OcrPostprocess):
+        raise OutputError("an OCR model's outputs are read by its model (ocr_model), not here")
     size = (manifest.input.width, manifest.input.height)
     if frames is None:
         batch = int(np.shape(raw[0])[0]) if np.ndim(raw[0]) else 0

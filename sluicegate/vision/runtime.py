@@ -25,14 +25,21 @@ import numpy as np
 import numpy.typing as npt
 import onnxruntime as ort
 
-from sluicegate.errors import ModelError, ModelIntegrityError, UnknownModelError
+from sluicegate.errors import ModelError, ModelIntegrityError, OutputError, UnknownModelError
 from sluicegate.vision.geometry import Frame
 from sluicegate.vision.image import ImageInfo, check_dimensions, dct_reduction, decode, probe
-from sluicegate.vision.manifest import ModelManifest, load_manifest, verified_model
+from sluicegate.vision.manifest import (
+    ModelManifest,
+    OcrPostprocess,
+    load_manifest,
+    verified_file,
+    verified_model,
+)
+from sluicegate.vision.ocr_model import charset_of, prepare_image, read_text
 from sluicegate.vision.postprocess import Outputs, postprocess
 from sluicegate.vision.preprocess import frame_of, preprocess
 
-__all__ = ["LoadedModel", "ModelRegistry", "StageTimes", "default_models_dir"]
+__all__ = ["LoadedModel", "ModelRegistry", "OcrModel", "StageTimes", "default_models_dir"]
 
 cv2.setNumThreads(1)
 
@@ -52,6 +59,8 @@ class StageTimes:
 
 class LoadedModel:
     """A verified model: its manifest and an ONNX Runtime session (safe to share across threads)."""
+
+    batchable = True  # images of one batch share the input size
 
     def __init__(self, manifest: ModelManifest, session: Any) -> None:
         self.manifest = manifest
@@ -122,6 +131,39 @@ class LoadedModel:
         return outputs, StageTimes(decode_ms, preprocess_ms, inference_ms)
 
 
+class OcrModel(LoadedModel):
+    """Text detection and recognition under one name (:mod:`sluicegate.vision.ocr_model`):
+    one image per run, since each is detected at its own size."""
+
+    batchable = False
+
+    def __init__(
+        self, manifest: ModelManifest, detector: Any, recogniser: Any, charset: tuple[str, ...]
+    ) -> None:
+        super().__init__(manifest, detector)
+        self.recogniser = recogniser
+        self.charset = charset
+
+    def prepare(
+        self,
+        data: bytes,
+        *,
+        info: ImageInfo | None = None,
+        max_pixels: int | None = None,
+        max_side: int | None = None,
+    ) -> tuple[npt.NDArray[np.float32], float, float, Frame]:
+        return prepare_image(
+            self.manifest, data, info=info, max_pixels=max_pixels, max_side=max_side
+        )
+
+    def run(
+        self, batch: npt.NDArray[np.float32], frames: Sequence[Frame] | None = None
+    ) -> list[Outputs]:
+        if frames is None:
+            raise OutputError("an OCR model reads crops of the image: pass the frames")
+        return read_text(self.manifest, self.session, self.recogniser, self.charset, batch, frames)
+
+
 class ModelRegistry:
     """The models one node serves, by name."""
 
@@ -157,7 +199,9 @@ class ModelRegistry:
                     f"{sources[manifest.name]} and {manifest_path}"
                 )
             session = _open_verified(path, manifest_path, manifest, chosen, intra_op_threads)
-            models[manifest.name] = LoadedModel(manifest, session)
+            models[manifest.name] = _served(
+                path, manifest_path, manifest, session, chosen, intra_op_threads
+            )
             sources[manifest.name] = manifest_path
         return cls(models)
 
@@ -218,6 +262,41 @@ def _providers(requested: list[str] | None) -> list[str]:
     return list(requested)
 
 
+def _served(
+    folder: Path,
+    manifest_path: Path,
+    manifest: ModelManifest,
+    session: Any,
+    providers: list[str],
+    intra_op_threads: int,
+) -> LoadedModel:
+    post = manifest.postprocess
+    if not isinstance(post, OcrPostprocess):
+        return LoadedModel(manifest, session)
+    rec = post.recognizer
+    blob = verified_file(folder, manifest_path, rec.file, rec.sha256)
+    where = f"{folder / rec.file}"
+    recogniser = _session(blob, where, providers, intra_op_threads)
+    charset = charset_of(recogniser, where)
+    outputs = {o.name: o.shape for o in recogniser.get_outputs()}
+    classes = outputs.get(rec.output, [None])[-1]
+    if rec.output not in outputs or classes != len(charset) + 1:
+        raise ModelIntegrityError(
+            f"{where}: recogniser output {rec.output!r} must be [N, T, {len(charset) + 1}] "
+            f"(blank + its {len(charset)} characters); the graph has {outputs}"
+        )
+    return OcrModel(manifest, session, recogniser, charset)
+
+
+def _session(blob: bytes, where: str, providers: list[str], intra_op_threads: int) -> Any:
+    try:
+        return ort.InferenceSession(
+            blob, sess_options=session_options(intra_op_threads), providers=providers
+        )
+    except Exception as exc:  # onnxruntime raises its own untyped errors
+        raise ModelIntegrityError(f"ONNX Runtime cannot load {where}: {exc}") from exc
+
+
 def _open_verified(
     folder: Path,
     manifest_path: Path,
@@ -227,12 +306,7 @@ def _open_verified(
 ) -> Any:
     model_path = folder / manifest.file
     blob = verified_model(folder, manifest_path, manifest)
-    try:
-        session = ort.InferenceSession(
-            blob, sess_options=session_options(intra_op_threads), providers=providers
-        )
-    except Exception as exc:  # onnxruntime raises its own untyped errors
-        raise ModelIntegrityError(f"ONNX Runtime cannot load {model_path}: {exc}") from exc
+    session = _session(blob, str(model_path), providers, intra_op_threads)
     _check_signature(session, manifest, model_path)
     return session
 
