@@ -23,7 +23,7 @@ whose message names no valid edge cannot be returned, only counted and audited.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -237,11 +237,13 @@ def admit_work(
     work: Work,
     claims: PlacementClaims,
     *,
-    models: Collection[str],
+    models: Mapping[str, str],
     limits: Limits,
     now: float,
 ) -> WorkItem | WorkRefusal:
-    """Step 3, after the token (and replay) passed: model, deadline, priority, image header."""
+    """Step 3, after the token (and replay) passed: model (``models`` maps each loaded
+    model's name to its file's sha256, which must be the one the edge runs, when it says),
+    deadline, priority, image header."""
 
     def reject(code: str, reason: str) -> WorkRefusal:
         return refuse(work, code, reason, token_passed=True)
@@ -251,6 +253,13 @@ def admit_work(
     if model is None or model not in models:
         known = ", ".join(sorted(models)) or "none loaded"
         return reject("unknown_model", f"unknown model {model!r}; known: {known}")
+    wanted = work.prop(topics.PROP_MODEL_SHA256)
+    if wanted is not None and wanted != models[model]:
+        return reject(
+            "model_version",
+            f"this worker serves {model} at sha256 {models[model][:12]}…, the edge runs "
+            f"{wanted[:12]}…: not run here",
+        )
     priority = _number(
         work, topics.PROP_PRIORITY, "an integer 0 (lowest) to 9 (highest)", least=0.0
     )

@@ -90,8 +90,10 @@ def capabilities(
             continue
         models[name] = ModelCapability(
             version=manifest.version,
+            sha256=manifest.sha256,
             memory_mb=manifest.requirements.memory_mb,
             providers=usable,
+            backend=f"onnxruntime/{registry.get(name).session.get_providers()[0]}",
         )
     return WorkerCapabilities(
         worker_id=settings.id,

@@ -69,7 +69,7 @@ class PoolWorker:
         self.settings = settings
         self._transport = transport
         self._registry = registry
-        self._models = frozenset(registry.names())
+        self._models = {n: registry.get(n).manifest.sha256 for n in registry.names()}
         self._feed = feed
         self.audit = audit
         self._probe = probe

@@ -111,9 +111,13 @@ class PlacementClient:
         policy: Callable[[], Policy | None],
         timeout_s: float,
         clock: Callable[[], float],
+        model_sha256: Callable[[str], str | None] = lambda _model: None,
     ) -> None:
         self._transport = transport
         self._edge_id = edge_id
+        # The sha256 of the model file this edge runs under a name: a job goes only to a
+        # worker holding exactly that file.
+        self._model_sha256 = model_sha256
         self._zone = zone
         self._policy = policy
         self._timeout_s = timeout_s
@@ -249,6 +253,7 @@ class PlacementClient:
             job_id=job.job_id,
             edge_id=self._edge_id,
             model=job.model,
+            model_sha256=self._model_sha256(job.model),
             data_class=job.data_class,
             payload_sha256=digest.hex(),
             payload_bytes=len(job.payload),
@@ -298,6 +303,9 @@ class PlacementClient:
         ]
         if job.deadline is not None:
             props.append((topics.PROP_DEADLINE_AT, repr(job.deadline * 1000.0)))
+        sha256 = self._model_sha256(job.model)
+        if sha256 is not None:
+            props.append((topics.PROP_MODEL_SHA256, sha256))
         self._transport.publish_nowait(
             Message(
                 placement.work_topic,

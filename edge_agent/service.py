@@ -99,6 +99,9 @@ async def _serve(
             policy=lambda: feed.current if feed is not None else None,
             timeout_s=offload.placement_timeout_ms / 1000.0,
             clock=time.time,
+            model_sha256=lambda name: (
+                registry.get(name).manifest.sha256 if name in registry else None
+            ),
         )
     await transport.connect(timeout=connect_timeout)
     try:

@@ -26,6 +26,7 @@ PROP_DATA_CLASS = "data-class"
 PROP_JOB_ID = "job-id"
 # Further user properties on a work message (edge -> pool worker).
 PROP_TOKEN = "placement-token"
+PROP_MODEL_SHA256 = "model-sha256"  # the exact model file the edge runs
 PROP_ORIGIN_ZONE = "origin-zone"
 PROP_EDGE = "edge-id"
 # The attempt a work message (edge -> worker) or a returned result (worker -> edge) belongs

@@ -34,6 +34,9 @@ class PlacementRequest(_Wire):
     # Filled in by the broker from the policy; anything an edge sends here is replaced.
     origin_zone: str = ""
     model: str
+    # The sha256 of the model file the edge runs: the broker places the job only where
+    # exactly that model is loaded. Without it, any version of ``model`` will do.
+    model_sha256: Sha256Hex | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     data_class: str
     payload_sha256: Sha256Hex = Field(pattern=r"^[0-9a-f]{64}$")
     payload_bytes: int = Field(ge=0)
@@ -82,11 +85,14 @@ class PlacementRelease(_Wire):
 
 
 class ModelCapability(_Wire):
-    """One model a worker has loaded."""
+    """One model a worker has loaded: its version, the sha256 of its file (the exact model:
+    placement matches it against the edge's), what it needs and where it runs."""
 
     version: str
+    sha256: Sha256Hex | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     memory_mb: int = 0
     providers: list[str] = Field(default_factory=list)  # providers the model may run on
+    backend: str | None = None  # runtime and device, e.g. "onnxruntime/CPUExecutionProvider"
 
 
 class WorkerCapabilities(_Wire):

@@ -114,6 +114,7 @@ class WorkSpec:
     origin_property: str = ORIGIN  # the origin-zone the message declares (not trusted)
     attempt: str | None = None  # the attempt property as sent; None: absent (attempt 1)
     correlation: bytes = b""
+    model_sha256: str | None = None  # the model file the edge runs; None: not said
 
     def user_properties(self, job_id: str) -> list[tuple[str, str]]:
         tok = token(job_id, self.payload) if self.token is None else self.token
@@ -128,6 +129,8 @@ class WorkSpec:
             props.append((topics.PROP_EDGE, named))
         if self.attempt is not None:
             props.append((topics.PROP_ATTEMPT, self.attempt))
+        if self.model_sha256 is not None:
+            props.append((topics.PROP_MODEL_SHA256, self.model_sha256))
         if tok:
             props.append((topics.PROP_TOKEN, tok))
         if self.deadline_at_ms is not None:

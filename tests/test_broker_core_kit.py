@@ -74,14 +74,17 @@ def caps(
     memory_total_mb: int = 40_000,
     concurrency: int = 2,
     max_batch: int = 8,
+    shas: dict[str, str] | None = None,
 ) -> WorkerCapabilities:
+    """A worker's capabilities; ``shas`` gives the sha256 it reports for some models."""
+    known = shas or {}
     return WorkerCapabilities(
         worker_id=worker_id,
         zone=zone,
         device_class=device_class,
         providers=list(providers),
         memory_total_mb=memory_total_mb,
-        models={m: ModelCapability(version="1") for m in models},
+        models={m: ModelCapability(version="1", sha256=known.get(m)) for m in models},
         max_batch=max_batch,
         concurrency=concurrency,
     )
@@ -131,12 +134,14 @@ def request(
     priority: int = 5,
     deadline_at: float | None = None,
     local_estimate_ms: float | None = None,
+    model_sha256: str | None = None,
 ) -> PlacementRequest:
     return PlacementRequest(
         job_id=job_id,
         edge_id="edge-1",
         origin_zone=origin_zone,
         model=model,
+        model_sha256=model_sha256,
         data_class=data_class,
         payload_sha256=SHA,
         payload_bytes=payload_bytes,

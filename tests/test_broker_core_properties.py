@@ -66,6 +66,9 @@ class Worker:
     concurrency: int
 
 
+VERSIONS: tuple[str | None, ...] = ("0a" * 32, "1b" * 32, None)
+
+
 @st.composite
 def workers(draw: st.DrawFn) -> list[Worker]:
     out = []
@@ -149,6 +152,8 @@ def run_scenario(
     ts = {w.worker_id: NOW - 10.0 for w in fleet_workers}
 
     def cap(w: Worker, models: tuple[str, ...]) -> Any:
+        # Workers hold one of two versions of their models, or do not say which.
+        version = VERSIONS[int(w.worker_id[1:]) % len(VERSIONS)]
         return caps(
             w.worker_id,
             w.zone,
@@ -157,6 +162,7 @@ def run_scenario(
             providers=w.providers,
             memory_total_mb=w.memory_total_mb,
             concurrency=w.concurrency,
+            shas=dict.fromkeys(models, version) if version else None,
         )
 
     for w in fleet_workers:
@@ -201,6 +207,7 @@ def run_scenario(
                 payload_bytes=size,
                 deadline_at=None if deadline_s is None else now + deadline_s,
                 local_estimate_ms=local_ms,
+                model_sha256=VERSIONS[decisions % len(VERSIONS)],  # asks for each in turn
             )
             fast = decide(fleet, req, policy, now=now, params=params)
             slow = decide_reference(fleet, req, policy, now=now, params=params)

@@ -205,3 +205,67 @@ async def _volley(  # type: ignore[type-arg]
                 )
             )
         )
+
+
+def _older_defect_model(folder: Path) -> str:
+    """defect-v1 as an earlier build: the same graph with other metadata, so another file
+    (another sha256) under the same name. Returns its sha256."""
+    import hashlib
+
+    import onnx
+
+    from sluicegate.vision.runtime import default_models_dir
+
+    folder.mkdir()
+    source = default_models_dir()
+    model = onnx.load(str(source / "defect-v1.onnx"))
+    onnx.helper.set_model_props(model, {"build": "an earlier one"})
+    blob = model.SerializeToString()
+    (folder / "defect-v1.onnx").write_bytes(blob)
+    manifest = json.loads((source / "defect-v1.json").read_text())
+    manifest |= {"version": "0.9.0", "sha256": hashlib.sha256(blob).hexdigest()}
+    (folder / "defect-v1.json").write_text(json.dumps(manifest))
+    return str(manifest["sha256"])
+
+
+def test_a_worker_holding_another_version_never_gets_a_job_for_the_edges(
+    tmp_path: Path, redis_server: ServerProcess
+) -> None:
+    # north-cpu-1 serves an earlier build of defect-v1; the edge and cloud-cpu-1 the current
+    # one. A volley the edge cannot keep up with is offloaded (ocr-crop may go off-site),
+    # and only ever to the worker holding the edge's very file.
+    older = _older_defect_model(tmp_path / "older-models")
+    mixed = LocalCampus(
+        tmp_path / "campus",
+        mqtt_port=free_port(),
+        redis_url=f"redis://127.0.0.1:{redis_server.port}/5",
+        key_for=key,
+        nodes=("broker-1", "line-1-pc", "north-cpu-1", "cloud-cpu-1"),
+        node_env={"north-cpu-1": {"SLUICEGATE_POOL__MODELS_DIR": str(tmp_path / "older-models")}},
+    )
+    with running(start_campus_mosquitto(mixed.write())):
+        mixed.start()
+        try:
+            wait_for_fleet(
+                mixed,
+                lambda ws: all(ws.get(w, {}).get("online") for w in ("north-cpu-1", "cloud-cpu-1")),
+                15,
+            )
+            held = {
+                w: ws["capabilities"]["models"]
+                for w, ws in _fleet(mixed).items()
+                if w in ("north-cpu-1", "cloud-cpu-1")
+            }
+            assert f"defect-v1@{older}" in held["north-cpu-1"]
+            assert f"defect-v1@{older}" not in held["cloud-cpu-1"]
+            results = asyncio.run(_volley(mixed, "line-1-pc", "ocr-crop", 40, deadline_ms=10_000))
+            assert all(r.status == "ok" for r in results), [(r.status, r.code) for r in results]
+            where = {r.ran_on.node for r in results}
+            assert "north-cpu-1" not in where
+            assert "cloud-cpu-1" in where, where  # offloaded, to the one with the edge's file
+        finally:
+            mixed.stop()
+
+
+def _fleet(campus: LocalCampus) -> dict[str, Any]:
+    return {w["id"]: w for w in json.loads(_get(campus, "/fleet"))["workers"]}

@@ -27,7 +27,7 @@ from tests.policies.policy_testkit import NOW
 from tests.pool_kit import JPEG, POLICY, WORKER, WorkSpec, flip_bit, token
 
 LIMITS = Limits(max_payload_bytes=1 << 20, max_pixels=4_000_000, max_side=4000)
-MODELS = frozenset({"defect-v1"})
+MODELS = {"defect-v1": "ab" * 32}  # name -> the sha256 of the file served
 
 
 def _read(spec: WorkSpec) -> Work | WorkRefusal:
@@ -194,6 +194,7 @@ def test_a_non_image_with_a_valid_token_passes_the_token_and_fails_the_header() 
     ("spec", "code"),
     [
         (_spec(model="defect-v9"), "unknown_model"),
+        (_spec(model_sha256="cd" * 32), "model_version"),  # another file than this worker's
         (_spec(priority=12), "bad_property"),
         (_spec(deadline_at_ms=-5), "bad_property"),
         (_spec(deadline_at_ms=(NOW - 1) * 1000), "expired"),
@@ -228,6 +229,21 @@ def test_admit_work_takes_class_and_origin_from_the_verified_claims() -> None:
         "north-l1-pc",
         1,
     )
+
+
+def test_work_for_another_version_is_refused_naming_both_and_the_same_one_admitted() -> None:
+    item = admit_work(
+        *_through_token(_spec(model_sha256="cd" * 32)), models=MODELS, limits=LIMITS, now=NOW
+    )
+    assert isinstance(item, WorkRefusal)
+    assert item.reason == (
+        "this worker serves defect-v1 at sha256 abababababab…, the edge runs cdcdcdcdcdcd…: "
+        "not run here"
+    )
+    same = admit_work(
+        *_through_token(_spec(model_sha256="ab" * 32)), models=MODELS, limits=LIMITS, now=NOW
+    )
+    assert not isinstance(same, WorkRefusal)
 
 
 def test_admit_work_keeps_the_attempt_of_the_work_message() -> None:

@@ -41,10 +41,10 @@ class PoolDemand:
 def worker_rate(fleet: Fleet, state: WorkerState) -> float:
     """Jobs/s a worker serves when busy: concurrency over its models' mean service time."""
     caps = state.capabilities
-    if caps is None or not caps.models:
+    if caps is None or not caps.names:
         return 0.0
-    mean_ms = sum(fleet.service.estimate(m, caps.device_class) for m in caps.models) / len(
-        caps.models
+    mean_ms = sum(fleet.service.estimate(m, caps.device_class) for m in caps.names) / len(
+        caps.names
     )
     return caps.concurrency * 1000.0 / mean_ms
 

@@ -151,9 +151,16 @@ def _missing(
     request: PlacementRequest, counts: Mapping[str, int], known: Sequence[str], policy: Policy
 ) -> str:
     text = f"no online worker has model {request.model!r}"
+    sha = request.model_sha256
+    if sha:
+        text += f" at the edge's version (sha256 {sha[:12]}…)"
+        held = [k.partition("@")[2][:12] for k in known if k.startswith(f"{request.model}@")]
+        others_held = [h for h in held if not sha.startswith(h)]
+        if others_held:
+            text += f"; workers hold other versions of it (sha256 {', '.join(others_held)}…)"
     if counts.get("offline", 0):
         text += f" ({counts['offline']} with it are offline)"
     if counts.get("not_in_policy", 0):
         text += f" ({counts['not_in_policy']} with it are in no pool of policy v{policy.version})"
-    others = [m for m in known if m != request.model]
+    others = [m for m in known if "@" not in m and m != request.model]
     return text + (f"; models in the fleet: {_names(others)}" if others else "")

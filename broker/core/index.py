@@ -37,7 +37,7 @@ from broker.core.scoring import (
     link_class,
     load_key,
 )
-from broker.core.state import Capabilities, TelemetrySample, WorkerState
+from broker.core.state import Capabilities, TelemetrySample, WorkerState, model_name
 from policies.evaluate import allowed
 from policies.model import Policy, Verdict
 from policies.subhealth import HealthVerdict, is_subhealthy
@@ -238,8 +238,8 @@ class PlacementIndex:
             else:
                 zone_counted = zone if online else None
                 sub = slot.health.subhealthy
-                for model in caps.models:
-                    need = self.needs.get(model, NO_NEEDS)
+                for model in caps.models:  # by name, and by name and sha256
+                    need = self.needs.get(model_name(model), NO_NEEDS)
                     status = classify(
                         caps, sample, slot.online, slot.reserved, need, zone, sub, slot.marked_full
                     )

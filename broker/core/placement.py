@@ -37,6 +37,7 @@ from broker.core.fleet import Fleet
 from broker.core.index import Bucket, Route, Slot
 from broker.core.params import PlacementParams
 from broker.core.scoring import NO_NEEDS, OFFLINE, transfer_costs
+from broker.core.state import model_key
 from policies.model import Policy, Verdict
 from sluicegate.wire_pool import PlacementRequest
 
@@ -150,7 +151,11 @@ def decide(
     index = fleet.index
     model = request.model
     route = index.route(
-        policy, request.data_class, request.origin_zone, model, params.campus_prefix
+        policy,
+        request.data_class,
+        request.origin_zone,
+        model_key(model, request.model_sha256),
+        params.campus_prefix,
     )
     tx = transfer_costs(request.payload_bytes, params)
     table = fleet.service.table(model)

@@ -28,6 +28,7 @@ from broker.core.scoring import (
     needs_of,
     transfer_costs,
 )
+from broker.core.state import model_key
 from policies.evaluate import allowed
 from policies.model import Policy, Verdict
 from policies.subhealth import is_subhealthy
@@ -52,6 +53,7 @@ def decide_reference(
     need = needs.get(request.model, NO_NEEDS)
     tx = transfer_costs(request.payload_bytes, params)
     fparams = fleet.params
+    wanted = model_key(request.model, request.model_sha256)
     counts = dict.fromkeys((*STATUS_NAMES, "policy", "no_model", "not_in_policy"), 0)
     scored: list[tuple[bool, float, float, str, Candidate]] = []
     denied: dict[str, Verdict] = {}
@@ -63,10 +65,10 @@ def decide_reference(
         live = state.online and sample is not None
         zone = policy.worker_zone(state.worker_id)
         if zone is None:
-            counts["not_in_policy"] += live and request.model in caps.models
+            counts["not_in_policy"] += live and wanted in caps.models
             continue
         verdict = allowed(policy, request.data_class, request.origin_zone, zone)
-        if request.model not in caps.models:
+        if wanted not in caps.models:
             counts["no_model"] += live and verdict.allowed
             continue
         reserved = fleet.reserved(state.worker_id)

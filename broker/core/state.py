@@ -15,10 +15,23 @@ from dataclasses import dataclass
 from sluicegate.wire_pool import WorkerCapabilities, WorkerTelemetry
 
 
+def model_key(name: str, sha256: str | None) -> str:
+    """How placement looks a model up: by name, or by name and exact file when the request
+    names the sha256 the edge runs (``defect-v1@3f9c…``)."""
+    return f"{name}@{sha256}" if sha256 else name
+
+
+def model_name(key: str) -> str:
+    return key.partition("@")[0]
+
+
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     """What a worker can run: its declared zone and device class, the ONNX Runtime
-    providers it has, its memory, the models it has loaded, batch size and concurrency."""
+    providers it has, its memory, the models it has loaded, batch size and concurrency.
+
+    ``models`` are the keys placement finds the worker under: each model's name and, for a
+    model whose sha256 the worker reports, its :func:`model_key` with that sha256."""
 
     zone: str
     device_class: str
@@ -30,15 +43,22 @@ class Capabilities:
 
     @classmethod
     def from_wire(cls, caps: WorkerCapabilities) -> Capabilities:
+        keys = set(caps.models)
+        keys |= {model_key(n, m.sha256) for n, m in caps.models.items() if m.sha256}
         return cls(
             zone=caps.zone,
             device_class=caps.device_class,
             providers=frozenset(caps.providers),
             memory_total_mb=float(caps.memory_total_mb),
-            models=tuple(sorted(caps.models)),
+            models=tuple(sorted(keys)),
             max_batch=caps.max_batch,
             concurrency=caps.concurrency,
         )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The models' names, each once."""
+        return tuple(m for m in self.models if "@" not in m)
 
 
 @dataclass(frozen=True, slots=True)
