@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import psutil
 
 from center_pool.errors import DeviceError, ProviderError
+from sluicegate.vision.openvino_session import OPENVINO, openvino_devices
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +56,15 @@ def select_providers(available: Sequence[str], wanted: Sequence[str] | None) -> 
     return chosen
 
 
-def available_providers() -> list[str]:
+def available_providers(wanted: Sequence[str] | None = None) -> list[str]:
+    """ONNX Runtime's providers here, and OpenVINO's devices (``OpenVINO/CPU``, ...) when
+    ``wanted`` names one (OpenVINO is an optional extra, loaded only when asked for)."""
     import onnxruntime
 
-    return list(onnxruntime.get_available_providers())
+    found = list(onnxruntime.get_available_providers())
+    if wanted is not None and any(p.startswith(OPENVINO) for p in wanted):
+        found += [OPENVINO + d for d in openvino_devices()]
+    return found
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from center_pool.hardware import Sample
 from sluicegate import topics, wire
 from sluicegate.config import PoolSettings
 from sluicegate.transport import Will
+from sluicegate.vision.openvino_session import backend_of
 from sluicegate.vision.runtime import ModelRegistry
 from sluicegate.wire_pool import ModelCapability, WorkerCapabilities, WorkerTelemetry
 
@@ -93,7 +94,7 @@ def capabilities(
             sha256=manifest.sha256,
             memory_mb=manifest.requirements.memory_mb,
             providers=usable,
-            backend=f"onnxruntime/{registry.get(name).session.get_providers()[0]}",
+            backend=backend_of(registry.get(name).session.get_providers()[0]),
         )
     return WorkerCapabilities(
         worker_id=settings.id,

@@ -85,12 +85,13 @@ async def _serve(
     connect_timeout: float | None,
 ) -> PoolWorker:
     pool = settings.pool
-    providers = select_providers(available_providers(), pool.providers)
-    registry = registry or ModelRegistry.from_dir(
-        pool.models_dir or default_models_dir(),
-        providers=providers,
-        intra_op_threads=pool.intra_op_threads,
-    )
+    providers = select_providers(available_providers(pool.providers), pool.providers)
+    watched = None
+    if registry is None:
+        watched = pool.models_dir or default_models_dir()
+        registry = ModelRegistry.from_dir(
+            watched, providers=providers, intra_op_threads=pool.intra_op_threads
+        )
     feed = PolicyFeed(node=pool.id, policy_file=pool.policy_file, state_dir=pool.state_dir)
     feed.load()
     feed.require_anchor()
@@ -128,6 +129,7 @@ async def _serve(
                 audit=sink,
                 probe=probe,
                 providers=providers,
+                models_dir=watched,
             )
             await identity.serve_guarded(guard, stop, worker.run)  # closes the probe at its end
         finally:

@@ -23,6 +23,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
+from pathlib import Path
 
 from center_pool import reporting
 from center_pool.batching import BatchQueue, Entry
@@ -42,6 +43,7 @@ from sluicegate.supervise import until_stopped
 from sluicegate.transport import Message, Transport
 from sluicegate.vision.image import PayloadLimits as Limits
 from sluicegate.vision.runtime import ModelRegistry
+from sluicegate.vision.watch import ModelWatcher
 from sluicegate.wire_pool import WorkerTelemetry
 
 log = logging.getLogger(__name__)
@@ -64,7 +66,10 @@ class PoolWorker:
         probe: Probe,
         providers: list[str],
         clock: Callable[[], float] = time.time,
+        models_dir: Path | None = None,
     ) -> None:
+        """``models_dir``: the folder ``registry`` was loaded from, watched for new model
+        versions every ``settings.models_reload_s`` (none: not watched)."""
         topics.check_id("worker id", settings.id)
         self.settings = settings
         self._transport = transport
@@ -93,6 +98,19 @@ class PoolWorker:
         self._accepting = False
         self._idle = asyncio.Event()
         self._idle.set()
+        self._providers = providers
+        self.watcher = (
+            ModelWatcher(
+                registry,
+                models_dir,
+                interval_s=settings.models_reload_s,
+                changed=self.models_changed,
+                providers=providers,
+                intra_op_threads=settings.intra_op_threads,
+            )
+            if models_dir is not None and settings.models_reload_s > 0
+            else None
+        )
         self.capabilities = reporting.capabilities(
             settings, registry, providers, probe.memory_total_mb
         )
@@ -334,6 +352,17 @@ class PoolWorker:
                 except TransportError as exc:
                     log.warning("telemetry not published: %s", exc)
 
+    def models_changed(self, _changes: list[str]) -> None:
+        """The registry serves another set of models (a reload): admit work for those, and
+        tell the broker, whose placements follow the retained capabilities."""
+        registry = self._registry
+        self._models = {n: registry.get(n).manifest.sha256 for n in registry.names()}
+        self.capabilities = reporting.capabilities(
+            self.settings, registry, self._providers, self._probe.memory_total_mb
+        )
+        if self._transport.connected:
+            self._announce()
+
     def _announce(self) -> None:
         """Retained capabilities, then online: on every (re)connect."""
         self._transport.publish_nowait(
@@ -379,6 +408,8 @@ class PoolWorker:
         if self._transport.connected:
             self._announce()
         tasks.append(asyncio.create_task(self._telemetry_loop(), name="telemetry"))
+        if self.watcher is not None:
+            tasks.append(asyncio.create_task(self.watcher.run(), name="models watcher"))
         self.ready.set()
         log.info(
             "pool worker %s (%s, zone %s) serving %s with %s on %s",

@@ -20,6 +20,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Executor
+from pathlib import Path
 
 import psutil
 
@@ -35,6 +36,7 @@ from sluicegate.errors import TransportError
 from sluicegate.policy_feed import PolicyFeed
 from sluicegate.transport import Message, Transport
 from sluicegate.vision.runtime import ModelRegistry
+from sluicegate.vision.watch import ModelWatcher
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ class EdgeAgent:
         outbox: Outbox | None = None,
         executor: Executor | None = None,
         feed: PolicyFeed | None = None,
+        models_dir: Path | None = None,
     ) -> None:
         topics.check_id("edge id", settings.id)
         self.settings = settings
@@ -71,7 +74,18 @@ class EdgeAgent:
         self._feed = feed
         self._clock = clock
         self._offload_settings = offload_settings or OffloadSettings()
-        self._models = frozenset(registry.names())
+        self._models = registry  # what it serves now: a reload changes it in place
+        # The folder ``registry`` was loaded from, watched for new versions.
+        self.watcher = (
+            ModelWatcher(
+                registry,
+                models_dir,
+                interval_s=settings.models_reload_s,
+                intra_op_threads=settings.intra_op_threads,
+            )
+            if models_dir is not None and settings.models_reload_s > 0
+            else None
+        )
         self._process = psutil.Process()
         self._halted = asyncio.Event()
         self.ready = asyncio.Event()  # set once subscribed and announced online
@@ -223,11 +237,13 @@ class EdgeAgent:
             asyncio.ensure_future(self._every(sweep_s, self.check_offloaded)),
             asyncio.ensure_future(self._every(PRUNE_INTERVAL_S, self.outbox.prune)),
         ]
+        if self.watcher is not None:
+            housekeeping.append(asyncio.ensure_future(self.watcher.run()))
         log.info(
             "edge agent %s (zone %s) serving %s on %s",
             edge,
             self.settings.zone,
-            ", ".join(sorted(self._models)),
+            ", ".join(self._models.names()),
             submit,
         )
         try:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, Literal
 
 from edge_agent import events as ev
@@ -72,7 +72,7 @@ class Dispatcher:
         answers: Answers,
         placement: PlacementClient | None,
         feed: PolicyFeed | None,
-        models: frozenset[str],
+        models: Collection[str],
         clock: Callable[[], float],
         new_id: Callable[[], str],
         ran_on: wire.RanOn,

@@ -75,7 +75,10 @@ async def _serve(
     registry: ModelRegistry | None,
     connect_timeout: float | None,
 ) -> EdgeAgent:
-    registry = registry or load_registry(settings)
+    watched = None
+    if registry is None:
+        watched = settings.edge.models_dir or default_models_dir()
+        registry = load_registry(settings)
     edge, offload = settings.edge, settings.offload
     transport = MqttTransport(
         settings.mqtt,
@@ -126,6 +129,7 @@ async def _serve(
         offload_settings=offload,
         outbox=open_outbox(settings),
         feed=feed,
+        models_dir=watched,
     )
     try:
         await identity.serve_guarded(guard, stop, agent.run)

@@ -59,6 +59,8 @@ class EdgeSettings(_Section):
     id: str = "edge-1"
     zone: str = "campus/line-1"
     models_dir: Path | None = None
+    # How often the models folder is looked at for a new version to serve; 0: never.
+    models_reload_s: float = Field(2.0, ge=0.0, le=3600.0)
     key_file: Path | None = None  # this edge's Ed25519 identity key (its policy entry's key)
     max_payload_bytes: int = Field(8 * MIB, ge=1024, le=256 * MIB)
     max_pixels: int = Field(40_000_000, ge=64 * 64)
@@ -112,6 +114,8 @@ class PoolSettings(_Section):
     zone: str = "campus/dc"
     device_class: str = "x86-cpu"
     models_dir: Path | None = None
+    # How often the models folder is looked at for a new version to serve; 0: never.
+    models_reload_s: float = Field(2.0, ge=0.0, le=3600.0)
     providers: list[str] | None = None  # None: every ONNX Runtime provider available here
     max_batch: int = Field(8, ge=1, le=1024)
     batch_window_ms: float = Field(2.0, ge=0.0, le=1000.0)

@@ -82,6 +82,8 @@ class Outputs(_Wire):
     detections: list[Detection] = Field(default_factory=list)
     regions: list[Region] = Field(default_factory=list)
     texts: list[TextLine] = Field(default_factory=list)
+    model_version: str | None = None  # the build of the model that answered
+    model_sha256: str | None = None  # the sha256 of its file
 
 
 class Offload(_Wire):
@@ -208,6 +210,8 @@ def outputs_of(outputs: VisionOutputs) -> Outputs:
             TextLine(text=t.text, score=t.score, box=t.box, quad=list(t.quad))
             for t in outputs.texts
         ],
+        model_version=outputs.version,
+        model_sha256=outputs.sha256,
     )
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +52,15 @@ class FakeModel:
 class FakeRegistry:
     def names(self) -> list[str]:
         return ["defect-v1"]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self.names())
 
     def get(self, name: str) -> FakeModel:
         return FakeModel()

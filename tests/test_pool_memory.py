@@ -109,6 +109,7 @@ async def start(
     policy: bool = True,
     replay: AsyncReplayCache | None = None,
     registry: ModelRegistry = REGISTRY,
+    models_dir: Path | None = None,
     **pool: Any,
 ) -> Harness:
     broker = MemoryBroker()
@@ -129,6 +130,7 @@ async def start(
         audit=AuditSink(AsyncAuditWriter(store, key)),
         probe=HostProbe(),
         providers=["CPUExecutionProvider"],
+        models_dir=models_dir,
     )
     stop = asyncio.Event()
     runner = asyncio.ensure_future(worker.run(stop, policy_wait=0.2))

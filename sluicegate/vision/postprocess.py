@@ -40,6 +40,8 @@ class Outputs:
     detections: tuple[Detection, ...] = ()
     regions: tuple[Region, ...] = ()
     texts: tuple[TextLine, ...] = ()  # an OCR model's lines, in reading order
+    version: str | None = None  # the build of the model that answered (its manifest's)
+    sha256: str | None = None  # and its file's
 
 
 def postprocess(

@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from sluicegate.vision.manifest import (
     verified_model,
 )
 from sluicegate.vision.ocr_model import charset_of, prepare_image, read_text
+from sluicegate.vision.openvino_session import OPENVINO, OpenVinoSession, openvino_devices
 from sluicegate.vision.postprocess import Outputs, postprocess
 from sluicegate.vision.preprocess import frame_of, preprocess
 
@@ -77,7 +78,12 @@ class LoadedModel:
         """Run a float32 NCHW batch (any batch size) and read one Outputs per item, each
         mapped back to its image through its frame (see :meth:`prepare`)."""
         raw = self.session.run(self._output_names, {self._input_name: batch})
-        return postprocess(list(raw), self.manifest, frames)
+        return self.stamped(postprocess(list(raw), self.manifest, frames))
+
+    def stamped(self, outputs: list[Outputs]) -> list[Outputs]:
+        """The outputs, each saying which build of the model answered."""
+        version, sha256 = self.manifest.version, self.manifest.sha256
+        return [replace(o, version=version, sha256=sha256) for o in outputs]
 
     def prepare(
         self,
@@ -161,7 +167,9 @@ class OcrModel(LoadedModel):
     ) -> list[Outputs]:
         if frames is None:
             raise OutputError("an OCR model reads crops of the image: pass the frames")
-        return read_text(self.manifest, self.session, self.recogniser, self.charset, batch, frames)
+        return self.stamped(
+            read_text(self.manifest, self.session, self.recogniser, self.charset, batch, frames)
+        )
 
 
 class ModelRegistry:
@@ -177,8 +185,11 @@ class ModelRegistry:
         *,
         providers: list[str] | None = None,
         intra_op_threads: int = 1,
+        known: ModelRegistry | None = None,
     ) -> ModelRegistry:
-        """Load and verify every ``*.json`` manifest in ``path`` and the model it names."""
+        """Load and verify every ``*.json`` manifest in ``path`` and the model it names; a
+        model ``known`` already holds with the same manifest is taken from it as it is
+        (after its files' sha256 are checked again), not loaded a second time."""
         path = Path(path)
         if not path.is_dir():
             raise ModelIntegrityError(
@@ -198,12 +209,35 @@ class ModelRegistry:
                     f"model name {manifest.name!r} is declared by both "
                     f"{sources[manifest.name]} and {manifest_path}"
                 )
+            sources[manifest.name] = manifest_path
+            held = known._models.get(manifest.name) if known is not None else None
+            if held is not None and held.manifest == manifest:
+                for file, sha256 in manifest.files:
+                    verified_file(path, manifest_path, file, sha256)
+                models[manifest.name] = held
+                continue
             session = _open_verified(path, manifest_path, manifest, chosen, intra_op_threads)
             models[manifest.name] = _served(
                 path, manifest_path, manifest, session, chosen, intra_op_threads
             )
-            sources[manifest.name] = manifest_path
         return cls(models)
+
+    def take(self, newer: ModelRegistry) -> list[str]:
+        """Serve ``newer``'s models from now on: each later :meth:`get` finds them, while a
+        job already running keeps the model object it got. Returns what changed, in words."""
+        changed = []
+        for name in sorted(set(self._models) | set(newer._models)):
+            old, new = self._models.get(name), newer._models.get(name)
+            if old is new:
+                continue
+            if new is None:
+                changed.append(f"{name} removed")
+            elif old is None:
+                changed.append(f"{name} {new.manifest.version} added")
+            else:
+                changed.append(f"{name} {old.manifest.version} -> {new.manifest.version}")
+        self._models = dict(newer._models)
+        return changed
 
     def names(self) -> list[str]:
         return sorted(self._models)
@@ -217,6 +251,9 @@ class ModelRegistry:
 
     def __contains__(self, name: object) -> bool:
         return name in self._models
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
 
     def __len__(self) -> int:
         return len(self._models)
@@ -252,7 +289,9 @@ def session_options(intra_op_threads: int = 1) -> Any:
 def _providers(requested: list[str] | None) -> list[str]:
     if requested is None:
         return ["CPUExecutionProvider"]
-    available = ort.get_available_providers()
+    available = list(ort.get_available_providers())
+    if any(p.startswith(OPENVINO) for p in requested):
+        available += [OPENVINO + d for d in openvino_devices()]
     missing = [p for p in requested if p not in available]
     if missing or not requested:
         raise ModelError(
@@ -289,9 +328,20 @@ def _served(
 
 
 def _session(blob: bytes, where: str, providers: list[str], intra_op_threads: int) -> Any:
+    """A session on the first provider's backend: OpenVINO for ``OpenVINO/<device>``, else
+    ONNX Runtime with the ONNX Runtime providers listed."""
+    if providers[0].startswith(OPENVINO):
+        device = providers[0].removeprefix(OPENVINO)
+        try:
+            return OpenVinoSession(blob, device=device, threads=intra_op_threads)
+        except ModelIntegrityError:
+            raise
+        except Exception as exc:  # OpenVINO raises its own untyped errors
+            raise ModelIntegrityError(f"OpenVINO cannot load {where}: {exc}") from exc
+    native = [p for p in providers if not p.startswith(OPENVINO)]
     try:
         return ort.InferenceSession(
-            blob, sess_options=session_options(intra_op_threads), providers=providers
+            blob, sess_options=session_options(intra_op_threads), providers=native
         )
     except Exception as exc:  # onnxruntime raises its own untyped errors
         raise ModelIntegrityError(f"ONNX Runtime cannot load {where}: {exc}") from exc
