@@ -52,6 +52,11 @@ class ServiceStats:
         old.batch_ms += a * (batch_ms - old.batch_ms)
         old.completed += jobs
 
+    def seed(self, model: str, job_ms: float, batch_ms: float) -> None:
+        """Start ``model``'s averages at measured priors (no completed job yet); a model
+        already measured here keeps its figures."""
+        self._figures.setdefault(model, _Figure(job_ms, batch_ms, 0))
+
     def batch_estimate_s(self, model: str) -> float | None:
         """Expected seconds for one batch of ``model``; None until one has run."""
         figure = self._figures.get(model)

@@ -37,6 +37,7 @@ from sluicegate import identity, topics
 from sluicegate.config import PoolSettings, Settings
 from sluicegate.mqtt import MqttTransport
 from sluicegate.policy_feed import PolicyFeed
+from sluicegate.vision.priors import PRIORS_FILE, priors_for, read_priors
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,10 @@ async def _serve(
                 providers=providers,
                 models_dir=watched,
             )
+            if watched is not None:
+                known = read_priors(watched / PRIORS_FILE)
+                for name, prior in priors_for(registry, known).items():
+                    worker.service.seed(name, prior.image_ms, prior.batch_ms)
             await identity.serve_guarded(guard, stop, worker.run)  # closes the probe at its end
         finally:
             await transport.close()

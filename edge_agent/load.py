@@ -39,6 +39,11 @@ class ServiceTimes:
         avg = old.service_s + self._alpha * (seconds - old.service_s)
         self._figures[model] = ModelFigures(avg, old.completed + 1)
 
+    def seed(self, model: str, seconds: float) -> None:
+        """Start ``model``'s average at a measured prior (counted as no completed job); the
+        jobs it runs move it from there. A model already measured here keeps its figure."""
+        self._figures.setdefault(model, ModelFigures(seconds, 0))
+
     def estimate(self, model: str) -> float | None:
         figures = self._figures.get(model)
         return figures.service_s if figures else None

@@ -22,6 +22,7 @@ from sluicegate import identity, topics
 from sluicegate.config import Settings
 from sluicegate.mqtt import MqttTransport
 from sluicegate.policy_feed import PolicyFeed
+from sluicegate.vision.priors import PRIORS_FILE, priors_for, read_priors
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir
 
 
@@ -131,6 +132,9 @@ async def _serve(
         feed=feed,
         models_dir=watched,
     )
+    if watched is not None:
+        for name, prior in priors_for(registry, read_priors(watched / PRIORS_FILE)).items():
+            agent.service_times.seed(name, prior.image_ms / 1000.0)
     try:
         await identity.serve_guarded(guard, stop, agent.run)
     finally:

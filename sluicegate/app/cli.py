@@ -325,6 +325,55 @@ def models_add(
     )
 
 
+@models_app.command("bench")
+def models_bench(
+    models_dir: ModelsDirOpt = None,
+    providers: Annotated[
+        str | None,
+        typer.Option(
+            help="Backends to time, comma-separated (default: CPUExecutionProvider, and "
+            "OpenVINO/CPU where the openvino extra is installed)."
+        ),
+    ] = None,
+    batch: Annotated[int, typer.Option(help="The largest batch to time.")] = 8,
+    runs: Annotated[int, typer.Option(help="Timed runs of one image per model.")] = 30,
+    out: Annotated[
+        Path | None, typer.Option(help="Where the priors go (default: in the models folder).")
+    ] = None,
+) -> None:
+    """Time every model on every backend this node has (one image, and one largest batch)
+    and store the figures as the node's service-time priors."""
+    from sluicegate.vision.openvino_session import OPENVINO, openvino_devices
+    from sluicegate.vision.priors import PRIORS_FILE, measure, write_priors
+    from sluicegate.vision.runtime import ModelRegistry, default_models_dir
+
+    folder = models_dir or default_models_dir()
+    chosen = (
+        [p.strip() for p in providers.split(",") if p.strip()]
+        if providers
+        else ["CPUExecutionProvider"] + ([OPENVINO + "CPU"] if "CPU" in openvino_devices() else [])
+    )
+    found = []
+    try:
+        for provider in chosen:
+            registry = ModelRegistry.from_dir(folder, providers=[provider])
+            found += measure(registry, batch=batch, runs=runs)
+        target = out or folder / PRIORS_FILE
+        write_priors(target, found)
+    except EXPECTED as exc:
+        _fail(str(exc))
+        return
+    except OSError as exc:
+        _fail(f"{exc.filename}: {exc.strerror}")
+        return
+    typer.echo(f"{'model':<16} {'backend':<34} {'image ms':>9} {'batch':>6} {'batch ms':>9}")
+    for p in found:
+        typer.echo(
+            f"{p.model:<16} {p.backend:<34} {p.image_ms:9.2f} {p.batch:6d} {p.batch_ms:9.2f}"
+        )
+    typer.echo(f"priors written to {target}")
+
+
 def _size(text: str | None) -> tuple[int, int] | None:
     if text is None:
         return None
