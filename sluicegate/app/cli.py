@@ -254,11 +254,18 @@ def models_list(
     except EXPECTED as exc:
         _fail(str(exc))
         return
+    from sluicegate.vision.openvino_session import backend_of
+
     for name in registry.names():
-        m = registry.get(name).manifest
+        model = registry.get(name)
+        m = model.manifest
+        post = m.postprocess
+        layout = getattr(post, "layout", None)
+        kind = f"{post.kind} ({layout})" if layout else post.kind
         typer.echo(
-            f"{m.name} v{m.version}  input {m.input.shape} {m.input.color_order}  "
-            f"labels {', '.join(m.labels)}  sha256 {m.sha256[:16]}…  verified"
+            f"{m.name} v{m.version}  {kind}  input {m.input.shape} "
+            f"{m.input.color_order}  labels {', '.join(m.labels)}  sha256 {m.sha256[:16]}…  "
+            f"{backend_of(model.session.get_providers()[0])}  verified"
         )
 
 
