@@ -81,6 +81,7 @@ class EdgeAgent:
                 registry,
                 models_dir,
                 interval_s=settings.models_reload_s,
+                providers=settings.providers,
                 intra_op_threads=settings.intra_op_threads,
             )
             if models_dir is not None and settings.models_reload_s > 0

@@ -29,7 +29,9 @@ from sluicegate.vision.runtime import ModelRegistry, default_models_dir
 def load_registry(settings: Settings) -> ModelRegistry:
     edge = settings.edge
     return ModelRegistry.from_dir(
-        edge.models_dir or default_models_dir(), intra_op_threads=edge.intra_op_threads
+        edge.models_dir or default_models_dir(),
+        providers=edge.providers,
+        intra_op_threads=edge.intra_op_threads,
     )
 
 

@@ -59,6 +59,9 @@ class EdgeSettings(_Section):
     id: str = "edge-1"
     zone: str = "campus/line-1"
     models_dir: Path | None = None
+    # What runs the models, in order: ONNX Runtime providers, or "OpenVINO/<device>" first
+    # for Intel's OpenVINO (an Intel line PC's GPU or NPU). None: ONNX Runtime on the CPU.
+    providers: list[str] | None = None
     # How often the models folder is looked at for a new version to serve; 0: never.
     models_reload_s: float = Field(2.0, ge=0.0, le=3600.0)
     key_file: Path | None = None  # this edge's Ed25519 identity key (its policy entry's key)

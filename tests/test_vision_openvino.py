@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from center_pool import reporting
-from sluicegate.config import PoolSettings
+from edge_agent.service import load_registry
+from sluicegate.config import PoolSettings, load_settings
 from sluicegate.errors import ModelError, ModelIntegrityError
 from sluicegate.vision import label_synth, synth
 from sluicegate.vision.openvino_session import OpenVinoSession, backend_of, openvino_devices
@@ -87,3 +88,11 @@ def test_a_worker_says_which_backend_and_device_each_model_runs_on(
     caps = reporting.capabilities(PoolSettings(), ov_models, ["OpenVINO/CPU"], 16_000)
     assert {m.backend for m in caps.models.values()} == {"openvino/CPU"}
     assert backend_of("CUDAExecutionProvider") == "onnxruntime/CUDAExecutionProvider"
+
+
+def test_an_edge_serves_its_models_with_the_backend_its_settings_name() -> None:
+    settings = load_settings(edge={"providers": ["OpenVINO/CPU"]})
+    registry = load_registry(settings)
+    assert registry.get("defect-v1").session.get_providers() == ["OpenVINO/CPU"]
+    plain = load_registry(load_settings())
+    assert plain.get("defect-v1").session.get_providers() == ["CPUExecutionProvider"]
