@@ -12,6 +12,12 @@
     author      a manifest for a brought graph, or why it fits no kind (pure)
     adding      ``models add``: check, run once, install
     synth       synthetic industrial surface images with defects, for training and demos
+    synth_boxes the same surfaces with boxed defects, for the detector
+    label_synth synthetic part labels with serial numbers, for OCR
+    metrics     mAP@0.5 of detections against boxed truth
+    priors      service-time priors measured per node (``models bench``)
+    watch       the models folder watched: a new version served without a restart
+    openvino_session  Intel's OpenVINO as a second backend
 
 Nothing here does I/O other than reading model files, and nothing here is async: callers run
 it in their own executor. Import the submodules directly; this package imports none of them,

@@ -190,17 +190,7 @@ def _add_scratches(rng: np.random.Generator, surface: F32, scale: float) -> None
     # (or a 160x120 model input) sees roughly contrast times width.
     low, high = (75.0, 120.0) if thickness == 1 else (45.0, 95.0)
     for _ in range(1 if rng.random() < 0.75 else 2):
-        length = rng.uniform(120.0, 380.0) * scale
-        theta = rng.uniform(0.0, math.pi)
-        cx, cy = rng.uniform(0.2 * w, 0.8 * w), rng.uniform(0.2 * h, 0.8 * h)
-        dx, dy = math.cos(theta) * length / 2, math.sin(theta) * length / 2
-        bend = rng.uniform(-0.25, 0.25) * length
-        p0 = np.array([cx - dx, cy - dy])
-        p2 = np.array([cx + dx, cy + dy])
-        p1 = np.array([cx, cy]) + bend * np.array([-math.sin(theta), math.cos(theta)])
-        t = np.linspace(0.0, 1.0, 24)[:, None]
-        pts = (1 - t) ** 2 * p0 + 2 * (1 - t) * t * p1 + t**2 * p2
-        cv2.polylines(mask, [pts.astype(np.int32)], False, 1.0, thickness, cv2.LINE_AA)
+        arc(rng, mask, scale, thickness, (120.0, 380.0))
     contrast = rng.uniform(low, high) * (1 if rng.random() < 0.5 else -1)
     surface += (mask * np.float32(contrast))[..., None]
 
@@ -222,13 +212,46 @@ def _add_pits(rng: np.random.Generator, surface: F32, scale: float) -> None:
     surface += (mask * np.float32(contrast))[..., None]
 
 
+def arc(
+    rng: np.random.Generator,
+    mask: F32,
+    scale: float,
+    thickness: int,
+    lengths: tuple[float, float],
+) -> None:
+    """Draw into ``mask`` one line or gentle arc of a random length in ``lengths`` (at
+    640x480), direction and place in the middle of the image."""
+    h, w = mask.shape
+    length = rng.uniform(*lengths) * scale
+    theta = rng.uniform(0.0, math.pi)
+    cx, cy = rng.uniform(0.2 * w, 0.8 * w), rng.uniform(0.2 * h, 0.8 * h)
+    dx, dy = math.cos(theta) * length / 2, math.sin(theta) * length / 2
+    bend = rng.uniform(-0.25, 0.25) * length
+    p0 = np.array([cx - dx, cy - dy])
+    p2 = np.array([cx + dx, cy + dy])
+    p1 = np.array([cx, cy]) + bend * np.array([-math.sin(theta), math.cos(theta)])
+    t = np.linspace(0.0, 1.0, 24)[:, None]
+    pts = (1 - t) ** 2 * p0 + 2 * (1 - t) * t * p1 + t**2 * p2
+    cv2.polylines(mask, [pts.astype(np.int32)], False, 1.0, thickness, cv2.LINE_AA)
+
+
 def _add_stain(rng: np.random.Generator, surface: F32, scale: float) -> None:
     """A soft, blotchy, tinted discolouration made of overlapping blurred ellipses."""
     h, w = surface.shape[:2]
+    mask, colour = stain(rng, h, w, scale)
+    for c in range(3):
+        surface[..., c] += mask * np.float32(colour[c])
+
+
+def stain(
+    rng: np.random.Generator, h: int, w: int, scale: float, *, max_radius: float = 85.0
+) -> tuple[F32, npt.NDArray[np.float64]]:
+    """A stain's mask (0..1, ``h`` x ``w``) and its colour per channel: overlapping blurred
+    ellipses around a random centre, of radius 30 to ``max_radius`` at 640x480."""
     # Drawn and blurred at quarter size: the stain is smooth, and this is 16x less work.
     q = 4
     small = np.zeros((h // q, w // q), np.float32)
-    radius = rng.uniform(30.0, 85.0) * scale / q
+    radius = rng.uniform(30.0, max_radius) * scale / q
     cx, cy = rng.uniform(0.15, 0.85) * w / q, rng.uniform(0.15, 0.85) * h / q
     for _ in range(int(rng.integers(3, 8))):
         x = int(cx + rng.normal(0.0, radius / 2))
@@ -243,9 +266,8 @@ def _add_stain(rng: np.random.Generator, surface: F32, scale: float) -> None:
     peak = float(small.max())
     if peak > 0:
         small /= np.float32(peak)
-    mask = cv2.resize(small, (w, h), interpolation=cv2.INTER_LINEAR)
+    mask = np.asarray(cv2.resize(small, (w, h), interpolation=cv2.INTER_LINEAR), np.float32)
     tint = rng.uniform(0.3, 1.0, 3)
     tint /= tint.max()
     amplitude = rng.uniform(28.0, 55.0) * (-1 if rng.random() < 0.8 else 1)
-    for c in range(3):
-        surface[..., c] += mask * np.float32(amplitude * tint[c])
+    return mask, amplitude * tint
