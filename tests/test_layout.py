@@ -28,6 +28,12 @@ PURE = [
     "policies/subhealth.py",
     "policies/tokens.py",
     "sluicegate/mqtt/wire.py",
+    "sluicegate/vision/anomaly.py",
+    "sluicegate/vision/author.py",
+    "sluicegate/vision/detection.py",
+    "sluicegate/vision/geometry.py",
+    "sluicegate/vision/metrics.py",
+    "sluicegate/vision/ocr.py",
 ]
 
 
