@@ -77,7 +77,7 @@ class Outputs(_Wire):
     """A model's answer: the top label and every label's score (and boxes for detectors,
     regions for anomaly models, text lines for OCR models)."""
 
-    label: str | None
+    label: str | None = None  # none: a detector that found nothing (absent from the JSON)
     scores: dict[str, float]
     detections: list[Detection] = Field(default_factory=list)
     regions: list[Region] = Field(default_factory=list)
