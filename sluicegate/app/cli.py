@@ -317,11 +317,8 @@ def models_add(
         added = add_model(
             model, models_dir or default_models_dir(), how, sample=image, replace_existing=replace
         )
-    except EXPECTED as exc:
-        _fail(str(exc))
-        return
-    except OSError as exc:
-        _fail(f"{exc.filename}: {exc.strerror}")
+    except FAILURES as exc:
+        _fail(_said(exc))
         return
     m, out = added.manifest, added.outputs
     found = f"{len(out.detections)} detection(s)" if out.detections else f"label {out.label}"
@@ -367,11 +364,8 @@ def models_bench(
             found += measure(registry, batch=batch, runs=runs)
         target = out or folder / PRIORS_FILE
         write_priors(target, found)
-    except EXPECTED as exc:
-        _fail(str(exc))
-        return
-    except OSError as exc:
-        _fail(f"{exc.filename}: {exc.strerror}")
+    except FAILURES as exc:
+        _fail(_said(exc))
         return
     typer.echo(f"{'model':<16} {'backend':<34} {'image ms':>9} {'batch':>6} {'batch ms':>9}")
     for p in found:
@@ -379,6 +373,16 @@ def models_bench(
             f"{p.model:<16} {p.backend:<34} {p.image_ms:9.2f} {p.batch:6d} {p.batch_ms:9.2f}"
         )
     typer.echo(f"priors written to {target}")
+
+
+FAILURES: tuple[type[Exception], ...] = (*EXPECTED, OSError)  # what a models command reports
+
+
+def _said(exc: BaseException) -> str:
+    """An error raised on purpose, or one of the file system's, in words."""
+    if isinstance(exc, OSError) and not isinstance(exc, EXPECTED):
+        return f"{exc.filename}: {exc.strerror}"
+    return str(exc)
 
 
 def _size(text: str | None) -> tuple[int, int] | None:
