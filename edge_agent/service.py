@@ -26,12 +26,15 @@ from sluicegate.vision.priors import PRIORS_FILE, priors_for, read_priors
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir
 
 
+def models_folder(settings: Settings) -> Path:
+    """Where this edge's models are: ``[edge] models_dir``, else the default folder."""
+    return settings.edge.models_dir or default_models_dir()
+
+
 def load_registry(settings: Settings) -> ModelRegistry:
     edge = settings.edge
     return ModelRegistry.from_dir(
-        edge.models_dir or default_models_dir(),
-        providers=edge.providers,
-        intra_op_threads=edge.intra_op_threads,
+        models_folder(settings), providers=edge.providers, intra_op_threads=edge.intra_op_threads
     )
 
 
@@ -80,7 +83,7 @@ async def _serve(
 ) -> EdgeAgent:
     watched = None
     if registry is None:
-        watched = settings.edge.models_dir or default_models_dir()
+        watched = models_folder(settings)
         registry = load_registry(settings)
     edge, offload = settings.edge, settings.offload
     transport = MqttTransport(
