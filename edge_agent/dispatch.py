@@ -39,7 +39,7 @@ from edge_agent.carry import Carrier
 from edge_agent.compute import Compute
 from edge_agent.errors import OutboxError
 from edge_agent.events import IllegalMove, Life
-from edge_agent.jobs import Entry, JobTable
+from edge_agent.jobs import AHEAD, Entry, JobTable
 from edge_agent.lifecycle import NEEDS_OUTLOOK, transition
 from edge_agent.load import PredictionErrors
 from edge_agent.offload import PlacementClient
@@ -241,16 +241,18 @@ class Dispatcher:
     def outlook(self, job: Job, now: float, own: Life | None = None) -> rules.Outlook:
         """What routing ``job`` (whose life is ``own``, if it has one yet) needs to know
         about this edge now. The work ahead of it here is what is queued and running and
-        what is still being admitted without a slot of its own: in a burst, most of it."""
+        what is still being admitted: in a burst, most of it; each job weighs its own
+        model's service time."""
         client, table = self._placement, self.table
-        waiting = table.census["queued"]
-        ahead = waiting + table.admitting_to_route
-        if own is not None and own.phase == "admitting" and not own.run_now:
-            ahead -= 1  # not ahead of itself
         service_s = self._compute.service_s(job.model)
-        done = rules.predict_completion(now, ahead, table.slots, self._concurrency, service_s)
+        work = rules.work_ahead(table.ahead, self._compute.service_s)
+        if own is not None and own.phase in AHEAD:
+            work = max(0.0, work - service_s)  # not ahead of itself
+        done = rules.predict_completion(now, work, self._concurrency, service_s)
         offload = client is not None and self._offload.enabled and client.broker_available
-        return rules.Outlook(self.settings.id, offload, done, waiting, *self._limits_tail)
+        return rules.Outlook(
+            self.settings.id, offload, done, table.census["queued"], *self._limits_tail
+        )
 
     # -- the one place a job moves -------------------------------------------------------------
 

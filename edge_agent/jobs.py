@@ -21,6 +21,7 @@ from sluicegate.transport import Message
 if TYPE_CHECKING:  # the handles' types only: nothing here runs asyncio
     import asyncio
 
+AHEAD: frozenset[Phase] = frozenset({"admitting", "queued", "starting", "running"})
 RECENT_KEPT = 4096  # concluded job ids remembered: a repeat of one goes to the outbox
 
 
@@ -47,6 +48,9 @@ class JobTable:
         self._recent: OrderedDict[str, None] = OrderedDict()
         self.census: Counter[Phase] = Counter()
         self.slots = 0  # compute slots held: starting, running, or admitting to run at once
+        # Jobs that will take compute here before a job admitted now: admitting, queued,
+        # starting or running, by model (the completion prediction weighs each by its own).
+        self.ahead: Counter[str] = Counter()
         self._busy = 0  # jobs in a phase that keeps the agent from being idle
 
     def __len__(self) -> int:
@@ -75,12 +79,14 @@ class JobTable:
         self.census[old.phase] -= 1
         self.slots -= old.holds_slot
         self._busy -= old.phase in BUSY
+        self.ahead[entry.job.model] -= old.phase in AHEAD
         if life.phase == "concluded":
             del self._live[old.job_id]
             return
         self.census[life.phase] += 1
         self.slots += life.holds_slot
         self._busy += life.phase in BUSY
+        self.ahead[entry.job.model] += life.phase in AHEAD
 
     def remember(self, job_id: str) -> None:
         self._recent[job_id] = None

@@ -1,7 +1,7 @@
 """The edge's decisions about one job, as pure functions over plain data and ``now``.
 
 How full the edge is (:func:`has_room`), when a job would finish here
-(:func:`predict_completion`), how a new job is admitted (:func:`intake`), whether to offer
+(:func:`work_ahead`, :func:`predict_completion`), how a new job is admitted (:func:`intake`), whether to offer
 it to the campus broker (:func:`offer_reason`) or offer it again after an attempt was lost
 (:func:`retry_reason`), whether its deadline has passed and what its result then says
 (:func:`expiry_reason`), what a repeat of a known job id gets (:func:`repeat_plan`) and what
@@ -12,6 +12,7 @@ an argument.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -67,12 +68,19 @@ def has_room(held: int, *, queue_size: int, concurrency: int) -> bool:
     return held < queue_size + concurrency
 
 
+def work_ahead(models: Mapping[str, int], service_s: Callable[[str], float]) -> float:
+    """Seconds of compute the jobs ahead hold: each job at its own model's service time
+    (``models``: how many jobs of each model are admitting, waiting or running). A detector
+    job behind an OCR run waits for the OCR run, not for another detector run."""
+    return sum(count * service_s(model) for model, count in models.items() if count)
+
+
 def predict_completion(
-    now: float, waiting: int, in_flight: int, concurrency: int, service_s: float
+    now: float, work_ahead_s: float, concurrency: int, service_s: float
 ) -> float:
-    """When a job admitted now would finish here: the work ahead, shared by the slots, then
-    its own service time."""
-    return now + ((waiting + in_flight) / concurrency + 1.0) * service_s
+    """When a job admitted now would finish here: the work ahead (:func:`work_ahead`),
+    shared by the slots, then its own service time."""
+    return now + work_ahead_s / concurrency + service_s
 
 
 def offer_reason(deadline: float | None, outlook: Outlook) -> str | None:

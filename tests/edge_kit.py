@@ -51,7 +51,7 @@ class FakeModel:
 
 class FakeRegistry:
     def names(self) -> list[str]:
-        return ["defect-v1"]
+        return ["defect-v1", "reader-v1"]
 
     def __contains__(self, name: object) -> bool:
         return name in self.names()
@@ -99,12 +99,14 @@ class HeldExecutor(Executor):
 class FakePlacement:
     """Stands in for PlacementClient: places every offer unless its job id is in
     ``decline``; with ``slow``, an answer waits for :meth:`answer_all`. Records each request
-    as (job id, attempt) in ``asked``, each work message sent in ``sent`` and each placement
+    as (job id, attempt) in ``asked`` (and why, with the edge's own estimate, in
+    ``reasons``), each work message sent in ``sent`` and each placement
     handed back in ``released``; ``early`` lists (job id, attempt) of the work sent for a
     job not in ``on_disk`` (the ids the outbox has committed)."""
 
     decline: set[str] = field(default_factory=set)
     asked: list[tuple[str, int]] = field(default_factory=list)
+    reasons: dict[str, tuple[str, float]] = field(default_factory=dict)
     sent: list[tuple[str, int]] = field(default_factory=list)
     on_disk: set[str] = field(default_factory=set)
     early: list[tuple[str, int]] = field(default_factory=list)
@@ -117,6 +119,7 @@ class FakePlacement:
         self, job: Job, reason: str, local_estimate_s: float, *, attempt: int = 1
     ) -> Placement | Declined:
         self.asked.append((job.job_id, attempt))
+        self.reasons[job.job_id] = (reason, local_estimate_s)
         if self.slow:
             answer: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiting.append(answer)

@@ -8,6 +8,9 @@ persistent sessions (tests/edge_kit.py steps the loop, the disk and compute).
 * An offloaded job whose worker goes silent joins the local queue while a run here can
   still meet its deadline, instead of waiting for the fixed result timeout.
 * A job that was placed, lost its worker and expired says so in its ``offload`` field.
+* A job behind runs of a slower model was predicted as if each were a run of its own
+  model; a detector job behind OCR runs then stayed here and expired. Each job ahead now
+  weighs its own model's service time.
 """
 
 from __future__ import annotations
@@ -148,3 +151,22 @@ def test_the_prediction_error_of_jobs_run_here_is_in_telemetry(tmp_path: Path) -
     finally:
         rig.stop()
         loop.close()
+
+
+def test_a_job_behind_a_slower_models_runs_is_predicted_to_wait_for_them(rig: EdgeRig) -> None:
+    agent, placement = rig.agent, rig.placement
+    assert agent is not None
+    assert placement is not None
+    agent.service_times.observe("reader-v1", 0.5)  # an OCR-like model: slower
+    placement.decline |= {"o1", "o2"}  # both run here and hold the two slots
+    rig.submit("o1", correlation=b"o1", model="reader-v1")
+    rig.submit("o2", correlation=b"o2", model="reader-v1")
+    rig.settle(compute=False)
+    assert len(rig.executor.held) == 2  # both running, neither done
+    rig.submit("d1", correlation=b"d1", deadline_ms=700)
+    rig.settle(compute=False)
+    # Two 0.5 s runs shared by two slots, then its own 0.3 s: 0.8 s, past its deadline (as
+    # two runs of its own model ahead, 0.6 s, it would have stayed here and been late).
+    reason, estimate_s = placement.reasons["d1"]
+    assert reason == "deadline"
+    assert estimate_s == pytest.approx(0.8, abs=0.01)

@@ -19,7 +19,7 @@ def outlook(*, offload: bool = True, done: float = 0.0, waiting: int = 0) -> Out
     [(None, 0, None), (None, 8, "queue"), (10.0, 0, None), (0.2, 0, "deadline"), (2.0, 8, "queue")],
 )
 def test_offer_reason(deadline: float | None, waiting: int, expected: str | None) -> None:
-    done = rules.predict_completion(0.0, waiting, 0, 2, 0.25)
+    done = rules.predict_completion(0.0, waiting * 0.25, 2, 0.25)
     assert rules.offer_reason(deadline, outlook(done=done, waiting=waiting)) == expected
 
 
@@ -27,13 +27,26 @@ def test_nothing_is_offered_without_a_broker() -> None:
     assert rules.offer_reason(0.1, outlook(offload=False, done=9.0, waiting=99)) is None
 
 
+@pytest.mark.parametrize(("work", "expected"), [(0.0, 10.25), (1.0, 10.5), (2.0, 10.75)])
+def test_predict_completion_shares_the_work_ahead(work: float, expected: float) -> None:
+    assert rules.predict_completion(10.0, work, 4, 0.25) == pytest.approx(expected)
+
+
 @pytest.mark.parametrize(
-    ("waiting", "in_flight", "expected"), [(0, 0, 10.25), (2, 2, 10.5), (6, 2, 10.75)]
+    ("ahead", "expected"),
+    [
+        ({}, 0.0),
+        ({"det": 4}, 0.04),
+        ({"det": 1, "ocr": 1}, 0.21),  # a detector job behind an OCR run waits for it
+        ({"det": 0, "ocr": 2, "new": 3}, 0.4),  # a model not yet timed costs nothing known
+    ],
 )
-def test_predict_completion_shares_the_work_ahead(
-    waiting: int, in_flight: int, expected: float
+def test_work_ahead_weighs_each_job_by_its_own_model(
+    ahead: dict[str, int], expected: float
 ) -> None:
-    assert rules.predict_completion(10.0, waiting, in_flight, 4, 0.25) == pytest.approx(expected)
+    service = {"det": 0.01, "ocr": 0.2}
+    got = rules.work_ahead(ahead, lambda model: service.get(model, 0.0))
+    assert got == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(
@@ -103,6 +116,6 @@ def test_expiry_reason_is_none_before_the_deadline() -> None:
     ],
 )
 def test_intake(deadline: float, free: bool, dup: bool, expected: tuple[bool, str | None]) -> None:
-    done = rules.predict_completion(0.0, 0, 0, 2, 0.25)
+    done = rules.predict_completion(0.0, 0.0, 2, 0.25)
     got = rules.intake(deadline, outlook(done=done), slot_free=free, redelivered=dup)
     assert got == expected
