@@ -301,7 +301,9 @@ def _overdue(life: Life, event: Any, now: float, o: Outlook) -> Move:
     and the job rerouted; before it, once only a run here can still meet the deadline, the
     job joins the local queue (the worker's return is still taken if it comes first)."""
     if (life.expires_at or 0.0) <= now:
-        why = Declined("result_timeout", f"no result from the pool within {o.result_timeout_s} s")
+        by_deadline = life.deadline is not None and life.expires_at == life.deadline
+        waited = "by the job's deadline" if by_deadline else f"within {o.result_timeout_s} s"
+        why = Declined("result_timeout", f"no result from {life.worker or 'the pool'} {waited}")
         return _reroute(life, why, now, o, ev.Count(Tally.OFFLOAD_TIMEOUTS))
     if life.rescue_at is None or life.rescue_at > now:
         return _stay(life)

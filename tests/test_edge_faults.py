@@ -8,6 +8,8 @@ persistent sessions (tests/edge_kit.py steps the loop, the disk and compute).
 * An offloaded job whose worker goes silent joins the local queue while a run here can
   still meet its deadline, instead of waiting for the fixed result timeout.
 * A job that was placed, lost its worker and expired says so in its ``offload`` field.
+* An offloaded job whose deadline came before its return said "no result from the pool
+  within 3.0 s" when it had waited a fifth of that: it says it waited until its deadline.
 * A job behind runs of a slower model was predicted as if each were a run of its own
   model; a detector job behind OCR runs then stayed here and expired. Each job ahead now
   weighs its own model's service time.
@@ -129,6 +131,23 @@ def test_a_placed_job_that_lost_its_worker_and_expired_says_where_it_went(
     # The lost worker, or (had the sweep looked first) the return not come by the deadline.
     assert offload["code"] in ("worker_lost", "result_timeout")
     assert "while it was offloaded" in result["reason"]
+
+
+def test_an_offloaded_job_whose_deadline_came_first_says_so(rig: EdgeRig) -> None:
+    agent = rig.agent
+    assert agent is not None
+    start = rig.clock.now
+    rig.submit("t1", correlation=b"t1", deadline_ms=200)  # far less than result_timeout_s
+    rig.settle(compute=False)
+    rig.clock.now = start + 0.25  # no return by the deadline
+    rig.call(agent.check_offloaded)
+    rig.broker.release_pubacks()
+    rig.settle()
+    result = only_result(rig)
+    assert result["status"] == "expired"
+    offload = result["offload"]
+    assert (offload["worker"], offload["code"]) == ("w1", "result_timeout")
+    assert offload["reason"] == "no result from w1 by the job's deadline"
 
 
 def test_the_prediction_error_of_jobs_run_here_is_in_telemetry(tmp_path: Path) -> None:
