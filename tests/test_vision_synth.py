@@ -63,3 +63,16 @@ def test_encoders_round_trip() -> None:
     jpeg = synth.encode_jpeg(img, 75)
     assert probe(jpeg).format == "jpeg"
     assert decode(jpeg).shape == img.shape
+
+
+def test_a_scene_says_which_surface_it_is_on_and_draws_what_generate_draws() -> None:
+    from sluicegate.vision import synth_boxes
+
+    surfaces = set()
+    for seed in range(12):
+        drawn = synth_boxes.scene(np.random.default_rng(seed), width=160, height=120)
+        image, defects = synth_boxes.generate(np.random.default_rng(seed), width=160, height=120)
+        assert np.array_equal(drawn.image, image)  # the same draws, the same image
+        assert drawn.defects == defects
+        surfaces.add(drawn.surface)
+    assert surfaces == set(synth.SURFACES)  # wafers and both kinds of metal part

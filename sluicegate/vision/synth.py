@@ -48,7 +48,7 @@ def generate(
         raise ValueError(f"image must be at least 64x64, got {width}x{height}")
     scale = math.sqrt(width * height / (640 * 480))
 
-    surface = _surface(rng, height, width, scale)
+    surface, _kind = _surface(rng, height, width, scale)
     if label == "scratch":
         _add_scratches(rng, surface, scale)
     elif label == "pit":
@@ -86,8 +86,12 @@ def _noise(rng: np.random.Generator, shape: tuple[int, ...]) -> F32:
     return np.asarray(cv2.LUT(raw, _GAUSS_LUT), np.float32)
 
 
-def _surface(rng: np.random.Generator, h: int, w: int, scale: float) -> F32:
-    """A defect-free surface in float32 BGR, before illumination and sensor noise."""
+SURFACES = ("brushed metal", "wafer", "cast metal")  # what _surface draws, by index
+
+
+def _surface(rng: np.random.Generator, h: int, w: int, scale: float) -> tuple[F32, str]:
+    """A defect-free surface in float32 BGR, before illumination and sensor noise, and
+    which of :data:`SURFACES` it is."""
     kind = int(rng.integers(3))
     if kind == 0:
         base = _metal_colour(rng)
@@ -101,7 +105,7 @@ def _surface(rng: np.random.Generator, h: int, w: int, scale: float) -> F32:
     out = np.empty((h, w, 3), np.float32)
     for c in range(3):
         np.add(texture, np.float32(base[c]), out=out[..., c])
-    return out
+    return out, SURFACES[kind]
 
 
 def _metal_colour(rng: np.random.Generator) -> npt.NDArray[np.float64]:

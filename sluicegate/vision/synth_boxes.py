@@ -21,9 +21,9 @@ import numpy as np
 import numpy.typing as npt
 
 from sluicegate.vision import synth
-from sluicegate.vision.synth import _illumination, _noise, _surface
+from sluicegate.vision.synth import SURFACES, _illumination, _noise, _surface
 
-__all__ = ["LABELS", "MAX_DEFECTS", "MIN_SIDE", "Defect", "generate"]
+__all__ = ["LABELS", "MAX_DEFECTS", "MIN_SIDE", "SURFACES", "Defect", "Scene", "generate", "scene"]
 
 LABELS: tuple[str, ...] = ("scratch", "pit", "stain")
 MAX_DEFECTS = 3
@@ -44,6 +44,13 @@ class Defect:
     box: Box  # x1, y1, x2, y2 in image pixels, x2 and y2 exclusive
 
 
+@dataclass(frozen=True)
+class Scene:
+    image: U8  # BGR
+    defects: tuple[Defect, ...]
+    surface: str  # one of SURFACES: "wafer", or a metal part's
+
+
 def generate(
     rng: np.random.Generator,
     *,
@@ -56,6 +63,19 @@ def generate(
     A defect that cannot be placed without touching another is left out, so an image may
     hold fewer than ``count``; the returned tuple is always the truth for the image.
     """
+    drawn = scene(rng, width=width, height=height, count=count)
+    return drawn.image, drawn.defects
+
+
+def scene(
+    rng: np.random.Generator,
+    *,
+    width: int = 320,
+    height: int = 240,
+    count: int | None = None,
+) -> Scene:
+    """:func:`generate`'s image and defects, and the kind of surface they are on (the same
+    draws from ``rng``: the same image for the same state)."""
     if count is None:
         count = int(rng.integers(0, MAX_DEFECTS + 1))
     elif not 0 <= count <= MAX_DEFECTS:
@@ -64,7 +84,7 @@ def generate(
         raise ValueError(f"image must be at least 64x64, got {width}x{height}")
     scale = math.sqrt(width * height / (640 * 480))
 
-    surface = _surface(rng, height, width, scale)
+    surface, kind = _surface(rng, height, width, scale)
     taken = np.zeros((height, width), bool)
     defects: list[Defect] = []
     for _ in range(count):
@@ -85,7 +105,7 @@ def generate(
 
     surface *= _illumination(rng, height, width)[..., None]
     surface += _noise(rng, surface.shape) * np.float32(rng.uniform(4.0, 5.5))
-    return np.clip(surface, 0, 255).astype(np.uint8), tuple(defects)
+    return Scene(np.clip(surface, 0, 255).astype(np.uint8), tuple(defects), kind)
 
 
 encode_jpeg = synth.encode_jpeg
