@@ -1,8 +1,8 @@
 """The edge's decisions about one job, as pure functions over plain data and ``now``.
 
-How full the edge is (:func:`has_room`), when a job would finish here
-(:func:`work_ahead`, :func:`predict_completion`), how a new job is admitted (:func:`intake`), whether to offer
-it to the campus broker (:func:`offer_reason`) or offer it again after an attempt was lost
+How full the edge is (:func:`has_room`), when a job would finish here (:func:`work_ahead`,
+:func:`predict_completion`), how a new job is admitted (:func:`intake`), whether to offer it
+to the campus broker (:func:`offer_reason`) or offer it again after an attempt was lost
 (:func:`retry_reason`), whether its deadline has passed and what its result then says
 (:func:`expiry_reason`), what a repeat of a known job id gets (:func:`repeat_plan`) and what
 a job read back after a restart needs (:func:`replay_plan`). The lifecycle table and the
