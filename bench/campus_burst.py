@@ -4,15 +4,20 @@ and edge-only (baseline: the same campus with offloading switched off), interlea
 Each run writes a fresh local campus (broker, two edges, an on-campus and an off-site
 worker; ``sluicegate.app.localcampus``), secured as a plant runs it (its own CA, a certificate
 per node and app, the generated ACL), starts a Mosquitto for it and the processes on one
-Redis, then drives the demo's traffic (``sluicegate.app.demo.stream``, each line's vision app
-as its own identity): ``--rate`` images/s per line, and for ``--burst`` s line 1 at ten
-times that, in volleys of 20, every job with a 200 ms deadline. The edge
-agents are capped to ``--edge-cpu`` of one core (a CPU cgroup), so a line PC is the modest
-machine it is in a plant and the burst exceeds what it can do alone; the workers are not
-capped. Attainment counts jobs answered ``ok`` within 200 ms of submission, as the vision
-app sees it.
+Redis, then drives the demo's traffic (``sluicegate.app.traffic.stream``, each line's vision
+app as its own identity): ``--rate`` images/s per line, and for ``--burst`` s line 1 at ten
+times that, in volleys of 20; surface images to the defect detector (200 ms deadline, campus
+only) and one in eight a label crop to the OCR pipeline (1 s, may leave). The edge agents are
+capped to ``--edge-cpu`` of one core (a CPU cgroup), so a line PC is the modest machine it
+is in a plant and the burst exceeds what it can do alone; the workers are not capped. Each
+run first times the models on each kind of node, the edges' under that cap
+(``LocalCampus.calibrate``: what ``sluicegate models bench`` does on a node at install), and
+gives the nodes the figures as their service-time priors. Attainment
+counts jobs answered ``ok`` within their deadline of submission, as the vision app sees it;
+it is given overall and per kind of job. ``cpu`` is how busy the machine's cores were while
+the run streamed: every node, Mosquitto, Redis and the apps share them.
 
-    .venv/bin/python bench/campus_burst.py                 # about 90 s on 2 cores
+    .venv/bin/python bench/campus_burst.py                 # about 100 s on 2 cores
     .venv/bin/python bench/campus_burst.py --rounds 3 --rate 10 --burst 10
 """
 
@@ -34,13 +39,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sluicegate.app.demo import DEADLINE_MS, Tally, stream  # noqa: E402
+from sluicegate.app.demo import EDGE_CPU  # noqa: E402
 from sluicegate.app.localcampus import (  # noqa: E402
     LocalCampus,
     cpu_cap_available,
     start_campus_mosquitto,
 )
 from sluicegate.app.servers import free_port, running, start_redis  # noqa: E402
+from sluicegate.app.traffic import KINDS, Tally, stream  # noqa: E402
 
 TARGET = {"attainment": 0.99}
 nan = float("nan")
@@ -60,6 +66,14 @@ def edge_predictions(http_port: int) -> dict[str, Any]:
     }
 
 
+def cpu_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine so far (``/proc/stat``): how saturated
+    the 2 cores that hold the whole campus were while it ran."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle and iowait
+    return sum(fields) - idle, sum(fields)
+
+
 def one_run(
     redis_port: int, db: int, offload: bool, args: argparse.Namespace
 ) -> tuple[Tally, dict[str, Any]]:
@@ -73,9 +87,11 @@ def one_run(
             edge_cpu=args.edge_cpu,
         )
         files = campus.write()
+        campus.calibrate()
         with running(start_campus_mosquitto(files)):
             campus.start()
             tally = Tally()
+            before = cpu_ticks()
             try:
                 asyncio.run(
                     stream(
@@ -84,12 +100,13 @@ def one_run(
                         args.burst + 2.0,
                         asyncio.Event(),
                         tally,
-                        live=False,
                         burst_at=1.0,
                         burst_for=args.burst,
                     )
                 )
                 edges = edge_predictions(campus.http_port)
+                after = cpu_ticks()
+                edges["_cpu_busy"] = (after[0] - before[0]) / max(after[1] - before[1], 1)
             finally:
                 campus.stop()
         return tally, edges
@@ -97,12 +114,22 @@ def one_run(
 
 def summary(run: tuple[Tally, dict[str, Any]]) -> dict[str, Any]:
     t, edges = run
+    cpu_busy = edges.pop("_cpu_busy")
     lat = list(t.latencies_ms)
     answered = max(t.answered, 1)
     return {
         "submitted": sum(t.submitted.values()),
         "answered": t.answered,
         "attainment": t.in_time / answered,
+        "by_kind": {
+            k.name: {
+                "attainment": t.by_kind[k.name].in_time / max(t.by_kind[k.name].answered, 1),
+                "answered": t.by_kind[k.name].answered,
+                "offloaded": t.by_kind[k.name].offloaded,
+                "right": t.by_kind[k.name].right / max(t.by_kind[k.name].ok, 1),
+            }
+            for k in KINDS
+        },
         "p50_ms": float(np.percentile(lat, 50)) if lat else float("nan"),
         "p99_ms": float(np.percentile(lat, 99)) if lat else float("nan"),
         "offloaded": t.kinds.get("pool", 0),
@@ -110,6 +137,7 @@ def summary(run: tuple[Tally, dict[str, Any]]) -> dict[str, Any]:
         "statuses": dict(t.statuses),
         "where": dict(t.where),
         "edges": edges,
+        "cpu_busy": cpu_busy,
     }
 
 
@@ -121,8 +149,9 @@ def main() -> None:
     ap.add_argument(
         "--edge-cpu",
         type=float,
-        default=0.1,
-        help="cap each edge to this share of one core (a modest line PC); 0: no cap",
+        default=EDGE_CPU,
+        help="cap each edge to this share of one core (a modest line PC, as in the demo); "
+        "0: no cap",
     )
     args = ap.parse_args()
     if not args.edge_cpu or not cpu_cap_available():
@@ -135,16 +164,22 @@ def main() -> None:
             subject.append(summary(one_run(redis.port, 2 * r + 1, True, args)))
     print(
         f"campus burst: {args.rate:g}/s per line, line 1 at 10x for {args.burst:g} s in volleys "
-        f"of 20, deadline {DEADLINE_MS:g} ms, edges capped at {args.edge_cpu or 1:.0%} of a core, "
-        f"{args.rounds} rounds, nproc {os.cpu_count()}"
+        f"of 20, edges capped at {args.edge_cpu or 1:.0%} of a core, {args.rounds} rounds, "
+        f"nproc {os.cpu_count()}; deadlines: "
+        + ", ".join(f"{k.name} ({k.model}) {k.deadline_ms:g} ms" for k in KINDS)
     )
-    print(f"{'':24}{'attain':>8}{'p50 ms':>9}{'p99 ms':>9}{'jobs':>7}{'offl.':>7}  where")
+    print(f"{'':24}{'attain':>8}{'p50 ms':>9}{'p99 ms':>9}{'jobs':>7}{'offl.':>7}{'cpu':>6}  where")
     for name, runs in (("edge only (baseline)", baseline), ("offload (subject)", subject)):
         for s in runs:
             print(
                 f"{name:24}{s['attainment']:8.3f}{s['p50_ms']:9.1f}{s['p99_ms']:9.1f}"
-                f"{s['answered']:7}{s['offloaded']:7}  {s['where']}"
+                f"{s['answered']:7}{s['offloaded']:7}{s['cpu_busy']:6.0%}  {s['where']}"
             )
+            for kind, k in s["by_kind"].items():
+                print(
+                    f"{'':24}  {kind}: attainment {k['attainment']:.3f} over {k['answered']} "
+                    f"jobs, {k['offloaded']} offloaded, right {k['right']:.3f}"
+                )
             for edge, seen in sorted(s["edges"].items()):
                 p = {"p50_ms": nan, "p90_ms": nan, "bias_ms": nan, "n": 0}
                 p.update(seen["prediction"] or {})

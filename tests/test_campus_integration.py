@@ -27,9 +27,9 @@ import redis
 from broker import keys as broker_keys
 from sluicegate import AsyncClient
 from sluicegate.app.campus import APP_OF_LINE, APPS
-from sluicegate.app.demo import Tally, stream
 from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
 from sluicegate.app.servers import ServerProcess, free_port, running
+from sluicegate.app.traffic import Tally, stream
 from tests.image_bytes import sample_jpeg
 from tests.policies.policy_testkit import key
 from tests.support import wait_until
@@ -66,7 +66,6 @@ def test_burst_on_one_line_completes_and_stays_inside_the_policy(campus: LocalCa
             11.5,
             asyncio.Event(),
             tally,
-            live=False,
             burst_at=1.0,
             burst_for=10.0,
         )

@@ -183,6 +183,11 @@ def test_demo_runs_end_to_end() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert re.search(r"done: (\d+) submitted, \1 answered", done.stdout), done.stdout
     assert " 0 unanswered" in done.stdout
+    # The live view's last frame: each kind of job, and what the models found and read.
+    for kind in ("wafers", "parts", "labels"):
+        assert re.search(rf"{kind} +(surface-det|ocr-ppocrv4)", done.stdout), done.stdout
+    assert re.search(r"SN ?[A-Z0-9]{4}-\d{5}", done.stdout), done.stdout  # a serial, read
+    assert re.search(r"no defect|\d (scratch|pit|stain)", done.stdout), done.stdout
 
 
 def test_cli_errors_are_one_clear_line(tmp_path: Path) -> None:

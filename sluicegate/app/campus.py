@@ -84,6 +84,10 @@ description = "Raw wafer inspection images: campus only"
 allow = ["campus/**"]
 deny = ["offsite/**"]
 
+[classes.part-image]
+description = "Images of machined metal parts, no process data: may go off-site"
+allow = ["campus/**", "campus/** -> offsite/cloud-east"]
+
 [classes.ocr-crop]
 description = "Generic OCR crops of carrier labels: may go off-site"
 allow = ["campus/**", "campus/** -> offsite/cloud-east"]

@@ -398,7 +398,7 @@ def _size(text: str | None) -> tuple[int, int] | None:
 
 @app.command()
 def demo(
-    rate: Annotated[float, typer.Option(help="Images per second per line (burst: 10x).")] = 15.0,
+    rate: Annotated[float, typer.Option(help="Images per second per line (burst: 10x).")] = 10.0,
     seconds: Annotated[float, typer.Option(help="Stop after this long (0: until Ctrl-C).")] = 0.0,
     port: Annotated[int | None, typer.Option(help="Use a Mosquitto already on this port.")] = None,
     redis_port: Annotated[

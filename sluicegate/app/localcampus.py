@@ -7,10 +7,12 @@ CA and every identity's certificate, the ACL, one config per node: :meth:`write`
 caller starts Mosquitto on it (:func:`start_campus_mosquitto`: TLS, client certificates,
 the generated ACL), then :meth:`start` starts the processes in their own sessions (Ctrl-C
 reaches only the caller, who then stops them in order) and waits until every node's
-retained status says ``online``.
-For fault injection it can SIGKILL any node, or the Mosquitto and Redis it was given, and
-start it again on the same ports, configuration and state directory (an edge's outbox
-survives). It never deletes a node's state: the caller owns ``root``.
+retained status says ``online``. Line PCs can be emulated as modest machines (their compute
+threads capped to a share of a core) and every node timed before it serves, as at install
+(:meth:`calibrate`; :mod:`sluicegate.app.calibration`). For fault injection it can SIGKILL
+any node, or the Mosquitto and Redis it was given, and start it again on the same ports,
+configuration and state directory (an edge's outbox survives). It never deletes a node's
+state: the caller owns ``root``.
 """
 
 from __future__ import annotations
@@ -27,14 +29,18 @@ from pathlib import Path
 
 from policies import SigningKey
 from sluicegate import topics, wire
+from sluicegate.app.calibration import calibrate, cap_cpu, cpu_cap_available, named_threads
 from sluicegate.app.campus import BROKER, LINES, OBSERVER, WORKERS, AppSpec, Campus, write_campus
 from sluicegate.app.servers import ServerProcess, free_port, start_mosquitto
 from sluicegate.errors import SluicegateError
 from sluicegate.mqtt import MqttTransport
 from sluicegate.threads import EDGE_COMPUTE
 from sluicegate.transport import Message
+from sluicegate.vision.priors import Prior
 
 ROLE = {BROKER: "broker"} | dict.fromkeys(LINES, "edge") | dict.fromkeys(WORKERS, "pool")
+__all__ = ["ROLE", "SERVERS", "LocalCampus", "cpu_cap_available", "start_campus_mosquitto"]
+
 SERVERS = ("mosquitto", "redis")  # what :meth:`LocalCampus.kill` accepts beside the nodes
 
 
@@ -93,6 +99,7 @@ class LocalCampus:
         self.campus: Campus | None = None
         self.secure = secure
         self._apps = apps
+        self.models_dirs: dict[str, Path] = {}  # by role, once calibrated
         self.http_port = free_port()  # the broker's HTTP API
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
 
@@ -130,16 +137,31 @@ class LocalCampus:
         log = (self.root / f"{node}.log").open("ab")
         argv = [sys.executable, "-m", "sluicegate.app.cli", ROLE[node], "run"]
         argv += ["--config", str(self.campus.node_config(node)), "--log-level", self._log_level]
+        own = {}
+        if ROLE[node] in self.models_dirs:
+            own[f"SLUICEGATE_{ROLE[node].upper()}__MODELS_DIR"] = str(self.models_dirs[ROLE[node]])
         with log:
             proc = subprocess.Popen(
                 argv,
-                env={**os.environ, **self._env, **self._node_env.get(node, {})},
+                env={**os.environ, **self._env, **own, **self._node_env.get(node, {})},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         self.processes[node] = proc
         return proc
+
+    def calibrate(self, runs: int = 3) -> dict[str, list[Prior]]:
+        """Before :meth:`start`: time the models as a plant engineer does on each node at
+        install (``sluicegate models bench``): the line PCs' under their CPU cap, the
+        workers' as they are; each role then serves from a models folder of its own holding
+        its figures as service-time priors (:func:`~sluicegate.app.calibration.calibrate`),
+        so predictions start calibrated. Returns the figures by role."""
+        found = {}
+        for role, share in (("edge", self._edge_cpu), ("pool", None)):
+            folder, found[role] = calibrate(self.root / f"{role}-models", share, runs=runs)
+            self.models_dirs[role] = folder
+        return found
 
     def _cap_edges(self) -> None:
         if self._edge_cpu is None:
@@ -305,42 +327,3 @@ def start_campus_mosquitto(
         tls=campus.listener_tls(),
         probe=campus.client_context(),
     )
-
-
-CGROUP_V1 = Path("/sys/fs/cgroup/cpu")
-PERIOD_US = 10_000  # short: a slow CPU, not one that stalls for tens of ms
-
-
-def cpu_cap_available() -> bool:
-    """Whether :func:`cap_cpu` can work here (a writable cgroup v1 CPU hierarchy, which is
-    what lets single threads be capped)."""
-    return (CGROUP_V1 / "cpu.cfs_quota_us").exists() and os.access(CGROUP_V1, os.W_OK)
-
-
-def named_threads(pid: int, name: str) -> list[int]:
-    """Thread ids of ``pid`` whose OS name is ``name`` (see :mod:`sluicegate.threads`)."""
-    tids = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):
-            if (task / "comm").read_text().strip() == name:
-                tids.append(int(task.name))
-    return tids
-
-
-def cap_cpu(tids: list[int], share: float, name: str) -> Path:
-    """Put threads ``tids`` in a new CPU cgroup limited to ``share`` of one core."""
-    if not tids:
-        raise SluicegateError(f"no threads to cap for {name}")
-    quota = max(1000, int(PERIOD_US * share))  # the kernel refuses less than 1 ms
-    group = CGROUP_V1 / name
-    try:
-        group.mkdir(exist_ok=True)
-        (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-        (group / "cpu.cfs_quota_us").write_text(str(quota))
-        for tid in tids:
-            (group / "tasks").write_text(str(tid))
-    except OSError as exc:
-        raise SluicegateError(
-            f"cannot cap threads {tids} to {share:.0%} of a core: no writable CPU cgroup ({exc})"
-        ) from exc
-    return group
