@@ -6,8 +6,9 @@ worker; ``sluicegate.app.localcampus``), secured as a plant runs it (its own CA,
 per node and app, the generated ACL), starts a Mosquitto for it and the processes on one
 Redis, then drives the demo's traffic (``sluicegate.app.traffic.stream``, each line's vision
 app as its own identity): ``--rate`` images/s per line, and for ``--burst`` s line 1 at ten
-times that, in volleys of 20; surface images to the defect detector (200 ms deadline, campus
-only) and one in eight a label crop to the OCR pipeline (1 s, may leave). The edge agents are
+times that, in volleys of 20; surface images to the defect detector (200 ms deadline; wafers
+campus only, metal parts may leave) and one in ``--label-every`` (16) a label crop to the
+OCR pipeline (1 s, may leave). The edge agents are
 capped to ``--edge-cpu`` of one core (a CPU cgroup), so a line PC is the modest machine it
 is in a plant and the burst exceeds what it can do alone; the workers are not capped. Each
 run first times the models on each kind of node, the edges' under that cap
@@ -46,7 +47,7 @@ from sluicegate.app.localcampus import (  # noqa: E402
     start_campus_mosquitto,
 )
 from sluicegate.app.servers import free_port, running, start_redis  # noqa: E402
-from sluicegate.app.traffic import KINDS, Tally, stream  # noqa: E402
+from sluicegate.app.traffic import KINDS, LABEL_EVERY, Tally, stream  # noqa: E402
 
 TARGET = {"attainment": 0.99}
 nan = float("nan")
@@ -102,6 +103,7 @@ def one_run(
                         tally,
                         burst_at=1.0,
                         burst_for=args.burst,
+                        label_every=args.label_every,
                     )
                 )
                 edges = edge_predictions(campus.http_port)
@@ -153,6 +155,12 @@ def main() -> None:
         help="cap each edge to this share of one core (a modest line PC, as in the demo); "
         "0: no cap",
     )
+    ap.add_argument(
+        "--label-every",
+        type=int,
+        default=LABEL_EVERY,
+        help="one image in this many is a label crop for OCR (0: surface images only)",
+    )
     args = ap.parse_args()
     if not args.edge_cpu or not cpu_cap_available():
         print("note: edges run uncapped (no writable CPU cgroup, or --edge-cpu 0)")
@@ -164,7 +172,8 @@ def main() -> None:
             subject.append(summary(one_run(redis.port, 2 * r + 1, True, args)))
     print(
         f"campus burst: {args.rate:g}/s per line, line 1 at 10x for {args.burst:g} s in volleys "
-        f"of 20, edges capped at {args.edge_cpu or 1:.0%} of a core, {args.rounds} rounds, "
+        f"of 20, one image in {args.label_every or 'none'} a label, edges capped at "
+        f"{args.edge_cpu or 1:.0%} of a core, {args.rounds} rounds, "
         f"nproc {os.cpu_count()}; deadlines: "
         + ", ".join(f"{k.name} ({k.model}) {k.deadline_ms:g} ms" for k in KINDS)
     )
@@ -176,6 +185,8 @@ def main() -> None:
                 f"{s['answered']:7}{s['offloaded']:7}{s['cpu_busy']:6.0%}  {s['where']}"
             )
             for kind, k in s["by_kind"].items():
+                if not k["answered"]:
+                    continue
                 print(
                     f"{'':24}  {kind}: attainment {k['attainment']:.3f} over {k['answered']} "
                     f"jobs, {k['offloaded']} offloaded, right {k['right']:.3f}"

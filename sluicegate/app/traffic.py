@@ -76,12 +76,14 @@ class Sample:
         return frozenset(d.label for d in outputs.detections) == self.truth
 
 
-def samples(rng: np.random.Generator, count: int = 48) -> list[Sample]:
-    """``count`` images, one in :data:`LABEL_EVERY` a label, the rest surface images (a
-    wafer or a metal part, as drawn: about one in three a wafer)."""
+def samples(
+    rng: np.random.Generator, count: int = 48, *, label_every: int = LABEL_EVERY
+) -> list[Sample]:
+    """``count`` images, one in ``label_every`` a label (0: none), the rest surface images
+    (a wafer or a metal part, as drawn: about one in three a wafer)."""
     out = []
     for i in range(count):
-        if i % LABEL_EVERY == 0:
+        if label_every and i % label_every == 0:
             label = generate_label(rng)
             out.append(Sample(LABELS, encode_jpeg(label.image), label.lines))
             continue
@@ -206,12 +208,14 @@ async def stream(
     burst_at: float = 5.0,
     burst_for: float = 10.0,
     on_tick: Callable[[], None] = lambda: None,
+    label_every: int = LABEL_EVERY,
 ) -> None:
     """Steady ``rate`` per line; for ``burst_for`` seconds from ``burst_at``, line 1 bursts to
     ten times that, its camera station firing in volleys of 20 images. Returns once every
-    job sent has its result (or its call timed out); ``on_tick`` runs after each send."""
+    job sent has its result (or its call timed out); ``on_tick`` runs after each send.
+    ``label_every``: one image in this many is a label (0: surface images only)."""
     rng = np.random.default_rng(2026)
-    pool = samples(rng)
+    pool = samples(rng, label_every=label_every)
     pending: set[asyncio.Task[None]] = set()
     clients = {line: app_client(campus, line) for line in LINES}
     for c in clients.values():
