@@ -81,6 +81,10 @@ class BatchQueue(Generic[T]):
         group = self._groups.get(model)
         return len(group.entries) if group else 0
 
+    def depths(self) -> dict[str, int]:
+        """Waiting jobs by model."""
+        return {model: len(group.entries) for model, group in self._groups.items()}
+
     def push(self, entry: Entry[T]) -> bool:
         """Queue ``entry``; False (and nothing queued) when ``capacity`` jobs already wait."""
         if self._size >= self.capacity:

@@ -1,6 +1,7 @@
 """What a pool worker tells the campus, built from plain figures: capabilities (retained),
-telemetry (every interval), status (retained, with the offline copy as Last Will), results
-for vision apps and completion records for the broker.
+telemetry (every interval: its load, the work it holds in ms, its service times), status
+(retained, with the offline copy as Last Will), results for vision apps and completion
+records for the broker.
 
 Pure builders over the worker's counters and a hardware sample; they never publish, never
 read a clock and never look at an image. Per-model service time is an exponentially
@@ -61,6 +62,17 @@ class ServiceStats:
         """Expected seconds for one batch of ``model``; None until one has run."""
         figure = self._figures.get(model)
         return figure.batch_ms / 1000.0 if figure else None
+
+    def backlog_ms(self, jobs: Mapping[str, int], unknown: int = 0) -> float:
+        """The work ``jobs`` (waiting or running, by model) hold, ms: each at its own model's
+        amortised job time; a model not measured yet, and the ``unknown`` jobs whose model
+        is not read yet, at the mean of those measured (none measured: nothing known, 0)."""
+        known = [f.job_ms for f in self._figures.values()]
+        mean = sum(known) / len(known) if known else 0.0
+        held = sum(
+            n * (self._figures[m].job_ms if m in self._figures else mean) for m, n in jobs.items()
+        )
+        return held + unknown * mean
 
     def loads(self) -> dict[str, wire.ModelLoad]:
         return {
@@ -128,6 +140,7 @@ def telemetry(
     service: ServiceStats,
     results: Mapping[str, int],
     refused: Mapping[str, int],
+    backlog_ms: float | None = None,
 ) -> WorkerTelemetry:
     return WorkerTelemetry(
         node=settings.id,
@@ -144,6 +157,7 @@ def telemetry(
         queue_depth=queue_depth,
         in_flight=in_flight,
         capacity=capacity(settings),
+        backlog_ms=round(backlog_ms, 3) if backlog_ms is not None else None,
         models=service.loads(),
         results=dict(results),
         refused=dict(refused),

@@ -93,6 +93,7 @@ class PoolWorker:
         self._screening = 0  # messages taken off the intake, not yet admitted or refused
         self._running = 0  # batches on the executor
         self.in_flight = 0  # jobs in those batches
+        self._running_models: Counter[str] = Counter()  # the same jobs, by model
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._accepting = False
@@ -204,6 +205,7 @@ class PoolWorker:
                 continue
             self._running += 1
             self.in_flight += len(live)
+            self._running_models[batch.model] += len(live)
             self.decode_attempts += len(live)
             model = self._registry.get(batch.model)
             jobs = [(item.payload, item.image) for item in live]
@@ -236,6 +238,7 @@ class PoolWorker:
     def _completed(self, items: list[WorkItem], started: float, future: Future[BatchRun]) -> None:
         self._running -= 1
         self.in_flight -= len(items)
+        self._running_models[items[0].model] -= len(items)
         try:
             run = future.result()
         except Exception as exc:  # whatever the batch raised is its jobs' result
@@ -338,6 +341,9 @@ class PoolWorker:
             service=self.service,
             results=self.results,
             refused=self.refused,
+            backlog_ms=self.service.backlog_ms(
+                Counter(self._queue.depths()) + self._running_models, len(self._intake)
+            ),
         )
 
     async def _telemetry_loop(self) -> None:

@@ -125,6 +125,8 @@ class WorkerTelemetry(_Wire):
     queue_depth: int = Field(ge=0)
     in_flight: int = Field(ge=0)
     capacity: int = Field(ge=1)  # jobs it can hold (running + queued) before it is full
+    # The work it holds, ms: each queued and running job at its own model's service time.
+    backlog_ms: float | None = Field(default=None, ge=0.0)
     models: dict[str, ModelLoad]
     results: dict[str, int]
     refused: dict[str, int]  # work messages refused before decoding, by reason code

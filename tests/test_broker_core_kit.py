@@ -104,6 +104,7 @@ def telemetry(
     temperature_c: float | None = 50.0,
     service_ms: dict[str, float] | None = None,
     device_class: str = "nvidia-a100",
+    backlog_ms: float | None = None,
 ) -> WorkerTelemetry:
     return WorkerTelemetry(
         node=worker_id,
@@ -118,6 +119,7 @@ def telemetry(
         queue_depth=queue_depth,
         in_flight=in_flight,
         capacity=capacity,
+        backlog_ms=backlog_ms,
         models={m: ModelLoad(service_ms=v, completed=1) for m, v in (service_ms or {}).items()},
         results={},
         refused={},

@@ -236,11 +236,11 @@ def test_reservations_fill_a_worker_to_capacity() -> None:
 
 
 def test_score_is_queue_wait_plus_learned_service_plus_transfer() -> None:
-    fleet = three_workers({"gpu-1": {"queue_depth": 3, "in_flight": 1}})
+    fleet = three_workers({"gpu-1": {"queue_depth": 3, "in_flight": 1, "backlog_ms": 40.0}})
     fleet.service.observe("defect-v1", "nvidia-a100", 10.0)
     fleet.service.observe("defect-v1", "ascend-910b", 40.0)
     decision = placed(both(fleet, request(data_class="wafer-image", payload_bytes=200_000)))
-    # gpu-1: 4 jobs ahead over 2 slots -> 2 * 10 ms queue + 10 ms service + transfer on campus
+    # gpu-1: 40 ms of work held over 2 slots -> 20 ms queue + 10 ms service + transfer
     transfer = 0.5 + 200_000 / (100.0 * 1000.0)
     assert decision.worker_id == "gpu-1"
     best = decision.candidates.ranked[0]
@@ -249,6 +249,39 @@ def test_score_is_queue_wait_plus_learned_service_plus_transfer() -> None:
     runner_up = decision.candidates.ranked[1]
     assert runner_up.worker_id == "npu-1"
     assert runner_up.predicted_ms == pytest.approx(40.0 + transfer)
+
+
+def test_the_wait_at_a_worker_weighs_each_job_there_by_its_own_model() -> None:
+    """A detector job behind two OCR runs waits for them, not for two detector runs: the
+    worker with four short jobs is sooner than the one with two long ones (counted as jobs
+    at the request's own service time, the one with fewer jobs looked sooner)."""
+    policy = campus_policy({NDC: ["gpu-1", "gpu-2"]})
+    fleet = fleet_with(
+        policy,
+        [
+            (caps("gpu-1", NDC), {"queue_depth": 1, "in_flight": 1, "backlog_ms": 140.0}),
+            (caps("gpu-2", NDC), {"queue_depth": 2, "in_flight": 2, "backlog_ms": 8.0}),
+        ],
+    )
+    fleet.service.observe("defect-v1", "nvidia-a100", 2.0)
+    decision = placed(both(fleet, request(), policy))
+    assert decision.worker_id == "gpu-2"
+    best, other = decision.candidates.ranked[:2]
+    assert (best.queue_ms, other.queue_ms) == (4.0, 70.0)  # held work over two slots
+    assert best.predicted_ms == pytest.approx(best.transfer_ms + 4.0 + 2.0)
+
+
+def test_reservations_wait_at_the_workers_mean_job() -> None:
+    """Jobs reserved since the worker's last telemetry are not in its backlog yet: each
+    counts as its mean job (its backlog over the jobs it holds)."""
+    policy = campus_policy({NDC: ["gpu-1"]})
+    fleet = fleet_with(
+        policy, [(caps("gpu-1", NDC), {"queue_depth": 1, "in_flight": 1, "backlog_ms": 60.0})]
+    )
+    fleet.reserve("gpu-1", "r1", NOW)
+    fleet.reserve("gpu-1", "r2", NOW)
+    decision = placed(both(fleet, request(), policy))
+    assert decision.candidates.ranked[0].queue_ms == pytest.approx((60.0 + 2 * 30.0) / 2)
 
 
 def test_transfer_makes_off_site_slower() -> None:
@@ -283,7 +316,9 @@ def test_forecast_penalty_steers_away_from_a_worker_heading_for_capacity() -> No
     penalised = decision.candidates.ranked[1]
     assert penalised.worker_id == "gpu-2"
     assert penalised.forecast_load == pytest.approx(1.125)
-    assert penalised.penalty_ms == pytest.approx(penalised.predicted_ms - penalised.transfer_ms)
+    # Nine jobs at the 50 ms default over two slots: 225 ms of wait, doubled.
+    assert penalised.queue_ms == pytest.approx(225.0)
+    assert penalised.penalty_ms == pytest.approx(penalised.queue_ms)
     view = fleet.view("gpu-2")
     assert view is not None
     assert view.forecast is not None

@@ -410,3 +410,15 @@ def test_a_repeated_property_counts_once_the_first_time() -> None:
     work = read_work(doubled, limits=LIMITS, now=NOW, worker_id=WORKER)
     assert isinstance(work, Work)
     assert work.job_id == "job-1"
+
+
+def test_the_backlog_weighs_each_job_by_its_own_model() -> None:
+    """What the broker's wait rests on: two OCR jobs at 70 ms hold more work than four
+    detector jobs at 2 ms; a model not measured yet, and a job whose model is not read
+    yet, count at the mean of those measured."""
+    stats = reporting.ServiceStats(alpha=1.0)
+    assert stats.backlog_ms({"ocr": 3}, unknown=2) == 0.0  # nothing measured: nothing known
+    stats.observe("ocr", 140.0, 2)  # 70 ms a job
+    stats.observe("det", 16.0, 8)  # 2 ms a job, amortised over its batch
+    assert stats.backlog_ms({"ocr": 2, "det": 4}) == 148.0
+    assert stats.backlog_ms({"new": 1}, unknown=1) == 72.0

@@ -3,7 +3,8 @@
 A *bucket* is one (model, zone, device class): every worker of that device class whose
 zone (as the policy declares it) is that zone and that has the model loaded. Inside a
 bucket, eligible workers sit in two sorted lists, healthy and sub-healthy, ordered by
-their *key* (``scoring.load_key``: 1 + jobs ahead per slot, times the forecast penalty),
+their *key* (``scoring.load_key``: the wait for the work ahead there, ms, times the
+forecast penalty),
 then worker id. All workers of a bucket share the transfer cost and the service time of a
 request, so the first healthy entry is the bucket's best worker. Each bucket also counts
 its workers by status, so explanations need no scan.
@@ -36,6 +37,7 @@ from broker.core.scoring import (
     classify,
     link_class,
     load_key,
+    wait_ms,
 )
 from broker.core.state import Capabilities, TelemetrySample, WorkerState, model_name
 from policies.evaluate import allowed
@@ -229,8 +231,8 @@ class PlacementIndex:
             now_load = forecast.load_now(sample, slot.reserved)
             slot.predicted = forecast.predict(now_load, slot.slope, params.forecast_horizon_s)
             slot.crosses = slot.predicted >= 1.0
-            ahead = sample.queue_depth + sample.in_flight + slot.reserved
-            base, key = load_key(ahead, caps.concurrency, slot.crosses, params.forecast_penalty)
+            wait = wait_ms(sample, slot.reserved, caps.concurrency, params.default_service_ms)
+            base, key = load_key(wait, slot.crosses, params.forecast_penalty)
         if caps is not None:
             online = slot.online and sample is not None
             if zone is None:

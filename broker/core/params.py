@@ -35,7 +35,7 @@ class FleetParams:
     trend_window: int = 8  # the most recent samples the load trend is fitted over
     trend_min_samples: int = 3  # fewer than this: no trend (slope 0)
     forecast_horizon_s: float = 3.0  # how far ahead the load is extrapolated
-    forecast_penalty: float = 1.5  # queue+service multiplier when the forecast crosses capacity
+    forecast_penalty: float = 1.5  # multiplies the wait when the forecast crosses capacity
     # A reservation older than this when a worker's telemetry arrives is assumed to be in that
     # sample's queue (or done), so it stops counting on top of it.
     absorb_after_s: float = 0.25

@@ -61,8 +61,9 @@ def _scan(
 ) -> list[_Scored]:
     """The best ``k`` workers of one tier, best first, by (score, key, worker id).
 
-    Groups are visited in order of their lowest possible score (transfer + service: a key
-    is at least 1), and a group that cannot beat the ``k``-th best so far is skipped. In a
+    Groups are visited in order of their lowest possible score (transfer + service: a key,
+    the wait there, is at least 0), and a group that cannot beat the ``k``-th best so far is
+    skipped. In a
     bucket, entries are read in order only while they can still enter the best ``k``."""
     groups = route.groups
     model = route.model
@@ -79,7 +80,7 @@ def _scan(
             if not tier:
                 continue
             key, worker_id, slot = tier[0]
-            score = transfer + service * key
+            score = transfer + service + key
             if score > cut:
                 continue
             bucket = slot.statuses[model][0]
@@ -93,7 +94,7 @@ def _scan(
                 if j >= k or j >= len(tier):
                     break
                 key, worker_id, slot = tier[j]
-                score = transfer + service * key
+                score = transfer + service + key
                 if score > cut:
                     break
     return top
@@ -101,7 +102,7 @@ def _scan(
 
 def _candidate(item: _Scored) -> Candidate:
     score, _, worker_id, slot, bucket, transfer, service = item
-    predicted = transfer + service * slot.base
+    predicted = transfer + service + slot.base
     sample = slot.sample
     load = (
         (sample.queue_depth + sample.in_flight + slot.reserved) / sample.capacity
@@ -115,7 +116,7 @@ def _candidate(item: _Scored) -> Candidate:
         score,
         predicted,
         transfer,
-        service * (slot.base - 1.0),
+        slot.base,
         service,
         score - predicted,
         load,

@@ -27,6 +27,7 @@ from broker.core.scoring import (
     load_key,
     needs_of,
     transfer_costs,
+    wait_ms,
 )
 from broker.core.state import model_key
 from policies.evaluate import allowed
@@ -88,12 +89,12 @@ def decide_reference(
         if status not in ELIGIBLE or sample is None:
             continue
         outlook = forecast(state.samples, reserved, fparams)
-        ahead = sample.queue_depth + sample.in_flight + reserved
-        base, key = load_key(ahead, caps.concurrency, outlook.crosses, fparams.forecast_penalty)
+        wait = wait_ms(sample, reserved, caps.concurrency, fparams.default_service_ms)
+        base, key = load_key(wait, outlook.crosses, fparams.forecast_penalty)
         transfer = tx[link_class(request.origin_zone, zone, params.campus_prefix)]
         service = fleet.service.estimate(request.model, caps.device_class)
-        score = transfer + service * key
-        predicted = transfer + service * base
+        score = transfer + service + key
+        predicted = transfer + service + base
         candidate = Candidate(
             worker_id=state.worker_id,
             zone=zone,
@@ -101,7 +102,7 @@ def decide_reference(
             score_ms=score,
             predicted_ms=predicted,
             transfer_ms=transfer,
-            queue_ms=service * (base - 1.0),
+            queue_ms=base,
             service_ms=service,
             penalty_ms=score - predicted,
             load=outlook.load_now,

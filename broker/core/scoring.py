@@ -5,13 +5,17 @@ A worker is classified per model it has loaded (:func:`classify`, first reason w
 offline, zone mismatch, missing provider, too little free memory, full, sub-healthy, ok).
 An eligible worker is scored by predicted completion time::
 
-    predicted = transfer + service * (1 + jobs_ahead / concurrency)
-    score     = transfer + service * (1 + jobs_ahead / concurrency) * penalty
+    wait      = (backlog + reserved * per_job) / concurrency      (:func:`wait_ms`)
+    predicted = transfer + service + wait
+    score     = transfer + service + wait * penalty
 
-where ``penalty`` is ``FleetParams.forecast_penalty`` when the load forecast crosses
-capacity and 1 otherwise. The part after ``service *`` depends only on the worker, so the
-index can keep workers ordered by it; transfer depends only on the zone pair and service
-only on (model, device class). Nothing here keeps state or reads a clock.
+where ``backlog`` is the work the worker reports holding, each queued and running job at
+its own model's service time (a detector job behind OCR runs waits for those runs, not for
+detector runs), ``per_job`` its mean job, and ``penalty`` is
+``FleetParams.forecast_penalty`` when the load forecast crosses capacity and 1 otherwise.
+The wait depends only on the worker, so the index can keep workers ordered by it; transfer
+depends only on the zone pair and service only on (model, device class). Nothing here keeps
+state or reads a clock.
 """
 
 from __future__ import annotations
@@ -89,10 +93,31 @@ def classify(
     return SUBHEALTHY if subhealthy else OK
 
 
-def load_key(ahead: int, concurrency: int, crosses: bool, penalty: float) -> tuple[float, float]:
-    """``(base, key)``: base = 1 + jobs ahead per slot; key = base * penalty if crossing."""
-    base = 1.0 + ahead / concurrency
-    return base, (base * penalty if crosses else base)
+def per_job_ms(sample: TelemetrySample, default_ms: float) -> float:
+    """A worker's mean job, ms: its backlog over the jobs it holds, else the mean of the
+    service times it reports, else ``default_ms``."""
+    held = sample.queue_depth + sample.in_flight
+    if sample.backlog_ms is not None and held:
+        return sample.backlog_ms / held
+    if sample.service_ms:
+        return sum(sample.service_ms.values()) / len(sample.service_ms)
+    return default_ms
+
+
+def wait_ms(sample: TelemetrySample, reserved: int, concurrency: int, default_ms: float) -> float:
+    """How long a job placed now waits for the work ahead of it there: the backlog the
+    worker reports (older telemetry: its jobs at its mean job), and the jobs reserved on it
+    since, at its mean job, shared by its slots."""
+    per_job = per_job_ms(sample, default_ms)
+    held = sample.backlog_ms
+    if held is None:
+        held = (sample.queue_depth + sample.in_flight) * per_job
+    return (held + reserved * per_job) / concurrency
+
+
+def load_key(wait: float, crosses: bool, penalty: float) -> tuple[float, float]:
+    """``(base, key)``: base = the wait, ms; key = base * penalty if crossing."""
+    return wait, (wait * penalty if crosses else wait)
 
 
 def link_class(origin_zone: str, zone: str, campus_prefix: str) -> int:

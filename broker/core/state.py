@@ -76,6 +76,7 @@ class TelemetrySample:
     memory_bandwidth: float | None
     temperature_c: float | None
     service_ms: Mapping[str, float]  # per-model moving average the worker reports
+    backlog_ms: float | None = None  # its queued and running jobs, each at its own model
 
     @classmethod
     def from_wire(cls, tel: WorkerTelemetry, received_at: float) -> TelemetrySample:
@@ -90,6 +91,7 @@ class TelemetrySample:
             memory_bandwidth=tel.memory_bandwidth,
             temperature_c=tel.temperature_c,
             service_ms={m: load.service_ms for m, load in tel.models.items()},
+            backlog_ms=tel.backlog_ms,
         )
 
     @property
