@@ -75,19 +75,24 @@ def calibrate(folder: Path, share: float | None, *, runs: int = 3) -> tuple[Path
     group = CGROUP_V1 / f"sluicegate-calibrate-{os.getpid()}"
 
     def timed() -> None:
+        tid = threading.get_native_id()
         try:
             if share is not None:
-                cap_cpu([threading.get_native_id()], share, group.name)
+                cap_cpu([tid], share, group.name)
             found.extend(measure(registry, batch=8, runs=runs))
         except BaseException as exc:  # raised again below, on the caller's thread
             failed.append(exc)
+        finally:
+            if share is not None:  # back to the root group, so this one can be removed
+                with contextlib.suppress(OSError):
+                    (CGROUP_V1 / "tasks").write_text(str(tid))
 
     thread = threading.Thread(target=timed, name="sg-calibrate")
     thread.start()
     thread.join()
     if share is not None:
         with contextlib.suppress(OSError):
-            group.rmdir()  # empty once the thread has ended
+            group.rmdir()  # empty: its one thread went back to the root group
     if failed:
         raise failed[0]
     write_priors(folder / PRIORS_FILE, found)
