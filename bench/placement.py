@@ -289,7 +289,7 @@ def scan(
         if status > SUBHEALTHY or not allowed(policy, cls, origin, bucket.zone).allowed:
             continue
         link = link_class(origin, bucket.zone, prefix)
-        score = tx[link] + estimate(model, bucket.device_class) * slot.key
+        score = tx[link] + estimate(model, bucket.device_class) + slot.key
         cand = (status, score, slot.key, slot.worker_id)
         if best is None or cand < best:
             best = cand
