@@ -110,6 +110,8 @@ class Answer:
 
 @dataclass
 class PerKind:
+    """One kind of job's results: answered, in time, ok and right, where they ran."""
+
     answered: int = 0
     in_time: int = 0
     ok: int = 0
