@@ -94,16 +94,9 @@ class JobTable:
         if len(self._recent) > RECENT_KEPT:
             self._recent.popitem(last=False)
 
-    @property
-    def admitting_to_route(self) -> int:
-        """Jobs being admitted that hold no slot: they will queue (or leave) once on disk."""
-        c = self.census
-        return c["admitting"] - (self.slots - c["starting"] - c["running"])
-
     def held(self) -> int:
         """Jobs that count against the edge's capacity: admitting, waiting or running."""
-        c = self.census
-        return c["admitting"] + c["queued"] + c["starting"] + c["running"]
+        return sum(self.census[phase] for phase in AHEAD)
 
     @property
     def busy(self) -> bool:
