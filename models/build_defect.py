@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 import torch
+from onnx_graph import Graph
 from torch import nn
 
 from sluicegate.vision import synth
@@ -180,62 +181,29 @@ class Net(nn.Module):
 
 def export(net: Net, seed: int) -> bytes:
     """Write the ONNX graph by hand from the trained weights, batch norm folded in."""
-    from onnx import TensorProto, checker, helper, numpy_helper
-
-    nodes, inits = [], []
+    g = Graph()
     current = "image"
     modules = list(net.features)
     for i in range(0, len(modules), 3):
-        conv, bn = modules[i], modules[i + 1]
-        scale = (bn.weight / torch.sqrt(bn.running_var + bn.eps)).detach()
-        weight = (conv.weight.detach() * scale[:, None, None, None]).numpy()
-        bias = (bn.bias.detach() - bn.running_mean * scale).numpy()
-        w_name, b_name, out = f"conv{i // 3}.weight", f"conv{i // 3}.bias", f"relu{i // 3}"
-        inits += [
-            numpy_helper.from_array(weight.astype(np.float32), w_name),
-            numpy_helper.from_array(bias.astype(np.float32), b_name),
-        ]
-        nodes += [
-            helper.make_node(
-                "Conv",
-                [current, w_name, b_name],
-                [f"conv{i // 3}"],
-                kernel_shape=[3, 3],
-                strides=[2, 2],
-                pads=[1, 1, 1, 1],
-            ),
-            helper.make_node("Relu", [f"conv{i // 3}"], [out]),
-        ]
-        current = out
-    inits += [
-        numpy_helper.from_array(net.fc.weight.detach().numpy().astype(np.float32), "fc.weight"),
-        numpy_helper.from_array(net.fc.bias.detach().numpy().astype(np.float32), "fc.bias"),
-    ]
-    nodes += [
-        helper.make_node("GlobalMaxPool", [current], ["gmp"]),
-        helper.make_node("GlobalAveragePool", [current], ["gap"]),
-        helper.make_node("Concat", ["gmp", "gap"], ["pooled4d"], axis=1),
-        helper.make_node("Flatten", ["pooled4d"], ["pooled"], axis=1),
-        helper.make_node("Gemm", ["pooled", "fc.weight", "fc.bias"], ["logits"], transB=1),
-        helper.make_node("Softmax", ["logits"], ["scores"], axis=1),
-    ]
-    graph = helper.make_graph(
-        nodes,
+        j = i // 3
+        current = g.conv(f"conv{j}", current, modules[i], modules[i + 1], relu=f"relu{j}")
+    g.const("fc.weight", net.fc.weight.detach().numpy())
+    g.const("fc.bias", net.fc.bias.detach().numpy())
+    g.node("GlobalMaxPool", [current], ["gmp"])
+    g.node("GlobalAveragePool", [current], ["gap"])
+    g.node("Concat", ["gmp", "gap"], ["pooled4d"], axis=1)
+    g.node("Flatten", ["pooled4d"], ["pooled"], axis=1)
+    g.node("Gemm", ["pooled", "fc.weight", "fc.bias"], ["logits"], transB=1)
+    g.node("Softmax", ["logits"], ["scores"], axis=1)
+    return g.finish(
         NAME,
-        [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, INPUT_H, INPUT_W])],
-        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["batch", len(synth.LABELS)])],
-        initializer=inits,
+        [("image", ["batch", 3, INPUT_H, INPUT_W])],
+        [("scores", ["batch", len(synth.LABELS)])],
+        opset=OPSET,
+        producer="sluicegate models/build_defect.py",
+        version=VERSION,
+        doc=f"Synthetic surface defect classifier {NAME}, seed {seed}.",
     )
-    model = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", OPSET)],
-        producer_name="sluicegate models/build_defect.py",
-        producer_version=VERSION,
-        doc_string=f"Synthetic surface defect classifier {NAME}, seed {seed}.",
-    )
-    model.ir_version = 8  # what opset 17 needs; keeps the file loadable by older runtimes
-    checker.check_model(model, full_check=True)
-    return bytes(model.SerializeToString(deterministic=True))
 
 
 def verify_against_torch(net: Net, onnx_bytes: bytes, x: npt.NDArray[np.float32]) -> float:
