@@ -77,7 +77,7 @@ def cpu_ticks() -> tuple[int, int]:
 
 def one_run(
     redis_port: int, db: int, offload: bool, args: argparse.Namespace
-) -> tuple[Tally, dict[str, Any]]:
+) -> tuple[Tally, dict[str, Any], float]:
     env = {} if offload else {"SLUICEGATE_OFFLOAD__ENABLED": "false"}
     with tempfile.TemporaryDirectory(prefix="sg-burst-") as tmp:
         campus = LocalCampus(
@@ -108,15 +108,14 @@ def one_run(
                 )
                 edges = edge_predictions(campus.http_port)
                 after = cpu_ticks()
-                edges["_cpu_busy"] = (after[0] - before[0]) / max(after[1] - before[1], 1)
+                cpu_busy = (after[0] - before[0]) / max(after[1] - before[1], 1)
             finally:
                 campus.stop()
-        return tally, edges
+        return tally, edges, cpu_busy
 
 
-def summary(run: tuple[Tally, dict[str, Any]]) -> dict[str, Any]:
-    t, edges = run
-    cpu_busy = edges.pop("_cpu_busy")
+def summary(run: tuple[Tally, dict[str, Any], float]) -> dict[str, Any]:
+    t, edges, cpu_busy = run
     lat = list(t.latencies_ms)
     answered = max(t.answered, 1)
     return {
