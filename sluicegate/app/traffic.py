@@ -131,7 +131,6 @@ class Tally:
     kept_local: Counter[str] = field(default_factory=Counter)  # offload refusal codes
     by_kind: dict[str, PerKind] = field(default_factory=lambda: {k.name: PerKind() for k in KINDS})
     in_time: int = 0
-    correct: int = 0
     wafer_offsite: int = 0
     unmatched: int = 0  # results that matched no waiting call (late or duplicate)
     latencies_ms: deque[float] = field(default_factory=lambda: deque(maxlen=20000))
@@ -139,7 +138,6 @@ class Tally:
         default_factory=lambda: {k.name: deque(maxlen=3) for k in KINDS}
     )
     errors: Counter[str] = field(default_factory=Counter)
-    started: float = field(default_factory=time.monotonic)
     phase: str = "steady"
 
     @property
@@ -167,7 +165,6 @@ class Tally:
         if result.outputs is not None:
             kind.ok += 1
             kind.right += right
-            self.correct += right
         outputs = result.outputs
         found = sample.found(outputs) if outputs is not None else result.code or "?"
         where = result.ran_on.node
@@ -223,7 +220,7 @@ async def stream(
     for c in clients.values():
         await c.connect()
     try:
-        tally.started = start = time.monotonic()
+        start = time.monotonic()
         due = dict.fromkeys(LINES, start)
         end = start + seconds if seconds > 0 else float("inf")
         while not stop.is_set() and time.monotonic() < end:
