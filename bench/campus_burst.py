@@ -16,7 +16,9 @@ run first times the models on each kind of node, the edges' under that cap
 gives the nodes the figures as their service-time priors. Attainment
 counts jobs answered ``ok`` within their deadline of submission, as the vision app sees it;
 it is given overall and per kind of job. ``cpu`` is how busy the machine's cores were while
-the run streamed: every node, Mosquitto, Redis and the apps share them.
+the run streamed: every node, Mosquitto, Redis and the apps share them; ``CPU per job`` is
+what each part of the campus spent while the run streamed (``/proc``), per job answered,
+and how many cores the burst's arrival rate needs at that cost.
 
     .venv/bin/python bench/campus_burst.py                 # about 100 s on 2 cores
     .venv/bin/python bench/campus_burst.py --rounds 3 --rate 10 --burst 10
@@ -40,8 +42,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from sluicegate.app.campus import LINES  # noqa: E402
 from sluicegate.app.demo import EDGE_CPU  # noqa: E402
 from sluicegate.app.localcampus import (  # noqa: E402
+    ROLE,
     LocalCampus,
     cpu_cap_available,
     start_campus_mosquitto,
@@ -75,9 +79,27 @@ def cpu_ticks() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
+def cpu_s(pid: int) -> float:
+    """User and system CPU seconds process ``pid`` (all its threads) has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_by_role(campus: LocalCampus, servers: list[int]) -> dict[str, float]:
+    """CPU seconds used so far by the campus's parts: its nodes by role, the vision apps
+    (this process), and Mosquitto with Redis."""
+    used: dict[str, float] = dict.fromkeys(("edge", "broker", "pool"), 0.0)
+    for node, proc in campus.processes.items():
+        used[ROLE[node]] += cpu_s(proc.pid)
+    times = os.times()
+    used["apps"] = times.user + times.system
+    used["servers"] = sum(cpu_s(pid) for pid in servers)
+    return used
+
+
 def one_run(
-    redis_port: int, db: int, offload: bool, args: argparse.Namespace
-) -> tuple[Tally, dict[str, Any], float]:
+    redis_port: int, redis_pid: int, db: int, offload: bool, args: argparse.Namespace
+) -> tuple[Tally, dict[str, Any], float, dict[str, float]]:
     env = {} if offload else {"SLUICEGATE_OFFLOAD__ENABLED": "false"}
     with tempfile.TemporaryDirectory(prefix="sg-burst-") as tmp:
         campus = LocalCampus(
@@ -89,10 +111,11 @@ def one_run(
         )
         files = campus.write()
         campus.calibrate()
-        with running(start_campus_mosquitto(files)):
+        with running(start_campus_mosquitto(files)) as mosquitto:
             campus.start()
             tally = Tally()
-            before = cpu_ticks()
+            servers = [mosquitto.process.pid, redis_pid]
+            before, used_before = cpu_ticks(), cpu_by_role(campus, servers)
             try:
                 asyncio.run(
                     stream(
@@ -107,15 +130,17 @@ def one_run(
                     )
                 )
                 edges = edge_predictions(campus.http_port)
-                after = cpu_ticks()
+                after, used_after = cpu_ticks(), cpu_by_role(campus, servers)
                 cpu_busy = (after[0] - before[0]) / max(after[1] - before[1], 1)
             finally:
                 campus.stop()
-        return tally, edges, cpu_busy
+        jobs = max(tally.answered, 1)
+        per_job = {k: 1000.0 * (used_after[k] - used_before[k]) / jobs for k in used_after}
+        return tally, edges, cpu_busy, per_job
 
 
-def summary(run: tuple[Tally, dict[str, Any], float]) -> dict[str, Any]:
-    t, edges, cpu_busy = run
+def summary(run: tuple[Tally, dict[str, Any], float, dict[str, float]]) -> dict[str, Any]:
+    t, edges, cpu_busy, per_job = run
     lat = list(t.latencies_ms)
     answered = max(t.answered, 1)
     return {
@@ -139,6 +164,7 @@ def summary(run: tuple[Tally, dict[str, Any], float]) -> dict[str, Any]:
         "where": dict(t.where),
         "edges": edges,
         "cpu_busy": cpu_busy,
+        "cpu_ms_per_job": per_job,
     }
 
 
@@ -167,8 +193,9 @@ def main() -> None:
     subject, baseline = [], []
     with running(start_redis()) as redis:
         for r in range(args.rounds):
-            baseline.append(summary(one_run(redis.port, 2 * r, False, args)))
-            subject.append(summary(one_run(redis.port, 2 * r + 1, True, args)))
+            pid = redis.process.pid
+            baseline.append(summary(one_run(redis.port, pid, 2 * r, False, args)))
+            subject.append(summary(one_run(redis.port, pid, 2 * r + 1, True, args)))
     print(
         f"campus burst: {args.rate:g}/s per line, line 1 at 10x for {args.burst:g} s in volleys "
         f"of 20, one image in {args.label_every or 'none'} a label, edges capped at "
@@ -198,6 +225,14 @@ def main() -> None:
                     f"{p['p90_ms']:.1f} bias {p['bias_ms']:+.1f} ms over {p['n']} jobs run "
                     f"here; rescued {seen['rescues']}"
                 )
+            cost = s["cpu_ms_per_job"]
+            burst_rate = args.rate * (10 + len(LINES) - 1)
+            print(
+                f"{'':24}  CPU per job: "
+                + ", ".join(f"{k} {v:.1f}" for k, v in cost.items())
+                + f" = {sum(cost.values()):.1f} ms; the burst's {burst_rate:g} jobs/s need "
+                f"{sum(cost.values()) * burst_rate / 1000:.2f} of the {os.cpu_count()} cores"
+            )
     att_s = float(np.median([s["attainment"] for s in subject]))
     att_b = float(np.median([s["attainment"] for s in baseline]))
     result = {
