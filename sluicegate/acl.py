@@ -5,8 +5,8 @@ certificate (``use_identity_as_username``), which is also its client id
 (``use_username_as_clientid``). Rights come in two layers:
 
 - **Own topics, for every authenticated user** (``pattern`` lines, ``%u`` = its username):
-  a node may write only the topics that carry its own id (telemetry, status, capabilities,
-  placement requests and releases, completions) and read its own inbox and the policy;
+  a node may write only the topics that carry its own id (telemetry, job records, status,
+  capabilities, placement requests and releases, completions) and read its own inbox and the policy;
   its probe topic it may both write and read (``sluicegate doctor``'s round trips). So
   a node the policy does not list yet can still ask, and be refused by name, but can speak
   for no one else.
@@ -15,8 +15,9 @@ certificate (``use_identity_as_username``), which is also its client id
   work only to workers in zones some data class from its zone may reach, and answers only
   on the response topics of the apps that may submit to it; an app submits only to its
   edges; a broker replica reads requests and telemetry (never a work topic: no images),
-  answers edges and publishes the retained policy. Observers (monitoring) read status and
-  telemetry only.
+  answers edges and publishes the retained policy. Observers (monitoring, the twin's
+  recorder) read status, telemetry, the edges' job records, the workers' completions and
+  the policy: never an image, a result or a token.
 
 Anonymous clients get nothing (the Mosquitto configuration sets ``allow_anonymous false``).
 Every topic comes from ``sluicegate.topics``; none is spelled here. Pure: returns text.
@@ -50,6 +51,7 @@ def own_topics() -> list[Rule]:
     """What every authenticated node may do under its own id."""
     return [
         ("write", topics.edge_telemetry(SELF)),
+        ("write", topics.edge_trace(SELF)),
         ("write", topics.edge_status(SELF)),
         ("read", topics.edge_inbox(SELF)),
         ("write", topics.placement_request(SELF)),
@@ -153,17 +155,22 @@ def broker_users(policy: Policy) -> list[UserRules]:
 
 
 def observer_users(names: Iterable[str]) -> list[UserRules]:
+    # What the digital twin's recorder reads: no image, no model output, no token.
     reads = [
         topics.edge_status_all(),
         topics.edge_telemetry_all(),
+        topics.edge_trace_all(),
         topics.worker_all("telemetry"),
         topics.worker_all("status"),
         topics.worker_all("capabilities"),
+        topics.completions_all(),
+        topics.policy(),
     ]
     return [
         UserRules(
             name,
-            "observer (monitoring): status and telemetry, read only",
+            "observer (monitoring, the twin's recorder): status, telemetry, job records, "
+            "completions and the policy, read only",
             tuple(("read", topic) for topic in reads),
         )
         for name in sorted(set(names))

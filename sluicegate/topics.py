@@ -58,6 +58,17 @@ def edge_telemetry(edge_id: str) -> str:
     return f"{ROOT}/edge/{edge_id}/telemetry"
 
 
+def edge_trace(edge_id: str) -> str:
+    """Where an edge agent publishes the records of the jobs it concluded since its last
+    telemetry, for the digital twin's recorder (QoS 0, only when there are some)."""
+    return f"{ROOT}/edge/{edge_id}/trace"
+
+
+def edge_trace_all() -> str:
+    """Subscription filter for every edge agent's job records."""
+    return f"{ROOT}/edge/+/trace"
+
+
 def edge_status(edge_id: str) -> str:
     """Retained online/offline status of an edge agent; its Last Will says offline."""
     return f"{ROOT}/edge/{edge_id}/status"

@@ -102,6 +102,27 @@ def test_brokers_read_requests_and_telemetry_but_never_a_work_topic() -> None:
     assert not any("/pool/" in r or "results" in r for r in ops)
 
 
+def test_observers_read_what_the_twins_recorder_needs_and_write_nothing() -> None:
+    text = render_acl(POLICY, observers=("ops",))
+    for topic in (
+        topics.edge_trace("north-l1-pc"),
+        topics.edge_telemetry("north-l1-pc"),
+        topics.worker_capabilities("north-gpu-1"),
+        topics.completion("north-gpu-1"),
+        topics.policy(),
+    ):
+        assert allows(text, "ops", "read", topic), topic
+    for topic in (
+        topics.edge_trace("north-l1-pc"),
+        topics.completion("north-gpu-1"),
+        topics.pool_work(NORTH_DC, "north-gpu-1", "north-l1-pc"),
+        topics.edge_returns("north-l1-pc", "north-gpu-1"),
+    ):
+        assert not allows(text, "ops", "write", topic), topic
+    assert not allows(text, "ops", "read", topics.pool_work(NORTH_DC, "north-gpu-1", "x"))
+    assert not allows(text, "ops", "read", topics.edge_returns("north-l1-pc", "north-gpu-1"))
+
+
 # Every topic function, with who writes it in the example policy and who reads it. A topic
 # function added to sluicegate.topics without a row here fails the coverage test below.
 FLOWS: dict[str, list[tuple[str, str, str]]] = {
@@ -109,6 +130,10 @@ FLOWS: dict[str, list[tuple[str, str, str]]] = {
     "edge_telemetry": [
         ("north-l1-pc", "write", topics.edge_telemetry("north-l1-pc")),
         ("broker-1", "read", topics.edge_telemetry("north-l1-pc")),
+    ],
+    "edge_trace": [
+        ("north-l1-pc", "write", topics.edge_trace("north-l1-pc")),
+        ("ops", "read", topics.edge_trace("north-l1-pc")),
     ],
     "edge_status": [
         ("north-l1-pc", "write", topics.edge_status("north-l1-pc")),
@@ -186,7 +211,7 @@ def test_every_topic_of_the_topics_module_has_its_flows_in_the_acl() -> None:
         and not name.endswith(("_all", "_shared", "_inbox"))
     }
     assert functions == set(FLOWS), "add the new topic's writer and reader to FLOWS"
-    text = render_acl(POLICY)
+    text = render_acl(POLICY, observers=("ops",))
     for name, flows in FLOWS.items():
         for user, access, topic in flows:
             assert allows(text, user, access, topic), f"{name}: {user} may not {access} {topic}"
@@ -196,6 +221,8 @@ def test_every_topic_of_the_topics_module_has_its_flows_in_the_acl() -> None:
     ("user", "access", "topic"),
     [
         ("north-l1-pc", "write", topics.edge_telemetry("north-l2-pc")),
+        ("north-l1-pc", "write", topics.edge_trace("north-l2-pc")),
+        ("north-l1-pc", "read", topics.edge_trace("north-l2-pc")),
         ("north-l1-pc", "write", topics.placement_request("north-l2-pc")),
         ("north-l1-pc", "write", topics.placement_release("north-l2-pc")),
         ("north-l1-pc", "write", topics.pool_work(NORTH_DC, "north-gpu-1", "north-l2-pc")),
