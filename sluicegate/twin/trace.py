@@ -32,7 +32,7 @@ from policies.loader import parse_canonical, parse_policy
 from policies.model import Policy
 from sluicegate.errors import SluicegateError
 
-FORMAT = "sluicegate-trace/1"
+FORMAT: Literal["sluicegate-trace/1"] = "sluicegate-trace/1"
 Status = Literal["ok", "rejected", "failed", "expired"]
 
 
@@ -100,11 +100,11 @@ class JobRecord(_Record):
     priority: int = Field(5, ge=0, le=9)
     deadline_ms: float | None = Field(None, gt=0.0)
     bytes: int = Field(ge=0)
-    # The outcome.
-    status: Status
+    # The outcome (None where it was not observed: a synthetic trace holds arrivals only).
+    status: Status | None = None
     ran_on: str | None = None  # the node that ran it (None: it never ran)
     offloaded: bool = False
-    latency_ms: float = Field(ge=0.0)  # arrival at the edge to its result leaving the edge
+    latency_ms: float = Field(0.0, ge=0.0)  # arrival at the edge to its result leaving the edge
     queue_ms: float = Field(0.0, ge=0.0)  # waiting on the node that ran it
     service_ms: float = Field(0.0, ge=0.0)  # computing there (decode, preprocess, its batch)
     batch: int = Field(1, ge=1)  # jobs in the batch it ran in
