@@ -25,158 +25,36 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import math
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from broker.core.fleet import Fleet
 from broker.core.params import FleetParams, PlacementParams
 from broker.core.placement import Placed, decide
-from center_pool.batching import BatchQueue
 from center_pool.batching import Entry as Waiting
 from center_pool.hardware import Sample
-from center_pool.reporting import ServiceStats
 from center_pool.reporting import telemetry as worker_telemetry
 from edge_agent import rules
-from edge_agent.load import JobQueue, ServiceTimes
 from policies.evaluate import allowed
-from policies.model import Policy
-from sluicegate.config import PoolSettings
-from sluicegate.twin.draws import DEFAULT_SERVICE_MS, Draws
-from sluicegate.twin.trace import EdgeSpec, JobRecord, Trace, WorkerSpec, policy_of
-from sluicegate.wire_pool import Completion, ModelCapability, PlacementRequest, WorkerCapabilities
+from sluicegate.twin.draws import Draws
+from sluicegate.twin.nodes import (
+    MAX_ATTEMPTS,
+    NOTICE_S,
+    RESULT_TIMEOUT_S,
+    SHA,
+    STRATEGIES,
+    Change,
+    Job,
+    Outcome,
+    Result,
+    SimEdge,
+    SimWorker,
+)
+from sluicegate.twin.trace import JobRecord, Trace, policy_of
+from sluicegate.wire_pool import Completion, PlacementRequest
 
-Strategy = Literal["ours", "edge-only", "round-robin", "least-loaded"]
-STRATEGIES: tuple[Strategy, ...] = ("ours", "edge-only", "round-robin", "least-loaded")
-SHA = "0123456789abcdef" * 4  # payload digest of every replayed request: no image here
-MAX_ATTEMPTS, RESULT_TIMEOUT_S, NOTICE_S = 4, 3.0, 0.005
-
-
-@dataclass(frozen=True)
-class Change:
-    """What a candidate changes against the trace as recorded (nothing, by default)."""
-
-    policy: Policy | None = None
-    params: PlacementParams | None = None
-    add: tuple[WorkerSpec, ...] = ()
-    remove: tuple[str, ...] = ()
-    degrade: tuple[tuple[str, float], ...] = ()  # (worker, factor on its service times)
-    burst: int = 1  # each arrival this many times, spread over the gap to the next one
-    fail: tuple[tuple[str, float], ...] = ()  # (worker, seconds into the trace) it is lost
-    strategy: Strategy = "ours"
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """One replayed job, as the vision app would have seen it."""
-
-    edge: str
-    job_id: str
-    data_class: str
-    model: str
-    at: float  # arrival, s into the trace
-    status: str
-    where: str | None  # the node that ran it
-    offloaded: bool
-    latency_ms: float
-    in_time: bool
-    code: str | None
-
-
-@dataclass(frozen=True)
-class Result:
-    """What a replay produced."""
-
-    outcomes: tuple[Outcome, ...]
-    refusals: dict[str, int]  # placement refusals by code
-    violations: int  # placements the run's policy forbids (always 0 for ``ours``)
-    zones: dict[str, dict[str, int]]  # data class -> zone it ran in -> jobs
-    depth: dict[str, tuple[tuple[float, int], ...]]  # node -> (s, jobs held) per interval
-    busy_s: dict[str, float]  # worker -> seconds of its slots spent computing
-    slots: dict[str, int]  # worker -> its compute slots
-    duration_s: float
-    draws: dict[str, int]
-
-
-@dataclass(eq=False)
-class _Job:
-    rec: JobRecord
-    job_id: str
-    at: float  # absolute, on the virtual clock
-    deadline: float | None
-    origin: str
-    phase: str = "new"  # new, offering, offloaded, done
-    local: str | None = None  # None, "queued" or "running" on its edge
-    attempt: int = 0
-    worker: str | None = None
-    back_s: float = 0.0  # the way back from the current attempt's worker
-    code: str | None = None
-    predicted: float = 0.0
-
-
-class _Edge:
-    def __init__(self, spec: EdgeSpec) -> None:
-        self.spec = spec
-        self.queue: JobQueue[_Job] = JobQueue(spec.queue_size, _queue_key)
-        self.running = 0
-        self.ahead: Counter[str] = Counter()
-        self.times = ServiceTimes(0.2)
-        for model, ms in spec.service_ms.items():
-            self.times.seed(model, ms / 1000.0)
-
-    def estimate(self, model: str) -> float:
-        return self.times.estimate(model) or DEFAULT_SERVICE_MS / 1000.0
-
-    @property
-    def held(self) -> int:
-        return sum(self.ahead.values())
-
-
-def _queue_key(job: _Job) -> tuple[int, float]:
-    return (-job.rec.priority, job.deadline if job.deadline is not None else math.inf)
-
-
-class _Worker:
-    def __init__(self, spec: WorkerSpec, factor: float) -> None:
-        self.spec = spec
-        self.settings = PoolSettings(
-            id=spec.id,
-            zone=spec.zone,
-            device_class=spec.device_class,
-            max_batch=spec.max_batch,
-            concurrency=spec.concurrency,
-            queue_size=max(1, spec.capacity - spec.concurrency * spec.max_batch),
-        )
-        self.queue: BatchQueue[tuple[_Job, int]] = BatchQueue(
-            max_batch=spec.max_batch,
-            window_s=spec.batch_window_ms / 1000.0,
-            capacity=self.settings.queue_size,
-        )
-        self.factor = factor
-        self.alive = True
-        self.running = 0  # batches
-        self.in_flight: Counter[str] = Counter()  # jobs running, by model
-        self.stats = ServiceStats()
-        for model, ms in spec.service_ms.items():
-            self.stats.seed(model, ms, ms)
-        self.busy_s = 0.0
-        self.busy_tick = 0.0
-        self.timer: float | None = None
-
-    def capabilities(self) -> WorkerCapabilities:
-        s = self.spec
-        return WorkerCapabilities(
-            worker_id=s.id,
-            zone=s.zone,
-            device_class=s.device_class,
-            providers=s.providers,
-            memory_total_mb=s.memory_total_mb,
-            models={m: ModelCapability(version="1", sha256=sha) for m, sha in s.models.items()},
-            max_batch=s.max_batch,
-            concurrency=s.concurrency,
-        )
+__all__ = ["STRATEGIES", "Change", "Outcome", "Result", "Simulation", "digest_of", "replay"]
 
 
 class Simulation:
@@ -193,8 +71,8 @@ class Simulation:
         self.draws = Draws(trace, self.params, seed)
         factors = dict(change.degrade)
         specs = [w for w in header.workers if w.id not in change.remove] + list(change.add)
-        self.workers = {w.id: _Worker(w, factors.get(w.id, 1.0)) for w in specs}
-        self.edges = {e.id: _Edge(e) for e in header.edges}
+        self.workers = {w.id: SimWorker(w, factors.get(w.id, 1.0)) for w in specs}
+        self.edges = {e.id: SimEdge(e) for e in header.edges}
         self.fleet = Fleet(FleetParams(forecast_horizon_s=3.0 * self.interval), None, self.policy)
         self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = 0
@@ -216,11 +94,11 @@ class Simulation:
         self._seq += 1
         heapq.heappush(self._heap, (when, self._seq, fn, args))
 
-    def _expand(self, jobs: tuple[JobRecord, ...], burst: int) -> list[_Job]:
+    def _expand(self, jobs: tuple[JobRecord, ...], burst: int) -> list[Job]:
         by_edge: dict[str, list[JobRecord]] = {}
         for rec in jobs:
             by_edge.setdefault(rec.edge, []).append(rec)
-        out: list[_Job] = []
+        out: list[Job] = []
         for recs in by_edge.values():
             for i, rec in enumerate(recs):
                 gap = min(1.0, recs[i + 1].at - rec.at) if i + 1 < len(recs) else 0.0
@@ -229,7 +107,7 @@ class Simulation:
                     deadline = at + rec.deadline_ms / 1000.0 if rec.deadline_ms else None
                     job_id = rec.job_id if copy == 0 else f"{rec.job_id}#{copy}"
                     origin = self.edges[rec.edge].spec.zone
-                    out.append(_Job(rec, job_id, at, deadline, origin))
+                    out.append(Job(rec, job_id, at, deadline, origin))
         out.sort(key=lambda j: (j.at, j.job_id))
         return out
 
@@ -290,7 +168,7 @@ class Simulation:
 
     # -- the edge --------------------------------------------------------------------------
 
-    def _outlook(self, edge: _Edge, now: float) -> rules.Outlook:
+    def _outlook(self, edge: SimEdge, now: float) -> rules.Outlook:
         ahead = rules.work_ahead(edge.ahead, edge.estimate)
         return rules.Outlook(
             edge_id=edge.spec.id,
@@ -303,12 +181,12 @@ class Simulation:
             result_timeout_s=RESULT_TIMEOUT_S,
         )
 
-    def _predict(self, edge: _Edge, job: _Job, now: float) -> rules.Outlook:
+    def _predict(self, edge: SimEdge, job: Job, now: float) -> rules.Outlook:
         outlook = self._outlook(edge, now)
         done = outlook.predicted_done + edge.estimate(job.rec.model)
         return outlook._replace(predicted_done=done)
 
-    def _arrive(self, now: float, job: _Job) -> None:
+    def _arrive(self, now: float, job: Job) -> None:
         edge = self.edges[job.rec.edge]
         spec = edge.spec
         if not rules.has_room(edge.held, queue_size=spec.queue_size, concurrency=spec.concurrency):
@@ -322,19 +200,19 @@ class Simulation:
         else:
             self._offer(now, job, reason)
 
-    def _enqueue(self, now: float, job: _Job) -> None:
+    def _enqueue(self, now: float, job: Job) -> None:
         edge = self.edges[job.rec.edge]
         job.local = "queued"
         edge.ahead[job.rec.model] += 1
         edge.queue.push(job, force=True)
         self._pump(now, edge)
 
-    def _leave_local(self, job: _Job) -> None:
+    def _leave_local(self, job: Job) -> None:
         if job.local is not None:
             self.edges[job.rec.edge].ahead[job.rec.model] -= 1
             job.local = None
 
-    def _pump(self, now: float, edge: _Edge) -> None:
+    def _pump(self, now: float, edge: SimEdge) -> None:
         while edge.running < edge.spec.concurrency and len(edge.queue):
             job = edge.queue.pop()
             if job.local != "queued":
@@ -347,7 +225,7 @@ class Simulation:
             seconds = self.draws.edge_ms(edge.spec.id, job.rec.model) / 1000.0
             self._at(now + seconds, self._ran_here, edge, job, seconds)
 
-    def _ran_here(self, now: float, edge: _Edge, job: _Job, seconds: float) -> None:
+    def _ran_here(self, now: float, edge: SimEdge, job: Job, seconds: float) -> None:
         edge.running -= 1
         edge.times.observe(job.rec.model, seconds)
         self._leave_local(job)
@@ -358,7 +236,7 @@ class Simulation:
     def _conclude(
         self,
         now: float,
-        job: _Job,
+        job: Job,
         status: str,
         where: str | None,
         code: str | None,
@@ -395,7 +273,7 @@ class Simulation:
 
     # -- offers and the broker -------------------------------------------------------------
 
-    def _offer(self, now: float, job: _Job, reason: str) -> None:
+    def _offer(self, now: float, job: Job, reason: str) -> None:
         job.phase = "offering"
         if self.change.strategy == "ours":
             worker, code = self._decide_ours(now, job, reason)
@@ -411,7 +289,9 @@ class Simulation:
         self.fleet.reserve(worker.spec.id, job.job_id, now)
         self._send(now, job, worker)
 
-    def _decide_ours(self, now: float, job: _Job, reason: str) -> tuple[_Worker | None, str | None]:
+    def _decide_ours(
+        self, now: float, job: Job, reason: str
+    ) -> tuple[SimWorker | None, str | None]:
         rec = job.rec
         sha = rec.sha256 if rec.sha256 and len(rec.sha256) == 64 else None
         request = PlacementRequest(
@@ -434,7 +314,7 @@ class Simulation:
             return self.workers[decision.worker_id], None
         return None, decision.code
 
-    def _eligible(self, job: _Job) -> list[_Worker]:
+    def _eligible(self, job: Job) -> list[SimWorker]:
         rec = job.rec
         out = []
         for w in self.workers.values():
@@ -449,7 +329,7 @@ class Simulation:
                 out.append(w)
         return out
 
-    def _decide_other(self, job: _Job) -> tuple[_Worker | None, str | None]:
+    def _decide_other(self, job: Job) -> tuple[SimWorker | None, str | None]:
         """Round-robin or least-loaded over the workers the policy allows and the fleet
         shows with room (the baselines a placement strategy is compared with)."""
         eligible = self._eligible(job)
@@ -460,7 +340,7 @@ class Simulation:
             self._turn[job.rec.model] += 1
             return eligible[turn % len(eligible)], None
 
-        def load(w: _Worker) -> float:
+        def load(w: SimWorker) -> float:
             state = self.fleet.state(w.spec.id)
             s = state.latest if state is not None else None
             assert s is not None  # _eligible kept only workers with a sample
@@ -468,7 +348,7 @@ class Simulation:
 
         return min(eligible, key=load), None
 
-    def _send(self, now: float, job: _Job, worker: _Worker) -> None:
+    def _send(self, now: float, job: Job, worker: SimWorker) -> None:
         job.phase, job.worker = "offloaded", worker.spec.id
         job.attempt += 1
         outside = self.draws.outside_ms(job.origin, worker.spec.zone, job.rec.bytes) / 1000.0
@@ -485,10 +365,10 @@ class Simulation:
         if rescue is not None:
             self._at(rescue, self._rescue, job, job.attempt)
 
-    def _current(self, job: _Job, attempt: int) -> bool:
+    def _current(self, job: Job, attempt: int) -> bool:
         return job.phase == "offloaded" and job.attempt == attempt
 
-    def _overdue(self, now: float, job: _Job, attempt: int) -> None:
+    def _overdue(self, now: float, job: Job, attempt: int) -> None:
         if not self._current(job, attempt):
             return
         if rules.expiry_reason(job.deadline, now) is not None:
@@ -497,7 +377,7 @@ class Simulation:
         self.fleet.release(job.job_id)
         self._retry(now, job, attempt)
 
-    def _retry(self, now: float, job: _Job, attempt: int) -> None:
+    def _retry(self, now: float, job: Job, attempt: int) -> None:
         edge = self.edges[job.rec.edge]
         if job.local is not None:
             job.phase = "new"  # already waiting or running here (rescued)
@@ -509,16 +389,16 @@ class Simulation:
         else:
             self._offer(now, job, why)
 
-    def _rescue(self, now: float, job: _Job, attempt: int) -> None:
+    def _rescue(self, now: float, job: Job, attempt: int) -> None:
         if self._current(job, attempt) and job.local is None:
             self._enqueue(now, job)
 
-    def _returned(self, now: float, job: _Job, attempt: int, status: str, where: str) -> None:
+    def _returned(self, now: float, job: Job, attempt: int, status: str, where: str) -> None:
         if not self._current(job, attempt) or job.local == "running":
             return  # a stale attempt, or its rescue already runs here: dropped (fencing)
         self._conclude(now, job, status, where if status == "ok" else None, None)
 
-    def _refused_back(self, now: float, job: _Job, attempt: int) -> None:
+    def _refused_back(self, now: float, job: Job, attempt: int) -> None:
         if self._current(job, attempt):
             self._refusals["queue_full"] += 1
             job.code = "queue_full"
@@ -526,7 +406,7 @@ class Simulation:
 
     # -- the workers -----------------------------------------------------------------------
 
-    def _reach(self, now: float, worker: _Worker, job: _Job, attempt: int) -> None:
+    def _reach(self, now: float, worker: SimWorker, job: Job, attempt: int) -> None:
         if not worker.alive:
             return  # the broker's notice of the loss moves the job on
         estimate = worker.stats.batch_estimate_s(job.rec.model)
@@ -539,7 +419,7 @@ class Simulation:
             return
         self._dispatch(now, worker)
 
-    def _dispatch(self, now: float, worker: _Worker) -> None:
+    def _dispatch(self, now: float, worker: SimWorker) -> None:
         if worker.timer is not None and worker.timer <= now:
             worker.timer = None
         while worker.running < worker.spec.concurrency:
@@ -572,9 +452,9 @@ class Simulation:
     def _batch_done(
         self,
         now: float,
-        worker: _Worker,
+        worker: SimWorker,
         model: str,
-        live: list[tuple[_Job, int]],
+        live: list[tuple[Job, int]],
         ms: float,
         started: float,
     ) -> None:
@@ -602,7 +482,7 @@ class Simulation:
             self._at(now + job.back_s, self._returned, job, attempt, "ok", worker.spec.id)
         self._dispatch(now, worker)
 
-    def _lose(self, now: float, worker: _Worker) -> None:
+    def _lose(self, now: float, worker: SimWorker) -> None:
         """The worker dies: what it held is gone; the broker hears its Last Will and tells
         the edges of the jobs placed there, which offer them again or run them."""
         worker.alive = False
@@ -611,7 +491,7 @@ class Simulation:
             if job.phase == "offloaded" and job.worker == worker.spec.id:
                 self._at(now + NOTICE_S, self._lost, job, job.attempt)
 
-    def _lost(self, now: float, job: _Job, attempt: int) -> None:
+    def _lost(self, now: float, job: Job, attempt: int) -> None:
         if self._current(job, attempt):
             self._retry(now, job, attempt)
 

@@ -1,0 +1,156 @@
+"""The replay's parts: what a candidate changes, the simulated edges, workers and jobs,
+and what a replay produces.
+
+Plain state, no decisions: :mod:`sluicegate.twin.sim` moves jobs between these with the
+production functions. An edge holds the agent's own ``JobQueue`` (its order) and
+``ServiceTimes`` (its estimates, seeded from the node's figures); a worker the worker's
+``BatchQueue`` and ``ServiceStats`` and its ``PoolSettings``, from which the worker's own
+telemetry builder reports it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Literal
+
+from broker.core.params import PlacementParams
+from center_pool.batching import BatchQueue
+from center_pool.reporting import ServiceStats
+from edge_agent.load import JobQueue, ServiceTimes
+from policies.model import Policy
+from sluicegate.config import PoolSettings
+from sluicegate.twin.draws import DEFAULT_SERVICE_MS
+from sluicegate.twin.trace import EdgeSpec, JobRecord, WorkerSpec
+from sluicegate.wire_pool import ModelCapability, WorkerCapabilities
+
+Strategy = Literal["ours", "edge-only", "round-robin", "least-loaded"]
+STRATEGIES: tuple[Strategy, ...] = ("ours", "edge-only", "round-robin", "least-loaded")
+SHA = "0123456789abcdef" * 4  # payload digest of every replayed request: no image here
+MAX_ATTEMPTS, RESULT_TIMEOUT_S, NOTICE_S = 4, 3.0, 0.005
+
+
+@dataclass(frozen=True)
+class Change:
+    """What a candidate changes against the trace as recorded (nothing, by default)."""
+
+    policy: Policy | None = None
+    params: PlacementParams | None = None
+    add: tuple[WorkerSpec, ...] = ()
+    remove: tuple[str, ...] = ()
+    degrade: tuple[tuple[str, float], ...] = ()  # (worker, factor on its service times)
+    burst: int = 1  # each arrival this many times, spread over the gap to the next one
+    fail: tuple[tuple[str, float], ...] = ()  # (worker, seconds into the trace) it is lost
+    strategy: Strategy = "ours"
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One replayed job, as the vision app would have seen it."""
+
+    edge: str
+    job_id: str
+    data_class: str
+    model: str
+    at: float  # arrival, s into the trace
+    status: str
+    where: str | None  # the node that ran it
+    offloaded: bool
+    latency_ms: float
+    in_time: bool
+    code: str | None
+
+
+@dataclass(frozen=True)
+class Result:
+    """What a replay produced."""
+
+    outcomes: tuple[Outcome, ...]
+    refusals: dict[str, int]  # placement refusals by code
+    violations: int  # placements the run's policy forbids (always 0 for ``ours``)
+    zones: dict[str, dict[str, int]]  # data class -> zone it ran in -> jobs
+    depth: dict[str, tuple[tuple[float, int], ...]]  # node -> (s, jobs held) per interval
+    busy_s: dict[str, float]  # worker -> seconds of its slots spent computing
+    slots: dict[str, int]  # worker -> its compute slots
+    duration_s: float
+    draws: dict[str, int]
+
+
+@dataclass(eq=False)
+class Job:
+    rec: JobRecord
+    job_id: str
+    at: float  # absolute, on the virtual clock
+    deadline: float | None
+    origin: str
+    phase: str = "new"  # new, offering, offloaded, done
+    local: str | None = None  # None, "queued" or "running" on its edge
+    attempt: int = 0
+    worker: str | None = None
+    back_s: float = 0.0  # the way back from the current attempt's worker
+    code: str | None = None
+    predicted: float = 0.0
+
+
+class SimEdge:
+    def __init__(self, spec: EdgeSpec) -> None:
+        self.spec = spec
+        self.queue: JobQueue[Job] = JobQueue(spec.queue_size, queue_key)
+        self.running = 0
+        self.ahead: Counter[str] = Counter()
+        self.times = ServiceTimes(0.2)
+        for model, ms in spec.service_ms.items():
+            self.times.seed(model, ms / 1000.0)
+
+    def estimate(self, model: str) -> float:
+        return self.times.estimate(model) or DEFAULT_SERVICE_MS / 1000.0
+
+    @property
+    def held(self) -> int:
+        return sum(self.ahead.values())
+
+
+def queue_key(job: Job) -> tuple[int, float]:
+    return (-job.rec.priority, job.deadline if job.deadline is not None else math.inf)
+
+
+class SimWorker:
+    def __init__(self, spec: WorkerSpec, factor: float) -> None:
+        self.spec = spec
+        self.settings = PoolSettings(
+            id=spec.id,
+            zone=spec.zone,
+            device_class=spec.device_class,
+            max_batch=spec.max_batch,
+            concurrency=spec.concurrency,
+            queue_size=max(1, spec.capacity - spec.concurrency * spec.max_batch),
+        )
+        self.queue: BatchQueue[tuple[Job, int]] = BatchQueue(
+            max_batch=spec.max_batch,
+            window_s=spec.batch_window_ms / 1000.0,
+            capacity=self.settings.queue_size,
+        )
+        self.factor = factor
+        self.alive = True
+        self.running = 0  # batches
+        self.in_flight: Counter[str] = Counter()  # jobs running, by model
+        self.stats = ServiceStats()
+        for model, ms in spec.service_ms.items():
+            self.stats.seed(model, ms, ms)
+        self.busy_s = 0.0
+        self.busy_tick = 0.0
+        self.timer: float | None = None
+
+    def capabilities(self) -> WorkerCapabilities:
+        s = self.spec
+        return WorkerCapabilities(
+            worker_id=s.id,
+            zone=s.zone,
+            device_class=s.device_class,
+            providers=s.providers,
+            memory_total_mb=s.memory_total_mb,
+            models={m: ModelCapability(version="1", sha256=sha) for m, sha in s.models.items()},
+            max_batch=s.max_batch,
+            concurrency=s.concurrency,
+        )
