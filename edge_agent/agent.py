@@ -3,11 +3,12 @@ exactly one per accepted job whatever crashes.
 
 This module puts the parts together and runs them: it opens the outbox and replays what it
 holds, subscribes (returns and notices first, then the submit topic with manual
-acknowledgement), announces the edge online, runs the housekeeping timers (telemetry, the
-sweep of overdue offloads, pruning), and drains or dies. Every decision about a job is the
-lifecycle table's (``edge_agent.lifecycle``), carried out by the dispatcher
-(``edge_agent.dispatch``); ``docs/architecture.md`` follows one job through them. It must
-never block the event loop and never let one bad message stop the rest.
+acknowledgement), announces the edge online, runs the housekeeping timers (telemetry with
+the concluded jobs' records, the sweep of overdue offloads, pruning), and drains or dies.
+Every decision about a job is the lifecycle table's (``edge_agent.lifecycle``), carried out
+by the dispatcher (``edge_agent.dispatch``); ``docs/architecture.md`` follows one job
+through them. It must never block the event loop and never let one bad message stop the
+rest.
 """
 
 from __future__ import annotations
@@ -187,6 +188,17 @@ class EdgeAgent:
             topic = topics.edge_telemetry(self.settings.id)
             with contextlib.suppress(TransportError):  # QoS 0: the next one follows soon
                 self._transport.publish_nowait(Message(topic, wire.dump(self.telemetry()), qos=0))
+            self._publish_trace()
+
+    def _publish_trace(self) -> None:
+        """The records of the jobs concluded since the last telemetry, if any (QoS 0: a
+        recorder that misses them sees a gap; the agent never waits for one)."""
+        trace = self._jobs.trace
+        batch = trace.take() if trace is not None else None
+        if batch is not None:
+            topic = topics.edge_trace(self.settings.id)
+            with contextlib.suppress(TransportError):
+                self._transport.publish_nowait(Message(topic, wire.dump(batch), qos=0))
 
     def _announce_online(self) -> None:
         self._transport.publish_nowait(
@@ -268,6 +280,8 @@ class EdgeAgent:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._jobs.idle.wait(), drain_timeout)
         await self._answers.drain(2.0)
+        if self._transport.connected:
+            self._publish_trace()  # the last jobs' records, before the agent goes offline
         with contextlib.suppress(TransportError, TimeoutError):
             await asyncio.wait_for(
                 self._transport.publish(

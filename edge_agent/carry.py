@@ -24,6 +24,7 @@ from edge_agent.load import PredictionErrors
 from edge_agent.offload import PlacementClient
 from edge_agent.outbox import Accepted, Outbox, Stored
 from edge_agent.tally import Tally
+from edge_agent.trace_log import TraceLog, record_of
 from sluicegate import wire
 from sluicegate.errors import TransportError
 from sluicegate.transport import Message
@@ -59,6 +60,7 @@ class Carrier:
         placement: PlacementClient | None,
         clock: Callable[[], float],
         ran_on: wire.RanOn,
+        trace: TraceLog | None = None,
     ) -> None:
         self._mover = mover
         self._table = table
@@ -70,6 +72,7 @@ class Carrier:
         self._placement = placement
         self._clock = clock
         self._ran_on = ran_on
+        self._trace = trace
         self.offloaded = 0  # work messages sent to pool workers since start
         self.prediction = PredictionErrors()  # of the jobs that ran here
         self._by_type: dict[type[Any], Callable[[Entry, Any, Any, Message | None], None]] = {
@@ -231,7 +234,7 @@ class Carrier:
             declined=entry.life.declined,
             placed_on=entry.life.worker if entry.life.attempt else None,
         )
-        entry.result = (wire.dump(result), effect.status)
+        entry.result, entry.started = (wire.dump(result), result), started
         self._commit(entry, None)
 
     def _conclude_return(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
@@ -239,6 +242,7 @@ class Carrier:
         entry.result, entry.ack_later = entry.returned, msg
         if effect.forward:  # the attempt is on disk: the app may have it before the commit
             entry.forwarding = self._answers.forward(entry.job, entry.returned[0])
+            entry.forwarded_at = self._clock()
         self._commit(entry, effect.attempt)
 
     def _commit(self, entry: Entry, attempt: int | None) -> None:
@@ -260,10 +264,27 @@ class Carrier:
 
     def _publish(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
         assert entry.result is not None
-        payload, status = entry.result
-        self._answers.results[status] += 1
+        payload, result = entry.result
+        self._answers.results[result.status] += 1
         sent = entry.forwarding if effect.sent else None
         self._answers.publish(entry.job, payload, record=True, sent=sent)
+        if self._trace is not None:
+            self._record(entry, result, entry.forwarded_at if sent is not None else None)
+
+    def _record(self, entry: Entry, result: wire.JobResult, left_at: float | None) -> None:
+        """The job's record for the twin's recorder, sent with the next telemetry."""
+        assert self._trace is not None
+        job = entry.job
+        record = record_of(
+            job,
+            result,
+            left_at=left_at or self._clock(),
+            started=entry.started,
+            sha256=self._compute.model_sha256(job.model),
+            predicted=entry.life.predicted,
+        )
+        if not self._trace.add(record):
+            self._counters[Tally.TRACE_DROPPED] += 1
 
     def _remember(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
         self._table.remember(entry.job.job_id)

@@ -63,6 +63,10 @@ class Compute:
             pool, threads = self._executor, self._settings.concurrency
             await self._loop.run_in_executor(None, start_all, pool, threads)
 
+    def model_sha256(self, model: str) -> str | None:
+        """The sha256 of the file served as ``model`` now (None: not loaded)."""
+        return self._registry.get(model).manifest.sha256 if model in self._registry else None
+
     def service_s(self, model: str) -> float:
         return self.service_times.estimate(model) or 0.0
 

@@ -46,6 +46,7 @@ from edge_agent.offload import PlacementClient
 from edge_agent.outbox import Accepted, Outbox, Stored
 from edge_agent.returns import not_run, read_notice, read_return
 from edge_agent.tally import Tally
+from edge_agent.trace_log import TraceLog, refusal_of
 from sluicegate import wire
 from sluicegate.config import EdgeSettings, OffloadSettings
 from sluicegate.policy_feed import PolicyFeed
@@ -108,6 +109,8 @@ class Dispatcher:
         self.idle = asyncio.Event()
         self.idle.set()
         self._repeats = 0  # requests for known ids whose outbox lookup is under way
+        # The records of concluded jobs for the twin's recorder, sent with the telemetry.
+        self.trace = TraceLog(settings.id) if settings.trace_jobs else None
         self._effects = Carrier(
             self,
             table=self.table,
@@ -119,6 +122,7 @@ class Dispatcher:
             placement=placement,
             clock=clock,
             ran_on=ran_on,
+            trace=self.trace,
         )
 
     # -- what comes in -------------------------------------------------------------------------
@@ -137,7 +141,7 @@ class Dispatcher:
         nowhere = self._results_gate.check(job, self._feed.current if self._feed else None)
         if nowhere is not None:
             self.counters[Tally.RESPONSE_TOPIC_NOT_ALLOWED] += 1
-            self._answers.refuse(nowhere, msg)
+            self._refuse(job, nowhere, msg)
             return
         if self.table.known(job.job_id):
             self._repeat(job, msg)
@@ -147,7 +151,7 @@ class Dispatcher:
         if not rules.has_room(
             held, queue_size=settings.queue_size, concurrency=settings.concurrency
         ):
-            self._answers.refuse(queue_full(job, edge, settings.queue_size), msg)
+            self._refuse(job, queue_full(job, edge, settings.queue_size), msg)
             return
         outlook = self.outlook(job, now)
         free = not self.table.census["queued"] and self.table.slots < settings.concurrency
@@ -173,7 +177,7 @@ class Dispatcher:
         if entry is None:
             self._stray(ret.job_id, event, msg)
             return
-        entry.returned = (ret.payload, ret.result.status)
+        entry.returned = (ret.payload, ret.result)
         self.dispatch(entry, event, msg)
 
     def on_notice(self, msg: Message) -> None:
@@ -376,7 +380,16 @@ class Dispatcher:
     def _store_failed(self, job: Job, msg: Message, exc: OutboxError) -> None:
         self.counters[Tally.OUTBOX_ERRORS] += 1
         log.error("could not store job %s: %s", job.job_id, exc)
-        self._answers.refuse(outbox_unavailable(job, self.settings.id, exc), msg)
+        self._refuse(job, outbox_unavailable(job, self.settings.id, exc), msg)
+
+    def _refuse(self, job: Job, refusal: RequestRefusal, msg: Message) -> None:
+        """Refuse a request that was read as a job; its record goes into the trace."""
+        self._answers.refuse(refusal, msg)
+        trace = self.trace
+        if trace is not None and refusal.response_topic is not None:
+            record = refusal_of(job, refusal.status, refusal.code, now=self._clock())
+            if not trace.add(record):
+                self.counters[Tally.TRACE_DROPPED] += 1
 
 
 _NO_OUTLOOK = rules.Outlook("", False, 0.0, 0, 0, 1, 1, 1.0)

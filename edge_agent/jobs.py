@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from edge_agent.admission import Job
 from edge_agent.events import BUSY, Life, Phase
+from sluicegate import wire
 from sluicegate.transport import Message
 
 if TYPE_CHECKING:  # the handles' types only: nothing here runs asyncio
@@ -34,10 +35,13 @@ class Entry:
     # Returns and notices that came before the acceptance, with the handler to take them.
     held: list[tuple[Callable[[Message], None], Message]] = field(default_factory=list)
     asked: asyncio.Future[Any] | None = None  # the placement answer being waited for
-    returned: tuple[bytes, str] | None = None  # a worker's result (document, status) just in
-    result: tuple[bytes, str] | None = None  # the result being committed (document, status)
+    # A worker's result just in, and the result being committed: (its bytes, as read).
+    returned: tuple[bytes, wire.JobResult] | None = None
+    result: tuple[bytes, wire.JobResult] | None = None
     ack_later: Message | None = None  # acked once the result is committed
     forwarding: asyncio.Task[bool] | None = None  # publishing a result before its commit
+    forwarded_at: float | None = None  # when that publish began: the result left then
+    started: float | None = None  # when its run here started, if it ran here
 
 
 class JobTable:

@@ -30,3 +30,4 @@ class Tally(StrEnum):
     OFFLOAD_RESCUES = "offload_rescues"  # no return yet, queued here to meet the deadline
     SENT_BEFORE_COMMIT = "sent_before_commit"  # attempt 1 sent while its acceptance committed
     ILLEGAL_MOVES = "illegal_moves"  # an event the lifecycle table has no row for (a bug)
+    TRACE_DROPPED = "trace_dropped"  # job records past the bound between two telemetries

@@ -72,6 +72,9 @@ class EdgeSettings(_Section):
     queue_size: int = Field(256, ge=1, le=1_000_000)
     intra_op_threads: int = Field(1, ge=1, le=64)
     telemetry_interval_s: float = Field(1.0, gt=0.0, le=3600.0)
+    # Publish a record of each concluded job with the telemetry, for the digital twin's
+    # recorder (``sluicegate twin record``); off: nothing is kept or sent.
+    trace_jobs: bool = True
     service_time_alpha: float = Field(0.2, gt=0.0, le=1.0)
     # The outbox: every accepted job on disk until its result is delivered. None: a file
     # named after the edge id in [offload] state_dir, else in ~/.local/state/sluicegate/.

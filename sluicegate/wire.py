@@ -1,9 +1,9 @@
 """Wire models: the JSON documents Sluicegate publishes, validated with pydantic v2.
 
 These are the public contract with vision apps (``JobResult``) and between roles
-(``EdgeTelemetry``, ``NodeStatus``). Each carries ``v`` so a reader can refuse a version it
-does not know. Inside the processes, typed dataclasses are used; conversion to and from
-bytes happens only here.
+(``EdgeTelemetry``, ``EdgeTrace``, ``NodeStatus``). Each carries ``v`` so a reader can refuse
+a version it does not know. Inside the processes, typed dataclasses are used; conversion
+to and from bytes happens only here.
 """
 
 from __future__ import annotations
@@ -169,6 +169,38 @@ class EdgeTelemetry(_Wire):
     policy_version: int | None = None
     policy_refused: dict[str, int] = Field(default_factory=dict)
     prediction: PredictionError | None = None
+
+
+class TraceJob(_Wire):
+    """One job an edge concluded, as the digital twin's trace needs it (``JobRecord``):
+    its arrival, what was asked, and what became of it. Times are unix seconds, durations
+    ms after arrival."""
+
+    received_at: float
+    job_id: str
+    model: str
+    sha256: str | None = None  # of the model file this edge runs under that name
+    data_class: str
+    priority: int
+    deadline_ms: float | None = None  # after arrival; None: no deadline
+    bytes: int
+    status: Status
+    ran_on: str | None = None  # the node that ran it; None: it never ran
+    offloaded: bool = False  # ran on a pool worker
+    latency_ms: float  # arrival to the result leaving this edge
+    queue_ms: float = 0.0  # waiting on the node that ran it
+    service_ms: float = 0.0  # computing there
+    predicted_ms: float | None = None  # the edge's predicted completion here, at admission
+    code: str | None = None  # the result's code, or why it was not offloaded
+
+
+class EdgeTrace(_Wire):
+    """What an edge publishes with its telemetry when it concluded jobs since the last one
+    (``sluicegate/v1/edge/{id}/trace``)."""
+
+    v: Literal[1] = WIRE_VERSION
+    node: str
+    records: list[TraceJob]
 
 
 class NodeStatus(_Wire):

@@ -44,7 +44,14 @@ APP_TOPIC = "app/results"
 JPEG, _ = sample_jpeg(5)
 
 
+@dataclass(frozen=True)
+class FakeManifest:
+    sha256: str = "5" * 64
+
+
 class FakeModel:
+    manifest = FakeManifest()
+
     def infer_bytes(self, payload: bytes, info: ImageInfo | None = None) -> tuple[Any, Any]:
         return Outputs("ok", {"ok": 1.0}), StageTimes(0.1, 0.1, 0.1)
 

@@ -22,6 +22,7 @@ PURE = [
     "edge_agent/returns.py",
     "edge_agent/rules.py",
     "edge_agent/tally.py",
+    "edge_agent/trace_log.py",
     "center_pool/batching.py",
     "center_pool/intake.py",
     "policies/evaluate.py",
@@ -34,6 +35,10 @@ PURE = [
     "sluicegate/vision/geometry.py",
     "sluicegate/vision/metrics.py",
     "sluicegate/vision/ocr.py",
+    "sluicegate/twin/draws.py",
+    "sluicegate/twin/nodes.py",
+    "sluicegate/twin/report.py",
+    "sluicegate/twin/sim.py",
 ]
 
 

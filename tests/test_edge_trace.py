@@ -1,0 +1,201 @@
+"""The edge's job records for the twin's recorder: each concluded job's record made from its
+job and result (pure), the bounded batch, and the agent publishing the batch with its
+telemetry (in-memory transport, the real model)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from edge_agent.admission import Job
+from edge_agent.agent import EdgeAgent
+from edge_agent.trace_log import TraceLog, record_of, refusal_of
+from sluicegate import topics, wire
+from sluicegate.config import load_settings
+from sluicegate.memory_transport import MemoryBroker, MemoryTransport
+from sluicegate.transport import Message
+from sluicegate.vision.image import ImageInfo
+from sluicegate.vision.runtime import ModelRegistry, default_models_dir
+from tests.image_bytes import sample_jpeg
+
+REGISTRY = ModelRegistry.from_dir(default_models_dir())
+JPEG, _ = sample_jpeg(11)
+T0 = 1_700_000_000.0
+EDGE_ON = wire.RanOn(kind="edge", node="line-1-pc", zone="campus/line-1")
+POOL_ON = wire.RanOn(kind="pool", node="north-cpu-1", zone="campus/dc")
+
+
+def job(deadline_ms: float | None = 200.0) -> Job:
+    return Job(
+        job_id="j1",
+        model="defect-v1",
+        payload=b"x" * 1234,
+        image=ImageInfo("jpeg", 640, 480),
+        response_topic="app/results",
+        correlation_data=None,
+        priority=7,
+        data_class="wafer-image",
+        received_at=T0,
+        deadline=T0 + deadline_ms / 1000.0 if deadline_ms is not None else None,
+    )
+
+
+def result(
+    on: wire.RanOn, status: wire.Status = "ok", queue: float = 0.0, total: float = 0.0, **kw: str
+) -> wire.JobResult:
+    timings = wire.Timings(queue_ms=queue, total_ms=total)
+    return wire.JobResult(job_id="j1", status=status, ran_on=on, timings_ms=timings, **kw)  # type: ignore[arg-type]
+
+
+def test_a_job_run_here_says_so_with_its_wait_its_service_and_the_prediction() -> None:
+    got = record_of(
+        job(),
+        result(EDGE_ON, queue=30.0, total=45.5),
+        left_at=T0 + 0.046,
+        started=T0 + 0.030,
+        sha256="ab" * 32,
+        predicted=T0 + 0.040,
+    )
+    assert (got.ran_on, got.offloaded, got.status, got.code) == ("line-1-pc", False, "ok", None)
+    assert (got.queue_ms, got.service_ms) == (30.0, 15.5)
+    assert got.latency_ms == pytest.approx(46.0)
+    assert got.predicted_ms == pytest.approx(40.0)
+    assert (got.deadline_ms, got.bytes, got.priority, got.sha256) == (200.0, 1234, 7, "ab" * 32)
+    assert got.received_at == T0
+
+
+def test_a_job_a_worker_ran_takes_the_workers_timings() -> None:
+    got = record_of(
+        job(None),
+        result(POOL_ON, queue=3.0, total=12.0),
+        left_at=T0 + 0.020,
+        started=None,
+        sha256=None,
+        predicted=None,
+    )
+    assert (got.ran_on, got.offloaded) == ("north-cpu-1", True)
+    assert (got.queue_ms, got.service_ms, got.deadline_ms, got.predicted_ms) == (3, 9, None, None)
+
+
+def test_a_job_that_never_ran_names_no_node_and_keeps_the_offload_code() -> None:
+    offload = wire.Offload(requested=True, placed=False, code="no_capacity")
+    expired = wire.JobResult(
+        job_id="j1",
+        status="expired",
+        code="expired",
+        ran_on=EDGE_ON,
+        timings_ms=wire.Timings(queue_ms=250.0, total_ms=250.0),
+    )
+    got = record_of(job(), expired, left_at=T0 + 0.25, started=None, sha256=None, predicted=None)
+    assert (got.ran_on, got.offloaded, got.queue_ms, got.service_ms) == (None, False, 0, 0)
+    assert got.code == "expired"
+    kept = result(EDGE_ON, queue=1.0, total=2.0).model_copy(update={"offload": offload})
+    got = record_of(job(), kept, left_at=T0, started=T0, sha256=None, predicted=None)
+    assert (got.ran_on, got.code) == ("line-1-pc", "no_capacity")
+    # A worker's own expiry: it never ran there either.
+    late = result(POOL_ON, "expired", queue=5.0, total=5.0)
+    assert (
+        record_of(job(), late, left_at=T0, started=None, sha256=None, predicted=None).ran_on is None
+    )
+
+
+def test_a_refused_request_is_recorded_as_an_arrival_that_never_ran() -> None:
+    got = refusal_of(job(), "rejected", "queue_full", now=T0 + 0.001)
+    assert (got.status, got.code, got.ran_on, got.latency_ms) == ("rejected", "queue_full", None, 1)
+
+
+def test_the_batch_is_bounded_and_taken_whole() -> None:
+    log = TraceLog("line-1-pc", limit=2)
+    record = refusal_of(job(), "rejected", "queue_full", now=T0)
+    assert log.take() is None  # nothing gathered: nothing to send
+    assert [log.add(record) for _ in range(3)] == [True, True, False]
+    batch = log.take()
+    assert batch is not None
+    assert (batch.node, len(batch.records)) == ("line-1-pc", 2)
+    assert log.take() is None
+    back = wire.EdgeTrace.model_validate_json(wire.dump(batch))
+    assert back == batch
+
+
+# -- the agent ---------------------------------------------------------------------------------
+
+
+def submit(job_id: str) -> Message:
+    props = ((topics.PROP_MODEL, "defect-v1"), (topics.PROP_JOB_ID, job_id))
+    return Message(
+        topics.edge_submit("mem-edge"),
+        JPEG,
+        qos=1,
+        response_topic="app/results",
+        correlation_data=uuid.uuid4().bytes,
+        content_type="image/jpeg",
+        user_properties=(*props, (topics.PROP_DEADLINE_MS, "60000")),
+    )
+
+
+async def run_agent(trace_jobs: bool, jobs: int) -> tuple[MemoryBroker, EdgeAgent]:
+    broker = MemoryBroker()
+    edge = {"id": "mem-edge", "queue_size": 3, "concurrency": 1, "trace_jobs": trace_jobs}
+    settings = load_settings(edge=edge).edge
+    agent = EdgeAgent(settings, MemoryTransport(broker), REGISTRY)
+    stop = asyncio.Event()
+    runner = asyncio.ensure_future(agent.run(stop))
+    await asyncio.wait_for(agent.ready.wait(), 10)
+    for i in range(jobs):
+        agent.on_message(submit(f"j{i}"))
+    stop.set()
+    await asyncio.wait_for(runner, 30)
+    return broker, agent
+
+
+async def test_the_agent_sends_each_concluded_job_once_and_the_refused_ones_too() -> None:
+    # One runs, three wait, two are refused; the agent stops at once, so its last batch is
+    # the one it sends before it goes offline.
+    broker, agent = await run_agent(True, 6)
+    batches = [m for m in broker.log if m.topic == topics.edge_trace("mem-edge")]
+    records = [r for m in batches for r in wire.EdgeTrace.model_validate_json(m.payload).records]
+    assert all(m.qos == 0 and not m.retain for m in batches)
+    by_id = {r.job_id: r for r in records}
+    assert len(records) == len(by_id) == 6
+    ran = [by_id[f"j{i}"] for i in range(4)]
+    assert all((r.status, r.ran_on, r.offloaded) == ("ok", "mem-edge", False) for r in ran)
+    assert all(r.service_ms > 0 and r.latency_ms >= r.service_ms for r in ran)
+    assert all(r.sha256 == REGISTRY.get("defect-v1").manifest.sha256 for r in ran)
+    assert all(r.deadline_ms == 60_000 and r.bytes == len(JPEG) for r in ran)
+    assert ran[3].queue_ms > ran[0].queue_ms  # the last one waited for three others
+    assert ran[3].predicted_ms is not None and ran[3].predicted_ms > 0
+    refused = [by_id["j4"], by_id["j5"]]
+    assert all((r.status, r.code, r.ran_on) == ("rejected", "queue_full", None) for r in refused)
+    assert agent.counters["trace_dropped"] == 0
+
+
+async def test_switched_off_the_agent_keeps_and_sends_no_records() -> None:
+    broker, agent = await run_agent(False, 2)
+    assert not [m for m in broker.log if m.topic == topics.edge_trace("mem-edge")]
+    assert agent.results == {"ok": 2}
+
+
+async def test_records_go_out_with_each_telemetry_and_only_when_there_are_some() -> None:
+    broker = MemoryBroker()
+    settings = load_settings(edge={"id": "mem-edge", "telemetry_interval_s": 0.05}).edge
+    agent = EdgeAgent(settings, MemoryTransport(broker), REGISTRY)
+    stop = asyncio.Event()
+    runner = asyncio.ensure_future(agent.run(stop))
+    try:
+        await asyncio.wait_for(agent.ready.wait(), 10)
+        telemetry = topics.edge_telemetry("mem-edge")
+        await broker.wait_for(lambda m: m.topic == telemetry)  # an idle edge: telemetry only
+        agent.on_message(submit("one"))
+        sent = await broker.wait_for(lambda m: m.topic == topics.edge_trace("mem-edge"))
+        assert [r.job_id for r in wire.EdgeTrace.model_validate_json(sent.payload).records] == [
+            "one"
+        ]
+        before = {id(m) for m in broker.log}  # then one more telemetry, with nothing to add
+        await broker.wait_for(lambda m: m.topic == telemetry and id(m) not in before)
+    finally:
+        stop.set()
+        await asyncio.wait_for(runner, 30)
+    sent_trace = [m for m in broker.log if m.topic == topics.edge_trace("mem-edge")]
+    assert len(sent_trace) == 1  # no empty batches afterwards
