@@ -75,6 +75,7 @@ class Result:
     slots: dict[str, int]  # worker -> its compute slots
     duration_s: float
     draws: dict[str, int]
+    warnings: tuple[str, ...] = ()  # what in the change cannot work as the engineer meant
 
 
 @dataclass(eq=False)

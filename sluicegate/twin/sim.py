@@ -73,6 +73,11 @@ class Simulation:
         specs = [w for w in header.workers if w.id not in change.remove] + list(change.add)
         self.workers = {w.id: SimWorker(w, factors.get(w.id, 1.0)) for w in specs}
         self.edges = {e.id: SimEdge(e) for e in header.edges}
+        self.warnings = tuple(
+            f"{w.id} is in no pool of the policy: nothing is placed there"
+            for w in change.add
+            if self.policy.worker(w.id) is None
+        )
         self.fleet = Fleet(FleetParams(forecast_horizon_s=3.0 * self.interval), None, self.policy)
         self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = 0
@@ -137,6 +142,7 @@ class Simulation:
             slots={w.spec.id: w.spec.concurrency for w in self.workers.values()},
             duration_s=duration,
             draws=self.draws.measured(),
+            warnings=self.warnings,
         )
 
     def _tick(self, now: float) -> None:

@@ -161,7 +161,9 @@ class Trace:
         ]
         records.sort(key=lambda r: r.at)  # stable: same-time records keep their kinds' order
         for record in records:
-            yield record.model_dump_json(exclude_defaults=True)
+            # Defaults left out (most of a job's fields), its type kept: it tells the kinds apart.
+            data = {"type": record.type, **record.model_dump(mode="json", exclude_defaults=True)}
+            yield json.dumps(data, separators=(",", ":"))
 
 
 def write(path: Path, trace: Trace) -> str:

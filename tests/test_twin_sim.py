@@ -1,0 +1,199 @@
+"""The twin's replay: deterministic, built on the production decision code (a change to one
+of those functions changes what the twin says), every arrival ending in one outcome, and
+each kind of change doing what it says. Runs on the synthetic demo-campus trace and on a
+trace read back from a file; no campus is started."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+import broker.core.placement
+import center_pool.batching
+import edge_agent.rules
+from policies.loader import parse_policy
+from sluicegate.app.twin_demo import demo_trace
+from sluicegate.twin import sim, trace
+from sluicegate.twin.report import compare, render, strategy_table, summarise
+from sluicegate.twin.sim import STRATEGIES, Change, Result, digest_of, replay
+from sluicegate.twin.trace import TraceError
+
+BURSTS = ((3.0, 4.0),)
+
+
+@pytest.fixture(scope="module")
+def demo() -> trace.Trace:
+    return demo_trace(12.0, bursts=BURSTS)
+
+
+def _ids(result: Result) -> list[str]:
+    return [o.job_id for o in result.outcomes]
+
+
+def test_the_same_trace_change_and_seed_give_the_same_report(demo: trace.Trace) -> None:
+    change = Change(burst=2, fail=(("north-cpu-1", 5.0),))
+    first = compare(replay(demo), replay(demo, change))
+    second = compare(replay(demo), replay(demo, change))
+    assert first.to_json() == second.to_json()
+    assert render(first) == render(second)
+
+
+def test_a_trace_read_back_from_its_file_replays_the_same(
+    demo: trace.Trace, tmp_path: Path
+) -> None:
+    path = tmp_path / "demo.jsonl.gz"
+    written = trace.write(path, demo)
+    again, digest = trace.read(path)
+    assert digest == written
+    assert trace.write(tmp_path / "again.jsonl.gz", again) == written
+    assert digest_of(replay(again, seed=3)) == digest_of(replay(demo, seed=3))
+
+
+def test_every_arrival_ends_in_exactly_one_outcome(demo: trace.Trace) -> None:
+    result = replay(demo, Change(burst=5, fail=(("north-cpu-1", 4.0),)))
+    ids = _ids(result)
+    assert len(ids) == len(set(ids)) == 5 * len(demo.jobs)
+    assert {o.status for o in result.outcomes} <= {"ok", "expired", "rejected"}
+
+
+def test_the_twin_calls_the_production_decision_functions() -> None:
+    # Not copies: the very objects the edge agent, the broker and the worker run.
+    assert sim.rules is edge_agent.rules
+    assert sim.decide is broker.core.placement.decide
+    assert sim.Waiting is center_pool.batching.Entry
+
+
+def test_changing_a_production_rule_changes_the_twins_answer(
+    demo: trace.Trace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = summarise(replay(demo))
+    assert before.offload_ratio > 0.3
+    monkeypatch.setattr(edge_agent.rules, "offer_reason", lambda deadline, outlook: None)
+    after = summarise(replay(demo))
+    assert after.offload_ratio == 0.0
+    assert after.attainment < before.attainment
+
+
+def test_offloading_beats_the_edges_alone_through_a_burst(demo: trace.Trace) -> None:
+    results = {s: replay(demo, Change(strategy=s)) for s in STRATEGIES}
+    ours, alone = summarise(results["ours"]), summarise(results["edge-only"])
+    assert alone.offload_ratio == 0.0
+    assert ours.attainment > alone.attainment + 0.3
+    table = strategy_table(results)
+    assert [line.split()[0] for line in table.splitlines()[1:]] == list(STRATEGIES)
+
+
+def test_no_placement_breaks_the_policy_and_wafers_stay_on_campus(demo: trace.Trace) -> None:
+    for strategy in STRATEGIES:
+        s = summarise(replay(demo, Change(strategy=strategy, burst=2)))
+        assert s.violations == 0
+        assert not [z for z in s.zones.get("wafer-image", {}) if z.startswith("offsite/")]
+
+
+def _policy_text(demo: trace.Trace, old: str, new: str) -> str:
+    text = demo.header.policy
+    assert old in text
+    return text.replace(old, new)
+
+
+WAFER_RULE = 'allow = ["campus/**"]\ndeny = ["offsite/**"]'
+WAFER_LEAVES = 'allow = ["campus/**", "campus/** -> offsite/cloud-east"]'
+
+
+def test_a_candidate_policy_that_lets_wafers_leave_shows_them_off_site(
+    demo: trace.Trace,
+) -> None:
+    leaky = parse_policy(_policy_text(demo, WAFER_RULE, WAFER_LEAVES))
+    result = replay(demo, Change(policy=leaky, burst=2))
+    s = summarise(result)
+    assert s.zones["wafer-image"].get("offsite/cloud-east", 0) > 0
+    assert s.violations == 0  # the candidate's own policy allows what it did
+
+
+def test_losing_the_only_campus_pool_keeps_wafers_local(demo: trace.Trace) -> None:
+    c = compare(replay(demo), replay(demo, Change(fail=(("north-cpu-1", 0.5),))))
+    after = c.candidate
+    assert "campus/fab-north/dc" not in {
+        z for z, n in after.zones.get("wafer-image", {}).items() if n > 5
+    }
+    assert after.refusals.get("policy_denied", 0) > 0
+    assert after.by_class["wafer-image"] < c.baseline.by_class["wafer-image"]
+    assert c.changed > 0
+
+
+def test_a_removed_worker_gets_nothing_and_an_added_one_takes_work(
+    demo: trace.Trace,
+) -> None:
+    removed = replay(demo, Change(remove=("cloud-cpu-1",)))
+    assert "cloud-cpu-1" not in {o.where for o in removed.outcomes}
+    spare = demo.header.workers[0].model_copy(update={"id": "north-cpu-2"})
+    unlisted = replay(demo, Change(add=(spare,), burst=2))
+    assert "north-cpu-2" not in {o.where for o in unlisted.outcomes}
+    assert unlisted.warnings == (
+        "north-cpu-2 is in no pool of the policy: nothing is placed there",
+    )
+    key = parse_policy(demo.header.policy).worker("north-cpu-1")
+    assert key is not None
+    listed = _policy_text(
+        demo,
+        "workers = { north-cpu-1 = ",
+        'workers = { north-cpu-2 = "ed25519:' + "A" * 43 + '", north-cpu-1 = ',
+    )
+    added = replay(demo, Change(policy=parse_policy(listed), add=(spare,), burst=2))
+    assert "north-cpu-2" in {o.where for o in added.outcomes}
+    assert added.warnings == ()
+
+
+def test_a_degraded_worker_is_busier_for_the_same_work(demo: trace.Trace) -> None:
+    base = summarise(replay(demo, Change(remove=("cloud-cpu-1",))))
+    slow = summarise(replay(demo, Change(remove=("cloud-cpu-1",), degrade=(("north-cpu-1", 4.0),))))
+    assert slow.utilisation["north-cpu-1"] > 2.0 * base.utilisation["north-cpu-1"]
+
+
+# -- bad trace files -------------------------------------------------------------------------
+
+
+def _write_lines(path: Path, lines: list[str]) -> Path:
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_bad_line_is_named(demo: trace.Trace, tmp_path: Path) -> None:
+    header = demo.header.model_dump_json()
+    job = demo.jobs[0].model_dump_json()
+    path = _write_lines(tmp_path / "t.gz", [header, job, '{"type": "job", "at": -1}'])
+    with pytest.raises(TraceError, match="line 3"):
+        trace.read(path)
+
+
+def test_a_trace_without_its_header_first_is_refused(demo: trace.Trace, tmp_path: Path) -> None:
+    path = _write_lines(tmp_path / "t.gz", [demo.jobs[0].model_dump_json()])
+    with pytest.raises(TraceError, match="starts with its header"):
+        trace.read(path)
+
+
+def test_a_job_at_an_edge_the_header_does_not_list_is_refused(
+    demo: trace.Trace, tmp_path: Path
+) -> None:
+    stray = json.loads(demo.jobs[0].model_dump_json())
+    stray["edge"] = "line-9-pc"
+    path = _write_lines(tmp_path / "t.gz", [demo.header.model_dump_json(), json.dumps(stray)])
+    with pytest.raises(TraceError, match="line-9-pc"):
+        trace.read(path)
+
+
+def test_a_file_that_is_not_gzip_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"type": "header"}\n')
+    with pytest.raises(TraceError, match="not a gzip"):
+        trace.read(path)
+
+
+def test_a_policy_that_does_not_parse_is_named(demo: trace.Trace) -> None:
+    broken = trace.Trace(demo.header.model_copy(update={"policy": "format = 3"}), demo.jobs)
+    with pytest.raises(TraceError, match="policy cannot be read"):
+        replay(broken)
