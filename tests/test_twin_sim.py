@@ -61,9 +61,10 @@ def test_every_arrival_ends_in_exactly_one_outcome(demo: trace.Trace) -> None:
 
 def test_the_twin_calls_the_production_decision_functions() -> None:
     # Not copies: the very objects the edge agent, the broker and the worker run.
-    assert sim.rules is edge_agent.rules
-    assert sim.decide is broker.core.placement.decide
-    assert sim.Waiting is center_pool.batching.Entry
+    names = vars(sim)
+    assert names["rules"] is edge_agent.rules
+    assert names["decide"] is broker.core.placement.decide
+    assert names["Waiting"] is center_pool.batching.Entry
 
 
 def test_changing_a_production_rule_changes_the_twins_answer(
@@ -78,7 +79,7 @@ def test_changing_a_production_rule_changes_the_twins_answer(
 
 
 def test_offloading_beats_the_edges_alone_through_a_burst(demo: trace.Trace) -> None:
-    results = {s: replay(demo, Change(strategy=s)) for s in STRATEGIES}
+    results: dict[str, Result] = {s: replay(demo, Change(strategy=s)) for s in STRATEGIES}
     ours, alone = summarise(results["ours"]), summarise(results["edge-only"])
     assert alone.offload_ratio == 0.0
     assert ours.attainment > alone.attainment + 0.3
