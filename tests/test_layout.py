@@ -23,7 +23,6 @@ PURE = [
     "edge_agent/rules.py",
     "edge_agent/tally.py",
     "edge_agent/trace_log.py",
-    "edge_agent/trace_log.py",
     "center_pool/batching.py",
     "center_pool/intake.py",
     "policies/evaluate.py",
