@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -166,7 +167,7 @@ def render(c: Comparison, names: tuple[str, str] = ("baseline", "candidate")) ->
     )
 
 
-def strategy_table(results: dict[str, Result]) -> str:
+def strategy_table(results: Mapping[str, Result]) -> str:
     """Placement strategies on one trace: attainment, p99, offloaded, refused, forbidden."""
     lines = [
         f"{'strategy':<14}{'attain':>9}{'p50 ms':>9}{'p99 ms':>9}{'offl.':>8}"

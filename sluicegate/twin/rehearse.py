@@ -1,0 +1,179 @@
+"""``sluicegate twin run``: a trace replayed as recorded and under a change, side by side.
+
+Reads what the engineer hands over, each refused with a message naming the file and the
+problem: a candidate policy (TOML, as the compliance officer would sign it), placement
+parameters (TOML, the fields of ``broker.core.params.PlacementParams``), a fleet change
+(TOML: ``remove = [...]``, ``[degrade]`` worker = factor, ``[[add]]`` workers as the trace
+header writes them), a burst factor and failures (``worker@seconds``). Then replays the
+baseline and the candidate with one seed, prints the comparison (and, asked, every
+placement strategy on the trace), and writes ``report.json`` and the plots into a folder.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from broker.core.params import PlacementParams
+from broker.errors import InvalidParams
+from policies.errors import PolicyError
+from policies.loader import load_policy
+from sluicegate.errors import SluicegateError
+from sluicegate.twin import trace as tr
+from sluicegate.twin.nodes import STRATEGIES, Change, Result, Strategy, placement_params
+from sluicegate.twin.report import Comparison, compare, render, strategy_table
+from sluicegate.twin.sim import replay
+
+FAIL = re.compile(r"^(?P<worker>[A-Za-z0-9][A-Za-z0-9._-]*)@(?P<at>[0-9]+(\.[0-9]+)?)$")
+
+
+class ChangeError(SluicegateError):
+    """A change handed to the twin cannot be read."""
+
+
+def _toml(path: Path, what: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ChangeError(f"{what} {path}: cannot be read ({exc.strerror})") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ChangeError(f"{what} {path}: not valid TOML ({exc})") from exc
+
+
+def read_params(path: Path) -> PlacementParams:
+    data = _toml(path, "placement parameters")
+    known = set(PlacementParams.__dataclass_fields__)
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ChangeError(
+            f"placement parameters {path}: unknown {', '.join(unknown)}; known: "
+            + ", ".join(sorted(known))
+        )
+    try:
+        return placement_params(data)
+    except (InvalidParams, TypeError) as exc:
+        raise ChangeError(f"placement parameters {path}: {exc}") from exc
+
+
+def read_fleet(path: Path) -> dict[str, Any]:
+    """``{"add": (WorkerSpec, ...), "remove": (...), "degrade": ((id, factor), ...)}``."""
+    data = _toml(path, "fleet change")
+    unknown = sorted(set(data) - {"add", "remove", "degrade"})
+    if unknown:
+        raise ChangeError(
+            f"fleet change {path}: unknown {', '.join(unknown)}; known: add, remove, degrade"
+        )
+    try:
+        add = tuple(tr.WorkerSpec.model_validate(w) for w in data.get("add", []))
+    except ValidationError as exc:
+        raise ChangeError(
+            f"fleet change {path}: a worker to add: {exc.errors()[0]['msg']}"
+        ) from exc
+    degrade = data.get("degrade", {})
+    if not all(isinstance(f, int | float) and f > 0 for f in degrade.values()):
+        raise ChangeError(
+            f"fleet change {path}: [degrade] factors are numbers > 0 (2.0: half as fast)"
+        )
+    return {
+        "add": add,
+        "remove": tuple(str(w) for w in data.get("remove", [])),
+        "degrade": tuple((str(k), float(v)) for k, v in sorted(degrade.items())),
+    }
+
+
+def read_fail(texts: list[str]) -> tuple[tuple[str, float], ...]:
+    out = []
+    for text in texts:
+        m = FAIL.match(text)
+        if m is None:
+            raise ChangeError(f"--fail {text!r}: give worker@seconds, e.g. north-cpu-1@120")
+        out.append((m["worker"], float(m["at"])))
+    return tuple(out)
+
+
+def build_change(
+    *,
+    policy: Path | None,
+    params: Path | None,
+    fleet: Path | None,
+    burst: int,
+    fail: list[str],
+    strategy: str,
+) -> Change:
+    if strategy not in STRATEGIES:
+        raise ChangeError(f"--strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
+    if burst < 1:
+        raise ChangeError(f"--burst {burst}: a factor of 1 or more (2, 5, 10)")
+    try:
+        candidate = load_policy(policy) if policy is not None else None
+    except PolicyError as exc:
+        raise ChangeError(f"candidate policy: {exc}") from exc
+    fleet_change = read_fleet(fleet) if fleet is not None else {}
+    chosen: Strategy = next(s for s in STRATEGIES if s == strategy)
+    return Change(
+        policy=candidate,
+        params=read_params(params) if params is not None else None,
+        burst=burst,
+        fail=read_fail(fail),
+        strategy=chosen,
+        **fleet_change,
+    )
+
+
+@dataclass(frozen=True)
+class Rehearsal:
+    trace_digest: str
+    baseline: Result
+    candidate: Result
+    comparison: Comparison
+    text: str
+
+
+def rehearse(
+    trace_path: Path, change: Change, *, seed: int = 0, strategies: bool = False
+) -> Rehearsal:
+    trace, digest = tr.read(trace_path)
+    unknown = sorted(
+        {w for w, _ in change.fail} | set(change.remove) - {w.id for w in trace.header.workers}
+    )
+    unknown = [w for w in unknown if w not in {a.id for a in change.add}]
+    if unknown:
+        raise ChangeError(
+            f"the trace has no worker {', '.join(unknown)}; it has "
+            + ", ".join(w.id for w in trace.header.workers)
+        )
+    baseline = replay(trace, seed=seed)
+    candidate = replay(trace, change, seed=seed)
+    comparison = compare(baseline, candidate)
+    lines = [
+        f"trace {trace_path} (sha256 {digest[:16]}…, {len(trace.jobs)} jobs, "
+        f"{trace.duration_s:.0f} s, {trace.header.source}); seed {seed}",
+        render(comparison),
+    ]
+    lines += [f"warning: {w}" for w in candidate.warnings]
+    if strategies:
+        runs: dict[str, Result] = {
+            s: replay(trace, Change(strategy=s), seed=seed) for s in STRATEGIES
+        }
+        lines += ["", "placement strategies on the trace as recorded:", strategy_table(runs)]
+    return Rehearsal(digest, baseline, candidate, comparison, "\n".join(lines))
+
+
+def write_report(rehearsal: Rehearsal, folder: Path, *, plots: bool = True) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    report = folder / "report.json"
+    data = json.loads(rehearsal.comparison.to_json())
+    data["trace_sha256"] = rehearsal.trace_digest
+    report.write_text(json.dumps(data, sort_keys=True, indent=2) + "\n")
+    written = [report]
+    if plots:
+        from sluicegate.twin.plots import write_plots
+
+        written += write_plots(rehearsal.baseline, rehearsal.candidate, folder)
+    return written
