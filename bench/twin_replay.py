@@ -27,10 +27,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sluicegate.app.twin_demo import demo_trace  # noqa: E402
-from sluicegate.twin.nodes import STRATEGIES, Change, Result  # noqa: E402
-from sluicegate.twin.report import strategy_table, summarise  # noqa: E402
-from sluicegate.twin.sim import replay  # noqa: E402
+from sluicegate.app.twin_demo import demo_trace
+from sluicegate.twin.nodes import STRATEGIES, Change, Result
+from sluicegate.twin.report import strategy_table, summarise
+from sluicegate.twin.sim import replay
 
 TARGET_S = 10.0  # for a 10-minute trace
 
