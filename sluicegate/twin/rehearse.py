@@ -139,10 +139,9 @@ def rehearse(
     trace_path: Path, change: Change, *, seed: int = 0, strategies: bool = False
 ) -> Rehearsal:
     trace, digest = tr.read(trace_path)
-    unknown = sorted(
-        {w for w, _ in change.fail} | set(change.remove) - {w.id for w in trace.header.workers}
-    )
-    unknown = [w for w in unknown if w not in {a.id for a in change.add}]
+    named = {w for w, _ in change.fail} | set(change.remove) | {w for w, _ in change.degrade}
+    have = {w.id for w in trace.header.workers} | {w.id for w in change.add}
+    unknown = sorted(named - have)
     if unknown:
         raise ChangeError(
             f"the trace has no worker {', '.join(unknown)}; it has "

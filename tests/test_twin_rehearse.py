@@ -1,0 +1,129 @@
+"""Rehearsing a change: the engineer's files read (each mistake refused with a message
+that names it), baseline and candidate compared, the report and plots written the same
+way for the same inputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sluicegate.app.twin_demo import demo_trace
+from sluicegate.twin import trace
+from sluicegate.twin.rehearse import ChangeError, build_change, rehearse, write_report
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("twin") / "demo.jsonl.gz"
+    trace.write(path, demo_trace(10.0, bursts=((2.0, 4.0),)))
+    return path
+
+
+def _change(**kw: object) -> object:
+    args: dict[str, object] = {
+        "policy": None,
+        "params": None,
+        "fleet": None,
+        "burst": 1,
+        "fail": [],
+        "strategy": "ours",
+    }
+    args.update(kw)
+    return build_change(**args)  # type: ignore[arg-type]
+
+
+def test_a_fleet_change_and_a_failure_are_rehearsed_side_by_side(
+    trace_file: Path, tmp_path: Path
+) -> None:
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text('remove = ["cloud-cpu-1"]\n[degrade]\nnorth-cpu-1 = 3.0\n')
+    change = build_change(
+        policy=None, params=None, fleet=fleet, burst=2, fail=["north-cpu-1@6"], strategy="ours"
+    )
+    assert change.remove == ("cloud-cpu-1",)
+    assert change.degrade == (("north-cpu-1", 3.0),)
+    assert change.fail == (("north-cpu-1", 6.0),)
+    r = rehearse(trace_file, change, strategies=True)
+    assert r.comparison.candidate.jobs == 2 * r.comparison.baseline.jobs
+    assert r.comparison.candidate.attainment < r.comparison.baseline.attainment
+    assert "deadline attainment" in r.text
+    assert "placement strategies" in r.text
+    assert "cloud-cpu-1" not in r.comparison.candidate.utilisation
+
+
+def test_the_report_and_plots_are_the_same_for_the_same_inputs(
+    trace_file: Path, tmp_path: Path
+) -> None:
+    change = build_change(
+        policy=None, params=None, fleet=None, burst=2, fail=[], strategy="round-robin"
+    )
+    first = write_report(rehearse(trace_file, change, seed=1), tmp_path / "a")
+    second = write_report(rehearse(trace_file, change, seed=1), tmp_path / "b")
+    assert [p.name for p in first] == ["report.json", "attainment.png", "queue-depth.png"]
+    for a, b in zip(first, second, strict=True):
+        assert a.read_bytes() == b.read_bytes()
+    assert first[1].read_bytes().startswith(PNG)
+    report = json.loads(first[0].read_text())
+    assert report["trace_sha256"] == trace.read(trace_file)[1]
+    assert report["candidate"]["jobs"] == 2 * report["baseline"]["jobs"]
+
+
+def test_placement_parameters_from_a_file_change_the_decisions(
+    trace_file: Path, tmp_path: Path
+) -> None:
+    params = tmp_path / "params.toml"
+    params.write_text("link_latency_ms = [0.2, 0.5, 400.0]\n")
+    change = build_change(policy=None, params=params, fleet=None, burst=2, fail=[], strategy="ours")
+    assert change.params is not None
+    assert change.params.link_latency_ms == (0.2, 0.5, 400.0)
+    r = rehearse(trace_file, change)
+    # An off-site link too slow for a 200 ms deadline: no part image goes there.
+    assert r.comparison.candidate.zones["part-image"].get("offsite/cloud-east", 0) == 0
+    assert r.comparison.baseline.zones["part-image"].get("offsite/cloud-east", 0) > 0
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "match"),
+    [
+        ("params", "top_k = 0\n", "top_k"),
+        ("params", "no_such = 1\n", "unknown no_such"),
+        ("params", "top_k = [\n", "not valid TOML"),
+        ("fleet", 'remove = "x"\nextra = 1\n', "unknown extra"),
+        ("fleet", "[degrade]\nnorth-cpu-1 = -1\n", "factors are numbers > 0"),
+        ("fleet", '[[add]]\nid = "w"\n', "a worker to add"),
+        ("policy", "format = 3\n", "candidate policy"),
+    ],
+)
+def test_a_change_file_that_cannot_be_used_is_named(
+    tmp_path: Path, name: str, text: str, match: str
+) -> None:
+    path = tmp_path / f"{name}.toml"
+    path.write_text(text)
+    with pytest.raises(ChangeError, match=match):
+        _change(**{name: path})
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"fail": ["north-cpu-1"]}, "worker@seconds"),
+        ({"burst": 0}, "--burst 0"),
+        ({"strategy": "random"}, "one of ours"),
+        ({"params": Path("/nonexistent/params.toml")}, "cannot be read"),
+    ],
+)
+def test_a_flag_that_cannot_be_used_is_named(kw: dict[str, object], match: str) -> None:
+    with pytest.raises(ChangeError, match=match):
+        _change(**kw)
+
+
+def test_a_failure_of_a_worker_the_trace_lacks_is_refused(trace_file: Path) -> None:
+    change = build_change(
+        policy=None, params=None, fleet=None, burst=1, fail=["north-gpu-9@3"], strategy="ours"
+    )
+    with pytest.raises(ChangeError, match="no worker north-gpu-9"):
+        rehearse(trace_file, change)
