@@ -16,7 +16,14 @@ parsing messages. A message names the bad value and what would have been accepte
     │   ├── PolicyRollback                   policy.rollback
     │   ├── PolicyVersionConflict            policy.version_conflict  same version, new body
     │   ├── PolicyExpired                    policy.expired           (freeze attack)
-    │   └── RotationNotAuthorised            policy.rotation_not_authorised
+    │   ├── RotationNotAuthorised            policy.rotation_not_authorised
+    │   └── VerdictRefused                   a rollout's twin verdict was not accepted
+    │       ├── VerdictMissing               verdict.missing        the policy requires one
+    │       ├── VerdictUnknownSigner         verdict.unknown_signer not a listed twin key
+    │       ├── VerdictBadSignature          verdict.bad_signature
+    │       ├── VerdictOtherCandidate        verdict.other_candidate  for another digest
+    │       ├── VerdictWeakThresholds        verdict.weak_thresholds  looser than required
+    │       └── VerdictFailed                verdict.failed         the rehearsal failed
     ├── TokenError
     │   ├── TokenTooLarge                    token.too_large  (mint side)
     │   └── TokenRefused                     a placement token was not accepted
@@ -118,6 +125,36 @@ class PolicyExpired(PolicyRefused):
 
 class RotationNotAuthorised(PolicyRefused):
     reason = "policy.rotation_not_authorised"
+
+
+class VerdictRefused(PolicyRefused):
+    """A change that needs a passing twin verdict did not come with an acceptable one."""
+
+    reason = "verdict.refused"
+
+
+class VerdictMissing(VerdictRefused):
+    reason = "verdict.missing"
+
+
+class VerdictUnknownSigner(VerdictRefused):
+    reason = "verdict.unknown_signer"
+
+
+class VerdictBadSignature(VerdictRefused):
+    reason = "verdict.bad_signature"
+
+
+class VerdictOtherCandidate(VerdictRefused):
+    reason = "verdict.other_candidate"
+
+
+class VerdictWeakThresholds(VerdictRefused):
+    reason = "verdict.weak_thresholds"
+
+
+class VerdictFailed(VerdictRefused):
+    reason = "verdict.failed"
 
 
 class TokenError(PolicyError):

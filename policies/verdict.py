@@ -1,0 +1,217 @@
+"""Twin verdicts: a rehearsal's outcome, signed, bound to the change it judged.
+
+A platform engineer rehearses a candidate (a policy version, or a set of placement
+parameters) on a recorded trace in the digital twin; the twin's figures are judged here
+against thresholds (:func:`judge`: minimum deadline attainment, the most jobs any node may
+hold, no placement the candidate's own policy forbids, and no job of a class the policy in
+force keeps on campus placed off site) and the verdict is signed with a twin key
+(:func:`sign_verdict`). It binds the candidate's digest, the trace's digest, the thresholds
+and the figures: a verdict cannot be moved to another change.
+
+A policy's ``[rollout]`` table lists the twin keys it trusts and the thresholds a change
+must have passed; :func:`check_verdict` is what the broker and the nodes run before they
+accept the next version under such a policy, raising the :class:`VerdictRefused` subclass
+that says why. Pure: no clock (``issued_at`` is given), no I/O.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Mapping
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from policies.canonical import canonical_json
+from policies.errors import (
+    PolicyParseError,
+    VerdictBadSignature,
+    VerdictFailed,
+    VerdictMissing,
+    VerdictOtherCandidate,
+    VerdictUnknownSigner,
+    VerdictWeakThresholds,
+)
+from policies.keys import SigningKey, signature_valid
+
+FORMAT = "sluicegate-verdict/1"
+DOMAIN = b"sluicegate-verdict-signature/1\n"
+Kind = Literal["policy", "params"]
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class Thresholds(_Doc):
+    """What a rehearsal must show for its candidate to pass."""
+
+    min_attainment: float = Field(0.95, ge=0.0, le=1.0)
+    max_queue_depth: int = Field(64, ge=0)  # jobs any one node holds at its peak
+
+    def weaker_than(self, required: Thresholds) -> list[str]:
+        """Where these thresholds ask less than ``required`` does."""
+        out = []
+        if self.min_attainment < required.min_attainment:
+            out.append(
+                f"min_attainment {self.min_attainment:g} < required {required.min_attainment:g}"
+            )
+        if self.max_queue_depth > required.max_queue_depth:
+            out.append(
+                f"max_queue_depth {self.max_queue_depth} > required {required.max_queue_depth}"
+            )
+        return out
+
+
+class Figures(_Doc):
+    """What the twin measured for the candidate."""
+
+    attainment: float = Field(ge=0.0, le=1.0)
+    peak_queue_depth: dict[str, int]  # node -> jobs held at its peak
+    violations: int = Field(ge=0)  # placements the candidate's own policy forbids
+    # data class -> zone -> jobs placed there although the policy in force keeps it on campus
+    left_campus: dict[str, dict[str, int]] = Field(default_factory=dict)
+
+
+class Candidate(_Doc):
+    kind: Kind
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$")  # sha256 of the candidate, hex
+    version: int | None = None  # a policy's version
+
+
+class Body(_Doc):
+    """Everything a verdict says; the signature covers its canonical JSON."""
+
+    format: Literal["sluicegate-verdict/1"] = FORMAT
+    candidate: Candidate
+    trace_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    thresholds: Thresholds
+    figures: Figures
+    passed: bool
+    reasons: list[str]  # why it failed, one sentence each; empty when it passed
+    issued_at: float
+
+
+class Verdict(_Doc):
+    body: Body
+    key_id: str = Field(min_length=1, max_length=64)
+    public: str  # ed25519 public key, base64url (for the message; trust is by the policy)
+    signature: str
+
+    def to_bytes(self) -> bytes:
+        return canonical_json(self.model_dump(mode="json"))
+
+
+def judge(figures: Figures, thresholds: Thresholds) -> tuple[bool, list[str]]:
+    """(passed, why not): each failed threshold named with its figure."""
+    reasons = []
+    if figures.attainment < thresholds.min_attainment:
+        reasons.append(
+            f"deadline attainment {figures.attainment:.4f} is below the minimum "
+            f"{thresholds.min_attainment:g}"
+        )
+    for node, depth in sorted(figures.peak_queue_depth.items()):
+        if depth > thresholds.max_queue_depth:
+            reasons.append(
+                f"{node} would hold {depth} jobs at its peak, more than the "
+                f"{thresholds.max_queue_depth} allowed"
+            )
+    if figures.violations:
+        reasons.append(
+            f"{figures.violations} placements break the candidate's own policy (a fault in "
+            "the placement code: never expected)"
+        )
+    for data_class, zones in sorted(figures.left_campus.items()):
+        for zone, jobs in sorted(zones.items()):
+            reasons.append(
+                f"{jobs} {data_class} jobs would run in {zone}, off site, where the policy in "
+                f"force keeps {data_class} on campus"
+            )
+    return not reasons, reasons
+
+
+def _message(body: Body) -> bytes:
+    return DOMAIN + canonical_json(body.model_dump(mode="json"))
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def sign_verdict(body: Body, key: SigningKey, key_id: str) -> Verdict:
+    return Verdict(
+        body=body,
+        key_id=key_id,
+        public=_b64(key.public),
+        signature=_b64(key.sign(_message(body))),
+    )
+
+
+def read_verdict(data: bytes, *, source: str = "<verdict>") -> Verdict:
+    try:
+        return Verdict.model_validate(json.loads(data))
+    except (ValueError, ValidationError) as exc:
+        first = str(exc).splitlines()[:2]
+        raise PolicyParseError(
+            f"not a {FORMAT} document: {' '.join(first)}", source=source
+        ) from exc
+
+
+def check_verdict(
+    verdict: Verdict | None,
+    *,
+    trusted: Mapping[str, bytes],
+    candidate: Candidate,
+    required: Thresholds,
+) -> None:
+    """Accept ``verdict`` for ``candidate`` or raise why not. ``trusted``: the twin keys
+    (key id -> public key) of the policy in force; ``required``: its thresholds."""
+    what = f"{candidate.kind} {candidate.digest[:16]}…" + (
+        f" (version {candidate.version})" if candidate.version is not None else ""
+    )
+    if verdict is None:
+        raise VerdictMissing(
+            f"{what} needs a passing twin verdict (the policy in force requires one): "
+            "rehearse it with 'sluicegate twin run' and sign the result with "
+            "'sluicegate twin verdict'"
+        )
+    public = trusted.get(verdict.key_id)
+    try:
+        claimed = _unb64(verdict.public)
+    except ValueError:
+        claimed = b""
+    if public is None or public != claimed:
+        raise VerdictUnknownSigner(
+            f"the verdict for {what} is signed by key {verdict.key_id!r}, which is not a twin "
+            f"key of the policy in force (trusted: {', '.join(sorted(trusted)) or 'none'})"
+        )
+    try:
+        signature = _unb64(verdict.signature)
+    except ValueError:
+        signature = b""
+    if not signature_valid(public, signature, _message(verdict.body)):
+        raise VerdictBadSignature(
+            f"the verdict for {what} does not verify under twin key {verdict.key_id!r}: it was "
+            "changed after it was signed"
+        )
+    body = verdict.body
+    if body.candidate.kind != candidate.kind or body.candidate.digest != candidate.digest:
+        raise VerdictOtherCandidate(
+            f"the verdict judged {body.candidate.kind} {body.candidate.digest[:16]}…, not "
+            f"{what}: rehearse this change itself"
+        )
+    weaker = body.thresholds.weaker_than(required)
+    if weaker:
+        raise VerdictWeakThresholds(
+            f"the verdict for {what} passed thresholds looser than the policy in force "
+            f"requires: {'; '.join(weaker)}"
+        )
+    passed, reasons = judge(body.figures, body.thresholds)
+    if not (passed and body.passed):
+        why = "; ".join(reasons or body.reasons) or "the verdict says it failed"
+        raise VerdictFailed(f"the rehearsal of {what} failed: {why}")
