@@ -35,7 +35,7 @@ from policies.errors import (
 )
 from policies.keys import SigningKey, signature_valid
 
-FORMAT = "sluicegate-verdict/1"
+FORMAT: Literal["sluicegate-verdict/1"] = "sluicegate-verdict/1"
 DOMAIN = b"sluicegate-verdict-signature/1\n"
 Kind = Literal["policy", "params"]
 
