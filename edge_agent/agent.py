@@ -185,10 +185,10 @@ class EdgeAgent:
 
     def _publish_telemetry(self) -> None:
         if self._transport.connected:
+            self._publish_trace()  # first: a recorder that hears the telemetry has the records
             topic = topics.edge_telemetry(self.settings.id)
             with contextlib.suppress(TransportError):  # QoS 0: the next one follows soon
                 self._transport.publish_nowait(Message(topic, wire.dump(self.telemetry()), qos=0))
-            self._publish_trace()
 
     def _publish_trace(self) -> None:
         """The records of the jobs concluded since the last telemetry, if any (QoS 0: a

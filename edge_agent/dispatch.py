@@ -110,7 +110,10 @@ class Dispatcher:
         self.idle.set()
         self._repeats = 0  # requests for known ids whose outbox lookup is under way
         # The records of concluded jobs for the twin's recorder, sent with the telemetry.
-        self.trace = TraceLog(settings.id) if settings.trace_jobs else None
+        self.trace: TraceLog | None = None
+        if settings.trace_jobs:
+            offloads = placement is not None and offload_settings.enabled
+            self.trace = TraceLog(settings.id, offload=offloads, queue_bound=o.queue_bound)
         self._effects = Carrier(
             self,
             table=self.table,

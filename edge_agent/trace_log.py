@@ -81,8 +81,12 @@ def refusal_of(job: Job, status: wire.Status, code: str, *, now: float) -> wire.
 class TraceLog:
     """The records gathered since the last telemetry, bounded."""
 
-    def __init__(self, edge_id: str, limit: int = MAX_RECORDS) -> None:
+    def __init__(
+        self, edge_id: str, *, offload: bool, queue_bound: int, limit: int = MAX_RECORDS
+    ) -> None:
         self._edge_id = edge_id
+        self._offload = offload
+        self._queue_bound = queue_bound
         self._limit = limit
         self._records: list[wire.TraceJob] = []
 
@@ -102,4 +106,9 @@ class TraceLog:
         if not self._records:
             return None
         records, self._records = self._records, []
-        return wire.EdgeTrace(node=self._edge_id, records=records)
+        return wire.EdgeTrace(
+            node=self._edge_id,
+            records=records,
+            offload=self._offload,
+            queue_bound=self._queue_bound,
+        )

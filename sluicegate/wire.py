@@ -196,11 +196,14 @@ class TraceJob(_Wire):
 
 class EdgeTrace(_Wire):
     """What an edge publishes with its telemetry when it concluded jobs since the last one
-    (``sluicegate/v1/edge/{id}/trace``)."""
+    (``sluicegate/v1/edge/{id}/trace``), with the offload settings its telemetry does not
+    carry (a replay decides with them)."""
 
     v: Literal[1] = WIRE_VERSION
     node: str
     records: list[TraceJob]
+    offload: bool | None = None  # it may offer jobs to the broker
+    queue_bound: int | None = None  # [offload] queue_bound: waiting jobs before it offers
 
 
 class NodeStatus(_Wire):

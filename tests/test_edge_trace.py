@@ -107,13 +107,18 @@ def test_a_refused_request_is_recorded_as_an_arrival_that_never_ran() -> None:
 
 
 def test_the_batch_is_bounded_and_taken_whole() -> None:
-    log = TraceLog("line-1-pc", limit=2)
+    log = TraceLog("line-1-pc", offload=True, queue_bound=4, limit=2)
     record = refusal_of(job(), "rejected", "queue_full", now=T0)
     assert log.take() is None  # nothing gathered: nothing to send
     assert [log.add(record) for _ in range(3)] == [True, True, False]
     batch = log.take()
     assert batch is not None
-    assert (batch.node, len(batch.records)) == ("line-1-pc", 2)
+    assert (batch.node, len(batch.records), batch.offload, batch.queue_bound) == (
+        "line-1-pc",
+        2,
+        True,
+        4,
+    )
     assert log.take() is None
     back = wire.EdgeTrace.model_validate_json(wire.dump(batch))
     assert back == batch
