@@ -35,6 +35,7 @@ PURE = [
     "sluicegate/vision/geometry.py",
     "sluicegate/vision/metrics.py",
     "sluicegate/vision/ocr.py",
+    "sluicegate/twin/capture.py",
     "sluicegate/twin/draws.py",
     "sluicegate/twin/nodes.py",
     "sluicegate/twin/report.py",

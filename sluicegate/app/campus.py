@@ -1,5 +1,5 @@
 """A small campus written to disk: signed policy, keys, certificates, the Mosquitto ACL
-and one settings file per node.
+and one settings file per node (and one for the observer).
 
 The demo runs on it, and so do the tests that start a broker, edges and workers as real
 processes. Keys come from a function the caller passes: fresh random keys for the demo
@@ -44,7 +44,7 @@ APPS = {
     "app-campus": (tuple(LINES), "app/campus"),
 }
 APP_OF_LINE = {"line-1-pc": "app-line-1", "line-2-pc": "app-line-2"}
-OBSERVER = "observer"  # reads status and telemetry: the campus's own watchers
+OBSERVER = "observer"  # reads status, telemetry, job records: watchers, the twin's recorder
 PROBE = "sg-probe"  # no rights at all: Mosquitto's readiness ping
 MOSQUITTO = "mosquitto"  # the server certificate's file stem
 
@@ -276,6 +276,8 @@ def write_campus(
             f"\n[offload]\nqueue_bound = 4\n"
             f'state_dir = "{root / "state" / edge}"\npolicy_file = "{policy_file}"\n'
         )
+    # The observer's: what 'sluicegate twin record --config observer.toml' connects with.
+    campus.node_config(OBSERVER).write_text(mqtt(OBSERVER))
     for worker, (zone, device_class) in workers.items():
         campus.node_config(worker).write_text(
             mqtt(worker)

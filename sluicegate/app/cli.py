@@ -24,6 +24,7 @@ from sluicegate.deploy.cli import register as register_deploy
 from sluicegate.doctor.cli import register as register_doctor
 from sluicegate.enroll.cli import ca_app, enroll_app
 from sluicegate.errors import EXPECTED
+from sluicegate.twin.cli import twin_app
 
 T = TypeVar("T")
 
@@ -46,6 +47,7 @@ register_acl(policy_app)
 app.add_typer(policy_app, name="policy", help="Signed compliance policies.")
 app.add_typer(ca_app, name="ca")
 app.add_typer(enroll_app, name="enroll")
+app.add_typer(twin_app, name="twin")
 
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", "-c", help="TOML settings file.", exists=False)

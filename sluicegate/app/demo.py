@@ -35,6 +35,7 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 
+from sluicegate.app.campus import OBSERVER
 from sluicegate.app.demo_cleanup import clear_mqtt, empty_database, flush_database
 from sluicegate.app.localcampus import LocalCampus, cpu_cap_available, start_campus_mosquitto
 from sluicegate.app.servers import ServerProcess, free_port, running, start_redis
@@ -163,6 +164,11 @@ def run_demo(
         console.print("starting broker-1, line-1-pc, line-2-pc, north-cpu-1, cloud-cpu-1 …")
         try:
             campus.start()
+            observer = written.node_config(OBSERVER)
+            console.print(
+                f"record it from another shell: sluicegate twin record --config {observer} "
+                "--out trace.jsonl.gz"
+            )
 
             async def main() -> None:
                 stop = asyncio.Event()
