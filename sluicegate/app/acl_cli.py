@@ -26,7 +26,10 @@ def register(policy_app: typer.Typer) -> None:
         out: Annotated[Path | None, typer.Option(help="Write here instead of stdout.")] = None,
         observer: Annotated[
             list[str] | None,
-            typer.Option(help="A monitoring identity that may read status and telemetry."),
+            typer.Option(
+                help="A monitoring identity (or the twin's recorder) that may read status, "
+                "telemetry, the edges' job records, completions and the policy."
+            ),
         ] = None,
     ) -> None:
         """Write the Mosquitto ACL of the campus: each node writes only its own topics,
