@@ -26,8 +26,10 @@ def canonical_json(value: Any) -> bytes:
 
 
 def canonical_bytes(doc: PolicyDocument) -> bytes:
-    """The canonical form of a validated policy document."""
-    return canonical_json(doc.model_dump(mode="json"))
+    """The canonical form of a validated policy document. A policy without a ``[rollout]``
+    table has no ``rollout`` key at all, so policies written before it keep their digests."""
+    exclude = {"rollout"} if doc.rollout is None else None
+    return canonical_json(doc.model_dump(mode="json", exclude=exclude))
 
 
 def digest(canonical: bytes) -> bytes:

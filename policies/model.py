@@ -187,6 +187,17 @@ class Verdict:
         return f"{what} denied: unknown target zone {self.target!r}"
 
 
+@dataclass(frozen=True)
+class Rollout:
+    """The policy's ``[rollout]`` table: twin keys (id -> raw public key), whether the next
+    version needs a passing verdict, and the thresholds that verdict must have met."""
+
+    twin_keys: Mapping[str, bytes]
+    require_verdict: bool
+    min_attainment: float
+    max_queue_depth: int
+
+
 @dataclass(frozen=True, eq=False)
 class Policy:
     """A loaded policy. Equality is identity; compare ``digest`` to compare content."""
@@ -207,6 +218,7 @@ class Policy:
     max_ttl_s: int
     max_skew_s: int
     canonical: bytes = field(repr=False)
+    rollout: Rollout | None = field(default=None, kw_only=True)
     digest: bytes = field(repr=False)
     zone_segments: Mapping[str, tuple[str, ...]] = field(repr=False)
     worker_zones: Mapping[str, str] = field(repr=False)
@@ -305,6 +317,16 @@ def policy_from_document(doc: PolicyDocument) -> Policy:
         ),
         max_ttl_s=doc.tokens.max_ttl_s,
         max_skew_s=doc.tokens.max_skew_s,
+        rollout=(
+            Rollout(
+                {k: decode_public_key(v) for k, v in doc.rollout.twin_keys.items()},
+                doc.rollout.require_verdict,
+                doc.rollout.min_attainment,
+                doc.rollout.max_queue_depth,
+            )
+            if doc.rollout is not None
+            else None
+        ),
         canonical=canonical,
         digest=digest(canonical),
         zone_segments={zone: tuple(zone.split("/")) for zone in doc.zones},

@@ -203,6 +203,17 @@ class TokensDoc(_Model):
     max_skew_s: int = Field(default=5, ge=0, le=300)
 
 
+class RolloutDoc(_Model):
+    """Changes rehearsed in the digital twin before they are accepted: the twin keys whose
+    verdicts count, whether the next policy version needs a passing verdict, and what a
+    rehearsal must have shown (``policies.verdict.Thresholds``)."""
+
+    twin_keys: dict[NodeId, KeyText] = Field(default_factory=dict, max_length=16)
+    require_verdict: bool = False
+    min_attainment: float = Field(default=0.95, ge=0.0, le=1.0)
+    max_queue_depth: int = Field(default=64, ge=0, le=1_000_000)
+
+
 class PolicyDocument(_Model):
     """A Sluicegate compliance policy (``sluicegate-policy/1``)."""
 
@@ -220,6 +231,7 @@ class PolicyDocument(_Model):
     classes: dict[Name, ClassDoc] = Field(min_length=1, max_length=128)
     subhealth: list[SubhealthDoc] = Field(default_factory=list, max_length=64)
     tokens: TokensDoc = Field(default_factory=TokensDoc)
+    rollout: RolloutDoc | None = None
 
 
 Loc = tuple[str | int, ...]
@@ -235,6 +247,14 @@ def semantic_problems(doc: PolicyDocument) -> list[tuple[Loc, str]]:
                 ("policy_signers", "threshold"),
                 f"threshold {doc.policy_signers.threshold} can never be met: only {distinct} "
                 f"distinct signer key(s); accepted: 1 to {distinct}",
+            )
+        )
+    if doc.rollout is not None and doc.rollout.require_verdict and not doc.rollout.twin_keys:
+        problems.append(
+            (
+                ("rollout", "require_verdict"),
+                "require_verdict = true needs at least one twin key in twin_keys, or no "
+                "verdict could ever be accepted",
             )
         )
     seen: dict[str, str] = {}

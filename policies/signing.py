@@ -38,11 +38,13 @@ from policies.keys import (
     signature_valid,
 )
 from policies.loader import format_loc, parse_canonical
-from policies.model import Policy
+from policies.model import Policy, Rollout
 from policies.schema import KeyText, NodeId, format_time
+from policies.verdict import Candidate, Thresholds, Verdict, check_verdict, read_verdict
 
 SIGNATURES_FORMAT = "sluicegate-policy-signatures/1"
 ANCHOR_FORMAT = "sluicegate-policy-anchor/1"
+ENVELOPE_KEYS = frozenset({"policy", "signatures", "verdict"})
 DOMAIN = b"sluicegate-policy-signature/1\n"
 
 
@@ -70,10 +72,17 @@ class TrustAnchor:
     digest: bytes
     threshold: int
     signer_keys: frozenset[bytes]
+    rollout: Rollout | None = None  # the accepted policy's [rollout]: what the next needs
 
     @classmethod
     def of(cls, policy: Policy) -> TrustAnchor:
-        return cls(policy.version, policy.digest, policy.signer_threshold, policy.signer_keys)
+        return cls(
+            policy.version,
+            policy.digest,
+            policy.signer_threshold,
+            policy.signer_keys,
+            policy.rollout,
+        )
 
 
 def sign_policy(policy: Policy, key: SigningKey, key_id: str) -> PolicySignature:
@@ -96,12 +105,19 @@ def _describe_keys(policy: Policy) -> str:
 
 
 def accept_policy(
-    policy: Policy, bundle: SignatureBundle, *, now: float, anchor: TrustAnchor | None
+    policy: Policy,
+    bundle: SignatureBundle,
+    *,
+    now: float,
+    anchor: TrustAnchor | None,
+    verdict: Verdict | None = None,
 ) -> TrustAnchor:
     """Accept ``policy`` or raise the ``PolicyRefused`` subclass that says why.
 
     ``anchor`` is the last accepted policy (None only on first install, which then trusts the
-    policy's own signers: pin its digest out of band). Returns the anchor to persist.
+    policy's own signers: pin its digest out of band). Returns the anchor to persist. When
+    the accepted policy's ``[rollout]`` requires it, a new version needs ``verdict``, a
+    passing twin verdict for its digest (``policies.verdict.check_verdict``).
     """
     if bundle.digest != policy.digest:
         raise PolicyDigestMismatch(
@@ -153,6 +169,18 @@ def accept_policy(
                 f"{anchor.threshold} distinct keys of the previous signers (v{anchor.version}) "
                 f"must also sign it; {len(old)} did"
             )
+        gate = anchor.rollout
+        if gate is not None and gate.require_verdict and policy.digest != anchor.digest:
+            check_verdict(
+                verdict,
+                trusted=gate.twin_keys,
+                candidate=Candidate(
+                    kind="policy", digest=policy.digest.hex(), version=policy.version
+                ),
+                required=Thresholds(
+                    min_attainment=gate.min_attainment, max_queue_depth=gate.max_queue_depth
+                ),
+            )
     if now >= policy.expires:
         raise PolicyExpired(
             f"policy v{policy.version} expired at {format_time(policy.expires)}; accepted: a "
@@ -176,6 +204,14 @@ class _BundleDoc(BaseModel):
     signatures: list[_SignatureDoc] = Field(max_length=64)
 
 
+class _RolloutAnchorDoc(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    twin_keys: dict[NodeId, KeyText] = Field(max_length=16)
+    require_verdict: bool
+    min_attainment: float = Field(ge=0.0, le=1.0)
+    max_queue_depth: int = Field(ge=0)
+
+
 class _AnchorDoc(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     format: str = Field(pattern=f"^{ANCHOR_FORMAT}$")
@@ -183,6 +219,7 @@ class _AnchorDoc(BaseModel):
     digest: str = Field(pattern=r"^sha256:[0-9a-f]{64}$")
     threshold: int = Field(ge=1)
     signers: list[KeyText] = Field(min_length=1, max_length=64)
+    rollout: _RolloutAnchorDoc | None = None
 
 
 _M = TypeVar("_M", bound=BaseModel)
@@ -237,6 +274,14 @@ def parse_anchor(data: bytes, *, source: str = "<anchor>") -> TrustAnchor:
         bytes.fromhex(doc.digest.removeprefix("sha256:")),
         doc.threshold,
         frozenset(decode_public_key(k) for k in doc.signers),
+        Rollout(
+            {k: decode_public_key(v) for k, v in doc.rollout.twin_keys.items()},
+            doc.rollout.require_verdict,
+            doc.rollout.min_attainment,
+            doc.rollout.max_queue_depth,
+        )
+        if doc.rollout is not None
+        else None,
     )
 
 
@@ -248,14 +293,29 @@ def dump_anchor(anchor: TrustAnchor) -> bytes:
         "threshold": anchor.threshold,
         "signers": sorted(public_key_text(k) for k in anchor.signer_keys),
     }
+    gate = anchor.rollout
+    if gate is not None:
+        doc["rollout"] = {
+            "twin_keys": {k: public_key_text(v) for k, v in sorted(gate.twin_keys.items())},
+            "require_verdict": gate.require_verdict,
+            "min_attainment": gate.min_attainment,
+            "max_queue_depth": gate.max_queue_depth,
+        }
     return (json.dumps(doc, indent=2) + "\n").encode("ascii")
 
 
-def signed_envelope(policy: Policy, bundle: SignatureBundle) -> bytes:
-    """The policy and its signatures in one message (e.g. the retained policy topic)."""
-    return canonical_json(
-        {"policy": json.loads(policy.canonical), "signatures": signatures_json(bundle)}
-    )
+def signed_envelope(
+    policy: Policy, bundle: SignatureBundle, verdict: Verdict | None = None
+) -> bytes:
+    """The policy and its signatures in one message (e.g. the retained policy topic), with
+    the twin verdict that lets it through a gated rollout, if it has one."""
+    doc: dict[str, object] = {
+        "policy": json.loads(policy.canonical),
+        "signatures": signatures_json(bundle),
+    }
+    if verdict is not None:
+        doc["verdict"] = json.loads(verdict.to_bytes())
+    return canonical_json(doc)
 
 
 def _no_constants(name: str) -> object:
@@ -270,10 +330,15 @@ def open_envelope(
         raw = json.loads(data, parse_constant=_no_constants)
     except (ValueError, RecursionError) as exc:
         raise PolicyParseError(f"not JSON: {exc}", source=source) from exc
-    if not isinstance(raw, dict) or set(raw) != {"policy", "signatures"}:
+    if not isinstance(raw, dict) or not {"policy", "signatures"} <= set(raw) <= ENVELOPE_KEYS:
         raise PolicyParseError(
-            "expected an object with exactly the keys 'policy' and 'signatures'", source=source
+            "expected an object with the keys 'policy' and 'signatures' (and 'verdict', "
+            "for a gated rollout)",
+            source=source,
         )
     policy = parse_canonical(canonical_json(raw["policy"]), source=source)
     bundle = parse_signatures(canonical_json(raw["signatures"]), source=source)
-    return policy, accept_policy(policy, bundle, now=now, anchor=anchor)
+    verdict = (
+        read_verdict(canonical_json(raw["verdict"]), source=source) if "verdict" in raw else None
+    )
+    return policy, accept_policy(policy, bundle, now=now, anchor=anchor, verdict=verdict)

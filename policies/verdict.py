@@ -16,7 +16,6 @@ that says why. Pure: no clock (``issued_at`` is given), no I/O.
 
 from __future__ import annotations
 
-import base64
 import json
 from collections.abc import Mapping
 from typing import Literal
@@ -33,7 +32,7 @@ from policies.errors import (
     VerdictUnknownSigner,
     VerdictWeakThresholds,
 )
-from policies.keys import SigningKey, signature_valid
+from policies.keys import SigningKey, b64u_decode, b64u_encode, signature_valid
 
 FORMAT: Literal["sluicegate-verdict/1"] = "sluicegate-verdict/1"
 DOMAIN = b"sluicegate-verdict-signature/1\n"
@@ -135,20 +134,12 @@ def _message(body: Body) -> bytes:
     return DOMAIN + canonical_json(body.model_dump(mode="json"))
 
 
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).decode().rstrip("=")
-
-
-def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-
-
 def sign_verdict(body: Body, key: SigningKey, key_id: str) -> Verdict:
     return Verdict(
         body=body,
         key_id=key_id,
-        public=_b64(key.public),
-        signature=_b64(key.sign(_message(body))),
+        public=b64u_encode(key.public),
+        signature=b64u_encode(key.sign(_message(body))),
     )
 
 
@@ -182,7 +173,7 @@ def check_verdict(
         )
     public = trusted.get(verdict.key_id)
     try:
-        claimed = _unb64(verdict.public)
+        claimed = b64u_decode(verdict.public)
     except ValueError:
         claimed = b""
     if public is None or public != claimed:
@@ -191,7 +182,7 @@ def check_verdict(
             f"key of the policy in force (trusted: {', '.join(sorted(trusted)) or 'none'})"
         )
     try:
-        signature = _unb64(verdict.signature)
+        signature = b64u_decode(verdict.signature)
     except ValueError:
         signature = b""
     if not signature_valid(public, signature, _message(verdict.body)):

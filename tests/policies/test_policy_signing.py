@@ -182,7 +182,8 @@ def test_signed_envelope_round_trip_and_errors() -> None:
         open_envelope(message, now=NOW, anchor=TrustAnchor.of(V2))
     for bad, expect in [
         (b"{", "not JSON"),
-        (b"[]", "exactly the keys"),
+        (b"[]", "the keys 'policy' and 'signatures'"),
+        (b'{"policy": {}, "signatures": {}, "extra": 1}', "the keys 'policy' and 'signatures'"),
         (b'{"policy": NaN, "signatures": {}}', "not JSON"),
     ]:
         with pytest.raises(PolicyParseError, match=expect):
