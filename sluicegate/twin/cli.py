@@ -10,9 +10,12 @@ import asyncio
 import logging
 import signal
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from sluicegate.twin.nodes import Change
 
 twin_app = typer.Typer(
     help="The digital twin: record a campus, replay changes, gate rollouts.", no_args_is_help=True
@@ -96,3 +99,156 @@ def record(
         _fail(f"{exc.filename}: {exc.strerror}")
         return
     typer.echo(recorded.summary())
+
+
+TraceOption = Annotated[Path, typer.Option("--trace", "-t", help="A trace (twin record).")]
+PolicyOption = Annotated[
+    Path | None, typer.Option(help="A candidate policy (TOML) to replay under.")
+]
+ParamsOption = Annotated[Path | None, typer.Option(help="Candidate placement parameters (TOML).")]
+FleetOption = Annotated[
+    Path | None,
+    typer.Option(help="A fleet change (TOML: remove = [...], [degrade], [[add]])."),
+]
+BurstOption = Annotated[int, typer.Option(help="Each arrival this many times (2, 5, 10).")]
+FailOption = Annotated[
+    list[str] | None, typer.Option(help="A worker lost at a moment: worker@seconds.")
+]
+SeedOption = Annotated[int, typer.Option(help="The seed of the times drawn.")]
+
+
+def _change(
+    policy: Path | None,
+    params: Path | None,
+    fleet: Path | None,
+    burst: int,
+    fail: list[str] | None,
+    strategy: str,
+) -> Change:
+    from sluicegate.twin.rehearse import build_change
+
+    return build_change(
+        policy=policy, params=params, fleet=fleet, burst=burst, fail=fail or [], strategy=strategy
+    )
+
+
+@twin_app.command("synth")
+def synth(
+    out: Annotated[Path, typer.Option(help="The trace to write.")],
+    seconds: Annotated[float, typer.Option(help="Length of the trace.")] = 600.0,
+    rate: Annotated[float, typer.Option(help="Images/s per line outside bursts.")] = 10.0,
+    burst_every: Annotated[
+        float, typer.Option(help="Line 1 bursts to 10x for 10 s this often, s (0: never).")
+    ] = 60.0,
+) -> None:
+    """Write a trace of the demo campus's traffic without running it (arrivals only; the
+    nodes' measured figures give every time). For rehearsals at sizes nobody records."""
+    from sluicegate.app.twin_demo import demo_trace
+    from sluicegate.twin.trace import write
+
+    if not seconds > 0 or not rate > 0 or burst_every < 0:
+        _fail("--seconds and --rate are > 0, --burst-every >= 0")
+    bursts: tuple[tuple[float, float], ...] = ()
+    if burst_every > 0:
+        n = int(seconds // burst_every)
+        bursts = tuple((k * burst_every + burst_every / 3, 10.0) for k in range(n))
+    trace = demo_trace(seconds, rate=rate, bursts=bursts)
+    digest = write(out, trace)
+    typer.echo(f"{out}: {len(trace.jobs)} jobs over {seconds:g} s, sha256 {digest}")
+
+
+@twin_app.command("run")
+def run(
+    trace: TraceOption,
+    policy: PolicyOption = None,
+    params: ParamsOption = None,
+    fleet: FleetOption = None,
+    burst: BurstOption = 1,
+    fail: FailOption = None,
+    strategy: Annotated[
+        str, typer.Option(help="ours, edge-only, round-robin or least-loaded.")
+    ] = "ours",
+    strategies: Annotated[
+        bool, typer.Option(help="Also compare every placement strategy on the trace.")
+    ] = False,
+    seed: SeedOption = 0,
+    out: Annotated[
+        Path | None, typer.Option(help="Write report.json and the PNG plots here.")
+    ] = None,
+) -> None:
+    """Replay a trace as recorded and under a change, through the production decision
+    code, and print them side by side."""
+    from sluicegate.errors import EXPECTED
+    from sluicegate.twin.rehearse import rehearse, write_report
+
+    try:
+        change = _change(policy, params, fleet, burst, fail, strategy)
+        rehearsal = rehearse(trace, change, seed=seed, strategies=strategies)
+        typer.echo(rehearsal.text)
+        if out is not None:
+            for path in write_report(rehearsal, out):
+                typer.echo(f"wrote {path}")
+    except EXPECTED as exc:
+        _fail(str(exc))
+
+
+@twin_app.command("verdict")
+def verdict(
+    trace: TraceOption,
+    key: Annotated[Path, typer.Option(help="The twin's signing key (policy keygen).")],
+    key_id: Annotated[str, typer.Option(help="Its id in the policy's [rollout] twin_keys.")],
+    out: Annotated[Path, typer.Option(help="Where to write the signed verdict.")],
+    policy: PolicyOption = None,
+    params: ParamsOption = None,
+    fleet: FleetOption = None,
+    burst: BurstOption = 1,
+    fail: FailOption = None,
+    seed: SeedOption = 0,
+) -> None:
+    """Rehearse a candidate policy or placement parameters on a trace, judge it against
+    the thresholds of the policy in force, and sign the verdict. Exit status 1 when the
+    candidate failed (the verdict, written anyway, says why)."""
+    import time
+
+    from policies.keys import load_signing_key
+    from sluicegate.errors import EXPECTED
+    from sluicegate.twin import judge
+    from sluicegate.twin.rehearse import rehearse
+    from sluicegate.twin.trace import policy_of, read
+
+    if (policy is None) == (params is None):
+        _fail("give the candidate: --policy FILE or --params FILE (one of them)")
+    try:
+        change = _change(policy, params, fleet, burst, fail, "ours")
+        rehearsal = rehearse(trace, change, seed=seed)
+        recorded, digest = read(trace)
+        in_force = policy_of(recorded.header)
+        zones = {e.id: e.zone for e in recorded.header.edges}
+        origins: dict[str, str] = {}
+        for job in recorded.jobs:
+            origins.setdefault(job.data_class, zones[job.edge])
+        figures = judge.figures_of(
+            rehearsal.comparison.candidate, in_force, origins, rehearsal.comparison.candidate.zones
+        )
+        signed = judge.verdict_for(
+            judge.candidate_of(change.policy, change.params),
+            figures,
+            judge.thresholds_of(in_force),
+            trace_sha256=digest,
+            key=load_signing_key(key),
+            key_id=key_id,
+            issued_at=time.time(),
+        )
+        judge.write_verdict(out, signed)
+    except EXPECTED as exc:
+        _fail(str(exc))
+        return
+    body = signed.body
+    what = f"{body.candidate.kind} {body.candidate.digest[:16]}…"
+    if body.passed:
+        typer.echo(f"{what}: passed; verdict written to {out}")
+        return
+    typer.echo(f"{what}: FAILED; verdict written to {out}")
+    for reason in body.reasons:
+        typer.echo(f"  - {reason}")
+    raise typer.Exit(1)

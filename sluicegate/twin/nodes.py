@@ -99,6 +99,7 @@ class SimEdge:
     def __init__(self, spec: EdgeSpec) -> None:
         self.spec = spec
         self.queue: JobQueue[Job] = JobQueue(spec.queue_size, queue_key)
+        self.peak = 0  # most jobs held since the last telemetry interval
         self.running = 0
         self.ahead: Counter[str] = Counter()
         self.times = ServiceTimes(0.2)
@@ -111,6 +112,9 @@ class SimEdge:
     @property
     def held(self) -> int:
         return sum(self.ahead.values())
+
+    def note(self) -> None:
+        self.peak = max(self.peak, self.held)
 
 
 def queue_key(job: Job) -> tuple[int, float]:
@@ -142,7 +146,15 @@ class SimWorker:
             self.stats.seed(model, ms, ms)
         self.busy_s = 0.0
         self.busy_tick = 0.0
+        self.peak = 0  # most jobs held since the last telemetry interval
         self.timer: float | None = None
+
+    @property
+    def held(self) -> int:
+        return len(self.queue) + sum(self.in_flight.values())
+
+    def note(self) -> None:
+        self.peak = max(self.peak, self.held)
 
     def capabilities(self) -> WorkerCapabilities:
         s = self.spec

@@ -147,10 +147,11 @@ class Simulation:
         )
 
     def _tick(self, now: float) -> None:
-        """Every interval: each worker's telemetry to the fleet, and every node's depth."""
+        """Every interval: each worker's telemetry to the fleet, and the most jobs each node
+        held during the interval."""
         for w in self.workers.values():
-            held = len(w.queue) + sum(w.in_flight.values())
-            self._depth[w.spec.id].append((round(now - self.t0, 3), held))
+            self._depth[w.spec.id].append((round(now - self.t0, 3), max(w.peak, w.held)))
+            w.peak = w.held
             if not w.alive:
                 continue
             jobs = Counter(w.queue.depths()) + w.in_flight
@@ -169,7 +170,8 @@ class Simulation:
             )
             self.fleet.apply_telemetry(tel, now)
         for e in self.edges.values():
-            self._depth[e.spec.id].append((round(now - self.t0, 3), e.held))
+            self._depth[e.spec.id].append((round(now - self.t0, 3), max(e.peak, e.held)))
+            e.peak = e.held
         if self._live > 0:
             self._at(now + self.interval, self._tick)
 
@@ -212,6 +214,7 @@ class Simulation:
         job.local = "queued"
         edge.ahead[job.rec.model] += 1
         edge.queue.push(job, force=True)
+        edge.note()
         self._pump(now, edge)
 
     def _leave_local(self, job: Job) -> None:
@@ -424,6 +427,7 @@ class Simulation:
         if not worker.queue.push(entry):
             self._at(now + job.back_s, self._refused_back, job, attempt)
             return
+        worker.note()
         self._dispatch(now, worker)
 
     def _dispatch(self, now: float, worker: SimWorker) -> None:

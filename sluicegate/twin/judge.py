@@ -1,0 +1,101 @@
+"""From a rehearsal to a signed verdict: the candidate's figures, judged and signed.
+
+The figures come from the candidate's replay (:class:`~sluicegate.twin.report.Summary`):
+its attainment, the peak of jobs each node held, placements its own policy forbids, and,
+measured against the policy *in force* (the trace's), the jobs of every data class that
+policy keeps on campus which the candidate placed off site. The candidate is what the
+verdict binds: a policy file (its digest and version) or a placement-parameter file (the
+sha256 of its parameters' canonical JSON, :func:`params_digest`). Thresholds come from the
+policy in force's ``[rollout]`` table, or the defaults when it has none; a verdict for
+looser thresholds than a gate requires is refused at the gate anyway.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from broker.core.params import PlacementParams
+from policies.canonical import canonical_json
+from policies.evaluate import allowed
+from policies.keys import SigningKey
+from policies.model import Policy
+from policies.verdict import Body, Candidate, Figures, Thresholds, Verdict, judge, sign_verdict
+from sluicegate.twin.report import Summary
+
+
+def params_digest(params: PlacementParams) -> str:
+    """The identity of a set of placement parameters: sha256 of their canonical JSON."""
+    return hashlib.sha256(canonical_json(params.describe())).hexdigest()
+
+
+def campus_only(policy: Policy, data_class: str, origin: str, zone: str) -> bool:
+    """Whether ``policy`` forbids ``data_class`` from ``origin`` in ``zone`` (so a job of it
+    placed there leaves what the policy in force allows)."""
+    return not allowed(policy, data_class, origin, zone).allowed
+
+
+def figures_of(
+    summary: Summary,
+    in_force: Policy,
+    origins: dict[str, str],
+    zones_by_class: dict[str, dict[str, int]],
+) -> Figures:
+    """The verdict's figures: ``origins`` maps each data class to an origin zone it came
+    from (the check is per class and zone; every line of the demo campus shares its rules)."""
+    left: dict[str, dict[str, int]] = {}
+    for data_class, zones in sorted(zones_by_class.items()):
+        origin = origins.get(data_class)
+        if origin is None:
+            continue
+        for zone, jobs in sorted(zones.items()):
+            if jobs and campus_only(in_force, data_class, origin, zone):
+                left.setdefault(data_class, {})[zone] = jobs
+    return Figures(
+        attainment=summary.attainment,
+        peak_queue_depth=dict(summary.peak_depth),
+        violations=summary.violations,
+        left_campus=left,
+    )
+
+
+def thresholds_of(policy: Policy) -> Thresholds:
+    gate = policy.rollout
+    if gate is None:
+        return Thresholds()
+    return Thresholds(min_attainment=gate.min_attainment, max_queue_depth=gate.max_queue_depth)
+
+
+def candidate_of(policy: Policy | None, params: PlacementParams | None) -> Candidate:
+    if policy is not None:
+        return Candidate(kind="policy", digest=policy.digest.hex(), version=policy.version)
+    if params is not None:
+        return Candidate(kind="params", digest=params_digest(params))
+    raise ValueError("a verdict judges a candidate policy or candidate placement parameters")
+
+
+def verdict_for(
+    candidate: Candidate,
+    figures: Figures,
+    thresholds: Thresholds,
+    *,
+    trace_sha256: str,
+    key: SigningKey,
+    key_id: str,
+    issued_at: float,
+) -> Verdict:
+    passed, reasons = judge(figures, thresholds)
+    body = Body(
+        candidate=candidate,
+        trace_sha256=trace_sha256,
+        thresholds=thresholds,
+        figures=figures,
+        passed=passed,
+        reasons=reasons,
+        issued_at=issued_at,
+    )
+    return sign_verdict(body, key, key_id)
+
+
+def write_verdict(path: Path, verdict: Verdict) -> None:
+    path.write_bytes(verdict.to_bytes() + b"\n")
