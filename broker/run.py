@@ -15,6 +15,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from broker.api import start_http
+from broker.decision_audit import encode
 from broker.enrollment import EnrollmentDesk
 from broker.lease import ReplicaLease
 from broker.service import Broker, status_message
@@ -28,7 +29,7 @@ from sluicegate.enroll.authority import Authority
 from sluicegate.errors import ConfigError
 from sluicegate.instance import this_process
 from sluicegate.mqtt import MqttTransport
-from sluicegate.policy_feed import PolicyFeed, bootstrap_envelope
+from sluicegate.policy_feed import PolicyFeed
 from sluicegate.transport import Message, Will
 from sluicegate.vision.manifest import Requirements, load_manifest
 from sluicegate.vision.runtime import default_models_dir
@@ -76,7 +77,7 @@ async def serve(
                 f"broker_signers; its key_file {cfg.key_file} holds {key.public_text}, and "
                 "edges and workers would refuse every token it signs"
             )
-    envelope = bootstrap_envelope(cfg.policy_file) if cfg.policy_file else None
+    envelope = feed.envelope  # what the feed accepted: never a refused file's envelope
     redis = aioredis.Redis.from_url(cfg.redis_url)
     lease = ReplicaLease(redis, cfg.id, this_process())
     try:
@@ -125,6 +126,20 @@ async def _serve(
         requirements=requirements_of(cfg.models_dir or default_models_dir()),
     )
     feed.on_change(broker.fleet.use_policy)  # workers' zones follow every new policy
+    refused = feed.file_refusal
+    if refused is not None and feed.current is not None:
+        # A new policy file not activated (a gated rollout without its verdict, an older
+        # version...): the broker keeps serving the policy it holds, and says so.
+        log.error(
+            "broker %s keeps policy v%d; its policy file %s was refused [%s]: %s",
+            cfg.id,
+            feed.current.version,
+            cfg.policy_file,
+            refused.reason,
+            refused.message,
+        )
+        record = {"file": str(cfg.policy_file), "code": refused.reason, "reason": refused.message}
+        broker.audit.add(cfg.id, encode(record), "policy.refused")
     await transport.connect(timeout=connect_timeout)
     await feed.start(transport)
     if envelope is not None and feed.current is not None:

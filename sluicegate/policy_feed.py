@@ -29,6 +29,7 @@ from policies import Policy, TrustAnchor, load_policy, open_envelope, signed_env
 from policies.errors import PolicyError, PolicyParseError
 from policies.loader import read_bytes
 from policies.signing import dump_anchor, parse_anchor, parse_signatures
+from policies.verdict import read_verdict
 from sluicegate import topics
 from sluicegate.errors import ConfigError
 from sluicegate.files import write_atomic
@@ -88,17 +89,24 @@ def consider(
 
 
 def bootstrap_envelope(path: Path) -> bytes:
-    """The ``signed_envelope`` of a policy file and its detached ``.sig`` beside it."""
+    """The ``signed_envelope`` of a policy file and its detached ``.sig`` beside it, with
+    the twin verdict in ``.verdict`` beside it when there is one (a gated rollout)."""
     sig_path = path.with_name(path.name + ".sig")
+    verdict_path = path.with_name(path.name + ".verdict")
     try:
         policy = load_policy(path)
         bundle = parse_signatures(read_bytes(sig_path), source=str(sig_path))
+        verdict = (
+            read_verdict(read_bytes(verdict_path), source=str(verdict_path))
+            if verdict_path.exists()
+            else None
+        )
     except PolicyParseError as exc:
         raise ConfigError(
             f"bootstrap policy {path} cannot be used: {exc}; expected a TOML policy file "
             f"with its signatures in {sig_path.name} (sluicegate policy sign)"
         ) from exc
-    return signed_envelope(policy, bundle)
+    return signed_envelope(policy, bundle, verdict)
 
 
 class PolicyFeed:
@@ -122,6 +130,7 @@ class PolicyFeed:
         self._callbacks: list[Callable[[Policy], None]] = []
         self.refused: Counter[str] = Counter()
         self.last_refusal: Refused | None = None
+        self.file_refusal: Refused | None = None  # the bootstrap file's, when it was refused
         self.accepted = 0
 
     # -- reading ------------------------------------------------------------------------------
@@ -225,7 +234,8 @@ class PolicyFeed:
                 self.offer(envelope_path.read_bytes(), source=str(envelope_path), local=True)
         if self._policy_file is not None:
             envelope = bootstrap_envelope(self._policy_file)
-            self.offer(envelope, source=str(self._policy_file), local=True)
+            taken = self.offer(envelope, source=str(self._policy_file), local=True)
+            self.file_refusal = taken if isinstance(taken, Refused) else None
 
     def require_anchor(self) -> None:
         """Refuse to start without a pinned trust anchor (after :meth:`load`)."""

@@ -237,3 +237,53 @@ def test_only_an_installed_file_starts_the_chain_and_a_node_without_refuses_to_s
     assert isinstance(pinned.offer(envelope(V2), source=topics.policy()), Accepted)
     assert pinned.current is not None
     assert pinned.current.version == 2
+
+
+def _write_gated(folder: Path, version: int) -> tuple[Path, Policy]:
+    doc = base_doc(version=version)
+    doc["rollout"] = {"twin_keys": {"twin-1": key("twin-1").public_text}, "require_verdict": True}
+    path = folder / f"gated-v{version}.toml"
+    path.write_text(to_toml(doc), encoding="utf-8")
+    policy = policy_of(doc)
+    path.with_name(path.name + ".sig").write_bytes(dump_signatures(signed(policy, *OFFICERS)))
+    return path, policy
+
+
+def _verdict_for(policy: Policy) -> bytes:
+    from policies.verdict import Body, Candidate, Figures, Thresholds, sign_verdict
+
+    body = Body(
+        candidate=Candidate(kind="policy", digest=policy.digest.hex(), version=policy.version),
+        trace_sha256="ab" * 32,
+        thresholds=Thresholds(),
+        figures=Figures(attainment=0.99, peak_queue_depth={"w": 2}, violations=0),
+        passed=True,
+        reasons=[],
+        issued_at=NOW,
+    )
+    return sign_verdict(body, key("twin-1"), "twin-1").to_bytes()
+
+
+def test_a_gated_rollout_keeps_the_held_policy_until_its_verdict_is_beside_the_file(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "state"
+    v1, _ = _write_gated(tmp_path, 1)
+    first = _feed(state, v1)
+    first.load()
+    assert first.current is not None
+    assert first.file_refusal is None
+    v2, policy = _write_gated(tmp_path, 2)
+    restarted = _feed(state, v2)
+    restarted.load()  # the persisted v1, then the new file without its verdict
+    assert restarted.current is not None
+    assert restarted.current.version == 1
+    assert restarted.file_refusal is not None
+    assert restarted.file_refusal.reason == "verdict.missing"
+    assert dict(restarted.refused) == {"verdict.missing": 1}
+    v2.with_name(v2.name + ".verdict").write_bytes(_verdict_for(policy))
+    verified = _feed(state, v2)
+    verified.load()
+    assert verified.current is not None
+    assert verified.current.version == 2
+    assert verified.file_refusal is None
