@@ -41,6 +41,7 @@ def record_of(
     if code is None and result.offload is not None and not result.offload.placed:
         code = result.offload.code
     deadline = job.deadline
+    placed = result.offload.worker if result.offload is not None and result.offload.placed else None
     return wire.TraceJob(
         received_at=job.received_at,
         job_id=job.job_id,
@@ -53,6 +54,7 @@ def record_of(
         status=result.status,
         ran_on=on.node if ran else None,
         offloaded=ran and on.kind == "pool",
+        worker=on.node if ran and on.kind == "pool" else placed,
         latency_ms=_ms(left_at, job.received_at),
         queue_ms=round(max(0.0, times.queue_ms), 3) if ran else 0.0,
         service_ms=round(max(0.0, times.total_ms - times.queue_ms), 3) if ran else 0.0,

@@ -187,6 +187,7 @@ class TraceJob(_Wire):
     status: Status
     ran_on: str | None = None  # the node that ran it; None: it never ran
     offloaded: bool = False  # ran on a pool worker
+    worker: str | None = None  # the pool worker it was last placed on (returned or not)
     latency_ms: float  # arrival to the result leaving this edge
     queue_ms: float = 0.0  # waiting on the node that ran it
     service_ms: float = 0.0  # computing there

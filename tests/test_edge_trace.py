@@ -204,3 +204,22 @@ async def test_records_go_out_with_each_telemetry_and_only_when_there_are_some()
         await asyncio.wait_for(runner, 30)
     sent_trace = [m for m in broker.log if m.topic == topics.edge_trace("mem-edge")]
     assert len(sent_trace) == 1  # no empty batches afterwards
+
+
+def test_a_job_that_expired_while_offloaded_names_the_worker_it_was_placed_on() -> None:
+    lost = wire.Offload(requested=True, placed=True, worker="north-cpu-1", code="lost")
+    expired = wire.JobResult(
+        job_id="j1",
+        status="expired",
+        code="expired",
+        ran_on=EDGE_ON,
+        timings_ms=wire.Timings(queue_ms=0.0, total_ms=0.0),
+        offload=lost,
+    )
+    got = record_of(job(), expired, left_at=T0 + 0.2, started=None, sha256=None, predicted=None)
+    assert (got.ran_on, got.offloaded, got.worker) == (None, False, "north-cpu-1")
+    refused = expired.model_copy(
+        update={"offload": wire.Offload(requested=True, placed=False, code="no_capacity")}
+    )
+    got = record_of(job(), refused, left_at=T0, started=None, sha256=None, predicted=None)
+    assert got.worker is None

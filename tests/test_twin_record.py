@@ -399,3 +399,28 @@ def test_the_record_command_writes_a_trace_of_the_campus(
     assert f"wrote {out}" in stdout.decode()
     trace, _digest = tr.read(out)
     check_against_the_apps(trace, seen)
+
+
+def test_a_job_that_came_back_too_late_keeps_its_workers_times() -> None:
+    late = job("late", 0.25).model_copy(
+        update={
+            "status": "expired",
+            "ran_on": None,
+            "offloaded": False,
+            "worker": WORKER,
+            "latency_ms": 200.0,
+            "queue_ms": 0.0,
+            "service_ms": 0.0,
+        }
+    )
+    capture = fed(
+        (topics.worker_capabilities(WORKER), capabilities()),
+        (topics.worker_telemetry(WORKER), worker_telemetry()),
+        (topics.completion(WORKER), completion("late", 3)),
+        (topics.edge_telemetry(EDGE), edge_telemetry()),
+        (topics.edge_trace(EDGE), edge_trace(late)),
+    )
+    (rec,) = capture.trace().jobs
+    assert (rec.status, rec.worker, rec.offloaded, rec.batch) == ("expired", WORKER, False, 3)
+    assert (rec.queue_ms, rec.service_ms) == (5.0, 12.0)  # the worker's, from its completion
+    assert rec.worker_done_ms == 750.0  # completed at T0 + 1.0, arrived at T0 + 0.25

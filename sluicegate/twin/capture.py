@@ -82,7 +82,7 @@ class Capture:
         self._edges: dict[str, _Edge] = {}
         self._workers: dict[str, _Worker] = {}
         self._jobs: dict[tuple[str, str], wire.TraceJob] = {}
-        self._batches: dict[tuple[str, str], int] = {}  # (job id, worker) -> batch size
+        self._completions: dict[tuple[str, str], Completion] = {}  # (job id, worker) -> it
         self._telemetry: list[tr.TelemetryRecord] = []
         self._events: list[tr.NodeEvent] = []
         self._state: dict[str, str] = {}  # node -> online / offline, as last heard
@@ -207,7 +207,7 @@ class Capture:
         worker = topics.sender(topic)
         if doc.worker_id != worker:
             raise _Refused("completion", f"the document names worker {doc.worker_id!r}")
-        self._batches[(doc.job_id, worker)] = doc.batch_size
+        self._completions[(doc.job_id, worker)] = doc
 
     def _policy_message(self, topic: str, payload: bytes, now: float, retained: bool) -> None:
         try:
@@ -288,8 +288,13 @@ class Capture:
         return tr.Trace(header, tuple(jobs), tuple(self._telemetry), tuple(self._events))
 
     def _job(self, edge: str, rec: wire.TraceJob) -> tr.JobRecord | None:
-        batch = self._batches.get((rec.job_id, rec.ran_on or "")) if rec.offloaded else None
-        self.unbatched += rec.offloaded and batch is None
+        worker = rec.worker or (rec.ran_on if rec.offloaded else None)
+        done = self._completions.get((rec.job_id, worker)) if worker else None
+        self.unbatched += rec.offloaded and done is None
+        queue_ms, service_ms = rec.queue_ms, rec.service_ms
+        if done is not None and not rec.offloaded and done.status == "ok":
+            # Placed, run, but back too late to count: the worker's own figures.
+            queue_ms, service_ms = done.queue_ms, done.service_ms
         try:
             return tr.JobRecord(
                 at=round(rec.received_at - self.started_at, 6),
@@ -304,10 +309,16 @@ class Capture:
                 status=rec.status,
                 ran_on=rec.ran_on,
                 offloaded=rec.offloaded,
+                worker=worker,
+                worker_done_ms=(
+                    round(max(0.0, (done.ts - rec.received_at) * 1000.0), 3)
+                    if done is not None
+                    else None
+                ),
                 latency_ms=rec.latency_ms,
-                queue_ms=rec.queue_ms,
-                service_ms=rec.service_ms,
-                batch=batch or 1,
+                queue_ms=queue_ms,
+                service_ms=service_ms,
+                batch=done.batch_size if done is not None else 1,
                 predicted_ms=rec.predicted_ms,
                 code=rec.code,
             )

@@ -4,23 +4,60 @@ Per (edge, model), the compute of the jobs that ran on that edge; per (device cl
 model), the amortised compute per job on a pool worker (its batch's time divided by the
 batch's jobs, so a batch of ``n`` costs the sum of ``n`` draws); per link class (same zone,
 on campus, off site), the time an offloaded job spent outside the worker: the placement
-round trip, the transfer there and the result's way back. Where the trace holds no sample,
+round trip and the transfer there (to when the worker finished it, from its completion
+record, so a job that came back too late to count still teaches the replay), and the
+result's way back. Where the trace holds no sample,
 the figure the node reported (its ``service_ms``) or, for the links, the placement
-parameters' latency and bandwidth stand in. Draws come from one seeded generator, in the
-order the replay asks for them, so a replay is reproducible.
+parameters' latency and bandwidth stand in.
+
+A draw is taken among the samples of jobs that arrived within ``WINDOW_S`` of the job
+being replayed (when there are at least ``MIN_LOCAL`` of them), so the times follow what
+the campus was going through at that moment (a burst that slowed every node shows in the
+samples of its seconds, not spread over the whole trace); otherwise among all of them.
+Draws come from one seeded generator, in the order the replay asks for them, so a replay
+is reproducible.
 """
 
 from __future__ import annotations
 
 import random
+from bisect import bisect_left, bisect_right
 from collections import defaultdict
-from collections.abc import Sequence
 
 from broker.core.params import PlacementParams
 from broker.core.scoring import link_class, transfer_costs
 from sluicegate.twin.trace import Trace
 
 DEFAULT_SERVICE_MS = 50.0  # a model nobody measured
+WINDOW_S = 2.0  # draw among jobs that arrived this close to the one replayed ...
+MIN_LOCAL = 5  # ... when there are at least this many of them
+
+
+class Samples:
+    """Measured times with the arrival time of their job, for time-local draws."""
+
+    def __init__(self) -> None:
+        self._pairs: list[tuple[float, float]] = []
+        self._at: list[float] = []
+        self._ms: list[float] = []
+
+    def add(self, at: float, ms: float) -> None:
+        self._pairs.append((at, ms))
+
+    def freeze(self) -> None:
+        self._pairs.sort()
+        self._at = [a for a, _ in self._pairs]
+        self._ms = [m for _, m in self._pairs]
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    def pick(self, rng: random.Random, at: float) -> float:
+        lo = bisect_left(self._at, at - WINDOW_S)
+        hi = bisect_right(self._at, at + WINDOW_S)
+        if hi - lo < MIN_LOCAL:
+            lo, hi = 0, len(self._ms)
+        return self._ms[lo + rng.randrange(hi - lo)]
 
 
 class Draws:
@@ -33,66 +70,86 @@ class Draws:
         worker_class = {w.id: w.device_class for w in header.workers}
         worker_zone = {w.id: w.zone for w in header.workers}
         edge_zone = {e.id: e.zone for e in header.edges}
-        self._edge: dict[tuple[str, str], list[float]] = defaultdict(list)
-        self._pool: dict[tuple[str, str], list[float]] = defaultdict(list)
-        self._link: dict[int, list[float]] = defaultdict(list)
-        self._local_overhead: dict[str, list[float]] = defaultdict(list)
+        self._edge: dict[tuple[str, str], Samples] = defaultdict(Samples)
+        self._pool: dict[tuple[str, str], Samples] = defaultdict(Samples)
+        self._there: dict[int, Samples] = defaultdict(Samples)  # edge to the worker's end
+        self._back: dict[int, Samples] = defaultdict(Samples)  # the result's way back
+        self._local_overhead: dict[str, Samples] = defaultdict(Samples)
         self._edge_spec = {e.id: e.service_ms for e in header.edges}
         self._class_spec: dict[tuple[str, str], float] = {}
         for w in header.workers:
             for model, ms in w.service_ms.items():
                 self._class_spec.setdefault((w.device_class, model), ms)
         for job in trace.jobs:
-            if job.status != "ok" or job.ran_on is None or job.service_ms <= 0:
-                continue
-            if job.offloaded and job.ran_on in worker_class:
-                self._pool[(worker_class[job.ran_on], job.model)].append(job.service_ms / job.batch)
-                outside = job.latency_ms - job.queue_ms - job.service_ms
-                link = link_class(
-                    edge_zone[job.edge], worker_zone[job.ran_on], params.campus_prefix
+            worker = job.worker or (job.ran_on if job.offloaded else None)
+            if worker in worker_class and job.service_ms > 0:
+                assert worker is not None
+                # Every job a worker ran counts, also one whose result came back too late.
+                self._pool[(worker_class[worker], job.model)].add(
+                    job.at, job.service_ms / job.batch
                 )
-                self._link[link].append(max(0.0, outside))
-            elif not job.offloaded and job.ran_on == job.edge:
-                self._edge[(job.edge, job.model)].append(job.service_ms)
+                link = link_class(edge_zone[job.edge], worker_zone[worker], params.campus_prefix)
+                done = job.worker_done_ms
+                if done is not None:
+                    self._there[link].add(job.at, max(0.0, done - job.queue_ms - job.service_ms))
+                    if job.offloaded and job.status == "ok":
+                        self._back[link].add(job.at, max(0.0, job.latency_ms - done))
+                elif job.offloaded and job.status == "ok":  # no completion heard: halves
+                    half = max(0.0, job.latency_ms - job.queue_ms - job.service_ms) / 2.0
+                    self._there[link].add(job.at, half)
+                    self._back[link].add(job.at, half)
+            elif job.status == "ok" and not job.offloaded and job.ran_on == job.edge:
+                if job.service_ms <= 0:
+                    continue
+                self._edge[(job.edge, job.model)].add(job.at, job.service_ms)
                 outside = job.latency_ms - job.queue_ms - job.service_ms
-                self._local_overhead[job.edge].append(max(0.0, outside))
+                self._local_overhead[job.edge].add(job.at, max(0.0, outside))
+        for table in (self._edge, self._pool, self._there, self._back, self._local_overhead):
+            for samples in table.values():
+                samples.freeze()
 
-    def _pick(self, samples: Sequence[float]) -> float:
-        return samples[self._rng.randrange(len(samples))]
-
-    def edge_ms(self, edge: str, model: str) -> float:
-        """One job's compute on ``edge``."""
+    def edge_ms(self, edge: str, model: str, at: float) -> float:
+        """One job's compute on ``edge``; ``at``: when the job arrived, s into the trace."""
         samples = self._edge.get((edge, model))
         if samples:
-            return self._pick(samples)
+            return samples.pick(self._rng, at)
         return self._edge_spec.get(edge, {}).get(model, DEFAULT_SERVICE_MS)
 
-    def edge_overhead_ms(self, edge: str) -> float:
+    def edge_overhead_ms(self, edge: str, at: float) -> float:
         """What a local job spends on the edge besides waiting and computing."""
         samples = self._local_overhead.get(edge)
-        return self._pick(samples) if samples else 0.0
+        return samples.pick(self._rng, at) if samples else 0.0
 
-    def pool_job_ms(self, device_class: str, model: str, spec_ms: float | None) -> float:
+    def pool_job_ms(self, device_class: str, model: str, spec_ms: float | None, at: float) -> float:
         """One job's share of a batch on a worker of ``device_class``."""
         samples = self._pool.get((device_class, model))
         if samples:
-            return self._pick(samples)
+            return samples.pick(self._rng, at)
         if spec_ms is not None:
             return spec_ms
         return self._class_spec.get((device_class, model), DEFAULT_SERVICE_MS)
 
-    def outside_ms(self, origin_zone: str, worker_zone: str, payload_bytes: int) -> float:
-        """An offloaded job's time outside the worker: placement, transfer, the way back."""
-        link = link_class(origin_zone, worker_zone, self._params.campus_prefix)
-        samples = self._link.get(link)
+    def there_ms(self, origin_zone: str, worker_zone: str, payload_bytes: int, at: float) -> float:
+        """An offloaded job's way to the worker: placement, the edge's sending, transfer."""
+        return self._leg(self._there, origin_zone, worker_zone, payload_bytes, at)
+
+    def back_ms(self, origin_zone: str, worker_zone: str, payload_bytes: int, at: float) -> float:
+        """Its result's way back, to when it leaves the edge."""
+        return self._leg(self._back, origin_zone, worker_zone, payload_bytes, at)
+
+    def _leg(
+        self, table: dict[int, Samples], origin: str, zone: str, payload_bytes: int, at: float
+    ) -> float:
+        link = link_class(origin, zone, self._params.campus_prefix)
+        samples = table.get(link)
         if samples:
-            return self._pick(samples)
-        return 2.0 * transfer_costs(payload_bytes, self._params)[link]
+            return samples.pick(self._rng, at)
+        return transfer_costs(payload_bytes, self._params)[link]
 
     def measured(self) -> dict[str, int]:
         """How many samples each kind of figure rests on (for the report)."""
         return {
             "edge": sum(map(len, self._edge.values())),
             "pool": sum(map(len, self._pool.values())),
-            "links": sum(map(len, self._link.values())),
+            "links": sum(map(len, self._there.values())) + sum(map(len, self._back.values())),
         }

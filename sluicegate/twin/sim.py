@@ -232,14 +232,14 @@ class Simulation:
                 continue
             job.local = "running"
             edge.running += 1
-            seconds = self.draws.edge_ms(edge.spec.id, job.rec.model) / 1000.0
+            seconds = self.draws.edge_ms(edge.spec.id, job.rec.model, job.rec.at) / 1000.0
             self._at(now + seconds, self._ran_here, edge, job, seconds)
 
     def _ran_here(self, now: float, edge: SimEdge, job: Job, seconds: float) -> None:
         edge.running -= 1
         edge.times.observe(job.rec.model, seconds)
         self._leave_local(job)
-        extra = self.draws.edge_overhead_ms(edge.spec.id) / 1000.0
+        extra = self.draws.edge_overhead_ms(edge.spec.id, job.rec.at) / 1000.0
         self._conclude(now + extra, job, "ok", edge.spec.id, job.code, latency_at=now + extra)
         self._pump(now, edge)
 
@@ -361,9 +361,10 @@ class Simulation:
     def _send(self, now: float, job: Job, worker: SimWorker) -> None:
         job.phase, job.worker = "offloaded", worker.spec.id
         job.attempt += 1
-        outside = self.draws.outside_ms(job.origin, worker.spec.zone, job.rec.bytes) / 1000.0
-        job.back_s = outside / 2.0
-        self._at(now + outside / 2.0, self._reach, worker, job, job.attempt)
+        args = (job.origin, worker.spec.zone, job.rec.bytes, job.rec.at)
+        there = self.draws.there_ms(*args) / 1000.0
+        job.back_s = self.draws.back_ms(*args) / 1000.0
+        self._at(now + there, self._reach, worker, job, job.attempt)
         self._at(
             rules.offload_expiry(now, RESULT_TIMEOUT_S, job.deadline),
             self._overdue,
@@ -449,7 +450,10 @@ class Simulation:
                 continue
             cls, model = worker.spec.device_class, batch.model
             spec_ms = worker.spec.service_ms.get(model)
-            ms = sum(self.draws.pool_job_ms(cls, model, spec_ms) for _ in live) * worker.factor
+            ms = (
+                sum(self.draws.pool_job_ms(cls, model, spec_ms, j.rec.at) for j, _ in live)
+                * worker.factor
+            )
             worker.running += 1
             worker.in_flight[model] += len(live)
             self._at(now + ms / 1000.0, self._batch_done, worker, model, live, ms, now)

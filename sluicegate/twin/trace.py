@@ -104,6 +104,10 @@ class JobRecord(_Record):
     status: Status | None = None
     ran_on: str | None = None  # the node that ran it (None: it never ran)
     offloaded: bool = False
+    worker: str | None = None  # the pool worker it was last placed on, whether it returned or not
+    # When that worker finished it (its completion record), ms after arrival; a job that came
+    # back too late to count still has it, and the replay learns that worker's times from it.
+    worker_done_ms: float | None = None
     latency_ms: float = Field(0.0, ge=0.0)  # arrival at the edge to its result leaving the edge
     queue_ms: float = Field(0.0, ge=0.0)  # waiting on the node that ran it
     service_ms: float = Field(0.0, ge=0.0)  # computing there (decode, preprocess, its batch)

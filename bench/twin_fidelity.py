@@ -1,0 +1,195 @@
+"""Benchmark: does the twin predict the campus it recorded?
+
+Each round runs the demo's campus as ``bench/campus_burst.py`` does (broker, two edges
+capped to ``--edge-cpu`` of a core, an on-campus and an off-site worker, secured, timed
+before they serve) and drives its traffic (``--rate`` images/s per line, line 1 at 10x for
+``--burst`` s in volleys of 20, one image in 16 a label) while ``sluicegate twin record``
+listens as the campus's observer. Then it replays the trace with no change
+(``sluicegate.twin.sim``) and prints predicted against observed, the observed figures as
+the vision apps saw them: deadline attainment (bound: within 2 points), the share of jobs
+offloaded (5 points) and p99 latency (25 %). It also prints the live system's own
+prediction error from the trace: each local job's predicted completion at admission
+against when it finished (the edges' prediction; the broker's predicted completion is not
+in the trace).
+
+    .venv/bin/python bench/twin_fidelity.py                # about 90 s on 2 cores
+    .venv/bin/python bench/twin_fidelity.py --rounds 1 --label-every 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sluicegate.app.campus import OBSERVER
+from sluicegate.app.demo import EDGE_CPU
+from sluicegate.app.localcampus import LocalCampus, cpu_cap_available, start_campus_mosquitto
+from sluicegate.app.servers import free_port, running, start_redis
+from sluicegate.app.traffic import LABEL_EVERY, Tally, stream
+from sluicegate.twin import trace as tr
+from sluicegate.twin.record import record
+from sluicegate.twin.report import summarise
+from sluicegate.twin.sim import replay
+
+BOUNDS = {"attainment_points": 2.0, "offload_points": 5.0, "p99_relative": 0.25}
+
+
+async def _drive(campus: Any, out: Path, args: argparse.Namespace) -> tuple[Tally, tr.Trace]:
+    stop, ready = asyncio.Event(), asyncio.Event()
+    recording = asyncio.ensure_future(record(campus.mqtt(OBSERVER), out, stop, ready=ready))
+    await asyncio.wait_for(ready.wait(), 20.0)
+    tally = Tally()
+    await stream(
+        campus,
+        args.rate,
+        args.burst + 4.0,
+        asyncio.Event(),
+        tally,
+        burst_at=2.0,
+        burst_for=args.burst,
+        label_every=args.label_every,
+    )
+    stop.set()
+    recorded = await recording
+    return tally, recorded.trace
+
+
+def one_round(redis_port: int, db: int, args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="sg-fidelity-") as tmp:
+        root = Path(tmp)
+        campus = LocalCampus(
+            root / "campus",
+            mqtt_port=free_port(),
+            redis_url=f"redis://127.0.0.1:{redis_port}/{db}",
+            edge_cpu=args.edge_cpu,
+        )
+        files = campus.write()
+        campus.calibrate()
+        with running(start_campus_mosquitto(files)):
+            campus.start()
+            try:
+                out = root / "trace.jsonl.gz"
+                tally, trace = asyncio.run(_drive(files, out, args))
+                if args.keep is not None:
+                    args.keep.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(out, args.keep / f"round-{db + 1}.jsonl.gz")
+            finally:
+                campus.stop()
+    lat = list(tally.latencies_ms)
+    observed = {
+        "jobs": tally.answered,
+        "attainment": tally.in_time / max(tally.answered, 1),
+        "offload_ratio": tally.kinds.get("pool", 0) / max(tally.answered, 1),
+        "p99_ms": float(np.percentile(lat, 99)) if lat else float("nan"),
+    }
+    recorded_in_time = sum(
+        j.status == "ok" and (j.deadline_ms is None or j.latency_ms <= j.deadline_ms)
+        for j in trace.jobs
+    )
+    observed["recorded_attainment"] = recorded_in_time / max(len(trace.jobs), 1)
+    edge_lat = [j.latency_ms for j in trace.jobs if j.status == "ok"]
+    observed["recorded_p99_ms"] = float(np.percentile(edge_lat, 99)) if edge_lat else float("nan")
+    s = summarise(replay(trace))
+    predicted = {
+        "jobs": s.jobs,
+        "attainment": s.attainment,
+        "offload_ratio": s.offload_ratio,
+        "p99_ms": s.p99_ms,
+    }
+    local = [
+        (j.latency_ms, j.predicted_ms)
+        for j in trace.jobs
+        if j.status == "ok" and not j.offloaded and j.predicted_ms is not None
+    ]
+    errors = np.array([a - p for a, p in local]) if local else np.array([])
+    edge_error = {
+        "n": len(local),
+        "p50_abs_ms": float(np.percentile(np.abs(errors), 50)) if local else float("nan"),
+        "p90_abs_ms": float(np.percentile(np.abs(errors), 90)) if local else float("nan"),
+        "bias_ms": float(errors.mean()) if local else float("nan"),
+    }
+    return {
+        "trace_jobs": len(trace.jobs),
+        "observed": observed,
+        "predicted": predicted,
+        "edge_prediction": edge_error,
+    }
+
+
+def within(r: dict[str, Any]) -> dict[str, bool]:
+    o, p = r["observed"], r["predicted"]
+    return {
+        "attainment": abs(o["attainment"] - p["attainment"]) * 100 <= BOUNDS["attainment_points"],
+        "offload_ratio": abs(o["offload_ratio"] - p["offload_ratio"]) * 100
+        <= BOUNDS["offload_points"],
+        "p99": abs(p["p99_ms"] - o["p99_ms"]) <= BOUNDS["p99_relative"] * o["p99_ms"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rate", type=float, default=10.0, help="images/s per line")
+    ap.add_argument("--burst", type=float, default=10.0, help="seconds of 10x on line 1")
+    ap.add_argument("--edge-cpu", type=float, default=EDGE_CPU, help="share of a core per edge")
+    ap.add_argument("--label-every", type=int, default=LABEL_EVERY, help="0: no labels")
+    ap.add_argument("--keep", type=Path, default=None, help="copy each round's trace here")
+    args = ap.parse_args()
+    if not args.edge_cpu or not cpu_cap_available():
+        args.edge_cpu = None
+    rounds = []
+    with running(start_redis()) as redis:
+        for r in range(args.rounds):
+            rounds.append(one_round(redis.port, r, args))
+    print(
+        f"twin fidelity: {args.rate:g}/s per line, {args.burst:g} s burst on line 1, one image "
+        f"in {args.label_every or 'none'} a label, edges at {args.edge_cpu or 1:.0%} of a "
+        f"core; {args.rounds} rounds, nproc {os.cpu_count()}"
+    )
+    print(f"{'':10}{'':14}{'observed':>10}{'at edges':>10}{'predicted':>11}{'bound':>8}  within")
+    for i, one in enumerate(rounds):
+        o, p, ok = one["observed"], one["predicted"], within(one)
+        print(f"round {i + 1:<4}{'jobs':14}{o['jobs']:10d}{one['trace_jobs']:10d}{p['jobs']:11d}")
+        rows = (
+            ("attainment", "attainment", "recorded_attainment", "±2 pt", "attainment", ".3f"),
+            ("offloaded", "offload_ratio", "offload_ratio", "±5 pt", "offload_ratio", ".3f"),
+            ("p99 ms", "p99_ms", "recorded_p99_ms", "±25 %", "p99", ".1f"),
+        )
+        for name, key, edge_key, bound, check, fmt in rows:
+            print(
+                f"{'':10}{name:14}{o[key]:10{fmt}}{o.get(edge_key, o[key]):10{fmt}}"
+                f"{p[key]:11{fmt}}{bound:>8}  {ok[check]}"
+            )
+        e = one["edge_prediction"]
+        print(
+            f"{'':10}edge prediction error (local jobs): p50 {e['p50_abs_ms']:.1f} p90 "
+            f"{e['p90_abs_ms']:.1f} bias {e['bias_ms']:+.1f} ms over {e['n']} jobs"
+        )
+    result = {
+        "bench": "twin_fidelity",
+        "subject": {"predicted": [r["predicted"] for r in rounds]},
+        "baseline": {"observed": [r["observed"] for r in rounds]},
+        "ratio": {"within": [within(r) for r in rounds]},
+        "edge_prediction": [r["edge_prediction"] for r in rounds],
+        "target": BOUNDS,
+        "met": all(all(within(r).values()) for r in rounds),
+        "params": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "machine": {"nproc": os.cpu_count(), "python": platform.python_version()},
+    }
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
