@@ -14,12 +14,14 @@ import pytest
 import broker.core.placement
 import center_pool.batching
 import edge_agent.rules
+from broker.core.params import PlacementParams
 from policies.loader import parse_policy
 from sluicegate.app.twin_demo import demo_trace
 from sluicegate.twin import sim, trace
+from sluicegate.twin.draws import Draws
 from sluicegate.twin.report import compare, render, strategy_table, summarise
 from sluicegate.twin.sim import STRATEGIES, Change, Result, digest_of, replay
-from sluicegate.twin.trace import TraceError
+from sluicegate.twin.trace import JobRecord, TraceError
 
 BURSTS = ((3.0, 4.0),)
 
@@ -198,3 +200,37 @@ def test_a_policy_that_does_not_parse_is_named(demo: trace.Trace) -> None:
     broken = trace.Trace(demo.header.model_copy(update={"policy": "format = 3"}), demo.jobs)
     with pytest.raises(TraceError, match="policy cannot be read"):
         replay(broken)
+
+
+def _ran(at: float, job_id: str, batch: int, span: float, worker: str = "north-cpu-1") -> JobRecord:
+    return JobRecord(
+        at=at,
+        edge="line-1-pc",
+        job_id=job_id,
+        model="surface-det",
+        data_class="part-image",
+        deadline_ms=200.0,
+        bytes=50_000,
+        status="ok",
+        ran_on=worker,
+        offloaded=True,
+        worker=worker,
+        worker_done_ms=20.0 + span,
+        latency_ms=30.0 + span,
+        service_ms=span,
+        batch=batch,
+    )
+
+
+def test_a_workers_batches_follow_the_shape_and_the_moments_the_trace_measured() -> None:
+    # Batches of 1 took 40 ms and of 4 took 70 ms, early on; twice that later (a slow spell).
+    early = [_ran(0.1 * i, f"e{i}", 1 if i % 2 else 4, 40.0 if i % 2 else 70.0) for i in range(20)]
+    late = [
+        _ran(30 + 0.1 * i, f"l{i}", 1 if i % 2 else 4, 80.0 if i % 2 else 140.0) for i in range(20)
+    ]
+    recorded = trace.Trace(demo_trace(1.0).header, tuple(early + late))
+    draws = Draws(recorded, PlacementParams(), seed=1)
+    assert draws.pool_batch_ms("x86-cpu-dc", "surface-det", 8, None, at=1.0) == pytest.approx(110.0)
+    assert draws.pool_batch_ms("x86-cpu-dc", "surface-det", 1, None, at=31.0) == pytest.approx(80.0)
+    # The way there: to when the worker finished, less its wait and its batch.
+    assert draws.there_ms("campus/fab-north/line-1", "campus/fab-north/dc", 50_000, 1.0) == 20.0

@@ -1,8 +1,8 @@
 """What a replayed job costs, drawn from what the trace measured.
 
 Per (edge, model), the compute of the jobs that ran on that edge; per (device class,
-model), the amortised compute per job on a pool worker (its batch's time divided by the
-batch's jobs, so a batch of ``n`` costs the sum of ``n`` draws); per link class (same zone,
+model), a pool worker's batches: a fixed part and a part per job fitted to every batch the
+trace saw, and how slow batches were at each moment against that fit; per link class (same zone,
 on campus, off site), the time an offloaded job spent outside the worker: the placement
 round trip and the transfer there (to when the worker finished it, from its completion
 record, so a job that came back too late to count still teaches the replay), and the
@@ -71,7 +71,7 @@ class Draws:
         worker_zone = {w.id: w.zone for w in header.workers}
         edge_zone = {e.id: e.zone for e in header.edges}
         self._edge: dict[tuple[str, str], Samples] = defaultdict(Samples)
-        self._pool: dict[tuple[str, str], Samples] = defaultdict(Samples)
+        spans: dict[tuple[str, str], list[tuple[float, int, float]]] = defaultdict(list)
         self._there: dict[int, Samples] = defaultdict(Samples)  # edge to the worker's end
         self._back: dict[int, Samples] = defaultdict(Samples)  # the result's way back
         self._local_overhead: dict[str, Samples] = defaultdict(Samples)
@@ -85,9 +85,7 @@ class Draws:
             if worker in worker_class and job.service_ms > 0:
                 assert worker is not None
                 # Every job a worker ran counts, also one whose result came back too late.
-                self._pool[(worker_class[worker], job.model)].add(
-                    job.at, job.service_ms / job.batch
-                )
+                spans[(worker_class[worker], job.model)].append((job.at, job.batch, job.service_ms))
                 link = link_class(edge_zone[job.edge], worker_zone[worker], params.campus_prefix)
                 done = job.worker_done_ms
                 if done is not None:
@@ -104,6 +102,13 @@ class Draws:
                 self._edge[(job.edge, job.model)].add(job.at, job.service_ms)
                 outside = job.latency_ms - job.queue_ms - job.service_ms
                 self._local_overhead[job.edge].add(job.at, max(0.0, outside))
+        self._shape: dict[tuple[str, str], tuple[float, float]] = {}
+        self._pool: dict[tuple[str, str], Samples] = {}
+        for key, rows in spans.items():
+            fixed, per_job = self._shape[key] = _fit(rows)
+            factors = self._pool[key] = Samples()
+            for at, n, span in rows:
+                factors.add(at, span / (fixed + per_job * n))
         for table in (self._edge, self._pool, self._there, self._back, self._local_overhead):
             for samples in table.values():
                 samples.freeze()
@@ -120,14 +125,19 @@ class Draws:
         samples = self._local_overhead.get(edge)
         return samples.pick(self._rng, at) if samples else 0.0
 
-    def pool_job_ms(self, device_class: str, model: str, spec_ms: float | None, at: float) -> float:
-        """One job's share of a batch on a worker of ``device_class``."""
-        samples = self._pool.get((device_class, model))
-        if samples:
-            return samples.pick(self._rng, at)
-        if spec_ms is not None:
-            return spec_ms
-        return self._class_spec.get((device_class, model), DEFAULT_SERVICE_MS)
+    def pool_batch_ms(
+        self, device_class: str, model: str, jobs: int, spec_ms: float | None, at: float
+    ) -> float:
+        """A batch of ``jobs`` on a worker of ``device_class``: the batch's shape (a fixed part
+        and a part per job, fitted to every batch the trace saw), times how slow the
+        worker's batches were around ``at`` against that shape."""
+        key = (device_class, model)
+        factors = self._pool.get(key)
+        if factors:
+            fixed, per_job = self._shape[key]
+            return factors.pick(self._rng, at) * (fixed + per_job * jobs)
+        ms = spec_ms if spec_ms is not None else self._class_spec.get(key, DEFAULT_SERVICE_MS)
+        return ms * jobs
 
     def there_ms(self, origin_zone: str, worker_zone: str, payload_bytes: int, at: float) -> float:
         """An offloaded job's way to the worker: placement, the edge's sending, transfer."""
@@ -153,3 +163,18 @@ class Draws:
             "pool": sum(map(len, self._pool.values())),
             "links": sum(map(len, self._there.values())) + sum(map(len, self._back.values())),
         }
+
+
+def _fit(rows: list[tuple[float, int, float]]) -> tuple[float, float]:
+    """(fixed ms, ms per job) of a batch, least squares over (jobs, span) pairs; both >= 0,
+    and all per job when every batch had the same size."""
+    n = [float(r[1]) for r in rows]
+    y = [r[2] for r in rows]
+    mean_n, mean_y = sum(n) / len(n), sum(y) / len(y)
+    var = sum((x - mean_n) ** 2 for x in n)
+    if var == 0.0:
+        return 0.0, max(mean_y / mean_n, 1e-3)
+    slope = sum((x - mean_n) * (v - mean_y) for x, v in zip(n, y, strict=True)) / var
+    per_job = max(slope, 1e-3)
+    fixed = max(mean_y - per_job * mean_n, 0.0)
+    return fixed, per_job

@@ -450,10 +450,8 @@ class Simulation:
                 continue
             cls, model = worker.spec.device_class, batch.model
             spec_ms = worker.spec.service_ms.get(model)
-            ms = (
-                sum(self.draws.pool_job_ms(cls, model, spec_ms, j.rec.at) for j, _ in live)
-                * worker.factor
-            )
+            arrived = live[0][0].rec.at
+            ms = self.draws.pool_batch_ms(cls, model, len(live), spec_ms, arrived) * worker.factor
             worker.running += 1
             worker.in_flight[model] += len(live)
             self._at(now + ms / 1000.0, self._batch_done, worker, model, live, ms, now)
