@@ -93,6 +93,7 @@ class Job:
     back_s: float = 0.0  # the way back from the current attempt's worker
     code: str | None = None
     predicted: float = 0.0
+    admit_s: float = 0.0  # its acceptance being committed: counted ahead on its edge meanwhile
 
 
 class SimEdge:

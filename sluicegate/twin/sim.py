@@ -204,10 +204,20 @@ class Simulation:
         outlook = self._predict(edge, job, now)
         job.predicted = outlook.predicted_done
         reason = rules.offer_reason(job.deadline, outlook)
-        if reason is None:
-            self._enqueue(now, job)
-        else:
+        # Its acceptance is committed before it runs here (an offer is asked meanwhile), and
+        # it counts as work ahead while it is: half of what a local job spends on its edge
+        # beside its wait and compute (the other half: its result's commit and publishing).
+        job.admit_s = self.draws.edge_overhead_ms(spec.id, job.rec.at) / 2000.0
+        edge.ahead[job.rec.model] += 1
+        edge.note()
+        self._at(now + job.admit_s, self._admitted, job, reason is None)
+        if reason is not None:
             self._offer(now, job, reason)
+
+    def _admitted(self, now: float, job: Job, run_here: bool) -> None:
+        self.edges[job.rec.edge].ahead[job.rec.model] -= 1
+        if run_here and job.phase != "done":
+            self._enqueue(now, job)
 
     def _enqueue(self, now: float, job: Job) -> None:
         edge = self.edges[job.rec.edge]
@@ -239,8 +249,8 @@ class Simulation:
         edge.running -= 1
         edge.times.observe(job.rec.model, seconds)
         self._leave_local(job)
-        extra = self.draws.edge_overhead_ms(edge.spec.id, job.rec.at) / 1000.0
-        self._conclude(now + extra, job, "ok", edge.spec.id, job.code, latency_at=now + extra)
+        done = now + job.admit_s
+        self._conclude(done, job, "ok", edge.spec.id, job.code, latency_at=done)
         self._pump(now, edge)
 
     def _conclude(
