@@ -14,7 +14,7 @@ from typing import Literal
 
 from policies.canonical import canonical_bytes, digest
 from policies.keys import decode_public_key, fingerprint
-from policies.schema import PolicyDocument
+from policies.schema import PolicyDocument, RolloutDoc
 
 Effect = Literal["allow", "deny"]
 
@@ -275,6 +275,18 @@ class Policy:
         return None
 
 
+def rollout_of(doc: RolloutDoc | None) -> Rollout | None:
+    """The runtime ``[rollout]`` of a policy document (or of a persisted trust anchor)."""
+    if doc is None:
+        return None
+    return Rollout(
+        {k: decode_public_key(v) for k, v in doc.twin_keys.items()},
+        doc.require_verdict,
+        doc.min_attainment,
+        doc.max_queue_depth,
+    )
+
+
 def _rules(name: str, effect: Effect, texts: list[str]) -> tuple[Rule, ...]:
     return tuple(Rule.parse(name, effect, i, text) for i, text in enumerate(texts))
 
@@ -317,16 +329,7 @@ def policy_from_document(doc: PolicyDocument) -> Policy:
         ),
         max_ttl_s=doc.tokens.max_ttl_s,
         max_skew_s=doc.tokens.max_skew_s,
-        rollout=(
-            Rollout(
-                {k: decode_public_key(v) for k, v in doc.rollout.twin_keys.items()},
-                doc.rollout.require_verdict,
-                doc.rollout.min_attainment,
-                doc.rollout.max_queue_depth,
-            )
-            if doc.rollout is not None
-            else None
-        ),
+        rollout=rollout_of(doc.rollout),
         canonical=canonical,
         digest=digest(canonical),
         zone_segments={zone: tuple(zone.split("/")) for zone in doc.zones},

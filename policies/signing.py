@@ -38,8 +38,8 @@ from policies.keys import (
     signature_valid,
 )
 from policies.loader import format_loc, parse_canonical
-from policies.model import Policy, Rollout
-from policies.schema import KeyText, NodeId, format_time
+from policies.model import Policy, Rollout, rollout_of
+from policies.schema import KeyText, NodeId, RolloutDoc, format_time
 from policies.verdict import Candidate, Thresholds, Verdict, check_verdict, read_verdict
 
 SIGNATURES_FORMAT = "sluicegate-policy-signatures/1"
@@ -204,14 +204,6 @@ class _BundleDoc(BaseModel):
     signatures: list[_SignatureDoc] = Field(max_length=64)
 
 
-class _RolloutAnchorDoc(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-    twin_keys: dict[NodeId, KeyText] = Field(max_length=16)
-    require_verdict: bool
-    min_attainment: float = Field(ge=0.0, le=1.0)
-    max_queue_depth: int = Field(ge=0)
-
-
 class _AnchorDoc(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     format: str = Field(pattern=f"^{ANCHOR_FORMAT}$")
@@ -219,7 +211,7 @@ class _AnchorDoc(BaseModel):
     digest: str = Field(pattern=r"^sha256:[0-9a-f]{64}$")
     threshold: int = Field(ge=1)
     signers: list[KeyText] = Field(min_length=1, max_length=64)
-    rollout: _RolloutAnchorDoc | None = None
+    rollout: RolloutDoc | None = None  # the accepted policy's gate, as its file writes it
 
 
 _M = TypeVar("_M", bound=BaseModel)
@@ -274,14 +266,7 @@ def parse_anchor(data: bytes, *, source: str = "<anchor>") -> TrustAnchor:
         bytes.fromhex(doc.digest.removeprefix("sha256:")),
         doc.threshold,
         frozenset(decode_public_key(k) for k in doc.signers),
-        Rollout(
-            {k: decode_public_key(v) for k, v in doc.rollout.twin_keys.items()},
-            doc.rollout.require_verdict,
-            doc.rollout.min_attainment,
-            doc.rollout.max_queue_depth,
-        )
-        if doc.rollout is not None
-        else None,
+        rollout_of(doc.rollout),
     )
 
 
