@@ -5,10 +5,14 @@ way for the same inputs."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from policies.keys import SigningKey
+from policies.verdict import read_verdict
 from sluicegate.app.twin_demo import demo_trace
 from sluicegate.twin import trace
 from sluicegate.twin.rehearse import ChangeError, build_change, rehearse, write_report
@@ -127,3 +131,57 @@ def test_a_failure_of_a_worker_the_trace_lacks_is_refused(trace_file: Path) -> N
     )
     with pytest.raises(ChangeError, match="no worker north-gpu-9"):
         rehearse(trace_file, change)
+
+
+# -- the commands, as an engineer runs them ------------------------------------------------
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "sluicegate.app.cli", "twin", *args]
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_synth_run_and_verdict_from_the_command_line(tmp_path: Path) -> None:
+    made = _cli(
+        "synth", "--out", "demo.jsonl.gz", "--seconds", "20", "--burst-every", "10", cwd=tmp_path
+    )
+    assert made.returncode == 0, made.stderr
+    assert "jobs over 20 s" in made.stdout
+    ran = _cli(
+        "run", "--trace", "demo.jsonl.gz", "--burst", "2", "--fail", "north-cpu-1@5",
+        "--out", "rep", cwd=tmp_path,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    assert "deadline attainment" in ran.stdout
+    assert sorted(p.name for p in (tmp_path / "rep").iterdir()) == [
+        "attainment.png",
+        "queue-depth.png",
+        "report.json",
+    ]
+    key = SigningKey.from_seed(b"w" * 32)
+    (tmp_path / "twin.key").write_bytes(key.to_pem())
+    text = trace.read(tmp_path / "demo.jsonl.gz")[0].header.policy
+    (tmp_path / "leaky.toml").write_text(
+        text.replace(WAFER_RULE, 'allow = ["campus/**", "campus/** -> offsite/cloud-east"]')
+    )
+    (tmp_path / "same.toml").write_text(text)
+    sign = ("--key", "twin.key", "--key-id", "twin-1", "--trace", "demo.jsonl.gz", "--burst", "3")
+    failed = _cli(
+        "verdict", *sign, "--policy", "leaky.toml", "--out", "leaky.verdict", cwd=tmp_path
+    )
+    assert failed.returncode == 1, failed.stderr
+    assert "wafer-image jobs would run in offsite/cloud-east" in failed.stdout
+    verdict = read_verdict((tmp_path / "leaky.verdict").read_bytes())
+    assert not verdict.body.passed
+    passed = _cli("verdict", *sign, "--policy", "same.toml", "--out", "same.verdict", cwd=tmp_path)
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    assert read_verdict((tmp_path / "same.verdict").read_bytes()).body.passed
+    both = _cli("verdict", *sign, "--out", "x.verdict", cwd=tmp_path)
+    assert both.returncode == 2
+    assert "--policy FILE or --params FILE" in both.stderr
+    bad = _cli("run", "--trace", "missing.jsonl.gz", cwd=tmp_path)
+    assert bad.returncode == 2
+    assert "no such trace file" in bad.stderr
+
+
+WAFER_RULE = 'allow = ["campus/**"]\ndeny = ["offsite/**"]'

@@ -20,6 +20,7 @@ import typer
 
 from policies.cli import app as policy_app
 from sluicegate.app.acl_cli import register as register_acl
+from sluicegate.app.twin_cli import register as register_twin_demo
 from sluicegate.deploy.cli import register as register_deploy
 from sluicegate.doctor.cli import register as register_doctor
 from sluicegate.enroll.cli import ca_app, enroll_app
@@ -47,6 +48,7 @@ register_acl(policy_app)
 app.add_typer(policy_app, name="policy", help="Signed compliance policies.")
 app.add_typer(ca_app, name="ca")
 app.add_typer(enroll_app, name="enroll")
+register_twin_demo(twin_app)
 app.add_typer(twin_app, name="twin")
 
 ConfigOpt = Annotated[
