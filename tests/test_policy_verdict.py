@@ -132,3 +132,20 @@ def test_a_verdict_passed_on_looser_thresholds_is_refused() -> None:
 def test_a_document_that_is_not_a_verdict_is_a_parse_error() -> None:
     with pytest.raises(PolicyParseError, match="sluicegate-verdict/1"):
         read_verdict(b'{"body": {}}')
+
+
+def test_a_placement_the_candidates_own_policy_forbids_fails_the_verdict() -> None:
+    passed, reasons = judge(GOOD.model_copy(update={"violations": 2}), REQUIRED)
+    assert not passed
+    assert reasons == [
+        "2 placements break the candidate's own policy (a fault in the placement code: never "
+        "expected)"
+    ]
+
+
+def test_key_or_signature_text_that_is_not_base64url_is_refused() -> None:
+    good = _verdict()
+    with pytest.raises(VerdictUnknownSigner):
+        _check(good.model_copy(update={"public": "not base64url!"}))
+    with pytest.raises(VerdictBadSignature):
+        _check(good.model_copy(update={"signature": "not+base64/url"}))
