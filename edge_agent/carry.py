@@ -280,6 +280,7 @@ class Carrier:
             result,
             left_at=left_at or self._clock(),
             started=entry.started,
+            accepted=entry.accepted_at,
             sha256=self._compute.model_sha256(job.model),
             predicted=entry.life.predicted,
         )

@@ -335,6 +335,7 @@ class Dispatcher:
             self._store_failed(entry.job, msg, exc)
             return
         if accepted.outcome == "new":
+            entry.accepted_at = self._clock()
             self.counters[Tally.ACCEPTED] += 1
             self.dispatch(entry, ev.Accepted(), msg)
             return

@@ -42,6 +42,7 @@ class Entry:
     forwarding: asyncio.Task[bool] | None = None  # publishing a result before its commit
     forwarded_at: float | None = None  # when that publish began: the result left then
     started: float | None = None  # when its run here started, if it ran here
+    accepted_at: float | None = None  # when its acceptance was committed
 
 
 class JobTable:

@@ -192,6 +192,7 @@ class TraceJob(_Wire):
     queue_ms: float = 0.0  # waiting on the node that ran it
     service_ms: float = 0.0  # computing there
     predicted_ms: float | None = None  # the edge's predicted completion here, at admission
+    accepted_ms: float | None = None  # its acceptance committed, after arrival
     code: str | None = None  # the result's code, or why it was not offloaded
 
 

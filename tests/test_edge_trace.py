@@ -171,6 +171,8 @@ async def test_the_agent_sends_each_concluded_job_once_and_the_refused_ones_too(
     assert all(r.deadline_ms == 60_000 and r.bytes == len(JPEG) for r in ran)
     assert ran[3].queue_ms > ran[0].queue_ms  # the last one waited for three others
     assert (ran[3].predicted_ms or 0.0) > 0
+    # Accepted (committed) after it arrived and before it started: its wait includes that.
+    assert all(r.accepted_ms is not None and 0 < r.accepted_ms <= r.queue_ms for r in ran)
     refused = [by_id["j4"], by_id["j5"]]
     assert all((r.status, r.code, r.ran_on) == ("rejected", "queue_full", None) for r in refused)
     assert agent.counters["trace_dropped"] == 0

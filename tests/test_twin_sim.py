@@ -234,3 +234,14 @@ def test_a_workers_batches_follow_the_shape_and_the_moments_the_trace_measured()
     assert draws.pool_batch_ms("x86-cpu-dc", "surface-det", 1, None, at=31.0) == pytest.approx(80.0)
     # The way there: to when the worker finished, less its wait and its batch.
     assert draws.there_ms("campus/fab-north/line-1", "campus/fab-north/dc", 50_000, 1.0) == 20.0
+
+
+def test_a_job_counts_as_work_ahead_on_its_edge_while_its_acceptance_commits(
+    demo: trace.Trace,
+) -> None:
+    # The same arrivals, recorded with slow acceptances: the edge sees more work ahead of
+    # each job of a volley, and offers more of them.
+    slow = tuple(j.model_copy(update={"accepted_ms": 30.0}) for j in demo.jobs)
+    quick = summarise(replay(demo))
+    committed = summarise(replay(trace.Trace(demo.header, slow)))
+    assert committed.offload_ratio > quick.offload_ratio

@@ -320,6 +320,7 @@ class Capture:
                 service_ms=service_ms,
                 batch=done.batch_size if done is not None else 1,
                 predicted_ms=rec.predicted_ms,
+                accepted_ms=rec.accepted_ms,
                 code=rec.code,
             )
         except ValidationError:

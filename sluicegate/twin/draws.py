@@ -75,12 +75,15 @@ class Draws:
         self._there: dict[int, Samples] = defaultdict(Samples)  # edge to the worker's end
         self._back: dict[int, Samples] = defaultdict(Samples)  # the result's way back
         self._local_overhead: dict[str, Samples] = defaultdict(Samples)
+        self._admit: dict[str, Samples] = defaultdict(Samples)  # arrival to acceptance
         self._edge_spec = {e.id: e.service_ms for e in header.edges}
         self._class_spec: dict[tuple[str, str], float] = {}
         for w in header.workers:
             for model, ms in w.service_ms.items():
                 self._class_spec.setdefault((w.device_class, model), ms)
         for job in trace.jobs:
+            if job.accepted_ms is not None:
+                self._admit[job.edge].add(job.at, job.accepted_ms)
             worker = job.worker or (job.ran_on if job.offloaded else None)
             if worker in worker_class and job.service_ms > 0:
                 assert worker is not None
@@ -109,7 +112,8 @@ class Draws:
             factors = self._pool[key] = Samples()
             for at, n, span in rows:
                 factors.add(at, span / (fixed + per_job * n))
-        for table in (self._edge, self._pool, self._there, self._back, self._local_overhead):
+        tables = (self._edge, self._pool, self._there, self._back, self._local_overhead)
+        for table in (*tables, self._admit):
             for samples in table.values():
                 samples.freeze()
 
@@ -119,6 +123,11 @@ class Draws:
         if samples:
             return samples.pick(self._rng, at)
         return self._edge_spec.get(edge, {}).get(model, DEFAULT_SERVICE_MS)
+
+    def admit_ms(self, edge: str, at: float) -> float:
+        """From a job's arrival at ``edge`` to its acceptance committed (0: not recorded)."""
+        samples = self._admit.get(edge)
+        return samples.pick(self._rng, at) if samples else 0.0
 
     def edge_overhead_ms(self, edge: str, at: float) -> float:
         """What a local job spends on the edge besides waiting and computing."""

@@ -205,9 +205,8 @@ class Simulation:
         job.predicted = outlook.predicted_done
         reason = rules.offer_reason(job.deadline, outlook)
         # Its acceptance is committed before it runs here (an offer is asked meanwhile), and
-        # it counts as work ahead while it is: half of what a local job spends on its edge
-        # beside its wait and compute (the other half: its result's commit and publishing).
-        job.admit_s = self.draws.edge_overhead_ms(spec.id, job.rec.at) / 2000.0
+        # it counts as work ahead while it is: as long as the edge took then to accept.
+        job.admit_s = self.draws.admit_ms(spec.id, job.rec.at) / 1000.0
         edge.ahead[job.rec.model] += 1
         edge.note()
         self._at(now + job.admit_s, self._admitted, job, reason is None)
@@ -249,7 +248,8 @@ class Simulation:
         edge.running -= 1
         edge.times.observe(job.rec.model, seconds)
         self._leave_local(job)
-        done = now + job.admit_s
+        # Its result's commit and publishing: what a local job spent on its edge after its run.
+        done = now + self.draws.edge_overhead_ms(edge.spec.id, job.rec.at) / 1000.0
         self._conclude(done, job, "ok", edge.spec.id, job.code, latency_at=done)
         self._pump(now, edge)
 

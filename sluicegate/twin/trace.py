@@ -113,6 +113,7 @@ class JobRecord(_Record):
     service_ms: float = Field(0.0, ge=0.0)  # computing there (decode, preprocess, its batch)
     batch: int = Field(1, ge=1)  # jobs in the batch it ran in
     predicted_ms: float | None = None  # the edge's predicted completion here, at arrival
+    accepted_ms: float | None = None  # its acceptance committed on the edge, after arrival
     code: str | None = None  # the result's code (not ok), or the offload refusal code
 
 
