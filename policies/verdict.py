@@ -90,6 +90,8 @@ class Body(_Doc):
     passed: bool
     reasons: list[str]  # why it failed, one sentence each; empty when it passed
     issued_at: float
+    # What else the rehearsal assumed (a burst factor, workers lost or changed), in words.
+    conditions: dict[str, str] = Field(default_factory=dict)
 
 
 class Verdict(_Doc):

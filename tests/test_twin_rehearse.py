@@ -173,6 +173,7 @@ def test_synth_run_and_verdict_from_the_command_line(tmp_path: Path) -> None:
     assert "wafer-image jobs would run in offsite/cloud-east" in failed.stdout
     verdict = read_verdict((tmp_path / "leaky.verdict").read_bytes())
     assert not verdict.body.passed
+    assert verdict.body.conditions == {"burst": "3x the recorded arrivals"}
     passed = _cli("verdict", *sign, "--policy", "same.toml", "--out", "same.verdict", cwd=tmp_path)
     assert passed.returncode == 0, passed.stdout + passed.stderr
     assert read_verdict((tmp_path / "same.verdict").read_bytes()).body.passed

@@ -213,6 +213,7 @@ def verdict(
             key=load_signing_key(key),
             key_id=key_id,
             issued_at=time.time(),
+            conditions=judge.conditions_of(change),
         )
         judge.write_verdict(out, signed)
     except EXPECTED as exc:

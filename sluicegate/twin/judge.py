@@ -21,6 +21,7 @@ from policies.evaluate import allowed
 from policies.keys import SigningKey
 from policies.model import Policy
 from policies.verdict import Body, Candidate, Figures, Thresholds, Verdict, judge, sign_verdict
+from sluicegate.twin.nodes import Change
 from sluicegate.twin.report import Summary
 
 
@@ -83,6 +84,7 @@ def verdict_for(
     key: SigningKey,
     key_id: str,
     issued_at: float,
+    conditions: dict[str, str] | None = None,
 ) -> Verdict:
     passed, reasons = judge(figures, thresholds)
     body = Body(
@@ -93,8 +95,25 @@ def verdict_for(
         passed=passed,
         reasons=reasons,
         issued_at=issued_at,
+        conditions=conditions or {},
     )
     return sign_verdict(body, key, key_id)
+
+
+def conditions_of(change: Change) -> dict[str, str]:
+    """What a rehearsal assumed besides its candidate, for the verdict to say."""
+    out: dict[str, str] = {}
+    if change.burst != 1:
+        out["burst"] = f"{change.burst}x the recorded arrivals"
+    if change.fail:
+        out["lost"] = ", ".join(f"{w} at {at:g} s" for w, at in change.fail)
+    if change.remove:
+        out["removed"] = ", ".join(change.remove)
+    if change.degrade:
+        out["slowed"] = ", ".join(f"{w} x{f:g}" for w, f in change.degrade)
+    if change.add:
+        out["added"] = ", ".join(w.id for w in change.add)
+    return out
 
 
 def write_verdict(path: Path, verdict: Verdict) -> None:
