@@ -171,6 +171,8 @@ class Carrier:
             self._mover.dispatch(entry, ev.SendFailed(effect.attempt))
             return
         self.offloaded += 1
+        if placement.predicted_ms is not None:
+            entry.pool_predicted = self._clock() + placement.predicted_ms / 1000.0
         log.info("job %s attempt %d sent to %s", job_id, effect.attempt, placement.worker_id)
 
     def _release(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
@@ -281,6 +283,7 @@ class Carrier:
             left_at=left_at or self._clock(),
             started=entry.started,
             accepted=entry.accepted_at,
+            pool_predicted=entry.pool_predicted,
             sha256=self._compute.model_sha256(job.model),
             predicted=entry.life.predicted,
         )

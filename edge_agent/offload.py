@@ -95,7 +95,12 @@ def check_placement(
         )
     work_topic = topics.pool_work(claims.target_zone, claims.target_worker, edge_id)
     return Placement(
-        claims.target_worker, claims.target_zone, work_topic, reply.token, payload_sha256
+        claims.target_worker,
+        claims.target_zone,
+        work_topic,
+        reply.token,
+        payload_sha256,
+        reply.predicted_ms,
     )
 
 

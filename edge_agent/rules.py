@@ -28,6 +28,7 @@ class Placement:
     work_topic: str
     token: str
     payload_sha256: bytes
+    predicted_ms: float | None = None  # the broker's predicted completion there, from its reply
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,11 +31,13 @@ def record_of(
     sha256: str | None,
     predicted: float | None,
     accepted: float | None = None,
+    pool_predicted: float | None = None,
 ) -> wire.TraceJob:
     """The record of ``job`` concluded with ``result``, which left the edge at ``left_at``.
     ``started``: when its run here started (None: it did not run here); ``predicted``: when
     the edge predicted at admission it would be done here (unix s); ``accepted``: when its
-    acceptance was committed."""
+    acceptance was committed; ``pool_predicted``: when the broker predicted its last
+    attempt would be done on the worker it was placed on."""
     on = result.ran_on
     ran = started is not None if on.kind == "edge" else result.status in _RAN
     times = result.timings_ms
@@ -62,6 +64,9 @@ def record_of(
         service_ms=round(max(0.0, times.total_ms - times.queue_ms), 3) if ran else 0.0,
         predicted_ms=_ms(predicted, job.received_at) if predicted is not None else None,
         accepted_ms=_ms(accepted, job.received_at) if accepted is not None else None,
+        pool_predicted_ms=(
+            _ms(pool_predicted, job.received_at) if pool_predicted is not None else None
+        ),
         code=code,
     )
 

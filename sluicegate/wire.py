@@ -193,6 +193,7 @@ class TraceJob(_Wire):
     service_ms: float = 0.0  # computing there
     predicted_ms: float | None = None  # the edge's predicted completion here, at admission
     accepted_ms: float | None = None  # its acceptance committed, after arrival
+    pool_predicted_ms: float | None = None  # the broker's predicted completion on its worker
     code: str | None = None  # the result's code, or why it was not offloaded
 
 

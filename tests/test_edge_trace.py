@@ -225,3 +225,17 @@ def test_a_job_that_expired_while_offloaded_names_the_worker_it_was_placed_on() 
     )
     got = record_of(job(), refused, left_at=T0, started=None, sha256=None, predicted=None)
     assert got.worker is None
+
+
+def test_the_record_keeps_when_the_edge_and_the_broker_predicted_completion() -> None:
+    got = record_of(
+        job(),
+        result(POOL_ON, queue=5.0, total=20.0),
+        left_at=T0 + 0.3,
+        started=None,
+        sha256=None,
+        predicted=T0 + 0.9,
+        accepted=T0 + 0.004,
+        pool_predicted=T0 + 0.15,
+    )
+    assert (got.predicted_ms, got.accepted_ms, got.pool_predicted_ms) == (900.0, 4.0, 150.0)

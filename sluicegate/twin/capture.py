@@ -321,6 +321,7 @@ class Capture:
                 batch=done.batch_size if done is not None else 1,
                 predicted_ms=rec.predicted_ms,
                 accepted_ms=rec.accepted_ms,
+                pool_predicted_ms=rec.pool_predicted_ms,
                 code=rec.code,
             )
         except ValidationError:

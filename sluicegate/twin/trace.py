@@ -114,6 +114,8 @@ class JobRecord(_Record):
     batch: int = Field(1, ge=1)  # jobs in the batch it ran in
     predicted_ms: float | None = None  # the edge's predicted completion here, at arrival
     accepted_ms: float | None = None  # its acceptance committed on the edge, after arrival
+    # The broker's predicted completion on the worker of its last attempt, after arrival.
+    pool_predicted_ms: float | None = None
     code: str | None = None  # the result's code (not ok), or the offload refusal code
 
 
