@@ -139,6 +139,15 @@ class BatchQueue(Generic[T]):
         return Batch(model, tuple(e.item for _, e in taken), reason)
 
 
+def start_by(deadline: float | None, now: float, batch_estimate_s: float | None) -> float | None:
+    """When a job must start to meet ``deadline``: its deadline less the model's expected
+    batch time; at once when no batch time is measured yet (a job with a deadline does not
+    wait for company), never when it has no deadline."""
+    if deadline is None:
+        return None
+    return now if batch_estimate_s is None else deadline - batch_estimate_s
+
+
 def _order(pair: tuple[int, Entry[T]]) -> tuple[int, float, int]:
     seq, entry = pair
     start_by = entry.start_by if entry.start_by is not None else math.inf

@@ -26,7 +26,7 @@ from functools import partial
 from pathlib import Path
 
 from center_pool import reporting
-from center_pool.batching import BatchQueue, Entry
+from center_pool.batching import BatchQueue, Entry, start_by
 from center_pool.execution import BatchRun, ItemRun, run_batch
 from center_pool.gate import Gate, Passed, Stopped, audit_data
 from center_pool.guard import POLICY_ACCEPTED, REFUSED, AuditSink, check_cancelled
@@ -166,12 +166,8 @@ class PoolWorker:
         if isinstance(item, WorkRefusal):
             self._refuse(Stopped(item, work, audit=False))
             return
-        start_by = None
-        if item.deadline is not None:
-            # Without a measured batch time, a job with a deadline does not wait for company.
-            estimate = self.service.batch_estimate_s(item.model)
-            start_by = now if estimate is None else item.deadline - estimate
-        if not self._queue.push(Entry(item, item.model, now, item.priority, start_by)):
+        start = start_by(item.deadline, now, self.service.batch_estimate_s(item.model))
+        if not self._queue.push(Entry(item, item.model, now, item.priority, start)):
             reason = (
                 f"worker {self.settings.id} has {self.settings.queue_size} jobs queued; "
                 "ask the broker for another placement"

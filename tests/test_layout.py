@@ -40,6 +40,7 @@ PURE = [
     "sluicegate/twin/nodes.py",
     "sluicegate/twin/report.py",
     "sluicegate/twin/sim.py",
+    "sluicegate/twin/strategies.py",
 ]
 
 

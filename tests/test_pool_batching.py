@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from center_pool.batching import BatchQueue, Entry
+from center_pool.batching import BatchQueue, Entry, start_by
 
 # Arrivals: (name, model, arrived, priority, start_by). Times in ms for readability.
 Arrival = tuple[str, str, float, int, float | None]
@@ -139,3 +139,17 @@ def test_zero_window_flushes_immediately() -> None:
 def test_bad_parameters_name_the_value(kwargs: dict[str, float], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         BatchQueue(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("deadline", "estimate", "expected"),
+    [
+        (None, 0.05, None),  # no deadline: never due on its account
+        (10.0, None, 4.0),  # nothing measured yet: at once, it does not wait for company
+        (10.0, 0.25, 9.75),  # its deadline less the model's batch time
+    ],
+)
+def test_a_job_is_due_to_start_at_its_deadline_less_the_batch_time(
+    deadline: float | None, estimate: float | None, expected: float | None
+) -> None:
+    assert start_by(deadline, 4.0, estimate) == expected

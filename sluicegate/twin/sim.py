@@ -33,10 +33,12 @@ from broker.core.fleet import Fleet
 from broker.core.params import FleetParams, PlacementParams
 from broker.core.placement import Placed, decide
 from center_pool.batching import Entry as Waiting
+from center_pool.batching import start_by
 from center_pool.hardware import Sample
 from center_pool.reporting import telemetry as worker_telemetry
 from edge_agent import rules
 from policies.evaluate import allowed
+from sluicegate.twin import strategies
 from sluicegate.twin.draws import Draws
 from sluicegate.twin.nodes import (
     MAX_ATTEMPTS,
@@ -177,23 +179,22 @@ class Simulation:
 
     # -- the edge --------------------------------------------------------------------------
 
-    def _outlook(self, edge: SimEdge, now: float) -> rules.Outlook:
+    def _predict(self, edge: SimEdge, job: Job, now: float) -> rules.Outlook:
+        """The edge's outlook for ``job`` at ``now``: its predicted completion here."""
         ahead = rules.work_ahead(edge.ahead, edge.estimate)
+        done = rules.predict_completion(
+            now, ahead, edge.spec.concurrency, edge.estimate(job.rec.model)
+        )
         return rules.Outlook(
             edge_id=edge.spec.id,
             offload=edge.spec.offload and self.change.strategy != "edge-only",
-            predicted_done=rules.predict_completion(now, ahead, edge.spec.concurrency, 0.0),
+            predicted_done=done,
             waiting=len(edge.queue),
             queue_bound=edge.spec.queue_bound,
             max_attempts=MAX_ATTEMPTS,
             max_local_runs=3,
             result_timeout_s=RESULT_TIMEOUT_S,
         )
-
-    def _predict(self, edge: SimEdge, job: Job, now: float) -> rules.Outlook:
-        outlook = self._outlook(edge, now)
-        done = outlook.predicted_done + edge.estimate(job.rec.model)
-        return outlook._replace(predicted_done=done)
 
     def _arrive(self, now: float, job: Job) -> None:
         edge = self.edges[job.rec.edge]
@@ -334,39 +335,20 @@ class Simulation:
             return self.workers[decision.worker_id], None
         return None, decision.code
 
-    def _eligible(self, job: Job) -> list[SimWorker]:
-        rec = job.rec
-        out = []
-        for w in self.workers.values():
-            state = self.fleet.state(w.spec.id)
-            latest = state.latest if state is not None else None
-            if not w.alive or rec.model not in w.spec.models or latest is None:
-                continue
-            if not allowed(self.policy, rec.data_class, job.origin, w.spec.zone).allowed:
-                continue
-            held = latest.queue_depth + latest.in_flight + self.fleet.reserved(w.spec.id)
-            if held < latest.capacity:
-                out.append(w)
-        return out
-
     def _decide_other(self, job: Job) -> tuple[SimWorker | None, str | None]:
-        """Round-robin or least-loaded over the workers the policy allows and the fleet
-        shows with room (the baselines a placement strategy is compared with)."""
-        eligible = self._eligible(job)
+        """A baseline strategy's choice (``sluicegate.twin.strategies``)."""
+        rec = job.rec
+        eligible = strategies.with_room(
+            self.fleet,
+            self.workers.values(),
+            self.policy,
+            model=rec.model,
+            data_class=rec.data_class,
+            origin=job.origin,
+        )
         if not eligible:
             return None, "no_worker"
-        if self.change.strategy == "round-robin":
-            turn = self._turn[job.rec.model]
-            self._turn[job.rec.model] += 1
-            return eligible[turn % len(eligible)], None
-
-        def load(w: SimWorker) -> float:
-            state = self.fleet.state(w.spec.id)
-            s = state.latest if state is not None else None
-            assert s is not None  # _eligible kept only workers with a sample
-            return (s.queue_depth + s.in_flight + self.fleet.reserved(w.spec.id)) / s.capacity
-
-        return min(eligible, key=load), None
+        return strategies.choose(self.change.strategy, eligible, self._turn, rec.model), None
 
     def _send(self, now: float, job: Job, worker: SimWorker) -> None:
         job.phase, job.worker = "offloaded", worker.spec.id
@@ -431,10 +413,8 @@ class Simulation:
         if not worker.alive:
             return  # the broker's notice of the loss moves the job on
         estimate = worker.stats.batch_estimate_s(job.rec.model)
-        start_by = None
-        if job.deadline is not None:
-            start_by = now if estimate is None else job.deadline - estimate
-        entry = Waiting((job, attempt), job.rec.model, now, job.rec.priority, start_by)
+        start = start_by(job.deadline, now, estimate)
+        entry = Waiting((job, attempt), job.rec.model, now, job.rec.priority, start)
         if not worker.queue.push(entry):
             self._at(now + job.back_s, self._refused_back, job, attempt)
             return
