@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from center_pool.batching import BatchQueue, Entry, start_by
+from center_pool import batching
+from center_pool.batching import BatchQueue, Entry
 
 # Arrivals: (name, model, arrived, priority, start_by). Times in ms for readability.
 Arrival = tuple[str, str, float, int, float | None]
@@ -152,4 +153,4 @@ def test_bad_parameters_name_the_value(kwargs: dict[str, float], match: str) -> 
 def test_a_job_is_due_to_start_at_its_deadline_less_the_batch_time(
     deadline: float | None, estimate: float | None, expected: float | None
 ) -> None:
-    assert start_by(deadline, 4.0, estimate) == expected
+    assert batching.start_by(deadline, 4.0, estimate) == expected
