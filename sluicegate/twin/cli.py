@@ -189,27 +189,19 @@ def verdict(
     from sluicegate.errors import EXPECTED
     from sluicegate.twin import judge
     from sluicegate.twin.rehearse import rehearse
-    from sluicegate.twin.trace import policy_of, read
+    from sluicegate.twin.trace import policy_of
 
     if (policy is None) == (params is None):
         _fail("give the candidate: --policy FILE or --params FILE (one of them)")
     try:
         change = _change(policy, params, fleet, burst, fail, "ours")
         rehearsal = rehearse(trace, change, seed=seed)
-        recorded, digest = read(trace)
-        in_force = policy_of(recorded.header)
-        zones = {e.id: e.zone for e in recorded.header.edges}
-        origins: dict[str, str] = {}
-        for job in recorded.jobs:
-            origins.setdefault(job.data_class, zones[job.edge])
-        figures = judge.figures_of(
-            rehearsal.comparison.candidate, in_force, origins, rehearsal.comparison.candidate.zones
-        )
+        recorded = rehearsal.trace
         signed = judge.verdict_for(
             judge.candidate_of(change.policy, change.params),
-            figures,
-            judge.thresholds_of(in_force),
-            trace_sha256=digest,
+            judge.figures_of(rehearsal.comparison.candidate, recorded),
+            judge.thresholds_of(policy_of(recorded.header)),
+            trace_sha256=rehearsal.trace_digest,
             key=load_signing_key(key),
             key_id=key_id,
             issued_at=time.time(),

@@ -23,6 +23,7 @@ from policies.model import Policy
 from policies.verdict import Body, Candidate, Figures, Thresholds, Verdict, judge, sign_verdict
 from sluicegate.twin.nodes import Change
 from sluicegate.twin.report import Summary
+from sluicegate.twin.trace import Trace, policy_of
 
 
 def params_digest(params: PlacementParams) -> str:
@@ -36,16 +37,17 @@ def campus_only(policy: Policy, data_class: str, origin: str, zone: str) -> bool
     return not allowed(policy, data_class, origin, zone).allowed
 
 
-def figures_of(
-    summary: Summary,
-    in_force: Policy,
-    origins: dict[str, str],
-    zones_by_class: dict[str, dict[str, int]],
-) -> Figures:
-    """The verdict's figures: ``origins`` maps each data class to an origin zone it came
-    from (the check is per class and zone; every line of the demo campus shares its rules)."""
+def figures_of(summary: Summary, trace: Trace) -> Figures:
+    """The verdict's figures for a candidate's replay of ``trace``. Jobs placed off site are
+    checked against the trace's policy per data class, from the origin zone of the first
+    job of that class (the replay counts zones per class, not per origin)."""
+    in_force = policy_of(trace.header)
+    edge_zone = {e.id: e.zone for e in trace.header.edges}
+    origins: dict[str, str] = {}
+    for job in trace.jobs:
+        origins.setdefault(job.data_class, edge_zone[job.edge])
     left: dict[str, dict[str, int]] = {}
-    for data_class, zones in sorted(zones_by_class.items()):
+    for data_class, zones in sorted(summary.zones.items()):
         origin = origins.get(data_class)
         if origin is None:
             continue

@@ -58,13 +58,13 @@ def write_plots(baseline: Result, candidate: Result, folder: Path) -> list[Path]
 
     nodes = sorted(set(baseline.depth) | set(candidate.depth))
     fig, axes = plt.subplots(len(nodes), 1, figsize=(9, 1.6 * len(nodes) + 0.6), dpi=100)
-    for ax, node in zip(axes if len(nodes) > 1 else [axes], nodes, strict=True):
+    axes_list = list(axes) if len(nodes) > 1 else [axes]
+    for ax, node in zip(axes_list, nodes, strict=True):
         for name, result, style in (("baseline", baseline, "-"), ("candidate", candidate, "--")):
             series = result.depth.get(node, ())
             ax.plot([t for t, _ in series], [d for _, d in series], style, label=name)
         ax.set_ylabel(node, rotation=0, ha="right", fontsize=8)
         ax.grid(alpha=0.3)
-    axes_list = axes if len(nodes) > 1 else [axes]
     axes_list[0].set_title("jobs held (queued and running) per node")
     axes_list[0].legend(loc="upper right", fontsize=8)
     axes_list[-1].set_xlabel("seconds into the trace")

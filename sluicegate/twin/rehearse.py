@@ -128,6 +128,7 @@ def build_change(
 
 @dataclass(frozen=True)
 class Rehearsal:
+    trace: tr.Trace
     trace_digest: str
     baseline: Result
     candidate: Result
@@ -161,7 +162,7 @@ def rehearse(
             s: replay(trace, Change(strategy=s), seed=seed) for s in STRATEGIES
         }
         lines += ["", "placement strategies on the trace as recorded:", strategy_table(runs)]
-    return Rehearsal(digest, baseline, candidate, comparison, "\n".join(lines))
+    return Rehearsal(trace, digest, baseline, candidate, comparison, "\n".join(lines))
 
 
 def write_report(rehearsal: Rehearsal, folder: Path, *, plots: bool = True) -> list[Path]:
