@@ -48,7 +48,7 @@ from broker.core.fleet import Fleet
 from broker.core.params import FleetParams, PlacementParams
 from broker.core.placement import decide
 from broker.core.reference import decide_reference
-from broker.core.scoring import SUBHEALTHY, link_class, transfer_costs
+from broker.core.scoring import SUBHEALTHY, link_class, transfer_costs, wait_at
 from policies.evaluate import allowed
 from policies.keys import SigningKey
 from policies.loader import parse_policy
@@ -281,6 +281,7 @@ def scan(
     estimate = fleet.service.estimate
     model, cls, origin, prefix = req.model, req.data_class, req.origin_zone, params.campus_prefix
     best: tuple[int, float, float, str] | None = None
+    now_ms = now * 1000.0
     for slot in fleet.index.slots.values():
         member = slot.statuses.get(model)
         if member is None:
@@ -289,7 +290,7 @@ def scan(
         if status > SUBHEALTHY or not allowed(policy, cls, origin, bucket.zone).allowed:
             continue
         link = link_class(origin, bucket.zone, prefix)
-        score = tx[link] + estimate(model, bucket.device_class) + slot.key
+        score = tx[link] + estimate(model, bucket.device_class) + wait_at(slot.key, now_ms)
         cand = (status, score, slot.key, slot.worker_id)
         if best is None or cand < best:
             best = cand

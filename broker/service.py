@@ -235,7 +235,9 @@ class Broker:
                     continue
                 decision = decide(self.fleet, item.request, policy, now=now, params=self.params)
                 if isinstance(decision, Placed):
-                    self.fleet.reserve(decision.worker_id, item.request.job_id, now)
+                    self.fleet.reserve(
+                        decision.worker_id, item.request.job_id, now, item.request.model
+                    )
                     placed.append((item, decision))
                 elif decision.code != "no_capacity" or not self.waiting.hold(item, now):
                     self._answer(item, decision, decision.code, decision.reason)

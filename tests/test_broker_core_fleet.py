@@ -66,7 +66,8 @@ def test_a_killed_worker_stops_getting_placements_within_three_intervals() -> No
 
 def test_expire_reports_silent_workers_once_and_they_come_back_with_telemetry() -> None:
     fleet = fleet_with(POLICY, [(caps("gpu-1", NDC), {}), (caps("npu-1", SDC), {})])
-    fleet.apply_telemetry(telemetry("npu-1", NOW + 2, zone=SDC), NOW + 2)
+    busy = {"queue_depth": 4, "backlog_ms": 20_000.0}  # still busy when gpu-1 is back
+    fleet.apply_telemetry(telemetry("npu-1", NOW + 2, zone=SDC, **busy), NOW + 2)
     assert fleet.expire(NOW + 2.5, 3.0) == []
     assert fleet.expire(NOW + 3.5, 3.0) == ["gpu-1"]
     assert fleet.expire(NOW + 3.6, 3.0) == []
@@ -136,7 +137,8 @@ def test_reservations_count_until_telemetry_shows_them() -> None:
 
 
 def test_a_worker_another_replica_filled_is_full_until_its_next_telemetry() -> None:
-    fleet = fleet_with(POLICY, [(caps("gpu-1", NDC), {}), (caps("npu-1", SDC), {"queue_depth": 5})])
+    busy = {"queue_depth": 5, "backlog_ms": 5_000.0}  # 2.5 s of work on each of its slots
+    fleet = fleet_with(POLICY, [(caps("gpu-1", NDC), {}), (caps("npu-1", SDC), busy)])
     assert where(fleet, NOW) == "gpu-1"
     fleet.mark_full("gpu-1", NOW)
     fleet.mark_full("ghost", NOW)  # unknown: ignored

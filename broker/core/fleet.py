@@ -9,7 +9,7 @@ broker's clock reading ``now``::
     fleet.apply_telemetry(telemetry, now)   # .../telemetry, every interval
     fleet.mark_offline(worker_id, now)      # .../status "offline" (its Last Will)
     fleet.apply_completion(completion, now) # .../broker/completions: release + learn
-    fleet.reserve(worker_id, job_id, now)   # right after a Placed decision
+    fleet.reserve(worker_id, job_id, now, model)  # right after a Placed decision
     fleet.release(job_id)                   # the job's Redis reservation ended or failed
     fleet.mark_full(worker_id, now)         # ... failed: other replicas filled the worker
     fleet.expire(now, timeout_s)            # periodically; decide() also calls it
@@ -20,9 +20,12 @@ and reads it for people: ``state``, ``states``, ``view`` (forecast, health, per-
 status), ``reserved``, ``headroom`` (a limit for the shared Redis reservation), ``models``.
 
 Reservations are local: they make consecutive decisions see the jobs just placed before
-the workers' telemetry shows them. A reservation stops counting when the worker's next
-telemetry (older than ``absorb_after_s``) arrives, since that sample already holds the
-job, or when the job completes, so nothing needs sweeping.
+the workers' telemetry shows them. A reservation stops counting as held (against the
+worker's capacity) when the job completes, and altogether when the worker's next telemetry
+(older than ``absorb_after_s``) arrives, since that sample already holds the job; so
+nothing needs sweeping. As work ahead (``scoring.free_at_ms``) a placed job counts until
+that telemetry even once completed: the clock has drained its work already, and
+subtracting it again would count the worker's progress twice.
 
 Mutable but pure: no clock, no I/O, no asyncio; deterministic for a given event sequence,
 so the digital twin and the tests replay it exactly. It never decides a placement.
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 from broker.core import forecast as fc
 from broker.core.index import PlacementIndex
 from broker.core.params import FleetParams
-from broker.core.scoring import STATUS_NAMES, needs_of
+from broker.core.scoring import STATUS_NAMES, Placement, needs_of
 from broker.core.service_model import ServiceModel
 from broker.core.state import Capabilities, TelemetrySample, WorkerState
 from broker.errors import UnknownWorker
@@ -75,7 +78,9 @@ class Fleet:
         self._needs = needs_of(requirements or {})
         self._states: dict[str, WorkerState] = {}
         self._reservations: dict[str, tuple[str, float]] = {}  # job id -> (worker, when)
-        self._by_worker: dict[str, dict[str, float]] = {}  # worker -> job id -> when
+        self._by_worker: dict[str, dict[str, float]] = {}  # worker -> job id -> when, held
+        # worker -> job id -> (when, model), placed since its telemetry
+        self._placed: dict[str, dict[str, tuple[float, str | None]]] = {}
         self._seen: list[tuple[float, str]] = []  # (last_seen, worker), a lazy min-heap
         self._models: dict[str, int] = {}  # model -> workers with capabilities that load it
         self._marked_full: set[str] = set()  # full by a shared reservation, until telemetry
@@ -111,8 +116,7 @@ class Fleet:
     def _rebuild(self) -> None:
         self.index.reset(self._policy, self._needs)
         for state in self._states.values():
-            wid = state.worker_id
-            self.index.update(state, self.reserved(wid), wid in self._marked_full)
+            self._update(state)
 
     # -- events -----------------------------------------------------------------------------
 
@@ -121,9 +125,18 @@ class Fleet:
         if old is None or old.capabilities is not state.capabilities:
             self._count_models(old, -1)
             self._count_models(state, 1)
+        self._states[state.worker_id] = state
+        self._update(state)
+
+    def _update(self, state: WorkerState) -> None:
         wid = state.worker_id
-        self._states[wid] = state
-        self.index.update(state, self.reserved(wid), wid in self._marked_full)
+        placed = self.placed(wid)
+        self.index.update(state, self.reserved(wid), wid in self._marked_full, placed)
+
+    def placed(self, worker_id: str) -> list[Placement]:
+        """The jobs placed on the worker since its last telemetry, in order: when (ms) and
+        their model (completed ones included: their work counts as drained by the clock)."""
+        return [(when * 1000.0, model) for when, model in self._placed.get(worker_id, {}).values()]
 
     def apply_capabilities(self, caps: WorkerCapabilities, now: float) -> None:
         """A worker's (retained) capabilities. Does not make it online: a retained document
@@ -153,9 +166,14 @@ class Fleet:
         self._put(state)
 
     def apply_completion(self, completion: Completion, now: float) -> None:
-        """A job finished on a pool worker: its reservation ends, and an ``ok`` job's
-        service time teaches the model for (model, the worker's device class)."""
-        self.release(completion.job_id)
+        """A job finished on a pool worker: it is no longer held there (its work stays
+        counted as drained, until telemetry), and an ``ok`` job's service time teaches the
+        model for (model, the worker's device class)."""
+        held = self._reservations.pop(completion.job_id, None)
+        if held is not None:
+            jobs = self._by_worker.get(held[0], {})
+            jobs.pop(completion.job_id, None)
+            self.index.set_reserved(held[0], len(jobs))
         state = self._states.get(completion.worker_id)
         caps = state.capabilities if state is not None else None
         if completion.status == "ok" and completion.kind == "pool" and caps is not None:
@@ -167,6 +185,7 @@ class Fleet:
         state = self._states.get(worker_id)
         self._marked_full.discard(worker_id)
         jobs = tuple(self._by_worker.pop(worker_id, {}))
+        self._placed.pop(worker_id, None)
         for job_id in jobs:
             self._reservations.pop(job_id, None)
         if state is not None and (state.online or jobs):
@@ -210,9 +229,10 @@ class Fleet:
 
     # -- reservations -------------------------------------------------------------------------
 
-    def reserve(self, worker_id: str, job_id: str, now: float) -> None:
-        """Count ``job_id`` on ``worker_id`` until it completes, is released, or shows up in
-        the worker's telemetry. Idempotent; a job reserved elsewhere moves here."""
+    def reserve(self, worker_id: str, job_id: str, now: float, model: str | None = None) -> None:
+        """Count ``job_id`` (a job of ``model``; None: of the worker's mean job) on
+        ``worker_id`` until it completes, is released, or shows up in the worker's
+        telemetry. Idempotent; a job reserved elsewhere moves here."""
         if worker_id not in self._states:
             raise UnknownWorker(
                 f"cannot reserve job {job_id!r} on unknown worker {worker_id!r}; "
@@ -226,17 +246,20 @@ class Fleet:
         self._reservations[job_id] = (worker_id, now)
         jobs = self._by_worker.setdefault(worker_id, {})
         jobs[job_id] = now
-        self.index.set_reserved(worker_id, len(jobs))
+        self._placed.setdefault(worker_id, {})[job_id] = (now, model)
+        self.index.add_placed(worker_id, len(jobs), now * 1000.0, model)
 
     def release(self, job_id: str) -> bool:
-        """Stop counting ``job_id``; False if it no longer counted anywhere."""
+        """Stop counting ``job_id`` (it did not go there after all, or comes back); False
+        if it no longer counted anywhere."""
         held = self._reservations.pop(job_id, None)
         if held is None:
             return False
         worker_id = held[0]
         jobs = self._by_worker.get(worker_id, {})
         jobs.pop(job_id, None)
-        self.index.set_reserved(worker_id, len(jobs))
+        self._placed.get(worker_id, {}).pop(job_id, None)
+        self.index.set_placed(worker_id, len(jobs), self.placed(worker_id))
         return True
 
     def _absorb(self, worker_id: str, cutoff: float) -> None:
@@ -245,6 +268,10 @@ class Fleet:
             for job_id in [j for j, when in jobs.items() if when <= cutoff]:
                 del jobs[job_id]
                 self._reservations.pop(job_id, None)
+        placed = self._placed.get(worker_id)
+        if placed:
+            for job_id in [j for j, (when, _) in placed.items() if when <= cutoff]:
+                del placed[job_id]
 
     def reserved(self, worker_id: str) -> int:
         """Jobs reserved on the worker that its telemetry does not show yet."""

@@ -3,10 +3,12 @@
 A *bucket* is one (model, zone, device class): every worker of that device class whose
 zone (as the policy declares it) is that zone and that has the model loaded. Inside a
 bucket, eligible workers sit in two sorted lists, healthy and sub-healthy, ordered by
-their *key* (``scoring.load_key``: the wait for the work ahead there, ms, times the
-forecast penalty),
-then worker id. All workers of a bucket share the transfer cost and the service time of a
-request, so the first healthy entry is the bucket's best worker. Each bucket also counts
+their *key* (``scoring.load_key``: the instant the work ahead there runs out, on the
+broker's clock in ms, later by the forecast penalty), then worker id. Keys are instants, so
+the order holds as the clock runs: at ``now`` a worker's wait is ``max(0, key - now)``, and
+of two workers both free the one free longer comes first. All workers of a bucket share the
+transfer cost and the service time of a request, so the first healthy entry is the
+bucket's best worker. Each bucket also counts
 its workers by status, so explanations need no scan.
 
 A change to a worker (telemetry, reservation) moves its entry in each of its buckets:
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from broker.core import forecast
@@ -34,10 +37,13 @@ from broker.core.scoring import (
     OK,
     SUBHEALTHY,
     Need,
+    Placement,
+    after_placing,
     classify,
+    free_at_ms,
     link_class,
     load_key,
-    wait_ms,
+    step_ms,
 )
 from broker.core.state import Capabilities, TelemetrySample, WorkerState, model_name
 from policies.evaluate import allowed
@@ -53,9 +59,9 @@ class Slot:
     """The index's working copy of one worker: what the hot path reads."""
 
     __slots__ = (
-        "base",
         "caps",
         "crosses",
+        "free",
         "health",
         "key",
         "marked_full",
@@ -81,7 +87,7 @@ class Slot:
         self.marked_full = False
         self.slope = 0.0
         self.health = HEALTHY
-        self.base = math.inf
+        self.free = math.inf  # when the work ahead there runs out, ms (scoring.free_at_ms)
         self.key = math.inf
         self.predicted = 0.0
         self.crosses = False
@@ -170,8 +176,11 @@ class PlacementIndex:
         self.topology += 1
         self.epoch += 1
 
-    def update(self, state: WorkerState, reserved: int, marked_full: bool) -> None:
-        """Take in a worker's new state (capabilities, telemetry, online flag)."""
+    def update(
+        self, state: WorkerState, reserved: int, marked_full: bool, placed: Sequence[Placement]
+    ) -> None:
+        """Take in a worker's new state (capabilities, telemetry, online flag); ``placed``:
+        the jobs placed there since its telemetry (when, model), in order."""
         slot = self.slots.get(state.worker_id)
         if slot is None:
             slot = self.slots[state.worker_id] = Slot(state.worker_id)
@@ -188,12 +197,35 @@ class PlacementIndex:
             slot.health = is_subhealthy(policy.subhealth, slot.sample.metrics())
         else:
             slot.health = HEALTHY
+        self._drain(slot, placed)
         self._refresh(slot)
 
     def set_reserved(self, worker_id: str, reserved: int) -> None:
+        """A reserved job completed: one fewer held there (its work is already behind)."""
         slot = self.slots.get(worker_id)
         if slot is not None and slot.reserved != reserved:
             slot.reserved = reserved
+            self._refresh(slot)
+
+    def add_placed(self, worker_id: str, reserved: int, when_ms: float, model: str | None) -> None:
+        """A job of ``model`` was placed on the worker at ``when_ms``: held there, and queued
+        behind its work (``scoring.after_placing``, O(1))."""
+        slot = self.slots.get(worker_id)
+        if slot is None:
+            return
+        slot.reserved = reserved
+        caps, sample = slot.caps, slot.sample
+        if caps is not None and sample is not None:
+            step = step_ms(sample, model, caps.concurrency, self.params.default_service_ms)
+            slot.free = after_placing(slot.free, when_ms, step)
+        self._refresh(slot)
+
+    def set_placed(self, worker_id: str, reserved: int, placed: Sequence[Placement]) -> None:
+        """Jobs placed there went elsewhere after all: the work ahead is recounted."""
+        slot = self.slots.get(worker_id)
+        if slot is not None:
+            slot.reserved = reserved
+            self._drain(slot, placed)
             self._refresh(slot)
 
     def set_marked_full(self, worker_id: str, marked_full: bool) -> None:
@@ -220,19 +252,27 @@ class PlacementIndex:
             self.topology += 1
         return bucket
 
+    def _drain(self, slot: Slot, placed: Sequence[Placement]) -> None:
+        caps, sample = slot.caps, slot.sample
+        if caps is None or sample is None:
+            slot.free = math.inf
+        else:
+            default = self.params.default_service_ms
+            slot.free = free_at_ms(sample, placed, caps.concurrency, default)
+
     def _refresh(self, slot: Slot) -> None:
         caps, sample, zone = slot.caps, slot.sample, slot.zone
         params = self.params
         statuses: dict[str, tuple[Bucket, int]] = {}
         unzoned: tuple[str, ...] = ()
         zone_counted: str | None = None
-        key = base = math.inf
+        key = math.inf
         if caps is not None and sample is not None:
             now_load = forecast.load_now(sample, slot.reserved)
             slot.predicted = forecast.predict(now_load, slot.slope, params.forecast_horizon_s)
             slot.crosses = slot.predicted >= 1.0
-            wait = wait_ms(sample, slot.reserved, caps.concurrency, params.default_service_ms)
-            base, key = load_key(wait, slot.crosses, params.forecast_penalty)
+            since = sample.received_at * 1000.0
+            key = load_key(slot.free, since, slot.crosses, params.forecast_penalty)
         if caps is not None:
             online = slot.online and sample is not None
             if zone is None:
@@ -246,7 +286,6 @@ class PlacementIndex:
                         caps, sample, slot.online, slot.reserved, need, zone, sub, slot.marked_full
                     )
                     statuses[model] = (self._bucket(model, zone, caps.device_class), status)
-        slot.base = base
         self._count(slot, unzoned, zone_counted)
         same_status = statuses == slot.statuses
         if same_status and key == slot.key:
@@ -339,13 +378,17 @@ class PlacementIndex:
         """Workers by reason for this route (cached until any status changes)."""
         if route.summary is not None and route.summary_epoch == self.epoch:
             return route.summary
-        totals = [0] * N_STATUS
-        for bucket in route.allowed:
-            for i, n in enumerate(bucket.counts):
-                totals[i] += n
+        # Column sums over the buckets' counts (zip and sum run in C: a route holds every
+        # bucket of its model, and a status change anywhere in them comes here again).
+        counts = [b.counts for b in route.allowed]
+        totals = [sum(column) for column in zip(*counts, strict=True)]
+        if not totals:
+            totals = [0] * N_STATUS
         placed_online = sum(totals) - totals[OFFLINE]
-        zone_online = sum(self.zone_online.get(z, 0) for z in route.allowed_zones)
-        policy = sum(sum(b.counts) - b.counts[OFFLINE] for b, _ in route.denied)
+        online = self.zone_online
+        zone_online = sum([online.get(z, 0) for z in route.allowed_zones])
+        denied = [b.counts for b, _ in route.denied]
+        policy = sum(map(sum, denied)) - sum([c[OFFLINE] for c in denied])
         out = {
             "eligible": totals[OK],
             "subhealthy": totals[SUBHEALTHY],

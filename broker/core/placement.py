@@ -2,7 +2,7 @@
 
     decision = decide(fleet, request, policy, now=now, params=params)
     if isinstance(decision, Placed):
-        fleet.reserve(decision.worker_id, request.job_id, now)   # then mint the token
+        fleet.reserve(decision.worker_id, request.job_id, now, request.model)  # then the token
 
 Filters (a worker is a candidate only if all hold): the policy allows the job's data class
 from its origin zone in the worker's zone (deny wins, unknown zones denied); the worker is
@@ -36,7 +36,7 @@ from broker.core.explain import conclude, conclude_ranked
 from broker.core.fleet import Fleet
 from broker.core.index import Bucket, Route, Slot
 from broker.core.params import PlacementParams
-from broker.core.scoring import NO_NEEDS, OFFLINE, transfer_costs
+from broker.core.scoring import NO_NEEDS, OFFLINE, transfer_costs, wait_at
 from broker.core.state import model_key
 from policies.model import Policy, Verdict
 from sluicegate.wire_pool import PlacementRequest
@@ -57,14 +57,19 @@ _Scored = tuple[float, float, str, Slot, Bucket, float, float]
 
 
 def _scan(
-    route: Route, tx: tuple[float, float, float], services: dict[str, float], sub: bool, k: int
+    route: Route,
+    tx: tuple[float, float, float],
+    services: dict[str, float],
+    sub: bool,
+    k: int,
+    now_ms: float,
 ) -> list[_Scored]:
     """The best ``k`` workers of one tier, best first, by (score, key, worker id).
 
-    Groups are visited in order of their lowest possible score (transfer + service: a key,
-    the wait there, is at least 0), and a group that cannot beat the ``k``-th best so far is
-    skipped. In a
-    bucket, entries are read in order only while they can still enter the best ``k``."""
+    Groups are visited in order of their lowest possible score (transfer + service: the
+    wait there is at least 0), and a group that cannot beat the ``k``-th best so far is
+    skipped. In a bucket, entries are read in order only while they can still enter the
+    best ``k``."""
     groups = route.groups
     model = route.model
     order = sorted([(tx[g.link] + services[g.device_class], i) for i, g in enumerate(groups)])
@@ -80,7 +85,7 @@ def _scan(
             if not tier:
                 continue
             key, worker_id, slot = tier[0]
-            score = transfer + service + key
+            score = transfer + service + (key - now_ms if key > now_ms else 0.0)
             if score > cut:
                 continue
             bucket = slot.statuses[model][0]
@@ -94,15 +99,16 @@ def _scan(
                 if j >= k or j >= len(tier):
                     break
                 key, worker_id, slot = tier[j]
-                score = transfer + service + key
+                score = transfer + service + (key - now_ms if key > now_ms else 0.0)
                 if score > cut:
                     break
     return top
 
 
-def _candidate(item: _Scored) -> Candidate:
+def _candidate(item: _Scored, now_ms: float) -> Candidate:
     score, _, worker_id, slot, bucket, transfer, service = item
-    predicted = transfer + service + slot.base
+    wait = wait_at(slot.free, now_ms)
+    predicted = transfer + service + wait
     sample = slot.sample
     load = (
         (sample.queue_depth + sample.in_flight + slot.reserved) / sample.capacity
@@ -116,7 +122,7 @@ def _candidate(item: _Scored) -> Candidate:
         score,
         predicted,
         transfer,
-        slot.base,
+        wait,
         service,
         score - predicted,
         load,
@@ -164,14 +170,15 @@ def decide(
     services = {g.device_class: table.get(g.device_class, default) for g in route.groups}
     k = params.top_k
     sub = False
-    top = _scan(route, tx, services, sub, k)
+    now_ms = now * 1000.0
+    top = _scan(route, tx, services, sub, k, now_ms)
     if not top:
         sub = True
-        top = _scan(route, tx, services, sub, k)
+        top = _scan(route, tx, services, sub, k, now_ms)
     summary = index.summary(route)
     if top:
         # Placed or no_faster_worker: neither needs the refusal context below.
-        return conclude_ranked(request, now, [_candidate(item) for item in top], summary)
+        return conclude_ranked(request, now, [_candidate(item, now_ms) for item in top], summary)
     return conclude(
         request,
         policy,

@@ -23,11 +23,12 @@ from broker.core.scoring import (
     STATUS_NAMES,
     SUBHEALTHY,
     classify,
+    free_at_ms,
     link_class,
     load_key,
     needs_of,
     transfer_costs,
-    wait_ms,
+    wait_at,
 )
 from broker.core.state import model_key
 from policies.evaluate import allowed
@@ -89,11 +90,14 @@ def decide_reference(
         if status not in ELIGIBLE or sample is None:
             continue
         outlook = forecast(state.samples, reserved, fparams)
-        wait = wait_ms(sample, reserved, caps.concurrency, fparams.default_service_ms)
-        base, key = load_key(wait, outlook.crosses, fparams.forecast_penalty)
+        placed = fleet.placed(state.worker_id)
+        free = free_at_ms(sample, placed, caps.concurrency, fparams.default_service_ms)
+        since = sample.received_at * 1000.0
+        key = load_key(free, since, outlook.crosses, fparams.forecast_penalty)
         transfer = tx[link_class(request.origin_zone, zone, params.campus_prefix)]
         service = fleet.service.estimate(request.model, caps.device_class)
-        score = transfer + service + key
+        base = wait_at(free, now * 1000.0)
+        score = transfer + service + wait_at(key, now * 1000.0)
         predicted = transfer + service + base
         candidate = Candidate(
             worker_id=state.worker_id,

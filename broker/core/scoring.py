@@ -5,22 +5,26 @@ A worker is classified per model it has loaded (:func:`classify`, first reason w
 offline, zone mismatch, missing provider, too little free memory, full, sub-healthy, ok).
 An eligible worker is scored by predicted completion time::
 
-    wait      = (backlog + reserved * per_job) / concurrency      (:func:`wait_ms`)
+    free      = when the work ahead there runs out, ms on the broker's clock (:func:`free_at_ms`)
+    wait      = max(0, free - now)                                (:func:`wait_at`)
     predicted = transfer + service + wait
-    score     = transfer + service + wait * penalty
+    score     = transfer + service + max(0, key - now)            (:func:`load_key`)
 
-where ``backlog`` is the work the worker reports holding, each queued and running job at
-its own model's service time (a detector job behind OCR runs waits for those runs, not for
-detector runs), ``per_job`` its mean job, and ``penalty`` is
-``FleetParams.forecast_penalty`` when the load forecast crosses capacity and 1 otherwise.
-The wait depends only on the worker, so the index can keep workers ordered by it; transfer
-depends only on the zone pair and service only on (model, device class). Nothing here keeps
-state or reads a clock.
+``free`` starts from the worker's last telemetry: the backlog it reports holding (each
+queued and running job at its own model's service time, so a detector job behind OCR runs
+waits for those runs), shared by its slots, from the moment the sample arrived; each job
+placed there since adds its model's service time there (shared by the slots), starting no
+earlier than it was placed. Time drains it: a sample a second old no longer counts the
+second of work the worker has done since. ``key`` adds ``FleetParams.forecast_penalty``
+times the wait ahead (as of the sample) when the load forecast crosses capacity. Both are
+instants, not durations, so they do not change as the clock runs and the index can keep
+workers ordered by ``key``; transfer depends only on the zone pair and service only on
+(model, device class). Nothing here keeps state or reads a clock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from broker.core.params import OFF_SITE, SAME_SITE, SAME_ZONE, PlacementParams
@@ -104,20 +108,50 @@ def per_job_ms(sample: TelemetrySample, default_ms: float) -> float:
     return default_ms
 
 
-def wait_ms(sample: TelemetrySample, reserved: int, concurrency: int, default_ms: float) -> float:
-    """How long a job placed now waits for the work ahead of it there: the backlog the
-    worker reports (older telemetry: its jobs at its mean job), and the jobs reserved on it
-    since, at its mean job, shared by its slots."""
-    per_job = per_job_ms(sample, default_ms)
+def step_ms(
+    sample: TelemetrySample, model: str | None, concurrency: int, default_ms: float
+) -> float:
+    """How much later the worker frees up for a job of ``model`` placed on it: the model's
+    service time there as it reports it (else its mean job) over its slots."""
+    ms = sample.service_ms.get(model) if model is not None else None
+    return (ms if ms is not None else per_job_ms(sample, default_ms)) / concurrency
+
+
+Placement = tuple[float, str | None]  # (when, ms on the broker's clock; the job's model)
+
+
+def free_at_ms(
+    sample: TelemetrySample, placed: Iterable[Placement], concurrency: int, default_ms: float
+) -> float:
+    """When the work ahead on the worker runs out, ms on the broker's clock: the backlog
+    it reported (older telemetry: its jobs at its mean job) shared by its slots from the
+    moment the sample arrived, then each job placed there since (``placed``, in order),
+    each starting no earlier than it was placed."""
     held = sample.backlog_ms
     if held is None:
-        held = (sample.queue_depth + sample.in_flight) * per_job
-    return (held + reserved * per_job) / concurrency
+        held = (sample.queue_depth + sample.in_flight) * per_job_ms(sample, default_ms)
+    free = sample.received_at * 1000.0 + held / concurrency
+    for when, model in placed:
+        free = after_placing(free, when, step_ms(sample, model, concurrency, default_ms))
+    return free
 
 
-def load_key(wait: float, crosses: bool, penalty: float) -> tuple[float, float]:
-    """``(base, key)``: base = the wait, ms; key = base * penalty if crossing."""
-    return wait, (wait * penalty if crosses else wait)
+def after_placing(free: float, when_ms: float, step: float) -> float:
+    """``free`` once one more job, placed at ``when_ms``, is queued behind the work."""
+    return (free if free > when_ms else when_ms) + step
+
+
+def load_key(free: float, since_ms: float, crosses: bool, penalty: float) -> float:
+    """The instant the index orders workers by: ``free``, with the wait ahead as of
+    ``since_ms`` (the sample's arrival) multiplied by ``penalty`` when crossing."""
+    if crosses and free > since_ms:
+        return free + (penalty - 1.0) * (free - since_ms)
+    return free
+
+
+def wait_at(instant: float, now_ms: float) -> float:
+    """Milliseconds from ``now_ms`` until ``instant``, never negative."""
+    return instant - now_ms if instant > now_ms else 0.0
 
 
 def link_class(origin_zone: str, zone: str, campus_prefix: str) -> int:

@@ -307,7 +307,7 @@ class Simulation:
             return
         if not allowed(self.policy, job.rec.data_class, job.origin, worker.spec.zone).allowed:
             self._violations += 1
-        self.fleet.reserve(worker.spec.id, job.job_id, now)
+        self.fleet.reserve(worker.spec.id, job.job_id, now, job.rec.model)
         self._send(now, job, worker)
 
     def _decide_ours(
