@@ -33,6 +33,8 @@ class BrokerView(Protocol):
 
     def policy(self) -> dict[str, Any] | None: ...
 
+    def placement(self) -> dict[str, Any]: ...
+
     def metrics(self) -> bytes: ...
 
 
@@ -175,6 +177,13 @@ OPENAPI: dict[str, Any] = {
                 },
             }
         },
+        "/placement": {
+            "get": {
+                "summary": "The placement parameters in force: digest, source, values, and a "
+                "candidate set refused at start (a gated rollout without its verdict)",
+                "responses": {"200": {"description": "the parameters"}},
+            }
+        },
         "/metrics": {
             "get": {
                 "summary": "Prometheus metrics (text exposition format)",
@@ -240,6 +249,9 @@ def make_app(view: BrokerView, enrollment: Enrollment) -> web.Application:
             return _error(503, "the broker holds no verified policy")
         return _json(data)
 
+    async def placement(_request: web.Request) -> web.Response:
+        return _json(view.placement())
+
     async def metrics(_request: web.Request) -> web.Response:
         return web.Response(body=view.metrics(), headers={"Content-Type": CONTENT_TYPE})
 
@@ -256,6 +268,7 @@ def make_app(view: BrokerView, enrollment: Enrollment) -> web.Application:
     app.router.add_get("/jobs/{job_id}", job)
     app.router.add_get("/dead-letters", dead_letters)
     app.router.add_get("/policy", policy)
+    app.router.add_get("/placement", placement)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/enroll", enroll)
     app.router.add_get("/openapi.json", openapi)

@@ -18,6 +18,7 @@ from broker.api import start_http
 from broker.decision_audit import encode
 from broker.enrollment import EnrollmentDesk
 from broker.lease import ReplicaLease
+from broker.params_file import ParamsChoice, ParamsRefused, choose_params
 from broker.service import Broker, status_message
 from broker.view import HttpView
 from policies import AsyncAuditWriter, SigningKey, load_signing_key
@@ -78,6 +79,7 @@ async def serve(
                 "edges and workers would refuse every token it signs"
             )
     envelope = feed.envelope  # what the feed accepted: never a refused file's envelope
+    placement = choose_params(cfg, feed.current)
     redis = aioredis.Redis.from_url(cfg.redis_url)
     lease = ReplicaLease(redis, cfg.id, this_process())
     try:
@@ -87,7 +89,16 @@ async def serve(
         raise
     try:
         return await _serve(
-            settings, stop, key, feed, envelope, redis, lease, connect_timeout, http_port_ready
+            settings,
+            stop,
+            key,
+            feed,
+            envelope,
+            placement,
+            redis,
+            lease,
+            connect_timeout,
+            http_port_ready,
         )
     finally:
         await lease.release()
@@ -100,6 +111,7 @@ async def _serve(
     key: SigningKey,
     feed: PolicyFeed,
     envelope: bytes | None,
+    placement: ParamsChoice,
     redis: aioredis.Redis,
     lease: ReplicaLease,
     connect_timeout: float | None,
@@ -124,6 +136,7 @@ async def _serve(
         lambda: feed.current,
         audit,
         requirements=requirements_of(cfg.models_dir or default_models_dir()),
+        params=placement.params,
     )
     feed.on_change(broker.fleet.use_policy)  # workers' zones follow every new policy
     refused = feed.file_refusal
@@ -140,6 +153,8 @@ async def _serve(
         )
         record = {"file": str(cfg.policy_file), "code": refused.reason, "reason": refused.message}
         broker.audit.add(cfg.id, encode(record), "policy.refused")
+    if placement.refused is not None:
+        _params_refused(broker, placement.refused, placement.source)
     await transport.connect(timeout=connect_timeout)
     await feed.start(transport)
     if envelope is not None and feed.current is not None:
@@ -148,7 +163,7 @@ async def _serve(
     authority = Authority(cfg.ca_dir) if cfg.ca_dir is not None else None
     desk = EnrollmentDesk(authority, redis, broker.audit, lambda: feed.envelope)
     runner, port = await start_http(
-        HttpView(broker, feed, transport), desk, cfg.http_host, cfg.http_port
+        HttpView(broker, feed, transport, placement), desk, cfg.http_host, cfg.http_port
     )
     log.info("broker %s: HTTP API on http://%s:%d", cfg.id, cfg.http_host, port)
     if http_port_ready is not None:
@@ -161,3 +176,27 @@ async def _serve(
         await runner.cleanup()
         await transport.close()
     return broker
+
+
+def _params_refused(broker: Broker, refused: ParamsRefused, kept: str) -> None:
+    """A placement file not activated (a gated rollout without its verdict...): the broker
+    runs on the parameters it held, and says so in its log and its audit log."""
+    cfg = broker.settings
+    log.error(
+        "broker %s keeps its placement parameters (%s); placement file %s (digest %s) was "
+        "refused [%s]: %s",
+        cfg.id,
+        kept,
+        cfg.placement_file,
+        refused.digest[:16],
+        refused.code,
+        refused.message,
+    )
+    record = {
+        "file": str(cfg.placement_file),
+        "digest": refused.digest,
+        "code": refused.code,
+        "reason": refused.message,
+        "kept": broker.params.digest(),
+    }
+    broker.audit.add(cfg.id, encode(record), "params.refused")

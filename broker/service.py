@@ -82,6 +82,7 @@ class Broker:
         audit: AsyncAuditWriter,
         *,
         requirements: dict[str, Requirements] | None = None,
+        params: PlacementParams | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
@@ -92,7 +93,7 @@ class Broker:
         self._clock = clock
         # Under the policy in force from the start; run.py hands it each new one.
         self.fleet = Fleet(FleetParams.from_settings(settings), requirements or {}, policy())
-        self.params = PlacementParams.from_settings(settings)
+        self.params = params or PlacementParams.from_settings(settings)
         self.service_params = ServiceParams()
         self.reservations = Reservations(
             redis, inflight_margin_ms=int(settings.inflight_margin_s * 1000)

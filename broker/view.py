@@ -13,16 +13,24 @@ from collections import Counter, defaultdict
 from dataclasses import asdict
 from typing import Any
 
+from broker.params_file import ParamsChoice
 from broker.service import Broker
 from sluicegate.policy_feed import PolicyFeed
 from sluicegate.transport import Transport
 
 
 class HttpView:
-    def __init__(self, broker: Broker, feed: PolicyFeed, transport: Transport) -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        feed: PolicyFeed,
+        transport: Transport,
+        placement: ParamsChoice | None = None,
+    ) -> None:
         self._broker = broker
         self._feed = feed
         self._transport = transport
+        self._placement = placement
 
     def health(self) -> dict[str, Any]:
         checks = {
@@ -103,6 +111,19 @@ class HttpView:
             "classes": sorted(policy.classes),
             "pools": {p.name: {"zone": p.zone, "workers": list(p.workers)} for p in policy.pools},
             "demand": [asdict(d) for d in self._broker.demand()],
+        }
+
+    def placement(self) -> dict[str, Any]:
+        """The placement parameters in force, their digest and source, and a candidate set
+        refused at start (``broker.params_file``)."""
+        params = self._broker.params
+        chosen = self._placement
+        refused = chosen.refused if chosen is not None else None
+        return {
+            "digest": params.digest(),
+            "source": chosen.source if chosen is not None else "settings",
+            "params": params.describe(),
+            "refused": asdict(refused) if refused is not None else None,
         }
 
     def metrics(self) -> bytes:

@@ -40,7 +40,7 @@ from policies.keys import (
 from policies.loader import format_loc, parse_canonical
 from policies.model import Policy, Rollout, rollout_of
 from policies.schema import KeyText, NodeId, RolloutDoc, format_time
-from policies.verdict import Candidate, Thresholds, Verdict, check_verdict, read_verdict
+from policies.verdict import Candidate, Verdict, read_verdict, require_verdict
 
 SIGNATURES_FORMAT = "sluicegate-policy-signatures/1"
 ANCHOR_FORMAT = "sluicegate-policy-anchor/1"
@@ -169,18 +169,9 @@ def accept_policy(
                 f"{anchor.threshold} distinct keys of the previous signers (v{anchor.version}) "
                 f"must also sign it; {len(old)} did"
             )
-        gate = anchor.rollout
-        if gate is not None and gate.require_verdict and policy.digest != anchor.digest:
-            check_verdict(
-                verdict,
-                trusted=gate.twin_keys,
-                candidate=Candidate(
-                    kind="policy", digest=policy.digest.hex(), version=policy.version
-                ),
-                required=Thresholds(
-                    min_attainment=gate.min_attainment, max_queue_depth=gate.max_queue_depth
-                ),
-            )
+        if policy.digest != anchor.digest:
+            candidate = Candidate(kind="policy", digest=policy.digest.hex(), version=policy.version)
+            require_verdict(anchor.rollout, verdict, candidate)
     if now >= policy.expires:
         raise PolicyExpired(
             f"policy v{policy.version} expired at {format_time(policy.expires)}; accepted: a "

@@ -10,8 +10,9 @@ and the figures: a verdict cannot be moved to another change.
 
 A policy's ``[rollout]`` table lists the twin keys it trusts and the thresholds a change
 must have passed; :func:`check_verdict` is what the broker and the nodes run before they
-accept the next version under such a policy, raising the :class:`VerdictRefused` subclass
-that says why. Pure: no clock (``issued_at`` is given), no I/O.
+accept the next version under such a policy (:func:`require_verdict`, also for a broker's
+next placement parameters), raising the :class:`VerdictRefused` subclass that says why.
+Pure: no clock (``issued_at`` is given), no I/O.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from policies.errors import (
     VerdictWeakThresholds,
 )
 from policies.keys import SigningKey, b64u_decode, b64u_encode, signature_valid
+from policies.model import Rollout
 
 FORMAT: Literal["sluicegate-verdict/1"] = "sluicegate-verdict/1"
 DOMAIN = b"sluicegate-verdict-signature/1\n"
@@ -208,3 +210,19 @@ def check_verdict(
     if not (passed and body.passed):
         why = "; ".join(reasons or body.reasons) or "the verdict says it failed"
         raise VerdictFailed(f"the rehearsal of {what} failed: {why}")
+
+
+def require_verdict(gate: Rollout | None, verdict: Verdict | None, candidate: Candidate) -> None:
+    """The gate of the policy in force (its ``[rollout]``): when it requires a verdict,
+    ``verdict`` must pass :func:`check_verdict` for ``candidate`` with its twin keys and at
+    its thresholds; otherwise nothing is required."""
+    if gate is None or not gate.require_verdict:
+        return
+    check_verdict(
+        verdict,
+        trusted=gate.twin_keys,
+        candidate=candidate,
+        required=Thresholds(
+            min_attainment=gate.min_attainment, max_queue_depth=gate.max_queue_depth
+        ),
+    )

@@ -152,6 +152,9 @@ class BrokerSettings(_Section):
     http_port: int = Field(8780, ge=0, le=65535)
     key_file: Path | None = None  # signs placement tokens and audit records
     policy_file: Path | None = None  # the signed policy it serves (with .sig beside it)
+    # Placement parameters (TOML, the fields of PlacementParams; its twin verdict beside it
+    # as <file>.verdict); none: derived from these settings. See broker.params_file.
+    placement_file: Path | None = None
     # The campus CA folder ('sluicegate ca init'): with it this replica serves enrollment
     # (POST /v1/enroll on its HTTP API). Keep it on one replica, readable by it alone.
     ca_dir: Path | None = None

@@ -11,10 +11,14 @@ candidates an explanation keeps); :class:`ServiceParams` the service's decisions
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import Any
 
 from broker.errors import InvalidParams
+from policies.canonical import canonical_json
 from sluicegate.config import BrokerSettings
 
 # Link classes between the job's origin zone and a worker's zone.
@@ -23,6 +27,8 @@ LINK_NAMES = ("same zone", "on campus", "off site")
 
 
 def _check(name: str, value: float, low: float, high: float = math.inf) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidParams(f"{name} = {value!r}; accepted: a number")
     if not (low <= value <= high) or math.isnan(value):
         raise InvalidParams(f"{name} = {value!r}; accepted: {low:g} <= {name} <= {high:g}")
 
@@ -71,6 +77,12 @@ class PlacementParams:
     top_k: int = 3  # ranked candidates kept in each explanation
 
     def __post_init__(self) -> None:
+        for table in ("link_latency_ms", "link_mb_per_s"):
+            if len(getattr(self, table)) != len(LINK_NAMES):
+                raise InvalidParams(
+                    f"{table} needs {len(LINK_NAMES)} values ({', '.join(LINK_NAMES)}), "
+                    f"got {list(getattr(self, table))!r}"
+                )
         for i, name in enumerate(LINK_NAMES):
             _check(f"link_latency_ms[{name}]", self.link_latency_ms[i], 0.0, 3_600_000.0)
             _check(f"link_mb_per_s[{name}]", self.link_mb_per_s[i], 1e-6, 1e9)
@@ -86,9 +98,31 @@ class PlacementParams:
         """A worker is stale after ``missed_intervals`` telemetry intervals of silence."""
         return cls(stale_after_s=settings.telemetry_interval_s * settings.missed_intervals)
 
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> PlacementParams:
+        """Parameters from plain data (a placement file's TOML, a trace's JSON: lists become
+        tuples); a field not given keeps its default. :class:`InvalidParams` names an
+        unknown field or a value out of range."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise InvalidParams(f"unknown {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        values: dict[str, Any] = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in data.items()
+        }
+        try:
+            return cls(**values)
+        except TypeError as exc:  # a link table of the wrong length, a string for a number
+            raise InvalidParams(str(exc)) from exc
+
     def describe(self) -> dict[str, object]:
         """The parameters as plain data, for the HTTP API and audit records."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def digest(self) -> str:
+        """The identity of this parameter set (what a twin verdict is bound to): sha256 of
+        its canonical JSON, hex."""
+        return hashlib.sha256(canonical_json(self.describe())).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

@@ -200,10 +200,12 @@ def write_campus(
     http_port: int = 0,
     secure: bool = True,
     apps: Mapping[str, AppSpec] | None = None,
+    rollout: str = "",
 ) -> Campus:
     """Write the policy (signed by the officer), node keys and node configs under ``root``;
     with ``secure``, also the CA, every identity's certificate and the Mosquitto ACL.
-    ``apps``: the vision apps the policy lists (default :data:`APPS`)."""
+    ``apps``: the vision apps the policy lists (default :data:`APPS`); ``rollout``: a
+    ``[rollout]`` table (TOML) for the policy, none by default."""
     apps = APPS if apps is None else apps
     root.mkdir(parents=True, exist_ok=True)
     now_s = now if now is not None else dt.datetime.now(dt.UTC).timestamp()
@@ -241,7 +243,7 @@ def write_campus(
         line2_key=keys["line-2-pc"].public_text,
         pools=pools,
         apps=_app_tables(apps),
-    )
+    ) + (f"\n{rollout}" if rollout else "")
     policy_file = root / "policy.toml"
     policy_file.write_text(text)
     policy = parse_policy(text.encode(), source=str(policy_file))

@@ -5,18 +5,16 @@ its attainment, the peak of jobs each node held, placements its own policy forbi
 measured against the policy *in force* (the trace's), the jobs of every data class that
 policy keeps on campus which the candidate placed off site. The candidate is what the
 verdict binds: a policy file (its digest and version) or a placement-parameter file (the
-sha256 of its parameters' canonical JSON, :func:`params_digest`). Thresholds come from the
+sha256 of its parameters' canonical JSON, ``PlacementParams.digest``). Thresholds come from the
 policy in force's ``[rollout]`` table, or the defaults when it has none; a verdict for
 looser thresholds than a gate requires is refused at the gate anyway.
 """
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from broker.core.params import PlacementParams
-from policies.canonical import canonical_json
 from policies.evaluate import allowed
 from policies.keys import SigningKey
 from policies.model import Policy
@@ -24,11 +22,6 @@ from policies.verdict import Body, Candidate, Figures, Thresholds, Verdict, judg
 from sluicegate.twin.nodes import Change
 from sluicegate.twin.report import Summary
 from sluicegate.twin.trace import Trace, policy_of
-
-
-def params_digest(params: PlacementParams) -> str:
-    """The identity of a set of placement parameters: sha256 of their canonical JSON."""
-    return hashlib.sha256(canonical_json(params.describe())).hexdigest()
 
 
 def campus_only(policy: Policy, data_class: str, origin: str, zone: str) -> bool:
@@ -73,7 +66,7 @@ def candidate_of(policy: Policy | None, params: PlacementParams | None) -> Candi
     if policy is not None:
         return Candidate(kind="policy", digest=policy.digest.hex(), version=policy.version)
     if params is not None:
-        return Candidate(kind="params", digest=params_digest(params))
+        return Candidate(kind="params", digest=params.digest())
     raise ValueError("a verdict judges a candidate policy or candidate placement parameters")
 
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from broker.core.params import PlacementParams
 from center_pool.batching import BatchQueue
@@ -169,9 +168,3 @@ class SimWorker:
             max_batch=s.max_batch,
             concurrency=s.concurrency,
         )
-
-
-def placement_params(data: Mapping[str, Any]) -> PlacementParams:
-    """``PlacementParams`` from plain data (JSON or TOML: lists become tuples)."""
-    values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
-    return PlacementParams(**values)

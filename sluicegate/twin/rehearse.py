@@ -26,7 +26,7 @@ from policies.errors import PolicyError
 from policies.loader import load_policy
 from sluicegate.errors import SluicegateError
 from sluicegate.twin import trace as tr
-from sluicegate.twin.nodes import STRATEGIES, Change, Result, Strategy, placement_params
+from sluicegate.twin.nodes import STRATEGIES, Change, Result, Strategy
 from sluicegate.twin.report import Comparison, compare, render, strategy_table
 from sluicegate.twin.sim import replay
 
@@ -48,16 +48,9 @@ def _toml(path: Path, what: str) -> dict[str, Any]:
 
 def read_params(path: Path) -> PlacementParams:
     data = _toml(path, "placement parameters")
-    known = set(PlacementParams.__dataclass_fields__)
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ChangeError(
-            f"placement parameters {path}: unknown {', '.join(unknown)}; known: "
-            + ", ".join(sorted(known))
-        )
     try:
-        return placement_params(data)
-    except (InvalidParams, TypeError) as exc:
+        return PlacementParams.from_mapping(data)
+    except InvalidParams as exc:
         raise ChangeError(f"placement parameters {path}: {exc}") from exc
 
 

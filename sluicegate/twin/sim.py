@@ -52,7 +52,6 @@ from sluicegate.twin.nodes import (
     Result,
     SimEdge,
     SimWorker,
-    placement_params,
 )
 from sluicegate.twin.trace import JobRecord, Trace, policy_of
 from sluicegate.wire_pool import Completion, PlacementRequest
@@ -68,7 +67,9 @@ class Simulation:
         header = trace.header
         self.t0 = header.started_at
         self.policy = change.policy or policy_of(header)
-        recorded = placement_params(header.params) if header.params else PlacementParams()
+        recorded = (
+            PlacementParams.from_mapping(header.params) if header.params else PlacementParams()
+        )
         self.params = change.params or recorded
         self.interval = header.telemetry_interval_s
         self.draws = Draws(trace, self.params, seed)

@@ -1,0 +1,108 @@
+"""A real broker (``broker.run.serve`` on real Mosquitto and Redis) under a policy whose
+[rollout] requires twin verdicts: a placement file without one is not activated, the
+broker serves on the parameters it held, says which over HTTP and writes the refusal to
+its signed audit log; the same file with a passing verdict for its digest runs."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from broker.params_file import verdict_path
+from broker.run import serve
+from policies.audit import decode_record
+from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
+from policies.verdict import Body, Candidate, Figures, Thresholds, judge, sign_verdict
+from sluicegate import topics
+from sluicegate.app.campus import write_campus
+from sluicegate.app.servers import ServerProcess, free_port
+from sluicegate.config import Settings, load_settings
+from sluicegate.twin.rehearse import read_params
+from tests.policies.policy_testkit import key
+from tests.support import PlainClient, ServiceThread, wait_until
+
+pytestmark = pytest.mark.integration
+
+TWIN = key("twin-1")
+ROLLOUT = f'[rollout]\nrequire_verdict = true\ntwin_keys = {{ twin-1 = "{TWIN.public_text}" }}\n'
+SLOW_CAMPUS = "link_latency_ms = [0.2, 400.0, 0.0]\n"
+
+
+def _get(settings: Settings, path: str) -> Any:
+    url = f"http://127.0.0.1:{settings.broker.http_port}{path}"
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def _run_broker(settings: Settings) -> ServiceThread:
+    watcher = PlainClient(settings.mqtt.port)
+    watcher.subscribe(topics.broker_status(settings.broker.id))
+    thread = ServiceThread(lambda stop: serve(settings, stop, connect_timeout=10)).start()
+    while b'"online"' not in watcher.next(timeout=20).payload:
+        pass
+    watcher.close()
+    return thread
+
+
+def test_a_gated_broker_runs_a_placement_file_only_with_its_verdict(
+    tmp_path: Path, mosquitto: ServerProcess, redis_server: ServerProcess
+) -> None:
+    r = redis.Redis(port=redis_server.port)
+    r.flushdb()
+    url = f"redis://127.0.0.1:{redis_server.port}/0"
+    campus = write_campus(
+        tmp_path, key, mqtt_port=mosquitto.port, redis_url=url, secure=False, rollout=ROLLOUT
+    )
+    placement = tmp_path / "placement.toml"
+    placement.write_text(SLOW_CAMPUS)
+    settings = load_settings(
+        campus.node_config("broker-1"),
+        broker={"http_port": free_port(), "placement_file": str(placement)},
+    )
+    thread = _run_broker(settings)
+    try:
+        shown = _get(settings, "/placement")
+    finally:
+        thread.stop()
+    candidate = read_params(placement)
+    assert shown["source"] == "settings"
+    assert shown["params"]["link_latency_ms"] == [0.2, 0.5, 20.0]  # not the file's
+    assert shown["refused"]["code"] == "verdict.missing"
+    assert shown["refused"]["digest"] == candidate.digest()
+    store = RedisStreamAuditStore(r, audit_stream_key("broker-1"))
+
+    def refusals() -> list[dict[str, Any]]:
+        records = [decode_record(e) for e in store.entries()]
+        return [r.data for r in records if r.kind == "params.refused"]
+
+    (audited,) = wait_until(refusals)
+    decisions = json.loads(str(audited["decisions"]))
+    assert decisions[0]["digest"] == candidate.digest()
+    assert decisions[0]["code"] == "verdict.missing"
+
+    figures = Figures(attainment=0.99, peak_queue_depth={"north-cpu-1": 9}, violations=0)
+    passed, reasons = judge(figures, Thresholds())
+    body = Body(
+        candidate=Candidate(kind="params", digest=candidate.digest()),
+        trace_sha256="0" * 64,
+        thresholds=Thresholds(),
+        figures=figures,
+        passed=passed,
+        reasons=reasons,
+        issued_at=1_796_000_000.0,
+    )
+    verdict_path(placement).write_text(sign_verdict(body, TWIN, "twin-1").model_dump_json())
+    thread = _run_broker(settings)
+    try:
+        shown = _get(settings, "/placement")
+    finally:
+        thread.stop()
+    assert shown["refused"] is None
+    assert shown["source"] == str(placement)
+    assert shown["params"]["link_latency_ms"] == [0.2, 400.0, 0.0]
+    assert shown["digest"] == candidate.digest()
