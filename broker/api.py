@@ -35,6 +35,8 @@ class BrokerView(Protocol):
 
     def placement(self) -> dict[str, Any]: ...
 
+    def shadow(self) -> dict[str, Any] | None: ...
+
     def metrics(self) -> bytes: ...
 
 
@@ -72,6 +74,8 @@ METRICS_DOC = (
     "Prometheus text format. Counters are per replica (sum them for the campus): "
     "sluicegate_placement_decisions_total{outcome}, sluicegate_placement_refusals_total{code}, "
     "sluicegate_completions_total{status}, "
+    "sluicegate_shadow_decisions_total{outcome} (with a shadow candidate: same, moved, "
+    "candidate_refused, candidate_placed, refused_otherwise), "
     "sluicegate_worker_losses_total{cause} (worker deaths this replica acted on; cause "
     "last_will or silent), "
     "sluicegate_replacements_total{reason} (jobs whose worker died, sent back to their edge "
@@ -184,6 +188,17 @@ OPENAPI: dict[str, Any] = {
                 "responses": {"200": {"description": "the parameters"}},
             }
         },
+        "/shadow": {
+            "get": {
+                "summary": "The shadow candidate's decisions beside production's: agreement, "
+                "jobs moved and to where, its refusals, placements the policy in force forbids, "
+                "the recent differences",
+                "responses": {
+                    "200": {"description": "the comparison"},
+                    "404": {"description": "no shadow candidate configured"},
+                },
+            }
+        },
         "/metrics": {
             "get": {
                 "summary": "Prometheus metrics (text exposition format)",
@@ -252,6 +267,14 @@ def make_app(view: BrokerView, enrollment: Enrollment) -> web.Application:
     async def placement(_request: web.Request) -> web.Response:
         return _json(view.placement())
 
+    async def shadow(_request: web.Request) -> web.Response:
+        data = view.shadow()
+        if data is None:
+            return _error(
+                404, "no shadow candidate: set [broker] shadow_policy_file or shadow_placement_file"
+            )
+        return _json(data)
+
     async def metrics(_request: web.Request) -> web.Response:
         return web.Response(body=view.metrics(), headers={"Content-Type": CONTENT_TYPE})
 
@@ -269,6 +292,7 @@ def make_app(view: BrokerView, enrollment: Enrollment) -> web.Application:
     app.router.add_get("/dead-letters", dead_letters)
     app.router.add_get("/policy", policy)
     app.router.add_get("/placement", placement)
+    app.router.add_get("/shadow", shadow)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/enroll", enroll)
     app.router.add_get("/openapi.json", openapi)

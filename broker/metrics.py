@@ -24,6 +24,12 @@ class BrokerMetrics:
             ["outcome"],
             registry=r,
         )
+        self.shadow = Counter(
+            "sluicegate_shadow_decisions",
+            "A shadow candidate's decisions by how they compare with production's",
+            ["outcome"],
+            registry=r,
+        )
         self.refusals = Counter(
             "sluicegate_placement_refusals",
             "Placement refusals by reason code",

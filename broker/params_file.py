@@ -17,23 +17,31 @@ without asking again, and a refused candidate leaves the broker on the set it ac
 before (on the first start, its settings' defaults), the refusal named for the log and the
 audit. A file that cannot be read or holds an unknown field or a value out of range is a
 configuration error: the broker does not start on it.
+
+A candidate can also run in shadow (:func:`shadow_of`: ``shadow_policy_file``,
+``shadow_placement_file``): it decides every request beside production, on live traffic,
+and is compared with it (``broker.core.shadow``); nothing it decides is acted on.
 """
 
 from __future__ import annotations
 
 import json
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker.core.params import PlacementParams
+from broker.core.params import FleetParams, PlacementParams
+from broker.core.shadow import Shadow
 from broker.errors import InvalidParams
 from policies.errors import PolicyError
+from policies.loader import load_policy
 from policies.model import Policy
 from policies.verdict import Candidate, Verdict, read_verdict, require_verdict
 from sluicegate.config import BrokerSettings
 from sluicegate.errors import ConfigError
 from sluicegate.files import write_atomic
+from sluicegate.vision.manifest import Requirements
 
 ACCEPTED_FILE = "placement-accepted.json"
 
@@ -132,3 +140,35 @@ def choose_params(settings: BrokerSettings, policy: Policy | None) -> ParamsChoi
     if accepted is None or accepted.digest() != digest:
         _keep(settings.state_dir, candidate)
     return ParamsChoice(candidate, source)
+
+
+def shadow_of(
+    settings: BrokerSettings, requirements: Mapping[str, Requirements] | None = None
+) -> Shadow | None:
+    """The shadow candidate the settings name (``shadow_policy_file``, a policy TOML that
+    need not be signed since it never acts; ``shadow_placement_file``, parameters read as
+    :func:`read_placement_file` reads them), or None. :class:`ConfigError` names a file that
+    cannot be used."""
+    policy_path, params_path = settings.shadow_policy_file, settings.shadow_placement_file
+    if policy_path is None and params_path is None:
+        return None
+    policy = None
+    if policy_path is not None:
+        try:
+            policy = load_policy(policy_path)
+        except PolicyError as exc:
+            raise ConfigError(f"shadow policy {policy_path}: {exc}") from exc
+    params = (
+        read_placement_file(params_path)
+        if params_path is not None
+        else PlacementParams.from_settings(settings)
+    )
+    parts = [f"policy v{policy.version} ({policy_path})" if policy else "the policy in force"]
+    parts.append(f"parameters {params.digest()[:16]} ({params_path or 'settings'})")
+    return Shadow(
+        policy=policy,
+        params=params,
+        fleet_params=FleetParams.from_settings(settings),
+        requirements=requirements,
+        label=", ".join(parts),
+    )

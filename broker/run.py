@@ -18,7 +18,7 @@ from broker.api import start_http
 from broker.decision_audit import encode
 from broker.enrollment import EnrollmentDesk
 from broker.lease import ReplicaLease
-from broker.params_file import ParamsChoice, ParamsRefused, choose_params
+from broker.params_file import ParamsChoice, ParamsRefused, choose_params, shadow_of
 from broker.service import Broker, status_message
 from broker.view import HttpView
 from policies import AsyncAuditWriter, SigningKey, load_signing_key
@@ -128,6 +128,8 @@ async def _serve(
         clean_start=True,
     )
     audit = AsyncAuditWriter(AsyncRedisStreamAuditStore(redis, audit_stream_key(cfg.id)), key)
+    requirements = requirements_of(cfg.models_dir or default_models_dir())
+    shadow = shadow_of(cfg, requirements)
     broker = Broker(
         cfg,
         transport,
@@ -135,9 +137,12 @@ async def _serve(
         key,
         lambda: feed.current,
         audit,
-        requirements=requirements_of(cfg.models_dir or default_models_dir()),
+        requirements=requirements,
         params=placement.params,
+        shadow=shadow,
     )
+    if shadow is not None:
+        log.info("broker %s: shadow candidate %s decides beside production", cfg.id, shadow.label)
     feed.on_change(broker.fleet.use_policy)  # workers' zones follow every new policy
     refused = feed.file_refusal
     if refused is not None and feed.current is not None:

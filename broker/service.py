@@ -35,6 +35,7 @@ from broker.core.fleet import Fleet
 from broker.core.identity import IdentityRefusal
 from broker.core.params import FleetParams, PlacementParams, ServiceParams
 from broker.core.placement import decide
+from broker.core.shadow import Shadow
 from broker.decision_audit import DecisionAudit, encode
 from broker.gatekeeper import Gatekeeper
 from broker.inflight import InflightStore
@@ -83,6 +84,7 @@ class Broker:
         *,
         requirements: dict[str, Requirements] | None = None,
         params: PlacementParams | None = None,
+        shadow: Shadow | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
@@ -94,6 +96,7 @@ class Broker:
         # Under the policy in force from the start; run.py hands it each new one.
         self.fleet = Fleet(FleetParams.from_settings(settings), requirements or {}, policy())
         self.params = params or PlacementParams.from_settings(settings)
+        self.shadow = shadow  # a candidate deciding beside production, never acted on
         self.service_params = ServiceParams()
         self.reservations = Reservations(
             redis, inflight_margin_ms=int(settings.inflight_margin_s * 1000)
@@ -161,6 +164,8 @@ class Broker:
         caps = _parse(WorkerCapabilities, msg)
         if caps is not None and self.gate.worker(msg, caps.worker_id, caps.zone):
             self.fleet.apply_capabilities(caps, self._clock())
+            if self.shadow is not None:
+                self.shadow.apply_capabilities(caps, self._clock())
             self.waiting.freed()
             self.store.node_document(caps.worker_id, "capabilities", msg.payload)
 
@@ -168,6 +173,8 @@ class Broker:
         tel = _parse(WorkerTelemetry, msg)
         if tel is not None and self.gate.worker(msg, tel.node, tel.zone):
             self.fleet.apply_telemetry(tel, self._clock())
+            if self.shadow is not None:
+                self.shadow.apply_telemetry(tel, self._clock())
             self.waiting.freed()
             self.store.node_document(tel.node, "telemetry", msg.payload)
 
@@ -177,6 +184,8 @@ class Broker:
             return  # a status about another node: only its own Last Will speaks for it
         if status is not None and status.state == "offline":
             self.fleet.mark_offline(status.node, self._clock())
+            if self.shadow is not None:
+                self.shadow.mark_offline(status.node, self._clock())
             self.reaper.worker_gone(status.node, "last_will")
             log.warning("worker %s went offline", status.node)
 
@@ -185,6 +194,8 @@ class Broker:
         if done is None or not self.gate.own("completion", "worker", msg, done.worker_id):
             return
         self.fleet.apply_completion(done, self._clock())
+        if self.shadow is not None:
+            self.shadow.apply_completion(done, self._clock())
         self.waiting.freed()
         self.metrics.completions.labels(done.status).inc()
         self.metrics.job_seconds.observe(done.service_ms / 1000.0)
@@ -235,6 +246,8 @@ class Broker:
                     self._answer(item, None, "no_policy", "the broker holds no verified policy")
                     continue
                 decision = decide(self.fleet, item.request, policy, now=now, params=self.params)
+                if self.shadow is not None and decisions == 1:
+                    self._beside(item.request, decision, policy, now)
                 if isinstance(decision, Placed):
                     self.fleet.reserve(
                         decision.worker_id, item.request.job_id, now, item.request.model
@@ -265,6 +278,22 @@ class Broker:
                     todo.append(item)
         for item in todo:
             self._answer(item, None, "no_capacity", "workers filled up while placing; run locally")
+
+    def _beside(
+        self, request: PlacementRequest, decision: Decision, policy: Policy, now: float
+    ) -> None:
+        """The shadow candidate decides the same request; only counted and kept."""
+        assert self.shadow is not None
+        try:
+            compared = self.shadow.compare(request, decision, policy, now=now)
+        except Exception:  # a candidate's fault must never touch production's answer
+            log.exception(
+                "shadow candidate failed on job %s (production unaffected)", request.job_id
+            )
+            return
+        self.metrics.shadow.labels(compared.outcome).inc()
+        if compared.outcome != "same" or compared.forbidden:
+            log.debug("shadow: %s", compared)
 
     def _hold(self, request: PlacementRequest, decision: Placed, now: float) -> Hold:
         state = self.fleet.state(decision.worker_id)

@@ -126,6 +126,13 @@ class HttpView:
             "refused": asdict(refused) if refused is not None else None,
         }
 
+    def shadow(self) -> dict[str, Any] | None:
+        """The shadow candidate's comparison with production (None: no candidate)."""
+        shadow = self._broker.shadow
+        if shadow is None:
+            return None
+        return {"candidate": shadow.label, **shadow.tally.describe()}
+
     def metrics(self) -> bytes:
         m = self._broker.metrics
         fleet = self._broker.fleet

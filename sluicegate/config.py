@@ -155,6 +155,10 @@ class BrokerSettings(_Section):
     # Placement parameters (TOML, the fields of PlacementParams; its twin verdict beside it
     # as <file>.verdict); none: derived from these settings. See broker.params_file.
     placement_file: Path | None = None
+    # Shadow mode: a candidate policy (TOML, unsigned: it never acts) and/or placement file
+    # deciding beside production on live traffic, compared, never acted on (GET /shadow).
+    shadow_policy_file: Path | None = None
+    shadow_placement_file: Path | None = None
     # The campus CA folder ('sluicegate ca init'): with it this replica serves enrollment
     # (POST /v1/enroll on its HTTP API). Keep it on one replica, readable by it alone.
     ca_dir: Path | None = None

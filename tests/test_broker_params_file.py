@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from broker.core.params import PlacementParams
-from broker.params_file import ACCEPTED_FILE, choose_params, verdict_path
+from broker.params_file import ACCEPTED_FILE, choose_params, shadow_of, verdict_path
 from policies.keys import SigningKey
 from policies.verdict import Body, Candidate, Figures, Thresholds, Verdict, judge, sign_verdict
 from sluicegate.config import BrokerSettings
@@ -212,3 +212,21 @@ def test_the_twins_verdicts_gate_the_brokers_parameters(tmp_path: Path) -> None:
     chosen = choose_params(harmless, GATED)
     assert chosen.refused is None
     assert chosen.params.top_k == 5
+
+
+def test_a_shadow_candidate_is_read_from_its_files_and_bad_ones_are_named(
+    tmp_path: Path,
+) -> None:
+    assert shadow_of(BrokerSettings()) is None
+    (tmp_path / "params.toml").write_text(SLOW_CAMPUS)
+    shadow = shadow_of(BrokerSettings(shadow_placement_file=tmp_path / "params.toml"))
+    assert shadow is not None
+    assert shadow.policy is None  # the policy in force decides for it
+    assert shadow.params.link_latency_ms == (0.2, 400.0, 0.0)
+    assert "the policy in force" in shadow.label
+    (tmp_path / "bad.toml").write_text("campus = 3\n")
+    with pytest.raises(ConfigError, match="shadow policy"):
+        shadow_of(BrokerSettings(shadow_policy_file=tmp_path / "bad.toml"))
+    (tmp_path / "params.toml").write_text("top_k = -1\n")
+    with pytest.raises(ConfigError, match="top_k"):
+        shadow_of(BrokerSettings(shadow_placement_file=tmp_path / "params.toml"))

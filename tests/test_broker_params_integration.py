@@ -1,7 +1,9 @@
 """A real broker (``broker.run.serve`` on real Mosquitto and Redis) under a policy whose
 [rollout] requires twin verdicts: a placement file without one is not activated, the
 broker serves on the parameters it held, says which over HTTP and writes the refusal to
-its signed audit log; the same file with a passing verdict for its digest runs."""
+its signed audit log; the same file with a passing verdict for its digest runs. And a
+shadow candidate (policy and parameters) deciding beside production on live requests:
+compared over HTTP, never acted on."""
 
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ from sluicegate.config import Settings, load_settings
 from sluicegate.twin.rehearse import read_params
 from tests.policies.policy_testkit import key
 from tests.support import PlainClient, ServiceThread, wait_until
+from tests.test_broker_integration import WORKERS, ask
+from tests.test_broker_integration import Fleet as WorkerPlayer
 
 pytestmark = pytest.mark.integration
 
@@ -106,3 +110,62 @@ def test_a_gated_broker_runs_a_placement_file_only_with_its_verdict(
     assert shown["source"] == str(placement)
     assert shown["params"]["link_latency_ms"] == [0.2, 400.0, 0.0]
     assert shown["digest"] == candidate.digest()
+
+
+def test_a_shadow_candidate_decides_beside_production_and_never_acts(
+    tmp_path: Path, mosquitto: ServerProcess, redis_server: ServerProcess
+) -> None:
+    r = redis.Redis(port=redis_server.port)
+    r.flushdb()
+    url = f"redis://127.0.0.1:{redis_server.port}/0"
+    campus = write_campus(
+        tmp_path, key, mqtt_port=mosquitto.port, redis_url=url, workers=WORKERS, secure=False
+    )
+    # The candidate: a policy letting wafer images leave (unsigned: it never acts), and
+    # parameters that make the off-site link free and the campus one slow.
+    leaky = campus.policy_file.read_text().replace(
+        'allow = ["campus/**"]\ndeny = ["offsite/**"]',
+        'allow = ["campus/**", "campus/** -> offsite/cloud-east"]',
+    )
+    assert leaky != campus.policy_file.read_text()
+    (tmp_path / "candidate.toml").write_text(leaky)
+    (tmp_path / "candidate-placement.toml").write_text(
+        "link_latency_ms = [0.2, 500.0, 0.0]\nlink_mb_per_s = [1000.0, 1.0, 1000000.0]\n"
+    )
+    settings = load_settings(
+        campus.node_config("broker-1"),
+        broker={
+            "http_port": free_port(),
+            "shadow_policy_file": str(tmp_path / "candidate.toml"),
+            "shadow_placement_file": str(tmp_path / "candidate-placement.toml"),
+        },
+    )
+    thread = _run_broker(settings)
+    workers = WorkerPlayer(mosquitto.port)
+    try:
+        cpu = ["CPUExecutionProvider"]
+        for worker in ("north-a", "cloud-1"):
+            workers.capabilities(worker, providers=cpu)
+            workers.telemetry(worker)
+
+        def both_known() -> bool:
+            listed = {w["id"]: w for w in _get(settings, "/fleet")["workers"]}
+            return all(listed.get(w, {}).get("online") for w in ("north-a", "cloud-1"))
+
+        wait_until(both_known)
+        replies = [ask(mosquitto, data_class="wafer-image") for _ in range(2)]
+        shown = _get(settings, "/shadow")
+    finally:
+        workers.client.close()
+        thread.stop()
+    # Production kept both wafer images on campus, as the policy in force says ...
+    assert [(p.status, p.worker_id) for p in replies] == [("placed", "north-a")] * 2
+    # ... while the candidate would have sent both off site: moved, and forbidden.
+    assert shown["decisions"] == 2
+    assert shown["outcomes"]["moved"] == 2
+    assert shown["moved"] == [{"production": "north-a", "candidate": "cloud-1", "jobs": 2}]
+    assert shown["forbidden"] == [
+        {"data_class": "wafer-image", "zone": "offsite/cloud-east", "jobs": 2}
+    ]
+    assert all(d["forbidden"] for d in shown["recent_differences"])
+    assert "policy v1" in shown["candidate"]
