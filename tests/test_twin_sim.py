@@ -245,3 +245,27 @@ def test_a_job_counts_as_work_ahead_on_its_edge_while_its_acceptance_commits(
     quick = summarise(replay(demo))
     committed = summarise(replay(trace.Trace(demo.header, slow)))
     assert committed.offload_ratio > quick.offload_ratio
+
+
+def test_a_job_kept_at_intake_is_offered_once_its_commit_shows_it_would_be_late() -> None:
+    # As the edge does (lifecycle's route once the acceptance is committed): job "a" finds
+    # the edge idle, but while its acceptance commits (150 ms) eight more arrive for the
+    # same edge; routed then, it would finish here past its 200 ms deadline: it is offered.
+    def job(at: float, job_id: str, deadline_ms: float) -> JobRecord:
+        return JobRecord(
+            at=at,
+            edge="line-1-pc",
+            job_id=job_id,
+            model="surface-det",
+            data_class="part-image",
+            deadline_ms=deadline_ms,
+            bytes=50_000,
+            accepted_ms=150.0,
+        )
+
+    later = [job(0.01 * (i + 1), f"b{i}", 1000.0) for i in range(8)]
+    recorded = trace.Trace(demo_trace(1.0).header, (job(0.0, "a", 200.0), *later))
+    outcomes = {o.job_id: o for o in replay(recorded).outcomes}
+    assert outcomes["a"].offloaded
+    assert outcomes["a"].in_time
+    assert not any(outcomes[j.job_id].offloaded for j in later[:2])  # room for them here

@@ -216,8 +216,20 @@ class Simulation:
             self._offer(now, job, reason)
 
     def _admitted(self, now: float, job: Job, run_here: bool) -> None:
-        self.edges[job.rec.edge].ahead[job.rec.model] -= 1
-        if run_here and job.phase != "done":
+        edge = self.edges[job.rec.edge]
+        edge.ahead[job.rec.model] -= 1
+        if not run_here or job.phase == "done":
+            return
+        # Accepted, as the edge routes it then (edge_agent.lifecycle's route): expired,
+        # offered when it would be late here now (a burst piles up during the commit), else
+        # queued here.
+        if rules.expiry_reason(job.deadline, now) is not None:
+            self._conclude(now, job, "expired", None, "expired")
+            return
+        reason = rules.offer_reason(job.deadline, self._predict(edge, job, now))
+        if reason is not None:
+            self._offer(now, job, reason)
+        else:
             self._enqueue(now, job)
 
     def _enqueue(self, now: float, job: Job) -> None:
