@@ -101,15 +101,16 @@ Entry = tuple[float, str, Slot]
 
 
 class Bucket:
-    __slots__ = ("counts", "device_class", "healthy", "model", "sub", "zone")
+    __slots__ = ("counts", "device_class", "healthy", "model", "sub", "totals", "zone")
 
-    def __init__(self, model: str, zone: str, device_class: str) -> None:
+    def __init__(self, model: str, zone: str, device_class: str, totals: list[int]) -> None:
         self.model = model
         self.zone = zone
         self.device_class = device_class
         self.healthy: list[Entry] = []
         self.sub: list[Entry] = []
         self.counts = [0] * N_STATUS
+        self.totals = totals  # shared by the model's buckets in this zone (every class)
 
     def tier(self, status: int) -> list[Entry] | None:
         """The sorted list a worker with ``status`` sits in, if any."""
@@ -143,7 +144,10 @@ class Route:
     allowed: list[Bucket]
     denied: list[tuple[Bucket, Verdict]]
     allowed_zones: tuple[str, ...]
-    summary_epoch: int = -1
+    # (model, zone) totals of the zones holding its allowed and its denied buckets
+    allowed_totals: list[list[int]] = field(default_factory=list)
+    denied_totals: list[list[int]] = field(default_factory=list)
+    summary_epoch: tuple[int, int] = (-1, -1)
     summary: Summary | None = None
 
 
@@ -159,7 +163,10 @@ class PlacementIndex:
         self.unzoned: dict[str, int] = {}  # per model: online workers in no pool of the policy
         self.zone_online: dict[str, int] = {}
         self.topology = 0  # bumps when a bucket appears
-        self.epoch = 0  # bumps when any worker's status for any model changes
+        self.epoch = 0  # bumps when online or unzoned counts change (every route's counts)
+        self.model_epochs: dict[str, int] = {}  # bumps when a status for that model changes
+        # (model, zone) -> workers by status over the model's buckets in the zone
+        self.zone_totals: dict[tuple[str, str], list[int]] = {}
         self.routes: dict[tuple[str, str, str], Route] = {}
 
     # -- writes (from broker.core.fleet) -------------------------------------------------------
@@ -172,6 +179,7 @@ class PlacementIndex:
         self.buckets.clear()
         self.unzoned.clear()
         self.zone_online.clear()
+        self.zone_totals.clear()
         self.routes.clear()
         self.topology += 1
         self.epoch += 1
@@ -248,7 +256,8 @@ class PlacementIndex:
             by_place = self.buckets[model] = {}
         bucket = by_place.get((zone, device_class))
         if bucket is None:
-            bucket = by_place[(zone, device_class)] = Bucket(model, zone, device_class)
+            totals = self.zone_totals.setdefault((model, zone), [0] * N_STATUS)
+            bucket = by_place[(zone, device_class)] = Bucket(model, zone, device_class, totals)
             self.topology += 1
         return bucket
 
@@ -293,17 +302,24 @@ class PlacementIndex:
         worker_id = slot.worker_id
         for bucket, status in slot.statuses.values():
             bucket.counts[status] -= 1
+            bucket.totals[status] -= 1
             tier = bucket.tier(status)
             if tier is not None:
                 del tier[bisect_left(tier, (slot.key, worker_id))]
         entry: Entry = (key, worker_id, slot)
         for bucket, status in statuses.values():
             bucket.counts[status] += 1
+            bucket.totals[status] += 1
             tier = bucket.tier(status)
             if tier is not None:
                 insort(tier, entry)
-        if not same_status:
-            self.epoch += 1
+        if not same_status:  # the counts of these models' routes changed
+            epochs = self.model_epochs
+            for model, (bucket, status) in statuses.items():
+                if slot.statuses.get(model) != (bucket, status):
+                    epochs[model] = epochs.get(model, 0) + 1
+            for model in slot.statuses.keys() - statuses.keys():
+                epochs[model] = epochs.get(model, 0) + 1
         slot.statuses = statuses
         slot.key = key
 
@@ -372,22 +388,29 @@ class PlacementIndex:
             allowed=allowed_buckets,
             denied=denied,
             allowed_zones=tuple(z for z, v in verdicts.items() if v.allowed),
+            allowed_totals=self._totals(model, allowed_buckets),
+            denied_totals=self._totals(model, [b for b, _ in denied]),
         )
 
+    def _totals(self, model: str, buckets: list[Bucket]) -> list[list[int]]:
+        zones = sorted({b.zone for b in buckets})
+        return [self.zone_totals[(model, z)] for z in zones]
+
     def summary(self, route: Route) -> Summary:
-        """Workers by reason for this route (cached until any status changes)."""
-        if route.summary is not None and route.summary_epoch == self.epoch:
+        """Workers by reason for this route (cached until a status for its model, or an
+        online or unzoned count, changes)."""
+        epochs = (self.epoch, self.model_epochs.get(route.model, 0))
+        if route.summary is not None and route.summary_epoch == epochs:
             return route.summary
-        # Column sums over the buckets' counts (zip and sum run in C: a route holds every
-        # bucket of its model, and a status change anywhere in them comes here again).
-        counts = [b.counts for b in route.allowed]
-        totals = [sum(column) for column in zip(*counts, strict=True)]
+        # Column sums over the zones' totals (a few zones rather than every bucket; zip and
+        # sum run in C): a status change of any of the model's workers comes here again.
+        totals = [sum(column) for column in zip(*route.allowed_totals, strict=True)]
         if not totals:
             totals = [0] * N_STATUS
         placed_online = sum(totals) - totals[OFFLINE]
         online = self.zone_online
         zone_online = sum([online.get(z, 0) for z in route.allowed_zones])
-        denied = [b.counts for b, _ in route.denied]
+        denied = route.denied_totals
         policy = sum(map(sum, denied)) - sum([c[OFFLINE] for c in denied])
         out = {
             "eligible": totals[OK],
@@ -402,5 +425,5 @@ class PlacementIndex:
             "not_in_policy": self.unzoned.get(route.model, 0),
         }
         route.summary = Summary.of(out)
-        route.summary_epoch = self.epoch
+        route.summary_epoch = epochs
         return route.summary
