@@ -269,3 +269,31 @@ def test_a_job_kept_at_intake_is_offered_once_its_commit_shows_it_would_be_late(
     assert outcomes["a"].offloaded
     assert outcomes["a"].in_time
     assert not any(outcomes[j.job_id].offloaded for j in later[:2])  # room for them here
+
+
+def test_a_request_that_finds_every_worker_full_waits_in_the_brokers_waiting_room() -> None:
+    # One campus worker that holds two jobs; three wafer images arrive at once, each late
+    # if run on its line PC. The third finds the worker full: the broker holds it (25 ms at
+    # most, half the edge's placement timeout) and places it when the first completes.
+    header = demo_trace(1.0).header
+    (north,) = [w for w in header.workers if w.id == "north-cpu-1"]
+    small = north.model_copy(
+        update={"capacity": 1, "max_batch": 1, "concurrency": 1, "service_ms": {"surface-det": 8.0}}
+    )
+    header = header.model_copy(update={"workers": [small]})
+    jobs = tuple(
+        JobRecord(
+            at=0.001 * i,
+            edge="line-1-pc",
+            job_id=f"w{i}",
+            model="surface-det",
+            data_class="wafer-image",
+            deadline_ms=35.0,
+            bytes=50_000,
+        )
+        for i in range(3)
+    )
+    result = replay(trace.Trace(header, jobs))
+    outcomes = {o.job_id: o for o in result.outcomes}
+    assert all(outcomes[f"w{i}"].offloaded for i in range(3)), outcomes
+    assert "no_capacity" not in result.refusals

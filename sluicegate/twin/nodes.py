@@ -20,7 +20,7 @@ from center_pool.batching import BatchQueue
 from center_pool.reporting import ServiceStats
 from edge_agent.load import JobQueue, ServiceTimes
 from policies.model import Policy
-from sluicegate.config import PoolSettings
+from sluicegate.config import BrokerSettings, OffloadSettings, PoolSettings
 from sluicegate.twin.draws import DEFAULT_SERVICE_MS
 from sluicegate.twin.trace import EdgeSpec, JobRecord, WorkerSpec
 from sluicegate.wire_pool import ModelCapability, WorkerCapabilities
@@ -29,6 +29,10 @@ Strategy = Literal["ours", "edge-only", "round-robin", "least-loaded"]
 STRATEGIES: tuple[Strategy, ...] = ("ours", "edge-only", "round-robin", "least-loaded")
 SHA = "0123456789abcdef" * 4  # payload digest of every replayed request: no image here
 MAX_ATTEMPTS, RESULT_TIMEOUT_S, NOTICE_S = 4, 3.0, 0.005
+# How long a request that found no room may wait in the broker's waiting room: the broker's
+# bound and the edge's (half its placement timeout, as the edge asks), at their defaults.
+BROKER_MAX_WAIT_MS = BrokerSettings().max_wait_ms
+EDGE_MAX_WAIT_MS = OffloadSettings().placement_timeout_ms / 2.0
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ class Job:
     code: str | None = None
     predicted: float = 0.0
     admit_s: float = 0.0  # its acceptance being committed: counted ahead on its edge meanwhile
+    waiting_since: float | None = None  # when it first found no room (the waiting room)
 
 
 class SimEdge:

@@ -10,7 +10,9 @@ offer goes to the broker's pure core: the same :class:`~broker.core.fleet.Fleet`
 workers' capabilities, their telemetry every interval, built by the worker's own
 ``center_pool.reporting.telemetry``, and their completions) and the same
 :func:`~broker.core.placement.decide`, under the policy and parameters of the run, so
-forecast, sub-health and the policy's zones act as they do in production. A worker batches
+forecast, sub-health and the policy's zones act as they do in production; a request that
+finds no room waits in the broker's waiting-room order (``broker.core.mlfq``) for as long as
+``service_rules.answer_by`` allows. A worker batches
 with the worker's :class:`~center_pool.batching.BatchQueue`. What the trace measured gives
 the times (:mod:`sluicegate.twin.draws`).
 
@@ -29,7 +31,10 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from broker.core import service_rules
 from broker.core.fleet import Fleet
+from broker.core.mlfq import MLFQ
+from broker.core.mlfq import Waiting as WaitingJob
 from broker.core.params import FleetParams, PlacementParams
 from broker.core.placement import Placed, decide
 from center_pool.batching import Entry as Waiting
@@ -41,6 +46,8 @@ from policies.evaluate import allowed
 from sluicegate.twin import strategies
 from sluicegate.twin.draws import Draws
 from sluicegate.twin.nodes import (
+    BROKER_MAX_WAIT_MS,
+    EDGE_MAX_WAIT_MS,
     MAX_ATTEMPTS,
     NOTICE_S,
     RESULT_TIMEOUT_S,
@@ -92,6 +99,8 @@ class Simulation:
         self._zones: dict[str, Counter[str]] = {}
         self._depth: dict[str, list[tuple[float, int]]] = {n: [] for n in self.nodes()}
         self._turn: Counter[str] = Counter()  # round-robin position per model
+        wait_s = BROKER_MAX_WAIT_MS / 1000.0  # the broker's waiting room, as it sizes it
+        self._room: MLFQ[tuple[Job, str]] = MLFQ(max(wait_s, 1e-3), max(wait_s / 10.0, 1e-4))
         self._arrivals = self._expand(trace.jobs, change.burst)
 
     def nodes(self) -> list[str]:
@@ -172,6 +181,8 @@ class Simulation:
                 backlog_ms=w.stats.backlog_ms(jobs),
             )
             self.fleet.apply_telemetry(tel, now)
+        if len(self._room):
+            self._room_look(now)
         for e in self.edges.values():
             self._depth[e.spec.id].append((round(now - self.t0, 3), max(e.peak, e.held)))
             e.peak = e.held
@@ -314,6 +325,8 @@ class Simulation:
         else:
             worker, code = self._decide_other(job)
         if worker is None:
+            if code == "no_capacity" and self._hold(now, job, reason):
+                return
             self._refusals[code or "no_worker"] += 1
             job.phase, job.code = "new", code
             self._enqueue(now, job)
@@ -322,6 +335,38 @@ class Simulation:
             self._violations += 1
         self.fleet.reserve(worker.spec.id, job.job_id, now, job.rec.model)
         self._send(now, job, worker)
+
+    def _hold(self, now: float, job: Job, reason: str) -> bool:
+        """The broker's waiting room: a request that found no worker with room waits for
+        one (``service_rules.answer_by``), in its multi-level-feedback order."""
+        since = job.waiting_since if job.waiting_since is not None else now
+        by = service_rules.answer_by(
+            since,
+            now,
+            broker_max_wait_ms=BROKER_MAX_WAIT_MS,
+            edge_max_wait_ms=EDGE_MAX_WAIT_MS,
+            deadline_at=job.deadline,
+        )
+        waiting = WaitingJob(job.job_id, job.rec.priority, by, since, (job, reason))
+        if by is None or not self._room.push(waiting, now):
+            return False
+        job.phase, job.waiting_since = "waiting", since
+        self._at(by, self._room_look)
+        return True
+
+    def _room_look(self, now: float) -> None:
+        """Capacity may have freed, or a wait is over: those whose wait is over run on their
+        edge (``no_capacity``); the others, in their turn, are decided again."""
+        for gone in self._room.expired(now):
+            job, _ = gone.item
+            self._refusals["no_capacity"] += 1
+            job.phase, job.code = "new", "no_capacity"
+            self._enqueue(now, job)
+        ready = []
+        while (turn := self._room.pop_ready(now)) is not None:
+            ready.append(turn.item)
+        for job, reason in ready:  # one look each: one still without room waits again
+            self._offer(now, job, reason)
 
     def _decide_ours(
         self, now: float, job: Job, reason: str
@@ -497,6 +542,8 @@ class Simulation:
             self.fleet.apply_completion(done, now)
             self._at(now + job.back_s, self._returned, job, attempt, "ok", worker.spec.id)
         self._dispatch(now, worker)
+        if len(self._room):
+            self._room_look(now)
 
     def _lose(self, now: float, worker: SimWorker) -> None:
         """The worker dies: what it held is gone; the broker hears its Last Will and tells
