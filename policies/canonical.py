@@ -27,9 +27,14 @@ def canonical_json(value: Any) -> bytes:
 
 def canonical_bytes(doc: PolicyDocument) -> bytes:
     """The canonical form of a validated policy document. A policy without a ``[rollout]``
-    table has no ``rollout`` key at all, so policies written before it keep their digests."""
-    exclude = {"rollout"} if doc.rollout is None else None
-    return canonical_json(doc.model_dump(mode="json", exclude=exclude))
+    table has no ``rollout`` key at all, and one without ``min_burst`` no such key in it,
+    so policies written before them keep their digests."""
+    data = doc.model_dump(mode="json")
+    if doc.rollout is None:
+        del data["rollout"]
+    elif doc.rollout.min_burst is None:
+        del data["rollout"]["min_burst"]
+    return canonical_json(data)
 
 
 def digest(canonical: bytes) -> bytes:

@@ -23,6 +23,7 @@ parsing messages. A message names the bad value and what would have been accepte
     │       ├── VerdictBadSignature          verdict.bad_signature
     │       ├── VerdictOtherCandidate        verdict.other_candidate  for another digest
     │       ├── VerdictWeakThresholds        verdict.weak_thresholds  looser than required
+    │       ├── VerdictWeakConditions        verdict.weak_conditions  a smaller burst
     │       └── VerdictFailed                verdict.failed         the rehearsal failed
     ├── TokenError
     │   ├── TokenTooLarge                    token.too_large  (mint side)
@@ -151,6 +152,10 @@ class VerdictOtherCandidate(VerdictRefused):
 
 class VerdictWeakThresholds(VerdictRefused):
     reason = "verdict.weak_thresholds"
+
+
+class VerdictWeakConditions(VerdictRefused):
+    reason = "verdict.weak_conditions"
 
 
 class VerdictFailed(VerdictRefused):

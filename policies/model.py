@@ -196,6 +196,7 @@ class Rollout:
     require_verdict: bool
     min_attainment: float
     max_queue_depth: int
+    min_burst: float = 1.0  # the arrival factor a verdict's rehearsal must have used, at least
 
 
 @dataclass(frozen=True, eq=False)
@@ -284,6 +285,7 @@ def rollout_of(doc: RolloutDoc | None) -> Rollout | None:
         doc.require_verdict,
         doc.min_attainment,
         doc.max_queue_depth,
+        doc.min_burst if doc.min_burst is not None else 1.0,
     )
 
 

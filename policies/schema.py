@@ -212,6 +212,9 @@ class RolloutDoc(_Model):
     require_verdict: bool = False
     min_attainment: float = Field(default=0.95, ge=0.0, le=1.0)
     max_queue_depth: int = Field(default=64, ge=0, le=1_000_000)
+    # The arrivals a rehearsal must have multiplied by (a 2x, 5x, 10x burst) at least; left
+    # out of the canonical form when not set, so gated policies keep their digests.
+    min_burst: float | None = Field(default=None, ge=1.0, le=100.0)
 
 
 class PolicyDocument(_Model):

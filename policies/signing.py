@@ -271,12 +271,15 @@ def dump_anchor(anchor: TrustAnchor) -> bytes:
     }
     gate = anchor.rollout
     if gate is not None:
-        doc["rollout"] = {
+        rollout: dict[str, object] = {
             "twin_keys": {k: public_key_text(v) for k, v in sorted(gate.twin_keys.items())},
             "require_verdict": gate.require_verdict,
             "min_attainment": gate.min_attainment,
             "max_queue_depth": gate.max_queue_depth,
         }
+        if gate.min_burst != 1.0:
+            rollout["min_burst"] = gate.min_burst
+        doc["rollout"] = rollout
     return (json.dumps(doc, indent=2) + "\n").encode("ascii")
 
 

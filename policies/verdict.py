@@ -31,6 +31,7 @@ from policies.errors import (
     VerdictMissing,
     VerdictOtherCandidate,
     VerdictUnknownSigner,
+    VerdictWeakConditions,
     VerdictWeakThresholds,
 )
 from policies.keys import SigningKey, b64u_decode, b64u_encode, signature_valid
@@ -94,6 +95,9 @@ class Body(_Doc):
     issued_at: float
     # What else the rehearsal assumed (a burst factor, workers lost or changed), in words.
     conditions: dict[str, str] = Field(default_factory=dict)
+    # The factor the recorded arrivals were multiplied by (None: as recorded); a gate may
+    # require at least one (``Rollout.min_burst``).
+    burst: float | None = Field(None, ge=1.0)
 
 
 class Verdict(_Doc):
@@ -135,7 +139,9 @@ def judge(figures: Figures, thresholds: Thresholds) -> tuple[bool, list[str]]:
 
 
 def _message(body: Body) -> bytes:
-    return DOMAIN + canonical_json(body.model_dump(mode="json"))
+    # A body without a burst signs as it did before the field existed.
+    exclude = {"burst"} if body.burst is None else None
+    return DOMAIN + canonical_json(body.model_dump(mode="json", exclude=exclude))
 
 
 def sign_verdict(body: Body, key: SigningKey, key_id: str) -> Verdict:
@@ -226,3 +232,11 @@ def require_verdict(gate: Rollout | None, verdict: Verdict | None, candidate: Ca
             min_attainment=gate.min_attainment, max_queue_depth=gate.max_queue_depth
         ),
     )
+    assert verdict is not None  # check_verdict refuses a missing one
+    burst = verdict.body.burst or 1.0
+    if burst < gate.min_burst:
+        raise VerdictWeakConditions(
+            f"the verdict for {candidate.kind} {candidate.digest[:16]}… was rehearsed at "
+            f"{burst:g}x the recorded arrivals; the policy in force requires a rehearsal at "
+            f"{gate.min_burst:g}x at least (twin verdict --burst {gate.min_burst:g})"
+        )

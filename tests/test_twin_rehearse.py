@@ -174,6 +174,7 @@ def test_synth_run_and_verdict_from_the_command_line(tmp_path: Path) -> None:
     verdict = read_verdict((tmp_path / "leaky.verdict").read_bytes())
     assert not verdict.body.passed
     assert verdict.body.conditions == {"burst": "3x the recorded arrivals"}
+    assert verdict.body.burst == 3.0
     passed = _cli("verdict", *sign, "--policy", "same.toml", "--out", "same.verdict", cwd=tmp_path)
     assert passed.returncode == 0, passed.stdout + passed.stderr
     assert read_verdict((tmp_path / "same.verdict").read_bytes()).body.passed

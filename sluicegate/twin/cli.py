@@ -206,6 +206,7 @@ def verdict(
             key_id=key_id,
             issued_at=time.time(),
             conditions=judge.conditions_of(change),
+            burst=float(change.burst),
         )
         judge.write_verdict(out, signed)
     except EXPECTED as exc:

@@ -80,6 +80,7 @@ def verdict_for(
     key_id: str,
     issued_at: float,
     conditions: dict[str, str] | None = None,
+    burst: float = 1.0,
 ) -> Verdict:
     passed, reasons = judge(figures, thresholds)
     body = Body(
@@ -91,6 +92,7 @@ def verdict_for(
         reasons=reasons,
         issued_at=issued_at,
         conditions=conditions or {},
+        burst=burst if burst != 1 else None,
     )
     return sign_verdict(body, key, key_id)
 

@@ -11,14 +11,16 @@ from typing import Any
 import pytest
 from policy_testkit import NOW, base_doc, key, policy_of, signed
 
-from policies.canonical import canonical_bytes
+from policies.canonical import canonical_bytes, canonical_json
 from policies.errors import (
     PolicyParseError,
     VerdictFailed,
     VerdictMissing,
     VerdictOtherCandidate,
     VerdictUnknownSigner,
+    VerdictWeakConditions,
 )
+from policies.keys import b64u_encode
 from policies.loader import parse_canonical
 from policies.model import Policy
 from policies.schema import PolicyDocument
@@ -30,7 +32,16 @@ from policies.signing import (
     parse_anchor,
     signed_envelope,
 )
-from policies.verdict import Body, Candidate, Figures, Thresholds, Verdict, judge, sign_verdict
+from policies.verdict import (
+    DOMAIN,
+    Body,
+    Candidate,
+    Figures,
+    Thresholds,
+    Verdict,
+    judge,
+    sign_verdict,
+)
 
 TWIN = key("twin-1")
 GATE = {"twin_keys": {"twin-1": TWIN.public_text}, "require_verdict": True, "min_attainment": 0.9}
@@ -47,7 +58,12 @@ V2 = _gated(2)
 TRACE = hashlib.sha256(b"a trace").hexdigest()
 
 
-def _verdict(policy: Policy, figures: Figures | None = None, signer: str = "twin-1") -> Verdict:
+def _verdict(
+    policy: Policy,
+    figures: Figures | None = None,
+    signer: str = "twin-1",
+    burst: float | None = None,
+) -> Verdict:
     figures = figures or Figures(attainment=0.97, peak_queue_depth={"w": 3}, violations=0)
     thresholds = Thresholds(min_attainment=0.9, max_queue_depth=64)
     passed, reasons = judge(figures, thresholds)
@@ -59,6 +75,7 @@ def _verdict(policy: Policy, figures: Figures | None = None, signer: str = "twin
         passed=passed,
         reasons=reasons,
         issued_at=NOW,
+        burst=burst,
     )
     return sign_verdict(body, key(signer), "twin-1")
 
@@ -137,3 +154,33 @@ def test_requiring_a_verdict_without_a_twin_key_is_refused() -> None:
     doc["rollout"] = {"require_verdict": True}
     with pytest.raises(PolicyParseError, match="needs at least one twin key"):
         policy_of(doc)
+
+
+def test_a_gate_can_require_the_rehearsal_to_have_burst_the_arrivals() -> None:
+    strict = _gated(1, min_burst=3.0)
+    anchor = accept_policy(
+        strict, signed(strict, "officer-alice", "officer-bob"), now=NOW, anchor=None
+    )
+    assert parse_anchor(dump_anchor(anchor)) == anchor  # the requirement is persisted
+    with pytest.raises(VerdictWeakConditions, match=r"rehearsed at 1x .* 3x at least"):
+        _accept(V2, _verdict(V2), anchor)
+    with pytest.raises(VerdictWeakConditions, match="rehearsed at 2x"):
+        _accept(V2, _verdict(V2, burst=2.0), anchor)
+    assert _accept(V2, _verdict(V2, burst=5.0), anchor).version == 2
+
+
+def test_the_new_fields_are_left_out_where_not_set_so_digests_and_signatures_hold() -> None:
+    # A gated policy without min_burst has no such key in its canonical form.
+    assert b"min_burst" not in V1.canonical
+    assert b"min_burst" in _gated(1, min_burst=2.0).canonical
+    # A verdict signed before the field existed (its body's JSON without it) still verifies.
+    body = _verdict(V2).body
+    old = body.model_dump(mode="json", exclude={"burst"})
+    signature = TWIN.sign(DOMAIN + canonical_json(old))
+    before = Verdict(
+        body=body,
+        key_id="twin-1",
+        public=b64u_encode(TWIN.public),
+        signature=b64u_encode(signature),
+    )
+    assert _accept(V2, before, ANCHOR).version == 2
