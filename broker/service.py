@@ -380,6 +380,13 @@ class Broker:
             "worker": reply.worker_id,
             "code": reply.code,
             "reason": reply.reason,
+            # What the job was, for a twin trace derived from this log (sluicegate.twin.audit).
+            "submitted_at": req.submitted_at,
+            "deadline_at": req.deadline_at,
+            "priority": req.priority,
+            "bytes": req.payload_bytes,
+            "sha256": req.model_sha256,
+            "attempt": req.attempt,
         }
         if decision is not None:
             record["why"] = as_record(decision)

@@ -23,6 +23,7 @@ from sluicegate.app.traffic import Sample, Tally, stream
 from sluicegate.twin import trace as tr
 from sluicegate.twin.capture import Capture, CaptureError
 from sluicegate.twin.record import Recorded, record
+from sluicegate.twin.sim import replay
 from sluicegate.wire_pool import Completion, ModelCapability, WorkerCapabilities, WorkerTelemetry
 from tests.policies.policy_testkit import NOW, key
 from tests.pool_kit import POLICY, envelope
@@ -424,3 +425,41 @@ def test_a_job_that_came_back_too_late_keeps_its_workers_times() -> None:
     assert (rec.status, rec.worker, rec.offloaded, rec.batch) == ("expired", WORKER, False, 3)
     assert (rec.queue_ms, rec.service_ms) == (5.0, 12.0)  # the worker's, from its completion
     assert rec.worker_done_ms == 750.0  # completed at T0 + 1.0, arrived at T0 + 0.25
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_trace_derived_from_the_audit_log_holds_every_offered_job(
+    campus: LocalCampus, tmp_path: Path
+) -> None:
+    seen = Seen()
+    asyncio.run(
+        stream(campus.write(), 5.0, 3.0, asyncio.Event(), seen, burst_at=1.0, burst_for=1.0)
+    )
+    offloaded = {i: r for i, r in seen.results.items() if r.ran_on.kind == "pool"}
+    assert offloaded, "the burst must offload some jobs"
+    out = tmp_path / "audit.jsonl.gz"
+    broker = campus.write().node_config("broker-1")
+    command = [sys.executable, "-m", "sluicegate.app.cli", "twin", "from-audit"]
+    done = subprocess.run(
+        [*command, "--config", str(broker), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "verified audit records" in done.stdout
+    trace, _ = tr.read(out)
+    assert trace.header.source == "audit"
+    assert {(e.id, e.zone) for e in trace.header.edges} == set(LINES.items())
+    assert {w.id for w in trace.header.workers} == set(WORKERS)
+    by_id = {j.job_id: j for j in trace.jobs}
+    assert len(by_id) == len(trace.jobs)
+    for job_id, result in offloaded.items():  # every job that ran on a pool was offered
+        job = by_id[job_id]
+        assert job.offloaded, job_id
+        assert job.worker == result.ran_on.node, job_id
+        assert job.bytes > 0
+        assert job.deadline_ms is not None
+    # ... and the derived trace replays through the twin.
+    assert len(replay(trace).outcomes) == len(trace.jobs)

@@ -328,45 +328,50 @@ class Capture:
             return None
 
     def _edge_specs(self) -> list[tr.EdgeSpec]:
-        out = []
-        for edge_id, edge in sorted(self._edges.items()):
-            t = edge.telemetry
-            if t is None:
-                continue
-            out.append(
-                tr.EdgeSpec(
-                    id=edge_id,
-                    zone=t.zone,
-                    concurrency=t.concurrency,
-                    queue_size=t.queue_capacity,
-                    queue_bound=QUEUE_BOUND if edge.queue_bound is None else edge.queue_bound,
-                    offload=True if edge.offload is None else edge.offload,
-                    service_ms=_service(t.models),
-                )
-            )
-        return out
+        return [
+            edge_spec(edge.telemetry, queue_bound=edge.queue_bound, offload=edge.offload)
+            for _, edge in sorted(self._edges.items())
+            if edge.telemetry is not None
+        ]
 
     def _worker_specs(self) -> list[tr.WorkerSpec]:
-        out = []
-        for worker_id, worker in sorted(self._workers.items()):
-            caps, t = worker.capabilities, worker.telemetry
-            if caps is None or t is None:  # not heard serving while recording
-                continue
-            out.append(
-                tr.WorkerSpec(
-                    id=worker_id,
-                    zone=caps.zone,
-                    device_class=caps.device_class,
-                    models={name: m.sha256 for name, m in sorted(caps.models.items())},
-                    providers=list(caps.providers),
-                    memory_total_mb=caps.memory_total_mb,
-                    capacity=t.capacity,
-                    max_batch=caps.max_batch,
-                    concurrency=caps.concurrency,
-                    service_ms=_service(t.models),
-                )
-            )
-        return out
+        return [
+            worker_spec(worker.capabilities, worker.telemetry)
+            for _, worker in sorted(self._workers.items())
+            if worker.capabilities is not None and worker.telemetry is not None
+        ]  # a worker not heard serving while recording is left out
+
+
+def edge_spec(
+    t: wire.EdgeTelemetry, *, queue_bound: int | None = None, offload: bool | None = None
+) -> tr.EdgeSpec:
+    """An edge as a trace's header lists it, from its telemetry (and, where known, its
+    queue bound and whether it offloads, which its job records say)."""
+    return tr.EdgeSpec(
+        id=t.node,
+        zone=t.zone,
+        concurrency=t.concurrency,
+        queue_size=t.queue_capacity,
+        queue_bound=QUEUE_BOUND if queue_bound is None else queue_bound,
+        offload=True if offload is None else offload,
+        service_ms=_service(t.models),
+    )
+
+
+def worker_spec(caps: WorkerCapabilities, t: WorkerTelemetry) -> tr.WorkerSpec:
+    """A pool worker as a trace's header lists it, from its capabilities and telemetry."""
+    return tr.WorkerSpec(
+        id=caps.worker_id,
+        zone=caps.zone,
+        device_class=caps.device_class,
+        models={name: m.sha256 for name, m in sorted(caps.models.items())},
+        providers=list(caps.providers),
+        memory_total_mb=caps.memory_total_mb,
+        capacity=t.capacity,
+        max_batch=caps.max_batch,
+        concurrency=caps.concurrency,
+        service_ms=_service(t.models),
+    )
 
 
 class _Refused(Exception):

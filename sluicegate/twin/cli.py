@@ -221,3 +221,87 @@ def verdict(
     for reason in body.reasons:
         typer.echo(f"  - {reason}")
     raise typer.Exit(1)
+
+
+@twin_app.command("from-audit")
+def from_audit(
+    config: Annotated[
+        Path,
+        typer.Option(
+            "--config", "-c", help="The broker's TOML settings: its id, redis_url, policy_file."
+        ),
+    ],
+    out: Annotated[Path, typer.Option(help="Where to write the trace (.jsonl.gz).")],
+) -> None:
+    """Derive a trace from the broker's signed audit log (every placement decision, with
+    what the job was) and the nodes' latest documents in its store, where no recording
+    ran. The chain is verified against the broker's key in the policy first. The trace
+    holds the offered jobs only: an edge's own runs never reach the broker."""
+    import redis
+
+    from broker import keys
+    from broker.core.params import PlacementParams
+    from broker.params_file import read_placement_file
+    from policies.audit import decode_record, verify_chain
+    from policies.loader import load_policy
+    from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
+    from sluicegate.config import load_settings
+    from sluicegate.errors import EXPECTED
+    from sluicegate.twin import trace as tr
+    from sluicegate.twin.audit import trace_from_audit
+    from sluicegate.twin.capture import edge_spec, worker_spec
+    from sluicegate.wire import EdgeTelemetry
+    from sluicegate.wire_pool import WorkerCapabilities, WorkerTelemetry
+
+    caught: tuple[type[Exception], ...] = (*EXPECTED, redis.RedisError, OSError, ValueError)
+    try:
+        cfg = load_settings(config).broker
+        if cfg.policy_file is None:
+            _fail(f"{config}: [broker] policy_file is not set: the policy says whose log it is")
+            return
+        policy = load_policy(cfg.policy_file)
+        signer = policy.broker_key(cfg.id)
+        if signer is None:
+            _fail(f"policy v{policy.version} lists no key for broker {cfg.id!r}")
+            return
+        client = redis.Redis.from_url(cfg.redis_url)
+        entries = list(RedisStreamAuditStore(client, audit_stream_key(cfg.id)).entries())
+        chain = verify_chain(entries, {signer})
+        docs = {}
+        nodes = [*(w for p in policy.pools for w in p.workers), *(e.edge_id for e in policy.edges)]
+        for node in nodes:
+            found = client.hgetall(keys.node(node))
+            docs[node] = {k.decode() if isinstance(k, bytes) else k: v for k, v in found.items()}
+        workers = [
+            worker_spec(
+                WorkerCapabilities.model_validate_json(d["capabilities"]),
+                WorkerTelemetry.model_validate_json(d["telemetry"]),
+            )
+            for d in docs.values()
+            if "capabilities" in d and "telemetry" in d
+        ]
+        edges = [
+            edge_spec(EdgeTelemetry.model_validate_json(d["telemetry"]))
+            for node, d in docs.items()
+            if "telemetry" in d and "capabilities" not in d
+        ]
+        trace = trace_from_audit(
+            [decode_record(e) for e in entries],
+            policy=cfg.policy_file.read_text(),
+            edges=edges,
+            workers=workers,
+            telemetry_interval_s=cfg.telemetry_interval_s,
+            params=(
+                read_placement_file(cfg.placement_file)
+                if cfg.placement_file is not None
+                else PlacementParams.from_settings(cfg)
+            ).describe(),
+        )
+        tr.write(out, trace)
+    except caught as exc:
+        _fail(str(exc))
+        return
+    typer.echo(
+        f"{len(trace.jobs)} offered jobs from {chain.count} verified audit records "
+        f"({len(edges)} edges, {len(workers)} workers) -> {out}"
+    )
