@@ -173,6 +173,14 @@ def sluicegate_cmd(*args: str) -> list[str]:
     return [str(Path(sys.executable).with_name("sluicegate")), *args]
 
 
+def twin(
+    *args: str, cwd: Path | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``sluicegate twin ARGS`` as its own process, as an engineer runs it."""
+    command = [sys.executable, "-m", "sluicegate.app.cli", "twin", *args]
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
 @functools.cache
 def installed_policy() -> Path:
     """The testkit's signed policy as a file with its ``.sig`` beside it, as an operator

@@ -8,8 +8,6 @@ on a change that overloads a node is refused, the one on a harmless change lets 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from sluicegate.config import BrokerSettings
 from sluicegate.errors import ConfigError
 from sluicegate.twin.rehearse import read_params
 from tests.policies.policy_testkit import base_doc, key, policy_of
+from tests.support import twin
 
 TWIN = key("twin-1")
 STRANGER = key("twin-9")
@@ -185,13 +184,8 @@ def test_a_missing_file_and_an_edited_record_are_named(tmp_path: Path) -> None:
         choose_params(settings, UNGATED)
 
 
-def _twin(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "sluicegate.app.cli", "twin", *args]
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=120)
-
-
 def test_the_twins_verdicts_gate_the_brokers_parameters(tmp_path: Path) -> None:
-    made = _twin(
+    made = twin(
         "synth", "--out", "t.jsonl.gz", "--seconds", "20", "--burst-every", "10", cwd=tmp_path
     )
     assert made.returncode == 0, made.stderr
@@ -199,7 +193,7 @@ def test_the_twins_verdicts_gate_the_brokers_parameters(tmp_path: Path) -> None:
     sign = ("--trace", "t.jsonl.gz", "--burst", "3", "--key", "twin.key", "--key-id", "twin-1")
     settings = _settings(tmp_path, SLOW_CAMPUS)
     out = str(verdict_path(tmp_path / "placement.toml"))
-    failed = _twin("verdict", *sign, "--params", "placement.toml", "--out", out, cwd=tmp_path)
+    failed = twin("verdict", *sign, "--params", "placement.toml", "--out", out, cwd=tmp_path)
     assert failed.returncode == 1, failed.stderr
     assert "line-1-pc would hold" in failed.stdout  # kept on its edge, the line overflows
     refused = choose_params(settings, GATED).refused
@@ -207,7 +201,7 @@ def test_the_twins_verdicts_gate_the_brokers_parameters(tmp_path: Path) -> None:
     assert refused.code == "verdict.failed"
     assert "line-1-pc would hold" in refused.message
     harmless = _settings(tmp_path, "top_k = 5\n")
-    passed = _twin("verdict", *sign, "--params", "placement.toml", "--out", out, cwd=tmp_path)
+    passed = twin("verdict", *sign, "--params", "placement.toml", "--out", out, cwd=tmp_path)
     assert passed.returncode == 0, passed.stdout + passed.stderr
     chosen = choose_params(harmless, GATED)
     assert chosen.refused is None

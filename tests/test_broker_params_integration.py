@@ -21,7 +21,7 @@ from policies.audit import decode_record
 from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
 from policies.verdict import Body, Candidate, Figures, Thresholds, judge, sign_verdict
 from sluicegate import topics
-from sluicegate.app.campus import write_campus
+from sluicegate.app.campus import Campus, write_campus
 from sluicegate.app.servers import ServerProcess, free_port
 from sluicegate.config import Settings, load_settings
 from sluicegate.twin.rehearse import read_params
@@ -53,15 +53,21 @@ def _run_broker(settings: Settings) -> ServiceThread:
     return thread
 
 
-def test_a_gated_broker_runs_a_placement_file_only_with_its_verdict(
-    tmp_path: Path, mosquitto: ServerProcess, redis_server: ServerProcess
-) -> None:
+def _campus(
+    root: Path, mosquitto: ServerProcess, redis_server: ServerProcess, **kw: Any
+) -> tuple[redis.Redis, Campus]:
+    """A plaintext demo campus on the test's Mosquitto and an emptied Redis."""
     r = redis.Redis(port=redis_server.port)
     r.flushdb()
     url = f"redis://127.0.0.1:{redis_server.port}/0"
-    campus = write_campus(
-        tmp_path, key, mqtt_port=mosquitto.port, redis_url=url, secure=False, rollout=ROLLOUT
-    )
+    made = write_campus(root, key, mqtt_port=mosquitto.port, redis_url=url, secure=False, **kw)
+    return r, made
+
+
+def test_a_gated_broker_runs_a_placement_file_only_with_its_verdict(
+    tmp_path: Path, mosquitto: ServerProcess, redis_server: ServerProcess
+) -> None:
+    r, campus = _campus(tmp_path, mosquitto, redis_server, rollout=ROLLOUT)
     placement = tmp_path / "placement.toml"
     placement.write_text(SLOW_CAMPUS)
     settings = load_settings(
@@ -115,12 +121,7 @@ def test_a_gated_broker_runs_a_placement_file_only_with_its_verdict(
 def test_a_shadow_candidate_decides_beside_production_and_never_acts(
     tmp_path: Path, mosquitto: ServerProcess, redis_server: ServerProcess
 ) -> None:
-    r = redis.Redis(port=redis_server.port)
-    r.flushdb()
-    url = f"redis://127.0.0.1:{redis_server.port}/0"
-    campus = write_campus(
-        tmp_path, key, mqtt_port=mosquitto.port, redis_url=url, workers=WORKERS, secure=False
-    )
+    _, campus = _campus(tmp_path, mosquitto, redis_server, workers=WORKERS)
     # The candidate: a policy letting wafer images leave (unsigned: it never acts), and
     # parameters that make the off-site link free and the campus one slow.
     leaky = campus.policy_file.read_text().replace(

@@ -27,6 +27,7 @@ from sluicegate.twin.sim import replay
 from sluicegate.wire_pool import Completion, ModelCapability, WorkerCapabilities, WorkerTelemetry
 from tests.policies.policy_testkit import NOW, key
 from tests.pool_kit import POLICY, envelope
+from tests.support import twin
 
 T0 = NOW  # the test policy is valid then
 EDGE, ZONE, WORKER, WORKER_ZONE = "north-l1-pc", "campus/fab-north/line-1", "north-gpu-1", "dc"
@@ -440,13 +441,7 @@ def test_a_trace_derived_from_the_audit_log_holds_every_offered_job(
     assert offloaded, "the burst must offload some jobs"
     out = tmp_path / "audit.jsonl.gz"
     broker = campus.write().node_config("broker-1")
-    command = [sys.executable, "-m", "sluicegate.app.cli", "twin", "from-audit"]
-    done = subprocess.run(
-        [*command, "--config", str(broker), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = twin("from-audit", "--config", str(broker), "--out", str(out), timeout=60)
     assert done.returncode == 0, done.stderr
     assert "verified audit records" in done.stdout
     trace, _ = tr.read(out)

@@ -5,8 +5,6 @@ way for the same inputs."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from policies.verdict import read_verdict
 from sluicegate.app.twin_demo import demo_trace
 from sluicegate.twin import trace
 from sluicegate.twin.rehearse import ChangeError, build_change, rehearse, write_report
+from tests.support import twin
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -136,18 +135,13 @@ def test_a_failure_of_a_worker_the_trace_lacks_is_refused(trace_file: Path) -> N
 # -- the commands, as an engineer runs them ------------------------------------------------
 
 
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "sluicegate.app.cli", "twin", *args]
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=120)
-
-
 def test_synth_run_and_verdict_from_the_command_line(tmp_path: Path) -> None:
-    made = _cli(
+    made = twin(
         "synth", "--out", "demo.jsonl.gz", "--seconds", "20", "--burst-every", "10", cwd=tmp_path
     )
     assert made.returncode == 0, made.stderr
     assert "jobs over 20 s" in made.stdout
-    ran = _cli(
+    ran = twin(
         "run", "--trace", "demo.jsonl.gz", "--burst", "2", "--fail", "north-cpu-1@5",
         "--out", "rep", cwd=tmp_path,
     )  # fmt: skip
@@ -166,7 +160,7 @@ def test_synth_run_and_verdict_from_the_command_line(tmp_path: Path) -> None:
     )
     (tmp_path / "same.toml").write_text(text)
     sign = ("--key", "twin.key", "--key-id", "twin-1", "--trace", "demo.jsonl.gz", "--burst", "3")
-    failed = _cli(
+    failed = twin(
         "verdict", *sign, "--policy", "leaky.toml", "--out", "leaky.verdict", cwd=tmp_path
     )
     assert failed.returncode == 1, failed.stderr
@@ -175,13 +169,13 @@ def test_synth_run_and_verdict_from_the_command_line(tmp_path: Path) -> None:
     assert not verdict.body.passed
     assert verdict.body.conditions == {"burst": "3x the recorded arrivals"}
     assert verdict.body.burst == 3.0
-    passed = _cli("verdict", *sign, "--policy", "same.toml", "--out", "same.verdict", cwd=tmp_path)
+    passed = twin("verdict", *sign, "--policy", "same.toml", "--out", "same.verdict", cwd=tmp_path)
     assert passed.returncode == 0, passed.stdout + passed.stderr
     assert read_verdict((tmp_path / "same.verdict").read_bytes()).body.passed
-    both = _cli("verdict", *sign, "--out", "x.verdict", cwd=tmp_path)
+    both = twin("verdict", *sign, "--out", "x.verdict", cwd=tmp_path)
     assert both.returncode == 2
     assert "--policy FILE or --params FILE" in both.stderr
-    bad = _cli("run", "--trace", "missing.jsonl.gz", cwd=tmp_path)
+    bad = twin("run", "--trace", "missing.jsonl.gz", cwd=tmp_path)
     assert bad.returncode == 2
     assert "no such trace file" in bad.stderr
 
