@@ -39,12 +39,13 @@ from edge_agent.carry import Carrier
 from edge_agent.compute import Compute
 from edge_agent.errors import OutboxError
 from edge_agent.events import IllegalMove, Life
-from edge_agent.jobs import AHEAD, Entry, JobTable
+from edge_agent.jobs import NOT, SURE, Entry, JobTable, ahead_kind
 from edge_agent.lifecycle import NEEDS_OUTLOOK, transition
 from edge_agent.load import PredictionErrors
 from edge_agent.offload import PlacementClient
 from edge_agent.outbox import Accepted, Outbox, Stored
 from edge_agent.returns import not_run, read_notice, read_return
+from edge_agent.rules import Placement
 from edge_agent.tally import Tally
 from edge_agent.trace_log import TraceLog, refusal_of
 from sluicegate import wire
@@ -85,6 +86,9 @@ class Dispatcher:
         self._compute = compute
         self._answers = answers
         self._placement = placement
+        # The share of the broker's recent answers that kept the job here (no history:
+        # every job still asking counts as staying).
+        self._declined_share = 1.0
         self._feed = feed
         self._models = models
         self._clock = clock
@@ -252,9 +256,14 @@ class Dispatcher:
         model's service time."""
         client, table = self._placement, self.table
         service_s = self._compute.service_s(job.model)
+        share = self._declined_share  # of the jobs still asking, those that will stay
         work = rules.work_ahead(table.ahead, self._compute.service_s)
-        if own is not None and own.phase in AHEAD:
-            work = max(0.0, work - service_s)  # not ahead of itself
+        if table.asked:
+            work += share * rules.work_ahead(table.asked, self._compute.service_s)
+        if own is not None:  # not ahead of itself
+            kind = ahead_kind(own)
+            if kind != NOT:
+                work = max(0.0, work - (service_s if kind == SURE else share * service_s))
         done = rules.predict_completion(now, work, self._concurrency, service_s)
         offload = client is not None and self._offload.enabled and client.broker_available
         return rules.Outlook(
@@ -269,6 +278,9 @@ class Dispatcher:
         now = self._clock()
         needs = type(event) in NEEDS_OUTLOOK
         outlook = self.outlook(entry.job, now, entry.life) if needs else _NO_OUTLOOK
+        if type(event) is ev.Answered:  # the broker's answers: how many offers stay here
+            stayed = 0.0 if isinstance(event.answer, Placement) else 1.0
+            self._declined_share += DECLINED_WEIGHT * (stayed - self._declined_share)
         try:
             life, effects = transition(entry.life, event, now, outlook)
         except IllegalMove as exc:  # a bug: the job stays as it was, the agent serves on
@@ -396,4 +408,5 @@ class Dispatcher:
                 self.counters[Tally.TRACE_DROPPED] += 1
 
 
+DECLINED_WEIGHT = 0.2  # weight of the latest answer in the share declined (EWMA)
 _NO_OUTLOOK = rules.Outlook("", False, 0.0, 0, 0, 1, 1, 1.0)

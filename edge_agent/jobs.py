@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from edge_agent.admission import Job
 from edge_agent.events import BUSY, Life, Phase
+from edge_agent.rules import Declined
 from sluicegate import wire
 from sluicegate.transport import Message
 
@@ -23,6 +24,22 @@ if TYPE_CHECKING:  # the handles' types only: nothing here runs asyncio
     import asyncio
 
 AHEAD: frozenset[Phase] = frozenset({"admitting", "queued", "starting", "running"})
+NOT, SURE, ASKED = 0, 1, 2  # how a job counts as work ahead (ahead_kind)
+
+
+def ahead_kind(life: Life) -> int:
+    """How a job counts as work ahead here, for the completion the edge predicts:
+    ``SURE`` (queued, starting, running, or admitted to run here), ``ASKED`` (being admitted
+    while its placement is asked for and not answered yet: it stays only if the broker
+    declines, so it counts at the share of offers declined lately), or ``NOT`` (an
+    admitted job whose placement came: it is leaving; or not ahead at all)."""
+    if life.phase == "admitting" and life.asking:
+        if life.ahead is None:
+            return ASKED
+        return SURE if isinstance(life.ahead, Declined) else NOT
+    return SURE if life.phase in AHEAD else NOT
+
+
 RECENT_KEPT = 4096  # concluded job ids remembered: a repeat of one goes to the outbox
 
 
@@ -57,7 +74,8 @@ class JobTable:
         self.slots = 0  # compute slots held: starting, running, or admitting to run at once
         # Jobs that will take compute here before a job admitted now: admitting, queued,
         # starting or running, by model (the completion prediction weighs each by its own).
-        self.ahead: Counter[str] = Counter()
+        self.ahead: Counter[str] = Counter()  # per model: jobs surely ahead here
+        self.asked: Counter[str] = Counter()  # per model: admitting, placement asked (ASKED)
         self._busy = 0  # jobs in a phase that keeps the agent from being idle
 
     def __len__(self) -> int:
@@ -86,14 +104,21 @@ class JobTable:
         self.census[old.phase] -= 1
         self.slots -= old.holds_slot
         self._busy -= old.phase in BUSY
-        self.ahead[entry.job.model] -= old.phase in AHEAD
+        self._count_ahead(entry.job.model, old, -1)
         if life.phase == "concluded":
             del self._live[old.job_id]
             return
         self.census[life.phase] += 1
         self.slots += life.holds_slot
         self._busy += life.phase in BUSY
-        self.ahead[entry.job.model] += life.phase in AHEAD
+        self._count_ahead(entry.job.model, life, 1)
+
+    def _count_ahead(self, model: str, life: Life, sign: int) -> None:
+        kind = ahead_kind(life)
+        if kind == SURE:
+            self.ahead[model] += sign
+        elif kind == ASKED:
+            self.asked[model] += sign
 
     def remember(self, job_id: str) -> None:
         self._recent[job_id] = None

@@ -159,7 +159,7 @@ def test_synth_run_and_verdict_from_the_command_line(tmp_path: Path) -> None:
         text.replace(WAFER_RULE, 'allow = ["campus/**", "campus/** -> offsite/cloud-east"]')
     )
     (tmp_path / "same.toml").write_text(text)
-    sign = ("--key", "twin.key", "--key-id", "twin-1", "--trace", "demo.jsonl.gz", "--burst", "3")
+    sign = ("--key", "twin.key", "--key-id", "twin-1", "--trace", "demo.jsonl.gz", "--burst", "2")
     failed = twin(
         "verdict", *sign, "--policy", "leaky.toml", "--out", "leaky.verdict", cwd=tmp_path
     )
@@ -167,8 +167,8 @@ def test_synth_run_and_verdict_from_the_command_line(tmp_path: Path) -> None:
     assert "wafer-image jobs would run in offsite/cloud-east" in failed.stdout
     verdict = read_verdict((tmp_path / "leaky.verdict").read_bytes())
     assert not verdict.body.passed
-    assert verdict.body.conditions == {"burst": "3x the recorded arrivals"}
-    assert verdict.body.burst == 3.0
+    assert verdict.body.conditions == {"burst": "2x the recorded arrivals"}
+    assert verdict.body.burst == 2.0
     passed = twin("verdict", *sign, "--policy", "same.toml", "--out", "same.verdict", cwd=tmp_path)
     assert passed.returncode == 0, passed.stdout + passed.stderr
     assert read_verdict((tmp_path / "same.verdict").read_bytes()).body.passed

@@ -236,15 +236,27 @@ def test_a_workers_batches_follow_the_shape_and_the_moments_the_trace_measured()
     assert draws.there_ms("campus/fab-north/line-1", "campus/fab-north/dc", 50_000, 1.0) == 20.0
 
 
-def test_a_job_counts_as_work_ahead_on_its_edge_while_its_acceptance_commits(
-    demo: trace.Trace,
-) -> None:
-    # The same arrivals, recorded with slow acceptances: the edge sees more work ahead of
-    # each job of a volley, and offers more of them.
-    slow = tuple(j.model_copy(update={"accepted_ms": 30.0}) for j in demo.jobs)
-    quick = summarise(replay(demo))
-    committed = summarise(replay(trace.Trace(demo.header, slow)))
-    assert committed.offload_ratio > quick.offload_ratio
+def test_a_job_offered_while_it_is_admitted_is_not_work_ahead_here() -> None:
+    # As the edge counts it (edge_agent.jobs.ahead_kind): "o" cannot meet 20 ms here
+    # (38.8 ms a detector image) and is offered at once; "k", a millisecond later with
+    # 50 ms, would be late behind it (19.4 + 38.8 ms) but not on its own: it stays here.
+    def job(at: float, job_id: str, deadline_ms: float) -> JobRecord:
+        return JobRecord(
+            at=at,
+            edge="line-1-pc",
+            job_id=job_id,
+            model="surface-det",
+            data_class="part-image",
+            deadline_ms=deadline_ms,
+            bytes=50_000,
+            accepted_ms=1.0,
+        )
+
+    recorded = trace.Trace(demo_trace(1.0).header, (job(0.0, "o", 20.0), job(0.001, "k", 50.0)))
+    outcomes = {o.job_id: o for o in replay(recorded).outcomes}
+    assert outcomes["o"].offloaded
+    assert not outcomes["k"].offloaded
+    assert outcomes["k"].in_time
 
 
 def test_a_job_kept_at_intake_is_offered_once_its_commit_shows_it_would_be_late() -> None:

@@ -107,6 +107,7 @@ class SimEdge:
         self.peak = 0  # most jobs held since the last telemetry interval
         self.running = 0
         self.ahead: Counter[str] = Counter()
+        self.offered = 0  # being admitted while their placement is asked for
         self.times = ServiceTimes(0.2)
         for model, ms in spec.service_ms.items():
             self.times.seed(model, ms / 1000.0)
@@ -116,7 +117,8 @@ class SimEdge:
 
     @property
     def held(self) -> int:
-        return sum(self.ahead.values())
+        """Jobs against its capacity: the work ahead, and those offered while admitted."""
+        return sum(self.ahead.values()) + self.offered
 
     def note(self) -> None:
         self.peak = max(self.peak, self.held)

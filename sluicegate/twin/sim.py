@@ -220,15 +220,21 @@ class Simulation:
         # Its acceptance is committed before it runs here (an offer is asked meanwhile), and
         # it counts as work ahead while it is: as long as the edge took then to accept.
         job.admit_s = self.draws.admit_ms(spec.id, job.rec.at) / 1000.0
-        edge.ahead[job.rec.model] += 1
+        # Ahead here while admitted only if it is to run here (edge_agent.jobs.ahead_kind:
+        # the replay's broker answers at once, so an offered job is placed, not ahead, or
+        # declined and queued).
+        run_here = reason is None
+        edge.ahead[job.rec.model] += run_here
+        edge.offered += not run_here
         edge.note()
-        self._at(now + job.admit_s, self._admitted, job, reason is None)
+        self._at(now + job.admit_s, self._admitted, job, run_here)
         if reason is not None:
             self._offer(now, job, reason)
 
     def _admitted(self, now: float, job: Job, run_here: bool) -> None:
         edge = self.edges[job.rec.edge]
-        edge.ahead[job.rec.model] -= 1
+        edge.ahead[job.rec.model] -= run_here
+        edge.offered -= not run_here
         if not run_here or job.phase == "done":
             return
         # Accepted, as the edge routes it then (edge_agent.lifecycle's route): expired,
