@@ -236,23 +236,36 @@ def test_a_workers_batches_follow_the_shape_and_the_moments_the_trace_measured()
     assert draws.there_ms("campus/fab-north/line-1", "campus/fab-north/dc", 50_000, 1.0) == 20.0
 
 
+def _line_job(
+    at: float,
+    job_id: str,
+    deadline_ms: float,
+    *,
+    accepted_ms: float | None = None,
+    data_class: str = "part-image",
+) -> JobRecord:
+    """An arrival at line-1-pc for the detector (38.8 ms there in the demo's header)."""
+    return JobRecord(
+        at=at,
+        edge="line-1-pc",
+        job_id=job_id,
+        model="surface-det",
+        data_class=data_class,
+        deadline_ms=deadline_ms,
+        bytes=50_000,
+        accepted_ms=accepted_ms,
+    )
+
+
 def test_a_job_offered_while_it_is_admitted_is_not_work_ahead_here() -> None:
     # As the edge counts it (edge_agent.jobs.ahead_kind): "o" cannot meet 20 ms here
     # (38.8 ms a detector image) and is offered at once; "k", a millisecond later with
     # 50 ms, would be late behind it (19.4 + 38.8 ms) but not on its own: it stays here.
-    def job(at: float, job_id: str, deadline_ms: float) -> JobRecord:
-        return JobRecord(
-            at=at,
-            edge="line-1-pc",
-            job_id=job_id,
-            model="surface-det",
-            data_class="part-image",
-            deadline_ms=deadline_ms,
-            bytes=50_000,
-            accepted_ms=1.0,
-        )
-
-    recorded = trace.Trace(demo_trace(1.0).header, (job(0.0, "o", 20.0), job(0.001, "k", 50.0)))
+    jobs = (
+        _line_job(0.0, "o", 20.0, accepted_ms=1.0),
+        _line_job(0.001, "k", 50.0, accepted_ms=1.0),
+    )
+    recorded = trace.Trace(demo_trace(1.0).header, jobs)
     outcomes = {o.job_id: o for o in replay(recorded).outcomes}
     assert outcomes["o"].offloaded
     assert not outcomes["k"].offloaded
@@ -263,20 +276,9 @@ def test_a_job_kept_at_intake_is_offered_once_its_commit_shows_it_would_be_late(
     # As the edge does (lifecycle's route once the acceptance is committed): job "a" finds
     # the edge idle, but while its acceptance commits (150 ms) eight more arrive for the
     # same edge; routed then, it would finish here past its 200 ms deadline: it is offered.
-    def job(at: float, job_id: str, deadline_ms: float) -> JobRecord:
-        return JobRecord(
-            at=at,
-            edge="line-1-pc",
-            job_id=job_id,
-            model="surface-det",
-            data_class="part-image",
-            deadline_ms=deadline_ms,
-            bytes=50_000,
-            accepted_ms=150.0,
-        )
-
-    later = [job(0.01 * (i + 1), f"b{i}", 1000.0) for i in range(8)]
-    recorded = trace.Trace(demo_trace(1.0).header, (job(0.0, "a", 200.0), *later))
+    later = [_line_job(0.01 * (i + 1), f"b{i}", 1000.0, accepted_ms=150.0) for i in range(8)]
+    first = _line_job(0.0, "a", 200.0, accepted_ms=150.0)
+    recorded = trace.Trace(demo_trace(1.0).header, (first, *later))
     outcomes = {o.job_id: o for o in replay(recorded).outcomes}
     assert outcomes["a"].offloaded
     assert outcomes["a"].in_time
@@ -293,18 +295,7 @@ def test_a_request_that_finds_every_worker_full_waits_in_the_brokers_waiting_roo
         update={"capacity": 1, "max_batch": 1, "concurrency": 1, "service_ms": {"surface-det": 8.0}}
     )
     header = header.model_copy(update={"workers": [small]})
-    jobs = tuple(
-        JobRecord(
-            at=0.001 * i,
-            edge="line-1-pc",
-            job_id=f"w{i}",
-            model="surface-det",
-            data_class="wafer-image",
-            deadline_ms=35.0,
-            bytes=50_000,
-        )
-        for i in range(3)
-    )
+    jobs = tuple(_line_job(0.001 * i, f"w{i}", 35.0, data_class="wafer-image") for i in range(3))
     result = replay(trace.Trace(header, jobs))
     outcomes = {o.job_id: o for o in result.outcomes}
     assert all(outcomes[f"w{i}"].offloaded for i in range(3)), outcomes
