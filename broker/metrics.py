@@ -51,9 +51,11 @@ class BrokerMetrics:
         self.completions = Counter(
             "sluicegate_completions", "Completion records by status", ["status"], registry=r
         )
-        self.local_jobs = Counter(
-            "sluicegate_edge_local_jobs",
-            "Jobs the edges finished locally (from telemetry)",
+        self.finished = Gauge(
+            "sluicegate_edge_finished_jobs",
+            "Jobs an edge answered ok since it started, by where they ran (edge, pool), "
+            "from its telemetry",
+            ["edge", "ran_on"],
             registry=r,
         )
         self.offload_ratio = Gauge(

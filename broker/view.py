@@ -153,8 +153,11 @@ class HttpView:
         offloaded = local = 0
         for tel in self._broker.edges.values():
             m.queue_depth.labels(tel.node, "edge").set(tel.queue_depth)
-            offloaded += tel.offloaded
-            local += sum(tel.results.values())
+            here, there = tel.finished.get("edge", 0), tel.finished.get("pool", 0)
+            m.finished.labels(tel.node, "edge").set(here)
+            m.finished.labels(tel.node, "pool").set(there)
+            offloaded += there
+            local += here
         m.offload_ratio.set(offloaded / (offloaded + local) if offloaded + local else 0.0)
         for pool in self._broker.demand():
             m.demand.labels(pool.pool).set(pool.ratio)

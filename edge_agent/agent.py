@@ -163,6 +163,7 @@ class EdgeAgent:
             memory_rss_bytes=self._process.memory_info().rss,
             memory_percent=self._process.memory_percent(),
             results=self._answers.results,
+            finished=self._answers.finished,
             dropped_no_response_topic=self._answers.dropped_no_response_topic,
             offloaded=self.offloaded,
             offload_pending=census["offering"],

@@ -84,6 +84,7 @@ class Answers:
         self._outbox = outbox
         self._ran_on = ran_on
         self.results: Counter[str] = Counter()  # by status: refusals and concluded jobs
+        self.finished: Counter[str] = Counter()  # ok results by where they ran: edge, pool
         self.dropped_no_response_topic = 0
         self.undelivered = 0  # publishes the broker never acked (published again on restart)
         self._tasks: set[asyncio.Task[Any]] = set()

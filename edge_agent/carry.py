@@ -268,6 +268,8 @@ class Carrier:
         assert entry.result is not None
         payload, result = entry.result
         self._answers.results[result.status] += 1
+        if result.status == "ok":
+            self._answers.finished[result.ran_on.kind] += 1
         sent = entry.forwarding if effect.sent else None
         self._answers.publish(entry.job, payload, record=True, sent=sent)
         if self._trace is not None:

@@ -38,6 +38,7 @@ class Load:
     memory_rss_bytes: int
     memory_percent: float
     results: Mapping[str, int]
+    finished: Mapping[str, int]
     dropped_no_response_topic: int
     offloaded: int
     offload_pending: int
@@ -66,6 +67,7 @@ def telemetry(settings: EdgeSettings, load: Load) -> wire.EdgeTelemetry:
         memory_rss_mb=round(load.memory_rss_bytes / 2**20, 1),
         memory_percent=round(load.memory_percent, 2),
         results=dict(load.results),
+        finished=dict(load.finished),
         dropped_no_response_topic=load.dropped_no_response_topic,
         offloaded=load.offloaded,
         offload_pending=load.offload_pending,

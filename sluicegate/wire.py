@@ -160,6 +160,8 @@ class EdgeTelemetry(_Wire):
     results: dict[str, int]  # count by status since start
     dropped_no_response_topic: int
     offloaded: int = 0  # sent to a pool worker since start
+    # Jobs answered ok since start, by where they ran: "edge" (here) or "pool" (a worker).
+    finished: dict[str, int] = Field(default_factory=dict)
     offload_pending: int = 0  # waiting for the broker's answer now
     # Durability events since start: accepted, duplicates, redelivered, replayed,
     # republished, fenced_returns, late_results, dead_letters, outbox_errors, ...

@@ -647,3 +647,40 @@ def test_workers_count_only_as_the_policy_and_their_topics_say_and_are_audited_o
     assert (audited["kind"], audited["code"]) == ("worker", "worker.not_in_policy")
     assert "'ghost-gpu'" in audited["reason"]
     fleet.capabilities("cloud-1", providers=cpu)  # leave its retained document its own
+
+
+def test_the_edges_finished_jobs_and_the_offload_ratio_follow_their_telemetry(
+    broker: tuple[ServiceThread, Settings], mosquitto: ServerProcess
+) -> None:
+    _, settings = broker
+    tel = wire.EdgeTelemetry(
+        node=EDGE,
+        zone=f"{FAB}/line-1",
+        ts=time.time(),
+        queue_depth=0,
+        queue_capacity=64,
+        in_flight=0,
+        concurrency=1,
+        models={},
+        cpu_percent=5.0,
+        memory_rss_mb=100.0,
+        memory_percent=1.0,
+        results={"ok": 42, "rejected": 3},  # every answer, offloaded ones included
+        dropped_no_response_topic=0,
+        offloaded=8,  # attempts sent, a retry among them
+        finished={"edge": 35, "pool": 7},
+    )
+    client = PlainClient(mosquitto.port)
+    client.client.publish(topics.edge_telemetry(EDGE), wire.dump(tel), qos=1).wait_for_publish(10)
+    client.close()
+    here = f'sluicegate_edge_finished_jobs{{edge="{EDGE}",ran_on="edge"}} 35.0'
+
+    def reported() -> str | None:
+        text: str = http(settings, "/metrics")[1]
+        return text if here in text else None
+
+    text = wait_until(reported)
+    assert f'sluicegate_edge_finished_jobs{{edge="{EDGE}",ran_on="pool"}} 7.0' in text
+    ratio = re.search(r"^sluicegate_offload_ratio (\S+)$", text, re.MULTILINE)
+    assert ratio is not None
+    assert float(ratio.group(1)) == pytest.approx(7 / 42)

@@ -603,6 +603,7 @@ async def test_the_workers_result_reaches_the_app_unchanged_once(rig: Rig) -> No
     assert rig.agent.counters["fenced_returns"] == 2
     assert [m.payload for m in rig.broker.log if m.topic == "app/results"].count(sent) == 1
     assert rig.agent.unfinished == 0
+    assert rig.agent.telemetry().finished == {"pool": 2}  # the broker's offload ratio reads it
 
 
 async def test_lost_worker_means_a_new_attempt_and_the_old_one_is_fenced(rig: Rig) -> None:
@@ -679,6 +680,7 @@ async def test_work_the_worker_refused_runs_here(rig: Rig) -> None:
     assert doc["ran_on"]["kind"] == "edge"
     assert doc["offload"]["code"] == "queue_full"
     assert rig.agent.counters["not_run_returns"] == 1
+    assert rig.agent.telemetry().finished == {"edge": 1}
 
 
 # -- a new job's placement is asked for while the outbox commits it ---------------------------

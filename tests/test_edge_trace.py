@@ -176,6 +176,7 @@ async def test_the_agent_sends_each_concluded_job_once_and_the_refused_ones_too(
     refused = [by_id["j4"], by_id["j5"]]
     assert all((r.status, r.code, r.ran_on) == ("rejected", "queue_full", None) for r in refused)
     assert agent.counters["trace_dropped"] == 0
+    assert agent.telemetry().finished == {"edge": 4}  # the refused ones ran nowhere
 
 
 async def test_switched_off_the_agent_keeps_and_sends_no_records() -> None:
