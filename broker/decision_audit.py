@@ -19,10 +19,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from broker.core.decision import Decision, as_record
 from broker.lua import check_cancelled
 from policies import AsyncAuditWriter
 from policies.audit import MAX_RECORD_BYTES, Scalar
 from policies.errors import AuditError, StoreUnavailable
+from sluicegate.wire_pool import PlacementReply, PlacementRequest
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,34 @@ log = logging.getLogger(__name__)
 BUDGET = MAX_RECORD_BYTES // 2  # JSON-escaping the decisions can at most double them
 RETRY_S = 0.5
 PLACEMENTS = "placements"
+
+
+def decision_record(
+    req: PlacementRequest, reply: PlacementReply, decision: Decision | None
+) -> dict[str, Any]:
+    """What the log (and the job's record) keeps of one answered request: who asked, what
+    the job was (a twin trace can be derived from it: ``sluicegate.twin.audit``), the
+    answer, and the decision's why."""
+    record: dict[str, Any] = {
+        "job_id": req.job_id,
+        "status": reply.status,
+        "edge": req.edge_id,
+        "origin_zone": req.origin_zone,
+        "data_class": req.data_class,
+        "model": req.model,
+        "worker": reply.worker_id,
+        "code": reply.code,
+        "reason": reply.reason,
+        "submitted_at": req.submitted_at,
+        "deadline_at": req.deadline_at,
+        "priority": req.priority,
+        "bytes": req.payload_bytes,
+        "sha256": req.model_sha256,
+        "attempt": req.attempt,
+    }
+    if decision is not None:
+        record["why"] = as_record(decision)
+    return record
 
 
 def encode(decision: dict[str, Any]) -> str:

@@ -29,14 +29,14 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ValidationError
 
 from broker.core import service_rules
-from broker.core.decision import Decision, Placed, as_record
+from broker.core.decision import Decision, Placed
 from broker.core.demand import PoolDemand, pool_demand
 from broker.core.fleet import Fleet
 from broker.core.identity import IdentityRefusal
 from broker.core.params import FleetParams, PlacementParams, ServiceParams
 from broker.core.placement import decide
 from broker.core.shadow import Shadow
-from broker.decision_audit import DecisionAudit, encode
+from broker.decision_audit import DecisionAudit, decision_record, encode
 from broker.gatekeeper import Gatekeeper
 from broker.inflight import InflightStore
 from broker.metrics import BrokerMetrics
@@ -97,6 +97,8 @@ class Broker:
         self.fleet = Fleet(FleetParams.from_settings(settings), requirements or {}, policy())
         self.params = params or PlacementParams.from_settings(settings)
         self.shadow = shadow  # a candidate deciding beside production, never acted on
+        # Whoever keeps a view of the workers: production's fleet, and the shadow's.
+        self._views: tuple[Fleet | Shadow, ...] = (self.fleet,) + ((shadow,) if shadow else ())
         self.service_params = ServiceParams()
         self.reservations = Reservations(
             redis, inflight_margin_ms=int(settings.inflight_margin_s * 1000)
@@ -163,18 +165,16 @@ class Broker:
     def on_capabilities(self, msg: Message) -> None:
         caps = _parse(WorkerCapabilities, msg)
         if caps is not None and self.gate.worker(msg, caps.worker_id, caps.zone):
-            self.fleet.apply_capabilities(caps, self._clock())
-            if self.shadow is not None:
-                self.shadow.apply_capabilities(caps, self._clock())
+            for view in self._views:
+                view.apply_capabilities(caps, self._clock())
             self.waiting.freed()
             self.store.node_document(caps.worker_id, "capabilities", msg.payload)
 
     def on_worker_telemetry(self, msg: Message) -> None:
         tel = _parse(WorkerTelemetry, msg)
         if tel is not None and self.gate.worker(msg, tel.node, tel.zone):
-            self.fleet.apply_telemetry(tel, self._clock())
-            if self.shadow is not None:
-                self.shadow.apply_telemetry(tel, self._clock())
+            for view in self._views:
+                view.apply_telemetry(tel, self._clock())
             self.waiting.freed()
             self.store.node_document(tel.node, "telemetry", msg.payload)
 
@@ -183,9 +183,8 @@ class Broker:
         if status is not None and status.node != topics.node_of(msg.topic):
             return  # a status about another node: only its own Last Will speaks for it
         if status is not None and status.state == "offline":
-            self.fleet.mark_offline(status.node, self._clock())
-            if self.shadow is not None:
-                self.shadow.mark_offline(status.node, self._clock())
+            for view in self._views:
+                view.mark_offline(status.node, self._clock())
             self.reaper.worker_gone(status.node, "last_will")
             log.warning("worker %s went offline", status.node)
 
@@ -193,9 +192,8 @@ class Broker:
         done = _parse(Completion, msg)
         if done is None or not self.gate.own("completion", "worker", msg, done.worker_id):
             return
-        self.fleet.apply_completion(done, self._clock())
-        if self.shadow is not None:
-            self.shadow.apply_completion(done, self._clock())
+        for view in self._views:
+            view.apply_completion(done, self._clock())
         self.waiting.freed()
         self.metrics.completions.labels(done.status).inc()
         self.metrics.job_seconds.observe(done.service_ms / 1000.0)
@@ -370,27 +368,7 @@ class Broker:
         self._decided[reply.status].inc()
         self.metrics.decision_seconds.observe(time.perf_counter() - item.arrived)
         req = item.request
-        record: dict[str, Any] = {
-            "job_id": req.job_id,
-            "status": reply.status,
-            "edge": req.edge_id,
-            "origin_zone": req.origin_zone,
-            "data_class": req.data_class,
-            "model": req.model,
-            "worker": reply.worker_id,
-            "code": reply.code,
-            "reason": reply.reason,
-            # What the job was, for a twin trace derived from this log (sluicegate.twin.audit).
-            "submitted_at": req.submitted_at,
-            "deadline_at": req.deadline_at,
-            "priority": req.priority,
-            "bytes": req.payload_bytes,
-            "sha256": req.model_sha256,
-            "attempt": req.attempt,
-        }
-        if decision is not None:
-            record["why"] = as_record(decision)
-        text = encode(record)  # once, for the audit log and the job's record alike
+        text = encode(decision_record(req, reply, decision))  # for the log and the job alike
         self.audit.add(req.job_id, text)
         self.store.job_decision(req.job_id, text)
 

@@ -31,7 +31,9 @@ from edge_agent.agent import EdgeAgent
 from edge_agent.service import serve
 from policies import load_signing_key
 from policies.edit import add_node
+from policies.keys import SigningKey
 from policies.signing import add_signature, dump_signatures, sign_policy
+from policies.verdict import Body, Candidate, Figures, Thresholds, Verdict, judge, sign_verdict
 from sluicegate import topics
 from sluicegate.app.campus import OFFICER, Campus
 from sluicegate.config import Settings
@@ -179,6 +181,24 @@ def twin(
     """``sluicegate twin ARGS`` as its own process, as an engineer runs it."""
     command = [sys.executable, "-m", "sluicegate.app.cli", "twin", *args]
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def params_verdict(digest: str, signer: SigningKey, *, attainment: float = 0.99) -> Verdict:
+    """A twin verdict for placement parameters of ``digest``, signed as twin key
+    ``twin-1``, judged on made-up figures (``attainment``; one node at a peak of 9)."""
+    figures = Figures(attainment=attainment, peak_queue_depth={"north-cpu-1": 9}, violations=0)
+    thresholds = Thresholds()
+    passed, reasons = judge(figures, thresholds)
+    body = Body(
+        candidate=Candidate(kind="params", digest=digest),
+        trace_sha256="0" * 64,
+        thresholds=thresholds,
+        figures=figures,
+        passed=passed,
+        reasons=reasons,
+        issued_at=1_796_000_000.0,
+    )
+    return sign_verdict(body, signer, "twin-1")
 
 
 @functools.cache

@@ -15,12 +15,12 @@ import pytest
 from broker.core.params import PlacementParams
 from broker.params_file import ACCEPTED_FILE, choose_params, shadow_of, verdict_path
 from policies.keys import SigningKey
-from policies.verdict import Body, Candidate, Figures, Thresholds, Verdict, judge, sign_verdict
+from policies.verdict import Verdict
 from sluicegate.config import BrokerSettings
 from sluicegate.errors import ConfigError
 from sluicegate.twin.rehearse import read_params
 from tests.policies.policy_testkit import base_doc, key, policy_of
-from tests.support import twin
+from tests.support import params_verdict, twin
 
 TWIN = key("twin-1")
 STRANGER = key("twin-9")
@@ -41,24 +41,9 @@ def _settings(tmp: Path, placement: str | None = None, **kw: object) -> BrokerSe
 
 
 def _verdict(
-    params: PlacementParams,
-    *,
-    signer: SigningKey = TWIN,
-    attainment: float = 0.99,
+    params: PlacementParams, *, signer: SigningKey = TWIN, attainment: float = 0.99
 ) -> Verdict:
-    figures = Figures(attainment=attainment, peak_queue_depth={"north-cpu-1": 9}, violations=0)
-    thresholds = Thresholds()
-    passed, reasons = judge(figures, thresholds)
-    body = Body(
-        candidate=Candidate(kind="params", digest=params.digest()),
-        trace_sha256="0" * 64,
-        thresholds=thresholds,
-        figures=figures,
-        passed=passed,
-        reasons=reasons,
-        issued_at=1_796_000_000.0,
-    )
-    return sign_verdict(body, signer, "twin-1")
+    return params_verdict(params.digest(), signer, attainment=attainment)
 
 
 def _tampered(verdict: Verdict) -> Verdict:

@@ -19,14 +19,13 @@ from broker.params_file import verdict_path
 from broker.run import serve
 from policies.audit import decode_record
 from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
-from policies.verdict import Body, Candidate, Figures, Thresholds, judge, sign_verdict
 from sluicegate import topics
 from sluicegate.app.campus import Campus, write_campus
 from sluicegate.app.servers import ServerProcess, free_port
 from sluicegate.config import Settings, load_settings
 from sluicegate.twin.rehearse import read_params
 from tests.policies.policy_testkit import key
-from tests.support import PlainClient, ServiceThread, wait_until
+from tests.support import PlainClient, ServiceThread, params_verdict, wait_until
 from tests.test_broker_integration import WORKERS, ask
 from tests.test_broker_integration import Fleet as WorkerPlayer
 
@@ -95,18 +94,8 @@ def test_a_gated_broker_runs_a_placement_file_only_with_its_verdict(
     assert decisions[0]["digest"] == candidate.digest()
     assert decisions[0]["code"] == "verdict.missing"
 
-    figures = Figures(attainment=0.99, peak_queue_depth={"north-cpu-1": 9}, violations=0)
-    passed, reasons = judge(figures, Thresholds())
-    body = Body(
-        candidate=Candidate(kind="params", digest=candidate.digest()),
-        trace_sha256="0" * 64,
-        thresholds=Thresholds(),
-        figures=figures,
-        passed=passed,
-        reasons=reasons,
-        issued_at=1_796_000_000.0,
-    )
-    verdict_path(placement).write_text(sign_verdict(body, TWIN, "twin-1").model_dump_json())
+    verdict = params_verdict(candidate.digest(), TWIN)
+    verdict_path(placement).write_text(verdict.model_dump_json())
     thread = _run_broker(settings)
     try:
         shown = _get(settings, "/placement")

@@ -17,13 +17,20 @@ from typing import Literal
 
 from broker.core.params import PlacementParams
 from center_pool.batching import BatchQueue
+from center_pool.hardware import Sample
 from center_pool.reporting import ServiceStats
+from center_pool.reporting import telemetry as worker_telemetry
 from edge_agent.load import JobQueue, ServiceTimes
 from policies.model import Policy
 from sluicegate.config import BrokerSettings, OffloadSettings, PoolSettings
 from sluicegate.twin.draws import DEFAULT_SERVICE_MS
 from sluicegate.twin.trace import EdgeSpec, JobRecord, WorkerSpec
-from sluicegate.wire_pool import ModelCapability, WorkerCapabilities
+from sluicegate.wire_pool import (
+    ModelCapability,
+    PlacementRequest,
+    WorkerCapabilities,
+    WorkerTelemetry,
+)
 
 Strategy = Literal["ours", "edge-only", "round-robin", "least-loaded"]
 STRATEGIES: tuple[Strategy, ...] = ("ours", "edge-only", "round-robin", "least-loaded")
@@ -99,6 +106,25 @@ class Job:
     admit_s: float = 0.0  # its acceptance being committed: counted ahead on its edge meanwhile
     waiting_since: float | None = None  # when it first found no room (the waiting room)
 
+    def request(self, now: float, reason: str) -> PlacementRequest:
+        """The placement request its edge sends for it at ``now``, as the edge builds it."""
+        rec = self.rec
+        return PlacementRequest(
+            job_id=self.job_id,
+            edge_id=rec.edge,
+            origin_zone=self.origin,
+            model=rec.model,
+            model_sha256=rec.sha256 if rec.sha256 and len(rec.sha256) == 64 else None,
+            data_class=rec.data_class,
+            payload_sha256=SHA,
+            payload_bytes=rec.bytes,
+            priority=rec.priority,
+            deadline_at=self.deadline,
+            submitted_at=self.at,
+            local_estimate_ms=(self.predicted - now) * 1000.0,
+            reason="deadline" if reason == "deadline" else "queue",
+        )
+
 
 class SimEdge:
     def __init__(self, spec: EdgeSpec) -> None:
@@ -162,6 +188,24 @@ class SimWorker:
 
     def note(self) -> None:
         self.peak = max(self.peak, self.held)
+
+    def telemetry(self, now: float, interval_s: float) -> WorkerTelemetry:
+        """Its telemetry at ``now``, built by the worker's own builder; the interval's busy
+        share starts again."""
+        jobs = Counter(self.queue.depths()) + self.in_flight
+        busy = min(1.0, self.busy_tick / (interval_s * self.spec.concurrency))
+        self.busy_tick = 0.0
+        return worker_telemetry(
+            self.settings,
+            Sample(busy, 0.0, float(self.spec.memory_total_mb), None, None),
+            ts=now,
+            queue_depth=len(self.queue),
+            in_flight=sum(self.in_flight.values()),
+            service=self.stats,
+            results={},
+            refused={},
+            backlog_ms=self.stats.backlog_ms(jobs),
+        )
 
     def capabilities(self) -> WorkerCapabilities:
         s = self.spec

@@ -39,8 +39,6 @@ from broker.core.params import FleetParams, PlacementParams
 from broker.core.placement import Placed, decide
 from center_pool.batching import Entry as Waiting
 from center_pool.batching import start_by
-from center_pool.hardware import Sample
-from center_pool.reporting import telemetry as worker_telemetry
 from edge_agent import rules
 from policies.evaluate import allowed
 from sluicegate.twin import strategies
@@ -51,7 +49,6 @@ from sluicegate.twin.nodes import (
     MAX_ATTEMPTS,
     NOTICE_S,
     RESULT_TIMEOUT_S,
-    SHA,
     STRATEGIES,
     Change,
     Job,
@@ -61,7 +58,7 @@ from sluicegate.twin.nodes import (
     SimWorker,
 )
 from sluicegate.twin.trace import JobRecord, Trace, policy_of
-from sluicegate.wire_pool import Completion, PlacementRequest
+from sluicegate.wire_pool import Completion
 
 __all__ = ["STRATEGIES", "Change", "Outcome", "Result", "Simulation", "digest_of", "replay"]
 
@@ -164,23 +161,8 @@ class Simulation:
         for w in self.workers.values():
             self._depth[w.spec.id].append((round(now - self.t0, 3), max(w.peak, w.held)))
             w.peak = w.held
-            if not w.alive:
-                continue
-            jobs = Counter(w.queue.depths()) + w.in_flight
-            busy = min(1.0, w.busy_tick / (self.interval * w.spec.concurrency))
-            w.busy_tick = 0.0
-            tel = worker_telemetry(
-                w.settings,
-                Sample(busy, 0.0, float(w.spec.memory_total_mb), None, None),
-                ts=now,
-                queue_depth=len(w.queue),
-                in_flight=sum(w.in_flight.values()),
-                service=w.stats,
-                results={},
-                refused={},
-                backlog_ms=w.stats.backlog_ms(jobs),
-            )
-            self.fleet.apply_telemetry(tel, now)
+            if w.alive:
+                self.fleet.apply_telemetry(w.telemetry(now, self.interval), now)
         if len(self._room):
             self._room_look(now)
         for e in self.edges.values():
@@ -377,23 +359,7 @@ class Simulation:
     def _decide_ours(
         self, now: float, job: Job, reason: str
     ) -> tuple[SimWorker | None, str | None]:
-        rec = job.rec
-        sha = rec.sha256 if rec.sha256 and len(rec.sha256) == 64 else None
-        request = PlacementRequest(
-            job_id=job.job_id,
-            edge_id=rec.edge,
-            origin_zone=job.origin,
-            model=rec.model,
-            model_sha256=sha,
-            data_class=rec.data_class,
-            payload_sha256=SHA,
-            payload_bytes=rec.bytes,
-            priority=rec.priority,
-            deadline_at=job.deadline,
-            submitted_at=job.at,
-            local_estimate_ms=(job.predicted - now) * 1000.0,
-            reason="deadline" if reason == "deadline" else "queue",
-        )
+        request = job.request(now, reason)
         decision = decide(self.fleet, request, self.policy, now=now, params=self.params)
         if isinstance(decision, Placed):
             return self.workers[decision.worker_id], None
