@@ -185,6 +185,26 @@ def test_offline_and_unknown_model() -> None:
     )
 
 
+def test_a_cordoned_worker_takes_no_new_placement_until_lifted() -> None:
+    fleet = three_workers()
+    first = placed(both(fleet, request())).worker_id
+    fleet.cordon(first, True)
+    other = placed(both(fleet, request(job_id="j-2")))
+    assert other.worker_id != first
+    assert other.candidates.removed("cordoned") == 1
+    assert fleet.headroom(first) == 0
+    view = fleet.view(first)
+    assert view is not None
+    assert view.cordoned
+    fleet.cordon(other.worker_id, True)
+    none = refused(both(fleet, request(job_id="j-3")))
+    assert none.code == "no_worker"
+    assert "2 are cordoned by an operator" in none.reason
+    assert "it needs" not in none.reason
+    fleet.cordon(first, False)
+    assert placed(both(fleet, request(job_id="j-4"))).worker_id == first
+
+
 def test_subhealthy_worker_gets_nothing_while_a_healthy_one_has_room() -> None:
     # gpu-1 is idle but memory-bound; npu-1 is healthy and busy: npu-1 still gets the job.
     fleet = three_workers({"gpu-1": HOT, "npu-1": {"queue_depth": 12}})

@@ -129,6 +129,7 @@ event_st = st.one_of(
     st.tuples(st.just("complete"), st.integers(0, 9), st.sampled_from(MODELS), st.floats(1, 80)),
     st.tuples(st.just("offline"), st.integers(0, 9)),
     st.tuples(st.just("mark_full"), st.integers(0, 9)),
+    st.tuples(st.just("cordon"), st.integers(0, 9), st.booleans()),
     st.tuples(st.just("silence"), st.sampled_from([0.5, 2.5, 4.0])),
     st.tuples(st.just("recap"), st.integers(0, 9), st.sets(st.sampled_from(MODELS), min_size=1)),
 )
@@ -190,6 +191,8 @@ def run_scenario(
             fleet.apply_completion(completion("job-x", w.worker_id, step[3], model=step[2]), now)
         elif kind == "mark_full":
             fleet.mark_full(fleet_workers[step[1] % len(fleet_workers)].worker_id, now)
+        elif kind == "cordon":
+            fleet.cordon(fleet_workers[step[1] % len(fleet_workers)].worker_id, step[2])
         elif kind == "offline":
             fleet.mark_offline(fleet_workers[step[1] % len(fleet_workers)].worker_id, now)
         elif kind == "silence":

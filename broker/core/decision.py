@@ -21,6 +21,7 @@ FILTER_REASONS = (
     "policy",  # online with the model, but in a zone the policy denies for this job
     "not_in_policy",  # online with the model, but in no pool of the policy
     "offline",  # in an allowed zone with the model, but offline or silent
+    "cordoned",  # online with the model, but an operator took it out of placement
     "zone_mismatch",  # declares a zone other than the one its pool has in the policy
     "provider",  # lacks every execution provider the model accepts
     "memory",  # too little free memory for the model

@@ -8,7 +8,7 @@ refusal codes or their sentences. The rules, in order:
    the edge's own estimate (or the request gives neither), else ``no_faster_worker``;
 2. some allowed worker with the model would fit but is full: ``no_capacity``;
 3. allowed workers with the model exist but none meets the model's requirements (or their
-   declared zone differs from the policy's): ``no_worker``;
+   declared zone differs from the policy's), or an operator cordoned them: ``no_worker``;
 4. online workers with the model exist only in zones the policy denies: ``policy_denied``;
 5. otherwise no online worker has the model: ``no_worker``.
 
@@ -71,7 +71,7 @@ def conclude(
             "reserved jobs >= capacity); the job can run as soon as one has room",
             cands,
         )
-    unfit = {r: counts.get(r, 0) for r in ("provider", "memory", "zone_mismatch")}
+    unfit = {r: counts.get(r, 0) for r in ("provider", "memory", "zone_mismatch", "cordoned")}
     if any(unfit.values()):
         parts = []
         if unfit["provider"]:
@@ -82,11 +82,13 @@ def conclude(
             parts.append(
                 f"{unfit['zone_mismatch']} declare a zone other than their pool's in the policy"
             )
+        if unfit["cordoned"]:
+            parts.append(f"{unfit['cordoned']} are cordoned by an operator (no new placements)")
+        needs = "" if unfit["cordoned"] == sum(unfit.values()) else f" it needs {need.describe()};"
         return Refused(
             "no_worker",
-            f"no worker may run {what}: it needs {need.describe()}; of the "
-            f"{sum(unfit.values())} online workers in allowed zones that have it, "
-            f"{'; '.join(parts)}",
+            f"no worker may run {what}:{needs} of the {sum(unfit.values())} online workers "
+            f"in allowed zones that have it, {'; '.join(parts)}",
             cands,
         )
     if counts.get("policy", 0):

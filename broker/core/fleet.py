@@ -12,6 +12,7 @@ broker's clock reading ``now``::
     fleet.reserve(worker_id, job_id, now, model)  # right after a Placed decision
     fleet.release(job_id)                   # the job's Redis reservation ended or failed
     fleet.mark_full(worker_id, now)         # ... failed: other replicas filled the worker
+    fleet.cordon(worker_id, True)           # an operator's drain or cordon (False: lifted)
     fleet.expire(now, timeout_s)            # periodically; decide() also calls it
     fleet.use_policy(policy)                # a newly accepted policy; decide() also syncs
     fleet.service.snapshot() / .restore()   # learned service times, to persist if wanted
@@ -62,6 +63,7 @@ class WorkerView:
     forecast: fc.LoadForecast | None
     health: HealthVerdict
     statuses: Mapping[str, str]  # per loaded model: eligible, full, memory, provider, ...
+    cordoned: bool = False  # an operator took it out of placement
 
 
 class Fleet:
@@ -84,6 +86,7 @@ class Fleet:
         self._seen: list[tuple[float, str]] = []  # (last_seen, worker), a lazy min-heap
         self._models: dict[str, int] = {}  # model -> workers with capabilities that load it
         self._marked_full: set[str] = set()  # full by a shared reservation, until telemetry
+        self._cordoned: set[str] = set()  # out of placement by an operator, until lifted
         self.index = PlacementIndex(self.params, self._needs)
         self._policy: Policy | None = None
         if policy is not None:
@@ -131,7 +134,8 @@ class Fleet:
     def _update(self, state: WorkerState) -> None:
         wid = state.worker_id
         placed = self.placed(wid)
-        self.index.update(state, self.reserved(wid), wid in self._marked_full, placed)
+        full, cordoned = wid in self._marked_full, wid in self._cordoned
+        self.index.update(state, self.reserved(wid), full, placed, cordoned)
 
     def placed(self, worker_id: str) -> list[Placement]:
         """The jobs placed on the worker since its last telemetry, in order: when (ms) and
@@ -287,6 +291,18 @@ class Fleet:
     def marked_full(self, worker_id: str) -> bool:
         return worker_id in self._marked_full
 
+    def cordon(self, worker_id: str, cordoned: bool) -> None:
+        """Take the worker out of placement (an operator's drain or cordon), or put it back.
+        Jobs already placed there stay; a worker not heard of yet is cordoned once it is."""
+        if cordoned:
+            self._cordoned.add(worker_id)
+        else:
+            self._cordoned.discard(worker_id)
+        self.index.set_cordoned(worker_id, cordoned)
+
+    def cordoned(self, worker_id: str) -> bool:
+        return worker_id in self._cordoned
+
     def headroom(self, worker_id: str) -> int:
         """Jobs the worker can still take: capacity minus queued, running and reserved (0
         when offline or unknown). The shell's atomic Redis reservation may use it as the
@@ -294,7 +310,7 @@ class Fleet:
         state = self._states.get(worker_id)
         if state is None or not state.placeable or state.latest is None:
             return 0
-        if worker_id in self._marked_full:
+        if worker_id in self._marked_full or worker_id in self._cordoned:
             return 0
         s = state.latest
         return max(0, s.capacity - s.queue_depth - s.in_flight - self.reserved(worker_id))
@@ -336,4 +352,5 @@ class Fleet:
             forecast=fc.forecast(state.samples, reserved, self.params) if state.samples else None,
             health=slot.health,
             statuses={m: STATUS_NAMES[st] for m, (_, st) in sorted(slot.statuses.items())},
+            cordoned=worker_id in self._cordoned,
         )

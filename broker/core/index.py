@@ -32,6 +32,7 @@ from broker.core import forecast
 from broker.core.decision import Summary
 from broker.core.params import FleetParams
 from broker.core.scoring import (
+    CORDONED,
     NO_NEEDS,
     OFFLINE,
     OK,
@@ -52,7 +53,7 @@ from policies.subhealth import HealthVerdict, is_subhealthy
 
 HEALTHY = HealthVerdict(False, None)
 ROUTE_CACHE_LIMIT = 4096
-N_STATUS = 7
+N_STATUS = 8
 
 
 class Slot:
@@ -60,6 +61,7 @@ class Slot:
 
     __slots__ = (
         "caps",
+        "cordoned",
         "crosses",
         "free",
         "health",
@@ -85,6 +87,7 @@ class Slot:
         self.zone: str | None = None  # the policy's zone for this worker
         self.reserved = 0
         self.marked_full = False
+        self.cordoned = False  # an operator took it out of placement
         self.slope = 0.0
         self.health = HEALTHY
         self.free = math.inf  # when the work ahead there runs out, ms (scoring.free_at_ms)
@@ -185,10 +188,16 @@ class PlacementIndex:
         self.epoch += 1
 
     def update(
-        self, state: WorkerState, reserved: int, marked_full: bool, placed: Sequence[Placement]
+        self,
+        state: WorkerState,
+        reserved: int,
+        marked_full: bool,
+        placed: Sequence[Placement],
+        cordoned: bool = False,
     ) -> None:
         """Take in a worker's new state (capabilities, telemetry, online flag); ``placed``:
-        the jobs placed there since its telemetry (when, model), in order."""
+        the jobs placed there since its telemetry (when, model), in order; ``cordoned``: an
+        operator took it out of placement."""
         slot = self.slots.get(state.worker_id)
         if slot is None:
             slot = self.slots[state.worker_id] = Slot(state.worker_id)
@@ -199,6 +208,7 @@ class PlacementIndex:
         slot.zone = policy.worker_zones.get(state.worker_id) if policy is not None else None
         slot.reserved = reserved
         slot.marked_full = marked_full
+        slot.cordoned = cordoned
         params = self.params
         slot.slope = forecast.trend(state.samples, params.trend_window, params.trend_min_samples)
         if slot.sample is not None and policy is not None and policy.subhealth:
@@ -234,6 +244,12 @@ class PlacementIndex:
         if slot is not None:
             slot.reserved = reserved
             self._drain(slot, placed)
+            self._refresh(slot)
+
+    def set_cordoned(self, worker_id: str, cordoned: bool) -> None:
+        slot = self.slots.get(worker_id)
+        if slot is not None and slot.cordoned != cordoned:
+            slot.cordoned = cordoned
             self._refresh(slot)
 
     def set_marked_full(self, worker_id: str, marked_full: bool) -> None:
@@ -292,7 +308,15 @@ class PlacementIndex:
                 for model in caps.models:  # by name, and by name and sha256
                     need = self.needs.get(model_name(model), NO_NEEDS)
                     status = classify(
-                        caps, sample, slot.online, slot.reserved, need, zone, sub, slot.marked_full
+                        caps,
+                        sample,
+                        slot.online,
+                        slot.reserved,
+                        need,
+                        zone,
+                        sub,
+                        slot.marked_full,
+                        slot.cordoned,
                     )
                     statuses[model] = (self._bucket(model, zone, caps.device_class), status)
         self._count(slot, unzoned, zone_counted)
@@ -420,6 +444,7 @@ class PlacementIndex:
             "provider": totals[4],
             "zone_mismatch": totals[5],
             "offline": totals[OFFLINE],
+            "cordoned": totals[CORDONED],
             "policy": policy,
             "no_model": zone_online - placed_online,
             "not_in_policy": self.unzoned.get(route.model, 0),

@@ -80,7 +80,8 @@ def decide_reference(
             and is_subhealthy(policy.subhealth, sample.metrics()).subhealthy
         )
         full = fleet.marked_full(state.worker_id)
-        status = classify(caps, sample, state.online, reserved, need, zone, sub, full)
+        cordoned = fleet.cordoned(state.worker_id)
+        status = classify(caps, sample, state.online, reserved, need, zone, sub, full, cordoned)
         if not verdict.allowed:
             if status != OFFLINE:
                 counts["policy"] += 1

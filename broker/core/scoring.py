@@ -31,8 +31,8 @@ from broker.core.params import OFF_SITE, SAME_SITE, SAME_ZONE, PlacementParams
 from broker.core.state import Capabilities, TelemetrySample
 from sluicegate.vision.manifest import Requirements
 
-# Per-(worker, model) status, in the order the reasons are checked (first wins).
-OK, SUBHEALTHY, FULL, NO_MEMORY, NO_PROVIDER, ZONE_MISMATCH, OFFLINE = range(7)
+# Per-(worker, model) status; ``classify`` checks them from OFFLINE back to OK (first wins).
+OK, SUBHEALTHY, FULL, NO_MEMORY, NO_PROVIDER, ZONE_MISMATCH, OFFLINE, CORDONED = range(8)
 STATUS_NAMES = (
     "eligible",
     "subhealthy",
@@ -41,6 +41,7 @@ STATUS_NAMES = (
     "provider",
     "zone_mismatch",
     "offline",
+    "cordoned",
 )
 ELIGIBLE = (OK, SUBHEALTHY)
 
@@ -81,11 +82,15 @@ def classify(
     policy_zone: str,
     subhealthy: bool,
     marked_full: bool = False,
+    cordoned: bool = False,
 ) -> int:
     """The status of one worker for one model it has loaded. ``marked_full``: the shell
-    learnt (from a refused shared reservation) that the worker has no room left."""
+    learnt (from a refused shared reservation) that the worker has no room left;
+    ``cordoned``: an operator took it out of placement (drain or cordon)."""
     if not online or caps is None or sample is None:
         return OFFLINE
+    if cordoned:
+        return CORDONED
     if policy_zone != caps.zone:
         return ZONE_MISMATCH
     if need.providers and need.providers.isdisjoint(caps.providers):

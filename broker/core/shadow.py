@@ -158,6 +158,9 @@ class Shadow:
     def apply_completion(self, done: Completion, now: float) -> None:
         self.fleet.apply_completion(done, now)
 
+    def cordon(self, worker_id: str, cordoned: bool) -> None:
+        self.fleet.cordon(worker_id, cordoned)
+
     def compare(
         self, request: PlacementRequest, production: Decision, in_force: Policy, *, now: float
     ) -> Compared:
