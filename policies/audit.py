@@ -144,14 +144,23 @@ def _fingerprints(keys: Collection[bytes], most: int = 8) -> str:
 
 
 def verify_chain(
-    entries: Iterable[bytes], trusted: Collection[bytes], *, expected_head: bytes | None = None
+    entries: Iterable[bytes],
+    trusted: Collection[bytes],
+    *,
+    expected_head: bytes | None = None,
+    after: ChainSummary | None = None,
 ) -> ChainSummary:
     """Check every record; raise ``AuditChainBroken`` at the first bad one, or
-    ``AuditUntrustedSigner`` at the first signed by a key outside ``trusted``."""
-    prev = GENESIS
-    signers: set[bytes] = set()
-    count = 0
-    for index, entry in enumerate(entries):
+    ``AuditUntrustedSigner`` at the first signed by a key outside ``trusted``.
+
+    ``after``: a summary this verifier returned earlier for the same log; ``entries`` are
+    then the records that follow it (from seq ``after.count``), checked as a continuation
+    of its head, and the summary returned covers the whole log. That is how a long log is
+    verified in bounded steps, or only its new records."""
+    prev = GENESIS if after is None else after.head
+    signers: set[bytes] = set() if after is None else set(after.signers)
+    count = 0 if after is None else after.count
+    for index, entry in enumerate(entries, start=count):
         try:
             record = decode_record(entry)
         except ValueError as exc:

@@ -120,7 +120,8 @@ class RedisStreamAuditStore:
 
 
 class AsyncRedisStreamAuditStore:
-    """``RedisStreamAuditStore`` for asyncio callers (append and head only)."""
+    """``RedisStreamAuditStore`` for asyncio callers: append, the head, and records read in
+    bounded steps (``read``)."""
 
     def __init__(self, client: redis.asyncio.Redis, stream: str) -> None:
         self.client, self.stream = client, stream
@@ -136,3 +137,9 @@ class AsyncRedisStreamAuditStore:
         with _reached(f"read the head of {self.stream!r}"):
             rows = _rows(await self.client.xrevrange(self.stream, count=1))
         return _entry(rows[0][1]) if rows else None
+
+    async def read(self, seq: int, count: int) -> list[bytes]:
+        """At most ``count`` records from record ``seq`` on, oldest first."""
+        with _reached(f"read {self.stream!r} from record {seq}"):
+            rows = _rows(await self.client.xrange(self.stream, min=f"{seq + 1}-0", count=count))
+        return [_entry(fields) for _, fields in rows]

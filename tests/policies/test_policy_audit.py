@@ -62,6 +62,22 @@ def test_a_written_log_verifies(tmp_path: Path) -> None:
     assert verify_chain(store.entries(), TRUSTED).count == 7
 
 
+def test_a_log_verified_in_steps_equals_one_pass(tmp_path: Path) -> None:
+    lines = _lines(_log(tmp_path, 7))
+    whole = verify_chain(lines, TRUSTED)
+    first = verify_chain(lines[:3], TRUSTED)
+    assert verify_chain(lines[3:], TRUSTED, after=first) == whole
+    assert verify_chain([], TRUSTED, after=whole, expected_head=whole.head) == whole
+    # A continuation that skips a record, or starts from another head, is found.
+    with pytest.raises(AuditChainBroken) as info:
+        verify_chain(lines[4:], TRUSTED, after=first)
+    assert (info.value.index, info.value.problem) == (3, "sequence")
+    other = replace(first, head=bytes(32))
+    with pytest.raises(AuditChainBroken) as info:
+        verify_chain(lines[3:], TRUSTED, after=other)
+    assert (info.value.index, info.value.problem) == (3, "broken-link")
+
+
 def test_attack_deleting_a_record_is_found_at_its_position(tmp_path: Path) -> None:
     lines = _lines(_log(tmp_path))
     err = _broken(lines[:3] + lines[4:])

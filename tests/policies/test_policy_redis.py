@@ -175,6 +175,10 @@ async def test_async_audit_stream_writer(
     await first.append("decision", {"job": "b"}, now=NOW)
     assert (await second.append("refusal", {"job": "c"}, now=NOW)).seq == 2
     assert verify_chain(RedisStreamAuditStore(client, stream).entries(), TRUSTED).count == 3
+    head = verify_chain(await store.read(0, 2), TRUSTED)
+    assert head.count == 2
+    assert verify_chain(await store.read(2, 10), TRUSTED, after=head).count == 3
+    assert await store.read(3, 10) == []
     stale = AsyncAuditWriter(store, BROKER, retries=0)
     stale._head, stale._loaded = None, True
     with pytest.raises(AuditConflict):
