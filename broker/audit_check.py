@@ -59,9 +59,9 @@ class AuditStanding:
 
 
 class AuditChecker:
-    """Verifies one audit stream now and then. ``trusted()``: the keys its records may be
-    signed by, asked at each pass (the broker's own key, and the broker keys of the policy
-    in force)."""
+    """Verifies one audit stream now and then (every ``interval_s``, by default
+    ``INTERVAL_S``). ``trusted()``: the keys its records may be signed by, asked at each
+    pass (the broker's own key, and the broker keys of the policy in force)."""
 
     def __init__(
         self,
@@ -69,7 +69,7 @@ class AuditChecker:
         trusted: Callable[[], Collection[bytes]],
         metrics: BrokerMetrics,
         *,
-        interval_s: float = INTERVAL_S,
+        interval_s: float | None = None,
         full_every_s: float = FULL_EVERY_S,
         chunk: int = CHUNK,
         duty: float = DUTY,
@@ -80,7 +80,7 @@ class AuditChecker:
         self._store = store
         self._trusted = trusted
         self._metrics = metrics
-        self._interval_s = interval_s
+        self._interval_s = INTERVAL_S if interval_s is None else interval_s
         self._full_every_s = full_every_s
         self._chunk = chunk
         self._rest = (1.0 - duty) / duty

@@ -1,8 +1,10 @@
 """The broker's Prometheus metrics: one registry per broker, named here and nowhere else.
 
 Counters and histograms are updated by the shell as it works; gauges that describe the
-fleet (queue depths, predicted demand per pool) are refreshed from the fleet view each
-time ``/metrics`` is scraped, so they are never stale.
+fleet (queue depths, predicted demand per pool and its age, workers last seen) and the
+policy in force are refreshed each time ``/metrics`` is scraped (``broker.exposition``), so
+they are never stale; the audit chain's are set by ``broker.audit_check`` after each pass.
+``docs/observability.md`` lists them all.
 """
 
 from __future__ import annotations
@@ -116,6 +118,43 @@ class BrokerMetrics:
             "Completions of an attempt older than the job's current one (or after its dead "
             "letter): discarded and audited",
             registry=r,
+        )
+
+        # The fleet's freshness and the policy in force, refreshed at scrape time.
+        self.signal_age = Gauge(
+            "sluicegate_pool_signal_age_seconds",
+            "Age of the newest worker telemetry each pool's demand signal is computed from "
+            "(+Inf until one of its workers reports to this broker, e.g. after a restart)",
+            ["pool"],
+            registry=r,
+        )
+        self.worker_last_seen = Gauge(
+            "sluicegate_worker_last_seen_timestamp_seconds",
+            "When this broker last received the worker's telemetry (Unix time)",
+            ["worker"],
+            registry=r,
+        )
+        self.policy_version = Gauge(
+            "sluicegate_policy_version", "Version of the policy in force (0: none)", registry=r
+        )
+        self.policy_expiry = Gauge(
+            "sluicegate_policy_expiry_timestamp_seconds",
+            "When the policy in force expires (Unix time; 0: no policy)",
+            registry=r,
+        )
+        # The broker's own periodic check of its audit log (broker.audit_check).
+        self.audit_verified_at = Gauge(
+            "sluicegate_audit_verified_timestamp_seconds",
+            "When the audit chain was last verified up to its head (Unix time; 0: never)",
+            registry=r,
+        )
+        self.audit_failures = Counter(
+            "sluicegate_audit_verify_failures",
+            "Audit chain checks that found the chain broken or signed by an untrusted key",
+            registry=r,
+        )
+        self.audit_records = Gauge(
+            "sluicegate_audit_chain_records", "Records of the verified audit chain", registry=r
         )
 
     def render(self) -> bytes:

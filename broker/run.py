@@ -15,6 +15,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from broker.api import start_http
+from broker.audit_check import AuditChecker, trusted_keys
 from broker.decision_audit import encode
 from broker.enrollment import EnrollmentDesk
 from broker.lease import ReplicaLease
@@ -167,17 +168,24 @@ async def _serve(
         transport.publish_nowait(Message(topics.policy(), envelope, qos=1, retain=True))
     authority = Authority(cfg.ca_dir) if cfg.ca_dir is not None else None
     desk = EnrollmentDesk(authority, redis, broker.audit, lambda: feed.envelope)
+    checker = AuditChecker(
+        AsyncRedisStreamAuditStore(redis, audit_stream_key(cfg.id)),
+        lambda: trusted_keys(key.public, feed.current),
+        broker.metrics,
+    )
     runner, port = await start_http(
-        HttpView(broker, feed, transport, placement), desk, cfg.http_host, cfg.http_port
+        HttpView(broker, feed, transport, placement, checker), desk, cfg.http_host, cfg.http_port
     )
     log.info("broker %s: HTTP API on http://%s:%d", cfg.id, cfg.http_host, port)
     if http_port_ready is not None:
         http_port_ready.set_result(port)
     keeper = asyncio.ensure_future(lease.keep())
+    verifier = asyncio.ensure_future(checker.run())
     try:
         await identity.serve_until_fenced(stop, lease.lost, lambda: lease.reason, broker.run)
     finally:
         keeper.cancel()
+        verifier.cancel()
         await runner.cleanup()
         await transport.close()
     return broker

@@ -3,16 +3,20 @@
 Implements :class:`broker.api.BrokerView` over a :class:`~broker.service.Broker` and its
 policy feed: readiness, the fleet (nodes, zones, capabilities, load, health state,
 forecast), a job's status and explanation with its placement in flight (attempt, worker,
-crashes, dead letter), dead letters, the policy in force, and metrics with the fleet gauges
-refreshed at scrape time. Reads only; changes nothing.
+crashes, dead letter), dead letters, the policy in force, the audit chain's verified head,
+and metrics with the fleet and policy gauges refreshed at scrape time
+(``broker.exposition``). Reads only; changes nothing.
 """
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+import time
+from collections import defaultdict
 from dataclasses import asdict
 from typing import Any
 
+from broker.audit_check import AuditChecker
+from broker.exposition import refresh
 from broker.params_file import ParamsChoice
 from broker.service import Broker
 from sluicegate.policy_feed import PolicyFeed
@@ -26,8 +30,10 @@ class HttpView:
         feed: PolicyFeed,
         transport: Transport,
         placement: ParamsChoice | None = None,
+        audit: AuditChecker | None = None,
     ) -> None:
         self._broker = broker
+        self._audit = audit
         self._feed = feed
         self._transport = transport
         self._placement = placement
@@ -133,36 +139,22 @@ class HttpView:
             return None
         return {"candidate": shadow.label, **shadow.tally.describe()}
 
+    def audit(self) -> dict[str, Any] | None:
+        """The audit chain's verified head and when it was last verified:
+        ``{head, records, verified_at, ok, error}`` (None: this broker does not check it)."""
+        return self._audit.plain() if self._audit is not None else None
+
     def metrics(self) -> bytes:
-        m = self._broker.metrics
-        fleet = self._broker.fleet
-        states: Counter[str] = Counter()
-        for state in fleet.states():
-            view = fleet.view(state.worker_id)
-            if not state.online:
-                states["offline"] += 1
-            elif view is not None and view.health.subhealthy:
-                states["subhealthy"] += 1
-            else:
-                states["healthy"] += 1
-            latest = state.latest
-            if latest is not None:
-                m.queue_depth.labels(state.worker_id, "pool").set(latest.queue_depth)
-        for name in ("healthy", "subhealthy", "offline"):
-            m.workers.labels(name).set(states[name])
-        offloaded = local = 0
-        for tel in self._broker.edges.values():
-            m.queue_depth.labels(tel.node, "edge").set(tel.queue_depth)
-            here, there = tel.finished.get("edge", 0), tel.finished.get("pool", 0)
-            m.finished.labels(tel.node, "edge").set(here)
-            m.finished.labels(tel.node, "pool").set(there)
-            offloaded += there
-            local += here
-        m.offload_ratio.set(offloaded / (offloaded + local) if offloaded + local else 0.0)
-        for pool in self._broker.demand():
-            m.demand.labels(pool.pool).set(pool.ratio)
-            m.desired_workers.labels(pool.pool).set(pool.desired_workers)
-        return m.render()
+        broker = self._broker
+        refresh(
+            broker.metrics,
+            broker.fleet,
+            broker.edges,
+            broker.demand(),
+            self._feed.current,
+            time.time(),
+        )
+        return broker.metrics.render()
 
 
 def _plain(value: object) -> Any:

@@ -1,0 +1,80 @@
+"""The gauges ``/metrics`` refreshes at scrape time, from the running broker's fleet view,
+its edges' telemetry and the policy in force: workers by health state, queue depths, what
+the edges finished and the offload ratio, each pool's predicted demand with the age of the
+telemetry it rests on, when each worker last reported, and the policy's version and expiry.
+
+Reads only; it sets gauges and changes nothing of the broker. ``signal_ages`` is plain
+arithmetic over the fleet view, kept apart so the tests and the docs can reason about a
+scaling signal's freshness without a broker.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from broker.core.demand import PoolDemand
+from broker.core.fleet import Fleet
+from broker.metrics import BrokerMetrics
+from policies.model import Policy
+from sluicegate.wire import EdgeTelemetry
+
+
+def signal_ages(fleet: Fleet, policy: Policy, now: float) -> dict[str, float]:
+    """Per pool of ``policy``: seconds since this broker received the newest telemetry of
+    any of the pool's workers (``inf`` when none has reported to it yet)."""
+    ages: dict[str, float] = {}
+    for pool in policy.pools:
+        newest = max(
+            (
+                s.latest.received_at
+                for w in pool.workers
+                if (s := fleet.state(w)) is not None and s.latest is not None
+            ),
+            default=None,
+        )
+        ages[pool.name] = math.inf if newest is None else max(0.0, now - newest)
+    return ages
+
+
+def refresh(
+    m: BrokerMetrics,
+    fleet: Fleet,
+    edges: dict[str, EdgeTelemetry],
+    demand: tuple[PoolDemand, ...],
+    policy: Policy | None,
+    now: float,
+) -> None:
+    """Set every scrape-time gauge of ``m``."""
+    states: Counter[str] = Counter()
+    for state in fleet.states():
+        view = fleet.view(state.worker_id)
+        if not state.online:
+            states["offline"] += 1
+        elif view is not None and view.health.subhealthy:
+            states["subhealthy"] += 1
+        else:
+            states["healthy"] += 1
+        latest = state.latest
+        if latest is not None:
+            m.queue_depth.labels(state.worker_id, "pool").set(latest.queue_depth)
+            m.worker_last_seen.labels(state.worker_id).set(latest.received_at)
+    for name in ("healthy", "subhealthy", "offline"):
+        m.workers.labels(name).set(states[name])
+    offloaded = local = 0
+    for tel in edges.values():
+        m.queue_depth.labels(tel.node, "edge").set(tel.queue_depth)
+        here, there = tel.finished.get("edge", 0), tel.finished.get("pool", 0)
+        m.finished.labels(tel.node, "edge").set(here)
+        m.finished.labels(tel.node, "pool").set(there)
+        offloaded += there
+        local += here
+    m.offload_ratio.set(offloaded / (offloaded + local) if offloaded + local else 0.0)
+    for pool in demand:
+        m.demand.labels(pool.pool).set(pool.ratio)
+        m.desired_workers.labels(pool.pool).set(pool.desired_workers)
+    m.policy_version.set(policy.version if policy is not None else 0)
+    m.policy_expiry.set(policy.expires if policy is not None else 0)
+    if policy is not None:
+        for name, age in signal_ages(fleet, policy, now).items():
+            m.signal_age.labels(name).set(age)
