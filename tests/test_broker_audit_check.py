@@ -66,7 +66,7 @@ def checker(aclient: redis.asyncio.Redis, stream: str, **kw: float) -> AuditChec
         BrokerMetrics(),
         chunk=1000,
         clock=lambda: float(next(clock)),
-        **kw,  # type: ignore[arg-type]
+        **kw,
     )
 
 
