@@ -1,6 +1,8 @@
 """Wires a real pool worker together: execution providers, the verified model registry, the
 device probe, the policy feed, the replay cache and audit log (Redis when ``redis_url`` is
-set), and the MQTT transport with its Last Will. ``sluicegate pool run`` calls :func:`serve`.
+set), the MQTT transport with its Last Will, and the ``/metrics`` server (``[pool]
+metrics_*``; a port it cannot bind is logged, never fatal). ``sluicegate pool run`` calls
+:func:`serve`.
 
 Where the audit log goes, first match wins: ``audit_path`` (a file), ``redis_url`` (the
 stream ``sluicegate:audit:<worker id>``), ``state_dir/audit.jsonl``, else memory with a
@@ -23,6 +25,7 @@ from center_pool.guard import (
     load_worker_key,
 )
 from center_pool.hardware import available_providers, open_probe, select_providers
+from center_pool.metrics import worker_registry
 from center_pool.reporting import last_will, status_message
 from center_pool.worker import PoolWorker
 from policies import AsyncAuditWriter
@@ -36,6 +39,7 @@ from policies.replay import AsyncReplayCache
 from sluicegate import identity, topics
 from sluicegate.config import PoolSettings, Settings
 from sluicegate.mqtt import MqttTransport
+from sluicegate.node_metrics import MetricsServer
 from sluicegate.policy_feed import PolicyFeed
 from sluicegate.vision.priors import PRIORS_FILE, priors_for, read_priors
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir
@@ -136,7 +140,15 @@ async def _serve(
                 known = read_priors(watched / PRIORS_FILE)
                 for name, prior in priors_for(registry, known).items():
                     worker.service.seed(name, prior.image_ms, prior.batch_ms)
-            await identity.serve_guarded(guard, stop, worker.run)  # closes the probe at its end
+            metrics = metrics_server(pool, worker)
+            try:
+                if metrics is not None:
+                    await metrics.start()
+                    worker.metrics = metrics
+                await identity.serve_guarded(guard, stop, worker.run)  # closes the probe at end
+            finally:
+                if metrics is not None:
+                    await metrics.stop()
         finally:
             await transport.close()
     finally:
@@ -145,3 +157,16 @@ async def _serve(
         if client is not None:
             await client.aclose()
     return worker
+
+
+def metrics_server(pool: PoolSettings, worker: PoolWorker) -> MetricsServer | None:
+    """The worker's ``/metrics`` server (not started), or None with ``metrics_enabled``
+    off."""
+    if not pool.metrics_enabled:
+        return None
+    return MetricsServer(
+        worker_registry(pool.id, worker.scrape),
+        host=pool.metrics_host,
+        port=pool.metrics_port,
+        setting="[pool] metrics_host/metrics_port",
+    )

@@ -25,6 +25,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
+import psutil
+
 from center_pool import reporting
 from center_pool.batching import BatchQueue, Entry, start_by
 from center_pool.execution import BatchRun, ItemRun, run_batch
@@ -32,16 +34,20 @@ from center_pool.gate import Gate, Passed, Stopped, audit_data
 from center_pool.guard import POLICY_ACCEPTED, REFUSED, AuditSink, check_cancelled
 from center_pool.hardware import Probe
 from center_pool.intake import Work, WorkItem, WorkRefusal, admit_work, refuse
+from center_pool.job_figures import WorkFigures
+from center_pool.metrics import WorkerFigures
 from center_pool.replies import Replies
 from policies import PlacementClaims, Policy
 from policies.replay import AsyncReplayCache
 from sluicegate import topics, wire
 from sluicegate.config import PoolSettings
 from sluicegate.errors import TransportError
+from sluicegate.node_metrics import MetricsServer
 from sluicegate.policy_feed import PolicyFeed
 from sluicegate.supervise import until_stopped
 from sluicegate.transport import Message, Transport
 from sluicegate.vision.image import PayloadLimits as Limits
+from sluicegate.vision.openvino_session import backend_of
 from sluicegate.vision.runtime import ModelRegistry
 from sluicegate.vision.watch import ModelWatcher
 from sluicegate.wire_pool import WorkerTelemetry
@@ -119,6 +125,9 @@ class PoolWorker:
         self.refused: Counter[str] = Counter()
         self.decode_attempts = 0  # jobs handed to the decoder: proof that refusals never are
         self.batch_sizes: Counter[int] = Counter()
+        self._process = psutil.Process()
+        self.figures = WorkFigures()  # jobs returned, times, batch sizes: for /metrics
+        self.metrics: MetricsServer | None = None  # its /metrics, while the service serves it
         self.ready = asyncio.Event()  # set once subscribed and announced online
         feed.on_change(self._policy_changed)
         if feed.current is not None:  # loaded from local files before the worker existed
@@ -127,6 +136,11 @@ class PoolWorker:
     @property
     def results(self) -> Counter[str]:
         return self.replies.results
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where this worker's ``/metrics`` is served now (None: not served)."""
+        return self.metrics.url if self.metrics is not None else None
 
     # -- intake: loop side, token before anything else ------------------------------------------
 
@@ -241,10 +255,11 @@ class PoolWorker:
             log.exception("batch of %d failed", len(items))
             failed = ItemRun(None, "inference_error", f"inference failed: {exc}", 0.0, 0.0)
             run = BatchRun(tuple(failed for _ in items), 0.0, 0)
+        end = self._clock()
         if run.batch_size:
             self.service.observe(items[0].model, run.compute_ms, run.batch_size)
             self.batch_sizes[run.batch_size] += 1
-        end = self._clock()
+            self.figures.batch(items[0].model, run.batch_size, end - started)
         for item, part in zip(items, run.items, strict=True):
             queue_ms = (started - item.received_at) * 1000.0
             timings = wire.Timings(
@@ -270,6 +285,8 @@ class PoolWorker:
                 outputs=(wire.outputs_of(part.outputs) if part.outputs is not None else None),
             )
             service_ms = part.decode_ms + part.preprocess_ms + run.inference_ms
+            ran = service_ms / 1000.0 if run.batch_size else None
+            self.figures.returned(item.model, status, ran)
             self.replies.completion(
                 item.job_id,
                 status,
@@ -297,6 +314,7 @@ class PoolWorker:
             reason=f"the deadline passed {late:.0f} ms before the job could start; not run",
             timings=wire.Timings(queue_ms=round(queue_ms, 3), total_ms=round(queue_ms, 3)),
         )
+        self.figures.returned(item.model, "expired")
         self.replies.completion(
             item.job_id,
             "expired",
@@ -340,6 +358,25 @@ class PoolWorker:
             backlog_ms=self.service.backlog_ms(
                 Counter(self._queue.depths()) + self._running_models, len(self._intake)
             ),
+        )
+
+    def scrape(self) -> WorkerFigures:
+        """What ``/metrics`` reads: the worker's figures now."""
+        policy = self._feed.current
+        entry = policy.worker(self.settings.id) if policy is not None else None
+        return WorkerFigures(
+            pool=entry.pool if entry is not None else "",
+            zone=self.settings.zone,
+            backend=backend_of(self._providers[0]) if self._providers else "",
+            device=self.settings.device_class,
+            queue_depth=len(self._queue) + len(self._intake),
+            in_flight=self.in_flight,
+            running=self._running,
+            concurrency=self.settings.concurrency,
+            memory_rss_bytes=self._process.memory_info().rss,
+            service_s={m: load.service_ms / 1000.0 for m, load in self.service.loads().items()},
+            refused=self.refused,
+            jobs=self.figures,
         )
 
     async def _telemetry_loop(self) -> None:

@@ -28,12 +28,14 @@ import psutil
 from edge_agent.answers import Answers
 from edge_agent.compute import Compute
 from edge_agent.dispatch import Dispatcher
+from edge_agent.metrics import EdgeFigures
 from edge_agent.offload import PlacementClient
 from edge_agent.outbox import Outbox
 from edge_agent.reporting import Load, status_message, telemetry
 from sluicegate import topics, wire
 from sluicegate.config import EdgeSettings, OffloadSettings
 from sluicegate.errors import TransportError
+from sluicegate.node_metrics import MetricsServer
 from sluicegate.policy_feed import PolicyFeed
 from sluicegate.transport import Message, Transport
 from sluicegate.vision.runtime import ModelRegistry
@@ -89,8 +91,10 @@ class EdgeAgent:
             else None
         )
         self._process = psutil.Process()
+        self._cpu_percent = 0.0  # the last telemetry's reading
         self._halted = asyncio.Event()
         self.ready = asyncio.Event()  # set once subscribed and announced online
+        self.metrics: MetricsServer | None = None  # its /metrics, while the service serves it
         self.outbox = outbox or Outbox(
             ":memory:",
             result_retention_s=settings.result_retention_s,
@@ -127,6 +131,11 @@ class EdgeAgent:
         return self._answers.results
 
     @property
+    def metrics_url(self) -> str | None:
+        """Where this agent's ``/metrics`` is served now (None: not served)."""
+        return self.metrics.url if self.metrics is not None else None
+
+    @property
     def dropped_no_response_topic(self) -> int:
         return self._answers.dropped_no_response_topic
 
@@ -153,13 +162,23 @@ class EdgeAgent:
     # -- telemetry and status -----------------------------------------------------------------
 
     def telemetry(self) -> wire.EdgeTelemetry:
+        self._cpu_percent = self._process.cpu_percent(None)
+        return telemetry(self.settings, self._load())
+
+    def scrape(self) -> EdgeFigures:
+        """What ``/metrics`` reads: the telemetry's figures now (its CPU reading the last
+        telemetry's, so a scrape never shortens the next one's interval), and the
+        concluded jobs' figures."""
+        return EdgeFigures(self._load(), self._jobs.figures)
+
+    def _load(self) -> Load:
         census = self._jobs.table.census
-        load = Load(
+        return Load(
             now=self._clock(),
             queue_depth=census["queued"],
             in_flight=self._jobs.table.slots,
             models=self.service_times.snapshot(),
-            cpu_percent=self._process.cpu_percent(None),
+            cpu_percent=self._cpu_percent,
             memory_rss_bytes=self._process.memory_info().rss,
             memory_percent=self._process.memory_percent(),
             results=self._answers.results,
@@ -172,7 +191,6 @@ class EdgeAgent:
             policy_refused=self._feed.refused if self._feed is not None else {},
             prediction=self._jobs.prediction.snapshot(),
         )
-        return telemetry(self.settings, load)
 
     async def _every(self, interval_s: float, action: Callable[[], object]) -> None:
         while True:

@@ -19,6 +19,7 @@ from edge_agent import rules
 from edge_agent.answers import Answers, local_result
 from edge_agent.compute import Compute
 from edge_agent.errors import OutboxError
+from edge_agent.job_figures import JobFigures
 from edge_agent.jobs import Entry, JobTable
 from edge_agent.load import PredictionErrors
 from edge_agent.offload import PlacementClient
@@ -75,6 +76,7 @@ class Carrier:
         self._trace = trace
         self.offloaded = 0  # work messages sent to pool workers since start
         self.prediction = PredictionErrors()  # of the jobs that ran here
+        self.figures = JobFigures()  # deadlines, part times, why local: for /metrics
         self._by_type: dict[type[Any], Callable[[Entry, Any, Any, Message | None], None]] = {
             ev.Ack: self._ack,
             ev.CommitAcceptance: self._commit_acceptance,
@@ -272,17 +274,19 @@ class Carrier:
             self._answers.finished[result.ran_on.kind] += 1
         sent = entry.forwarding if effect.sent else None
         self._answers.publish(entry.job, payload, record=True, sent=sent)
+        left_at = (entry.forwarded_at if sent is not None else None) or self._clock()
+        self.figures.concluded(entry.job, result, left_at=left_at)
         if self._trace is not None:
-            self._record(entry, result, entry.forwarded_at if sent is not None else None)
+            self._record(entry, result, left_at)
 
-    def _record(self, entry: Entry, result: wire.JobResult, left_at: float | None) -> None:
+    def _record(self, entry: Entry, result: wire.JobResult, left_at: float) -> None:
         """The job's record for the twin's recorder, sent with the next telemetry."""
         assert self._trace is not None
         job = entry.job
         record = record_of(
             job,
             result,
-            left_at=left_at or self._clock(),
+            left_at=left_at,
             started=entry.started,
             accepted=entry.accepted_at,
             pool_predicted=entry.pool_predicted,

@@ -39,6 +39,7 @@ from edge_agent.carry import Carrier
 from edge_agent.compute import Compute
 from edge_agent.errors import OutboxError
 from edge_agent.events import IllegalMove, Life
+from edge_agent.job_figures import JobFigures
 from edge_agent.jobs import NOT, SURE, Entry, JobTable, ahead_kind
 from edge_agent.lifecycle import NEEDS_OUTLOOK, transition
 from edge_agent.load import PredictionErrors
@@ -244,6 +245,11 @@ class Dispatcher:
     @property
     def prediction(self) -> PredictionErrors:
         return self._effects.prediction
+
+    @property
+    def figures(self) -> JobFigures:
+        """Concluded jobs' deadlines, part times and why local ones stayed."""
+        return self._effects.figures
 
     @property
     def killed(self) -> bool:

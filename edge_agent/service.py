@@ -1,10 +1,11 @@
 """Wires a real edge agent together: settings, the outbox file, the MQTT transport with its
 Last Will and a persistent session (so requests and returns that arrive while the agent is
 down wait for it, and unacked ones come again), the verified model registry, the node's
-policy feed and the placement client for offloading. It refuses to start without its own
-TLS identity (unless ``[mqtt] plaintext``), without a pinned policy trust anchor, or while
-another process serves the same edge (``sluicegate.identity``). ``sluicegate edge run`` and
-the demo call :func:`serve`.
+policy feed, the placement client for offloading and the ``/metrics`` server (``[edge]
+metrics_*``; a port it cannot bind is logged, never fatal). It refuses to start without its
+own TLS identity (unless ``[mqtt] plaintext``), without a pinned policy trust anchor, or
+while another process serves the same edge (``sluicegate.identity``). ``sluicegate edge
+run`` and the demo call :func:`serve`.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import time
 from pathlib import Path
 
 from edge_agent.agent import EdgeAgent
+from edge_agent.metrics import edge_registry
 from edge_agent.offload import PlacementClient
 from edge_agent.outbox import Outbox
 from edge_agent.reporting import last_will, status_message
 from sluicegate import identity, topics
-from sluicegate.config import Settings
+from sluicegate.config import EdgeSettings, Settings
 from sluicegate.mqtt import MqttTransport
+from sluicegate.node_metrics import MetricsServer
 from sluicegate.policy_feed import PolicyFeed
 from sluicegate.vision.priors import PRIORS_FILE, priors_for, read_priors
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir
@@ -140,10 +143,29 @@ async def _serve(
     if watched is not None:
         for name, prior in priors_for(registry, read_priors(watched / PRIORS_FILE)).items():
             agent.service_times.seed(name, prior.image_ms / 1000.0)
+    metrics = metrics_server(edge, agent)
     try:
+        if metrics is not None:
+            await metrics.start()
+            agent.metrics = metrics
         await identity.serve_guarded(guard, stop, agent.run)
     finally:
+        if metrics is not None:
+            await metrics.stop()
         if client is not None:
             client.close()
         await transport.close()
     return agent
+
+
+def metrics_server(edge: EdgeSettings, agent: EdgeAgent) -> MetricsServer | None:
+    """The agent's ``/metrics`` server (not started), or None with ``metrics_enabled``
+    off."""
+    if not edge.metrics_enabled:
+        return None
+    return MetricsServer(
+        edge_registry(edge.id, agent.scrape),
+        host=edge.metrics_host,
+        port=edge.metrics_port,
+        setting="[edge] metrics_host/metrics_port",
+    )

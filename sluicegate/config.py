@@ -75,6 +75,11 @@ class EdgeSettings(_Section):
     # Publish a record of each concluded job with the telemetry, for the digital twin's
     # recorder (``sluicegate twin record``); off: nothing is kept or sent.
     trace_jobs: bool = True
+    # Prometheus /metrics over HTTP: address and port (0: a free one, logged); off: none.
+    # A port that cannot be bound is logged as an error and the agent serves on without.
+    metrics_enabled: bool = True
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = Field(9464, ge=0, le=65535)
     service_time_alpha: float = Field(0.2, gt=0.0, le=1.0)
     # The outbox: every accepted job on disk until its result is delivered. None: a file
     # named after the edge id in [offload] state_dir, else in ~/.local/state/sluicegate/.
@@ -136,6 +141,11 @@ class PoolSettings(_Section):
     # set to the same index, since NVML ignores that variable.
     device_index: int = Field(0, ge=0, le=255)
     telemetry_interval_s: float = Field(1.0, gt=0.0, le=3600.0)
+    # Prometheus /metrics over HTTP: address and port (0: a free one, logged); off: none.
+    # A port that cannot be bound is logged as an error and the worker serves on without.
+    metrics_enabled: bool = True
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = Field(9465, ge=0, le=65535)
     redis_url: str | None = None  # replay cache and audit stream; None: in memory / file
     key_file: Path | None = None  # this worker's Ed25519 key, signs its audit records
     audit_path: Path | None = None
