@@ -164,6 +164,10 @@ def run_demo(
         console.print("starting broker-1, line-1-pc, line-2-pc, north-cpu-1, cloud-cpu-1 …")
         try:
             campus.start()
+            urls = ", ".join(f"{n} {url}" for n, url in campus.metrics_urls().items())
+            console.print(
+                f"Prometheus metrics: broker http://127.0.0.1:{campus.http_port}/metrics, {urls}"
+            )
             observer = written.node_config(OBSERVER)
             console.print(
                 f"record it from another shell: sluicegate twin record --config {observer} "

@@ -1,18 +1,19 @@
-"""A whole campus on one machine: a broker, two edge agents and two pool workers, each
-its own ``sluicegate`` process, on a Mosquitto and a Redis the caller provides.
+"""A whole campus on one machine: a broker, two edge agents and two pool workers, each its own
+``sluicegate`` process, on a Mosquitto and a Redis the caller provides.
 
 The demo runs it, and so do the end-to-end and fault tests, so what the tests prove is what
 the demo shows. It writes the campus (policy signed with keys made for the run, the campus
 CA and every identity's certificate, the ACL, one config per node: :meth:`write`), the
-caller starts Mosquitto on it (:func:`start_campus_mosquitto`: TLS, client certificates,
-the generated ACL), then :meth:`start` starts the processes in their own sessions (Ctrl-C
-reaches only the caller, who then stops them in order) and waits until every node's
-retained status says ``online``. Line PCs can be emulated as modest machines (their compute
-threads capped to a share of a core) and every node timed before it serves, as at install
-(:meth:`calibrate`; :mod:`sluicegate.app.calibration`). For fault injection it can SIGKILL
-any node, or the Mosquitto and Redis it was given, and start it again on the same ports,
-configuration and state directory (an edge's outbox survives). It never deletes a node's
-state: the caller owns ``root``.
+caller starts Mosquitto on it (:func:`start_campus_mosquitto`: TLS, client certificates, the
+generated ACL), then :meth:`start` starts the processes in their own sessions (Ctrl-C
+reaches only the caller, who then stops them in order) and waits until every node's retained
+status says ``online``. Every edge and worker serves its ``/metrics`` on a free localhost
+port of its own (:meth:`metrics_urls`). Line PCs can be emulated as modest machines (their
+compute threads capped to a share of a core) and every node timed before it serves, as at
+install (:meth:`calibrate`; :mod:`sluicegate.app.calibration`). For fault injection it can
+SIGKILL any node, or the Mosquitto and Redis it was given, and start it again on the same
+ports, configuration and state directory (an edge's outbox survives). It never deletes a
+node's state: the caller owns ``root``.
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ class LocalCampus:
         self._apps = apps
         self.models_dirs: dict[str, Path] = {}  # by role, once calibrated
         self.http_port = free_port()  # the broker's HTTP API
+        # Each edge's and worker's /metrics, on 127.0.0.1 (kept across restarts).
+        self.metrics_ports = {n: free_port() for n in self._nodes if ROLE[n] != "broker"}
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
 
     @property
@@ -121,6 +124,10 @@ class LocalCampus:
             )
         return self.campus
 
+    def metrics_urls(self) -> dict[str, str]:
+        """Each edge's and worker's ``/metrics`` URL, by node id."""
+        return {n: f"http://127.0.0.1:{port}/metrics" for n, port in self.metrics_ports.items()}
+
     def start(self, timeout: float = 60.0) -> Campus:
         """Write the campus if not yet written, start every node, return once all are
         online."""
@@ -138,6 +145,8 @@ class LocalCampus:
         argv = [sys.executable, "-m", "sluicegate.app.cli", ROLE[node], "run"]
         argv += ["--config", str(self.campus.node_config(node)), "--log-level", self._log_level]
         own = {}
+        if node in self.metrics_ports:
+            own[f"SLUICEGATE_{ROLE[node].upper()}__METRICS_PORT"] = str(self.metrics_ports[node])
         if ROLE[node] in self.models_dirs:
             own[f"SLUICEGATE_{ROLE[node].upper()}__MODELS_DIR"] = str(self.models_dirs[ROLE[node]])
         with log:
