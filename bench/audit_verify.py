@@ -23,10 +23,14 @@ from broker.audit_check import AuditChecker, trusted_keys
 from broker.metrics import BrokerMetrics
 from policies.audit import AuditRecord, next_record, verify_chain
 from policies.keys import SigningKey
-from policies.redis_stores import AsyncRedisStreamAuditStore, RedisStreamAuditStore
+from policies.redis_stores import (
+    AsyncRedisStreamAuditStore,
+    RedisStreamAuditStore,
+    audit_stream_key,
+)
 from sluicegate.app.servers import running, start_redis
 
-STREAM = "sluicegate:audit:bench"
+STREAM = audit_stream_key("bench")
 
 
 def fill(client: redis.Redis, key: SigningKey, n: int, head: AuditRecord | None) -> AuditRecord:
