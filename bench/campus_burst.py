@@ -33,7 +33,6 @@ import os
 import platform
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from sluicegate.app.broker_http import get_json  # noqa: E402
 from sluicegate.app.campus import LINES  # noqa: E402
 from sluicegate.app.demo import EDGE_CPU  # noqa: E402
 from sluicegate.app.localcampus import (  # noqa: E402
@@ -57,11 +57,10 @@ TARGET = {"attainment": 0.99}
 nan = float("nan")
 
 
-def edge_predictions(http_port: int) -> dict[str, Any]:
+def edge_predictions(http_port: int, token: str) -> dict[str, Any]:
     """Each edge's completion-prediction error and rescues, from its latest telemetry as
     the broker shows it (GET /fleet)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/fleet", timeout=10) as resp:
-        fleet = json.loads(resp.read())
+    fleet = get_json(f"http://127.0.0.1:{http_port}/fleet", token, timeout=10)[1]
     return {
         e["node"]: {
             "prediction": e.get("prediction"),
@@ -129,7 +128,7 @@ def one_run(
                         label_every=args.label_every,
                     )
                 )
-                edges = edge_predictions(campus.http_port)
+                edges = edge_predictions(campus.http_port, campus.campus.console_token("viewer"))
                 after, used_after = cpu_ticks(), cpu_by_role(campus, servers)
                 cpu_busy = (after[0] - before[0]) / max(after[1] - before[1], 1)
             finally:

@@ -39,7 +39,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +53,7 @@ from policies.edit import add_node
 from policies.signing import add_signature, dump_signatures, sign_policy
 from sluicegate import pki, topics
 from sluicegate.acl import render_acl
+from sluicegate.app.broker_http import get_json
 from sluicegate.app.campus import APPS, LINES, OBSERVER, OFFICER, WORKERS, Campus
 from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
 from sluicegate.app.servers import ServerProcess, free_port, start_redis
@@ -279,12 +279,12 @@ class CampusRig:
         """Until the broker counts both workers online (it needs their first telemetry)."""
         assert self.local is not None
         url = f"http://127.0.0.1:{self.local.http_port}/fleet"
+        token = self.local.campus.console_token("viewer")
         deadline = time.monotonic() + timeout
         online: set[str] = set()
         while time.monotonic() < deadline:
-            with contextlib.suppress(OSError, ValueError):
-                with urllib.request.urlopen(url, timeout=2) as resp:
-                    fleet = json.loads(resp.read())["workers"]
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                fleet = get_json(url, token, timeout=2)[1]["workers"]
                 online = {w["id"] for w in fleet if w.get("online")}
                 if set(WORKERS) <= online:
                     return

@@ -1,5 +1,7 @@
 """The broker's HTTP API (aiohttp): health, fleet, jobs, dead letters, policy, Prometheus
-metrics, enrollment of new nodes (on the replica holding the campus CA), OpenAPI.
+metrics, enrollment of new nodes (on the replica holding the campus CA), OpenAPI, and the
+operator's console (``broker.console``). Every view but ``/health``, ``/metrics``,
+``/openapi.json`` and ``/v1/enroll`` needs a viewer's login or token; actions an operator's.
 
 A thin shell: every handler asks the :class:`BrokerView` for plain data and renders it as
 JSON; nothing here decides anything or touches Redis directly. A view that needs Redis
@@ -16,8 +18,12 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from broker.console.board import Console as Board
+from broker.console.routes import Access, add_console, guard
 from broker.metrics import CONTENT_TYPE
 from sluicegate.errors import StoreUnavailable
+
+Console = tuple[Board, Access]
 
 
 class BrokerView(Protocol):
@@ -101,6 +107,13 @@ OPENAPI: dict[str, Any] = {
         "version": "1",
         "description": "Fleet state, placement explanations, the current policy and metrics.",
     },
+    "components": {
+        "securitySchemes": {
+            "token": {"type": "http", "scheme": "bearer", "description": "a console token"},
+            "session": {"type": "apiKey", "in": "cookie", "name": "sg_session"},
+        }
+    },
+    "security": [{"token": []}, {"session": []}],
     "paths": {
         "/health": {
             "get": {
@@ -223,6 +236,50 @@ OPENAPI: dict[str, Any] = {
                 },
             }
         },
+        "/console/api/snapshot": {
+            "get": {
+                "summary": "The console's campus document: zones, lines, pools, compliance",
+                "description": "Viewer. The same document /console/api/events pushes (server-"
+                "sent events, event 'snapshot', once per [console] push_interval_s).",
+                "responses": {"200": {"description": "the snapshot"}, "401": {}, "403": {}},
+            }
+        },
+        "/console/api/events": {
+            "get": {
+                "summary": "The live snapshot stream (text/event-stream)",
+                "responses": {"200": {"description": "server-sent events"}, "401": {}},
+            }
+        },
+        "/console/api/jobs/{job_id}": {
+            "get": {
+                "summary": "A job's story: its path, decision with ranked candidates and "
+                "score parts, placement in flight, audit records, the edge's record",
+                "parameters": [
+                    {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+                "responses": {"200": {"description": "the job"}, "404": {}, "401": {}},
+            }
+        },
+        "/console/api/actions": {
+            "post": {
+                "summary": "An operator's action: {action: drain|cordon|uncordon|pause|resume, "
+                "target, note}; audited as operator.<action>",
+                "responses": {
+                    "200": {"description": "done"},
+                    "400": {"description": "a malformed action"},
+                    "403": {"description": "the caller is not an operator"},
+                    "404": {"description": "no such worker or line in the policy"},
+                    "409": {"description": "already held, or not held"},
+                    "415": {"description": "not application/json"},
+                },
+            }
+        },
+        "/console/api/whoami": {
+            "get": {
+                "summary": "The caller's name and role",
+                "responses": {"200": {"description": "{name, role, via}"}, "401": {}},
+            }
+        },
         "/openapi.json": {
             "get": {
                 "summary": "This description",
@@ -233,8 +290,11 @@ OPENAPI: dict[str, Any] = {
 }
 
 
-def make_app(view: BrokerView, enrollment: Enrollment) -> web.Application:
-    """The aiohttp application for ``view`` and the enrollment desk."""
+def make_app(
+    view: BrokerView, enrollment: Enrollment, console: Console | None = None
+) -> web.Application:
+    """The aiohttp application for ``view``, the enrollment desk and, with ``console``
+    (the board and who may use it), the console and a login for every view."""
 
     async def health(_request: web.Request) -> web.Response:
         data = view.health()
@@ -286,7 +346,10 @@ def make_app(view: BrokerView, enrollment: Enrollment) -> web.Application:
         status, doc = await enrollment.enroll(await request.read())
         return _json(doc, status)
 
-    app = web.Application(client_max_size=64 * 1024, middlewares=[_store_away])
+    guards = [guard(console[1])] if console is not None else []
+    app = web.Application(client_max_size=64 * 1024, middlewares=[*guards, _store_away])
+    if console is not None:
+        add_console(app, console[0], console[1], view.job)
     app.router.add_get("/health", health)
     app.router.add_get("/fleet", fleet)
     app.router.add_get("/jobs/{job_id}", job)
@@ -301,10 +364,14 @@ def make_app(view: BrokerView, enrollment: Enrollment) -> web.Application:
 
 
 async def start_http(
-    view: BrokerView, enrollment: Enrollment, host: str, port: int
+    view: BrokerView,
+    enrollment: Enrollment,
+    host: str,
+    port: int,
+    console: Console | None = None,
 ) -> tuple[web.AppRunner, int]:
     """Serve the API; returns the runner (to clean up) and the port actually bound."""
-    runner = web.AppRunner(make_app(view, enrollment), access_log=None)
+    runner = web.AppRunner(make_app(view, enrollment, console), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

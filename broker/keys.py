@@ -65,3 +65,9 @@ def replica_lease(broker_id: str) -> str:
     """String: the instance that serves as broker replica ``broker_id`` (expires unless its
     holder renews it): a second process with the same id refuses to start."""
     return f"{PREFIX}:replica:{broker_id}"
+
+
+def operator_holds() -> str:
+    """Hash: operators' holds in force (a drained or cordoned worker, a paused line), one
+    JSON document per field (``broker.console.holds``); every replica applies them."""
+    return f"{PREFIX}:operator-holds"

@@ -16,6 +16,8 @@ import redis.asyncio as aioredis
 
 from broker.api import start_http
 from broker.audit_check import AuditChecker, trusted_keys
+from broker.console import access_for
+from broker.console.board import Console
 from broker.decision_audit import encode
 from broker.enrollment import EnrollmentDesk
 from broker.lease import ReplicaLease
@@ -173,19 +175,25 @@ async def _serve(
         lambda: trusted_keys(key.public, feed.current),
         broker.metrics,
     )
+    board = Console(broker, feed, transport, redis, settings.console, audit_state=checker.plain)
+    await transport.subscribe(topics.edge_trace_all(), board.on_trace, qos=0)
+    view = HttpView(broker, feed, transport, placement, checker)
     runner, port = await start_http(
-        HttpView(broker, feed, transport, placement, checker), desk, cfg.http_host, cfg.http_port
+        view, desk, cfg.http_host, cfg.http_port, (board, access_for(settings))
     )
     log.info("broker %s: HTTP API on http://%s:%d", cfg.id, cfg.http_host, port)
     if http_port_ready is not None:
         http_port_ready.set_result(port)
     keeper = asyncio.ensure_future(lease.keep())
     verifier = asyncio.ensure_future(checker.run())
+    console = asyncio.ensure_future(board.run())
     try:
         await identity.serve_until_fenced(stop, lease.lost, lambda: lease.reason, broker.run)
     finally:
         keeper.cancel()
         verifier.cancel()
+        console.cancel()
+        board.close()
         await runner.cleanup()
         await transport.close()
     return broker

@@ -106,6 +106,11 @@ class Broker:
         self.metrics = BrokerMetrics()
         self._decided = {s: self.metrics.decisions.labels(s) for s in ("placed", "refused")}
         self.edges: dict[str, wire.EdgeTelemetry] = {}
+        # Operators' holds (broker.console.holds): lines whose offload is paused (edge ->
+        # why), workers out of placement; and who else hears each completion (the console).
+        self.paused: dict[str, str] = {}
+        self.cordoned: frozenset[str] = frozenset()
+        self.completion_listeners: list[Callable[[Completion, float], None]] = []
         self._inbox: asyncio.Queue[Pending] = asyncio.Queue()
         self.audit = DecisionAudit(audit, clock)
         self.gate = Gatekeeper(policy, self.metrics, self.audit)
@@ -160,6 +165,9 @@ class Broker:
             return
         if request.origin_zone != origin:
             item.request = request.model_copy(update={"origin_zone": origin})
+        if edge_id in self.paused:
+            self._answer(item, None, "offload_paused", self.paused[edge_id])
+            return
         self._inbox.put_nowait(item)
 
     def on_capabilities(self, msg: Message) -> None:
@@ -198,6 +206,18 @@ class Broker:
         self.metrics.completions.labels(done.status).inc()
         self.metrics.job_seconds.observe(done.service_ms / 1000.0)
         self.reaper.completed(done)  # releases the worker's slot, then fences the attempt
+        for listener in self.completion_listeners:
+            listener(done, self._clock())
+
+    def hold(self, cordoned: frozenset[str], paused: dict[str, str]) -> None:
+        """Apply the operators' holds in force: ``cordoned`` workers take no new placement
+        (in every view of the workers), requests from ``paused`` edges are refused with
+        ``offload_paused`` and the reason (their jobs run on the line PC)."""
+        for worker_id in cordoned ^ self.cordoned:
+            for view in self._views:
+                view.cordon(worker_id, worker_id in cordoned)
+        self.cordoned = cordoned
+        self.paused = paused
 
     def on_release(self, msg: Message) -> None:
         """An edge hands back a placement it will not use: the slot is free now, if it is

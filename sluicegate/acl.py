@@ -136,6 +136,7 @@ def broker_users(policy: Policy) -> list[UserRules]:
         topics.placement_releases_all(),
         topics.completions_all(),
         topics.edge_telemetry_all(),
+        topics.edge_trace_all(),  # job records, for the console
         topics.edge_status_all(),
         topics.worker_all("telemetry"),
         topics.worker_all("status"),

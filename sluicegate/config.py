@@ -185,6 +185,19 @@ class BrokerSettings(_Section):
     inflight_margin_s: float = Field(3600.0, ge=60.0, le=7 * 24 * 3600.0)
 
 
+class ConsoleSettings(_Section):
+    """The broker's operator console and who may use its HTTP views (docs/console.md)."""
+
+    # Viewers and operators (TOML, 'sluicegate console user|token'); none: the broker
+    # keeps <state_dir>/console-users.toml, with an operator token made on first start.
+    users_file: Path | None = None
+    session_ttl_s: float = Field(8 * 3600.0, gt=0.0, le=30 * 86400.0)
+    # Debugging only: anyone may view without a login (actions still need an operator).
+    open: bool = False
+    window_s: float = Field(60.0, ge=5.0, le=3600.0)  # what per-line and pool figures cover
+    push_interval_s: float = Field(1.0, ge=0.1, le=60.0)  # live updates to open dashboards
+
+
 class Settings(BaseSettings):
     """Everything a Sluicegate process can be told."""
 
@@ -200,6 +213,7 @@ class Settings(BaseSettings):
     offload: OffloadSettings = OffloadSettings()
     pool: PoolSettings = PoolSettings()
     broker: BrokerSettings = BrokerSettings()
+    console: ConsoleSettings = ConsoleSettings()
 
     @classmethod
     def settings_customise_sources(

@@ -16,7 +16,6 @@ import re
 import shutil
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -30,6 +29,7 @@ from policies import load_policy, verify, verify_chain
 from policies.audit import decode_record
 from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
 from sluicegate import topics, wire
+from sluicegate.app.broker_http import get_json, token_beside
 from sluicegate.app.campus import Campus, write_campus
 from sluicegate.app.servers import ServerProcess, free_port
 from sluicegate.config import Settings, load_settings
@@ -222,15 +222,9 @@ def ask(
 
 
 def http(settings: Settings, path: str) -> tuple[int, Any]:
+    """GET a broker view as the campus's console viewer."""
     url = f"http://127.0.0.1:{settings.broker.http_port}{path}"
-    try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            body = resp.read()
-            status = resp.status
-    except urllib.error.HTTPError as exc:
-        body, status = exc.read(), exc.code
-    ctype = "json" if body[:1] in (b"{", b"[") else "text"
-    return status, json.loads(body) if ctype == "json" else body.decode()
+    return get_json(url, token_beside(settings.console.users_file), timeout=10)
 
 
 def test_placement_within_policy_explained_reserved_and_audited(

@@ -8,7 +8,6 @@ compared over HTTP, never acted on."""
 from __future__ import annotations
 
 import json
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from broker.run import serve
 from policies.audit import decode_record
 from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
 from sluicegate import topics
+from sluicegate.app.broker_http import get_json, token_beside
 from sluicegate.app.campus import Campus, write_campus
 from sluicegate.app.servers import ServerProcess, free_port
 from sluicegate.config import Settings, load_settings
@@ -38,8 +38,9 @@ SLOW_CAMPUS = "link_latency_ms = [0.2, 400.0, 0.0]\n"
 
 def _get(settings: Settings, path: str) -> Any:
     url = f"http://127.0.0.1:{settings.broker.http_port}{path}"
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return json.loads(resp.read())
+    status, body = get_json(url, token_beside(settings.console.users_file), timeout=10)
+    assert status == 200, (path, status, body)
+    return body
 
 
 def _run_broker(settings: Settings) -> ServiceThread:

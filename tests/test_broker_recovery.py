@@ -18,8 +18,6 @@ import signal
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -48,6 +46,7 @@ from broker.store import BrokerStore
 from policies.audit import decode_record
 from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
 from sluicegate import topics, wire
+from sluicegate.app.broker_http import get_json
 from sluicegate.app.campus import FAB, Campus, write_campus
 from sluicegate.app.servers import ServerProcess, free_port, running, start_mosquitto, start_redis
 from sluicegate.wire_pool import (
@@ -373,6 +372,7 @@ class BrokerProcess:
         **env: str,
     ) -> None:
         self.id = broker_id
+        self.campus = campus
         self.http_port = free_port()
         watcher = PlainClient(mqtt.port)
         try:
@@ -413,12 +413,7 @@ class BrokerProcess:
 
     def http(self, path: str) -> tuple[int, Any]:
         url = f"http://127.0.0.1:{self.http_port}{path}"
-        try:
-            with urllib.request.urlopen(url, timeout=10) as resp:
-                body, status = resp.read(), resp.status
-        except urllib.error.HTTPError as exc:
-            body, status = exc.read(), exc.code
-        return status, json.loads(body) if body[:1] in (b"{", b"[") else body.decode()
+        return get_json(url, self.campus.console_token("viewer"), timeout=10)
 
     def metric(self, name: str) -> float:
         """A counter's value (its labelled children summed); 0 if it has none yet."""

@@ -13,7 +13,6 @@ import queue
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ import pytest
 
 from policies import parse_policy, signed_envelope
 from sluicegate import AsyncClient, topics, wire
+from sluicegate.app.broker_http import get
 from sluicegate.app.campus import APP_OF_LINE, APPS
 from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
 from sluicegate.app.servers import ServerProcess, free_port, running
@@ -86,8 +86,9 @@ def unharmed(lc: LocalCampus, edge: str = "line-2-pc") -> list[wire.JobResult]:
 
 
 def _http(lc: LocalCampus, path: str) -> Any:
-    with urllib.request.urlopen(f"http://127.0.0.1:{lc.http_port}{path}", timeout=5) as resp:
-        body = resp.read()
+    url = f"http://127.0.0.1:{lc.http_port}{path}"
+    status, body = get(url, lc.campus.console_token("viewer"))
+    assert status == 200, (path, status, body[:300])
     return json.loads(body) if path != "/metrics" else body.decode()
 
 

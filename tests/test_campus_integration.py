@@ -14,8 +14,6 @@ import json
 import os
 import signal
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +24,7 @@ import redis
 
 from broker import keys as broker_keys
 from sluicegate import AsyncClient
+from sluicegate.app.broker_http import get, get_json
 from sluicegate.app.campus import APP_OF_LINE, APPS
 from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
 from sluicegate.app.servers import ServerProcess, free_port, running
@@ -153,28 +152,28 @@ def test_placements_answered_after_the_edge_gave_up_free_their_slots_at_once(
 
 
 def _get(campus: LocalCampus, path: str) -> bytes:
-    with urllib.request.urlopen(f"http://127.0.0.1:{campus.http_port}{path}", timeout=5) as r:
-        return bytes(r.read())
+    url = f"http://127.0.0.1:{campus.http_port}{path}"
+    status, body = get(url, campus.campus.console_token("viewer"))
+    assert status == 200, (path, status, body[:300])
+    return body
 
 
 def _job(campus: LocalCampus, job_id: str) -> dict[str, Any]:
-    try:
-        return dict(json.loads(_get(campus, f"/jobs/{job_id}")))
-    except urllib.error.HTTPError as exc:  # 404 until the broker has decided it
-        if exc.code == 404:
-            return {}
-        raise
+    url = f"http://127.0.0.1:{campus.http_port}/jobs/{job_id}"
+    status, body = get_json(url, campus.campus.console_token("viewer"))
+    if status == 404:  # until the broker has decided it
+        return {}
+    assert status == 200, (status, body)
+    return dict(body)
 
 
 def wait_for_fleet(
     campus: LocalCampus, check: Callable[[dict[str, Any]], bool], timeout: float
 ) -> None:
     """Poll the broker's GET /fleet until ``check(workers by id)`` holds."""
-    url = f"http://127.0.0.1:{campus.http_port}/fleet"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            workers = {w["id"]: w for w in json.loads(resp.read())["workers"]}
+        workers = {w["id"]: w for w in json.loads(_get(campus, "/fleet"))["workers"]}
         if workers and check(workers):
             return
         time.sleep(0.1)  # the next poll of the broker's state

@@ -6,15 +6,12 @@ token refused by name and audited, against a real campus broker, Mosquitto and R
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +20,7 @@ from typing import Any
 import pytest
 
 from sluicegate import AsyncClient, pki, topics, wire
+from sluicegate.app.broker_http import get_json
 from sluicegate.app.campus import Campus
 from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
 from sluicegate.app.servers import ServerProcess, free_port, running
@@ -277,10 +275,8 @@ async def volley(files: Campus) -> list[wire.JobResult]:
 
 def _job(campus: LocalCampus, job_id: str) -> dict[str, Any] | None:
     url = f"http://127.0.0.1:{campus.http_port}/jobs/{job_id}"
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return dict(json.loads(resp.read()))
-    except urllib.error.HTTPError as exc:
-        if exc.code == 404:
-            return None
-        raise
+    status, body = get_json(url, campus.campus.console_token("viewer"))
+    if status == 404:
+        return None
+    assert status == 200, (status, body)
+    return dict(body)

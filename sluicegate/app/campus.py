@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from broker.console.auth import ROLES, add_entry, new_token, token_digest
 from policies import SigningKey, parse_policy
 from policies.signing import add_signature, dump_signatures, sign_policy
 from sluicegate import pki
@@ -132,6 +133,11 @@ class Campus:
 
     def cert_file(self, identity: str) -> Path:
         return self.root / f"{identity}.pem"
+
+    def console_token(self, role: str = "operator") -> str:
+        """The bearer token of the console's ``operator`` or ``viewer`` (written with the
+        campus; ``Authorization: Bearer <token>`` on the broker's HTTP views)."""
+        return (self.root / f"console-{role}.token").read_text().strip()
 
     def mqtt(self, identity: str) -> MqttSettings:
         """How ``identity`` (a node, app or observer) reaches this campus's Mosquitto."""
@@ -264,11 +270,13 @@ def write_campus(
         )
 
     ca_dir = f'ca_dir = "{root}"\n' if secure else ""
+    users = _console_users(root)
     (root / f"{BROKER}.toml").write_text(
         mqtt(BROKER)
         + f'\n[broker]\nid = "{BROKER}"\nredis_url = "{redis_url}"\nhttp_port = {http_port}\n'
         f'key_file = "{key_files[BROKER]}"\npolicy_file = "{policy_file}"\n'
         f'state_dir = "{root / "state" / BROKER}"\n{ca_dir}'
+        f'\n[console]\nusers_file = "{users}"\n'
     )
     for edge, zone in LINES.items():
         # A line PC is modest: one job at a time, and more than a few waiting is a burst.
@@ -288,3 +296,15 @@ def write_campus(
             f'state_dir = "{root / "state" / worker}"\npolicy_file = "{policy_file}"\n'
         )
     return campus
+
+
+def _console_users(root: Path) -> Path:
+    """The console's users for a local campus: an operator and a viewer, by token (each
+    token in ``console-<role>.token`` beside the campus, read by :meth:`Campus.console_token`)."""
+    users = root / "console-users.toml"
+    for role in ROLES:
+        token = new_token()
+        (root / f"console-{role}.token").write_text(token + "\n")
+        (root / f"console-{role}.token").chmod(0o600)
+        add_entry(users, "token", role, role, token_digest(token))
+    return users

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import threading
 import time
-import urllib.request
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from sluicegate import topics
+from sluicegate.app.broker_http import get_json
 from sluicegate.app.campus import APPS, LINES, Campus
 from sluicegate.app.localcampus import ROLE, LocalCampus, cpu_cap_available, start_campus_mosquitto
 from sluicegate.app.servers import ServerProcess, free_port, start_redis
@@ -143,12 +142,12 @@ class Rig:
         if not broker or not workers:
             return
         url = f"http://127.0.0.1:{campus.http_port}/fleet"
+        token = campus.campus.console_token("viewer")
         deadline = time.monotonic() + timeout
         online: set[str] = set()
         while time.monotonic() < deadline:
-            with contextlib.suppress(OSError, ValueError):
-                with urllib.request.urlopen(url, timeout=2) as resp:
-                    fleet = json.loads(resp.read())["workers"]
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                fleet = get_json(url, token, timeout=2)[1]["workers"]
                 online = {w["id"] for w in fleet if w.get("online")}
                 if workers <= online:
                     return
