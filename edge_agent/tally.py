@@ -1,7 +1,7 @@
 """The names of the edge agent's event counters, one enumeration.
 
 Each counts something that happened to a job or a message; telemetry publishes them as
-``events`` (``sluicegate_edge_events_total{event=...}`` on the broker's metrics). A value is
+``events`` (``sluicegate_edge_events_total{event=...}`` on the edge's /metrics). A value is
 a plain string, so a counter keyed by a member is read back by its name.
 """
 

@@ -16,11 +16,13 @@ import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
+from policies import SigningKey
 from sluicegate import AsyncClient, topics
 from sluicegate.app.campus import APP_OF_LINE, APPS
 from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
@@ -29,8 +31,10 @@ from sluicegate.config import Settings, load_settings
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir
 from tests.image_bytes import sample_jpeg
 from tests.policies.policy_testkit import key
+from tests.pool_kit import SPARE_EDGES, WORKER, WORKER_ZONE, WorkSpec, write_policy_file
 from tests.support import AgentThread, PlainClient, installed_policy, wait_until
 from tests.test_node_metrics import Samples, samples
+from tests.test_pool_integration import WorkerThread, publish_work
 
 pytestmark = pytest.mark.integration
 
@@ -160,6 +164,46 @@ def test_a_taken_metrics_port_leaves_the_edge_serving(
     [error] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert f"127.0.0.1:{port}" in error
     assert "[edge] metrics_host/metrics_port" in error
+
+
+def test_a_taken_metrics_port_leaves_the_worker_serving(
+    mosquitto: ServerProcess, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    key_file = tmp_path / "worker.key"
+    key_file.write_bytes(SigningKey.generate().to_pem())
+    edge = SPARE_EDGES[-1]
+    client = PlainClient(mosquitto.port)
+    client.subscribe(topics.edge_returns(edge, WORKER))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        settings = load_settings(
+            mqtt={"port": mosquitto.port, "plaintext": True},
+            pool={
+                "id": WORKER,
+                "zone": WORKER_ZONE,
+                "key_file": key_file,
+                "policy_file": write_policy_file(tmp_path),
+                "state_dir": tmp_path / "state",
+                "metrics_port": port,
+            },
+        )
+        worker = WorkerThread(settings)
+        with caplog.at_level(logging.ERROR, logger="sluicegate.node_metrics"):
+            worker.start(client)
+        try:
+            publish_work(client, WorkSpec(edge=edge).message())
+            got = client.next()
+            while got.topic != topics.edge_returns(edge, WORKER):  # past the status
+                got = client.next()
+        finally:
+            worker.stop()
+            client.close()
+    assert json.loads(got.payload)["status"] == "ok"
+    [error] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert f"127.0.0.1:{port}" in error
+    assert "[pool] metrics_host/metrics_port" in error
 
 
 # -- a campus: the edge offloads part of a volley to the worker ---------------------------------
