@@ -20,6 +20,7 @@ import typer
 
 from policies.cli import app as policy_app
 from sluicegate.app.acl_cli import register as register_acl
+from sluicegate.app.console_cli import console_app
 from sluicegate.app.twin_cli import register as register_twin_demo
 from sluicegate.deploy.cli import register as register_deploy
 from sluicegate.doctor.cli import register as register_doctor
@@ -50,6 +51,7 @@ app.add_typer(ca_app, name="ca")
 app.add_typer(enroll_app, name="enroll")
 register_twin_demo(twin_app)
 app.add_typer(twin_app, name="twin")
+app.add_typer(console_app, name="console")
 
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", "-c", help="TOML settings file.", exists=False)
