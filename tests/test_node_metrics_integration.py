@@ -254,10 +254,13 @@ async def volley(campus: LocalCampus, edge: str, n: int) -> list[Any]:
 def test_edge_and_worker_metrics_add_up_to_what_the_app_received(campus: LocalCampus) -> None:
     urls = campus.metrics_urls()
     assert set(urls) == {"line-1-pc", "north-cpu-1"}
+    broker = f"http://127.0.0.1:{campus.http_port}/metrics"
+    # The broker places work once the worker's telemetry is in.
+    wait_until(lambda: total(scrape(broker), "sluicegate_workers", state="healthy"), timeout=30)
     sent = 0
     ran: Counter[str] = Counter()
-    # Volleys, a scrape after each, until one was partly offloaded (the broker places work
-    # once the worker's first telemetry is in): the counters follow the nodes throughout.
+    # Volleys, a scrape after each, until one was partly offloaded: the counters follow the
+    # nodes throughout.
     for volleys in range(1, 7):
         if volleys > 2 and ran["pool"]:
             break
@@ -285,7 +288,10 @@ def test_edge_and_worker_metrics_add_up_to_what_the_app_received(campus: LocalCa
         assert total(worker, "sluicegate_worker_job_seconds_count", **w) == there
         assert total(worker, "sluicegate_worker_refused_total", **w) == 0
         assert total(edge, "sluicegate_edge_offloaded_total", **e) == there
-    assert ran["pool"] > 0, "a one-slot line PC under volleys of 16 must offload some"
+    why = {
+        dict(ls)["code"]: v for (n, ls), v in edge.items() if n.startswith("sluicegate_edge_stayed")
+    }
+    assert ran["pool"] > 0, f"a one-slot line PC under volleys of 16 must offload some: {why}"
     assert ran["edge"] > 0
     info = [labels for (name, labels) in worker if name == "sluicegate_worker_info"]
     assert dict(info[0])["pool"]
