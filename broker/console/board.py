@@ -66,6 +66,7 @@ class Console:
         self._dead: dict[str, Any] = {"count": 0, "recent": []}
         self._subscribers: set[asyncio.Queue[str]] = set()
         self.latest: str | None = None  # the last snapshot pushed, JSON
+        self.build_ms = 0.0  # what building and encoding the last one took
         broker.completion_listeners.append(self.window.add_completion)
 
     # -- intake ----------------------------------------------------------------------------
@@ -163,7 +164,11 @@ class Console:
             except StoreUnavailable as exc:
                 log.warning("console: %s", exc)
             if self._subscribers:
-                self._push(json.dumps(self.snapshot(), default=str, separators=(",", ":")))
+                started = time.perf_counter()
+                document = self.snapshot()
+                document["build_ms"] = self.build_ms
+                self._push(json.dumps(document, default=str, separators=(",", ":")))
+                self.build_ms = round((time.perf_counter() - started) * 1000.0, 3)
             tick += 1
             await asyncio.sleep(every)
 
@@ -202,7 +207,7 @@ class Console:
         record from the edge, if still in the window."""
         out: dict[str, Any] = {"job_id": job_id, "placement": decision}
         out["audit"] = await self._audit_records(job_id)
-        seen = next((s for s in reversed(self.window.jobs) if s.job.job_id == job_id), None)
+        seen = self.window.find(job_id)
         out["edge_record"] = (
             {"edge": seen.edge, **seen.job.model_dump()} if seen is not None else None
         )

@@ -1,18 +1,23 @@
 """The console's figures over a sliding window: per line (from the edges' job records) and
 per pool (from the workers' completions), and where each data class went.
 
-:class:`Window` keeps what arrived in the last ``window_s`` seconds, bounded in count, and
-derives plain dictionaries for the dashboard: jobs per second, local against offloaded and
-where, deadline attainment, latency p50/p99 split into queue, inference and the rest
-(placement, transfer and delivery), why jobs stayed local in words, batch sizes and service
-times per model. Every job point it lists carries its id, so the page links it to the job's
-explanation. Pure: the caller passes ``now``.
+:class:`Window` counts what arrived in per-second buckets (one :class:`~collections.Counter`
+per node per second) and keeps each node's running totals over the window: a record costs a
+few counter updates as it arrives, a bucket is subtracted once as it leaves the window, so a
+snapshot costs the same however many jobs the window holds. Latencies are counted in
+logarithmic bins 5 % wide, so a p50 or p99 is the upper edge of its bin (within 5 % of the
+exact value). From the totals it derives plain dictionaries for the dashboard: jobs per
+second, local against offloaded and where, deadline attainment, latency p50/p99 split into
+queue, inference and the rest (placement, transfer and delivery), why jobs stayed local in
+words, batch sizes and service times per model. The last job points of each line (and the
+records of the most recent jobs, for a lookup) carry their ids, so the page links each to
+the job's explanation. Pure: the caller passes ``now``.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter, defaultdict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,8 +25,20 @@ from typing import Any
 from sluicegate import wire
 from sluicegate.wire_pool import Completion
 
-MAX_RECORDS = 50_000  # per window, at most: a burst past it keeps the newest
 POINTS = 300  # job points per line sent to the page
+RECENT = 10_000  # job records kept for a lookup by id
+BIN_RATIO = 1.05  # latency bins: each 5 % wider than the one below
+FLOOR_MS = 0.1
+PARTS = ("total", "queue", "inference", "other")
+Key = tuple[Any, ...]  # ("jobs",), ("to", worker), ("h", part, bin), ...
+JOBS, LOCAL, OFFLOADED, DEADLINE, MET = (
+    ("jobs",),
+    ("local",),
+    ("offloaded",),
+    ("deadline",),
+    ("met",),
+)
+_LOG_RATIO = math.log(BIN_RATIO)
 
 # Why a job ran on its line PC, in words (codes from the edge's job records).
 STAYED_LOCAL: dict[str, str] = {
@@ -48,185 +65,319 @@ def words_for(code: str | None) -> str:
     return STAYED_LOCAL.get(code or "", f"code {code}")
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile of ``values`` (sorted here), None when empty."""
-    if not values:
+def bin_of(ms: float) -> int:
+    if ms <= FLOOR_MS:
+        return 0
+    return int(math.log(ms / FLOOR_MS) / _LOG_RATIO) + 1
+
+
+def bin_top(index: int) -> float:
+    """The upper edge of a bin, ms."""
+    return 0.0 if index == 0 else round(FLOOR_MS * BIN_RATIO**index, 3)
+
+
+def percentile(bins: Mapping[int, int], q: float) -> float | None:
+    """Nearest-rank percentile of the values counted in ``bins`` (None when empty)."""
+    n = sum(bins.values())
+    if not n:
         return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q * len(ordered)))
-    return round(ordered[rank - 1], 3)
+    rank = max(1, math.ceil(q * n))
+    seen = 0
+    for index in sorted(bins):
+        seen += bins[index]
+        if seen >= rank:
+            return bin_top(index)
+    return None  # unreachable: the counts sum to n
 
 
-def _spread(values: list[float]) -> dict[str, float | None]:
-    return {"p50": percentile(values, 0.50), "p99": percentile(values, 0.99)}
+def _spread(bins: Mapping[int, int]) -> dict[str, float | None]:
+    return {"p50": percentile(bins, 0.50), "p99": percentile(bins, 0.99)}
+
+
+class Rolling:
+    """Per-second buckets of one node's counts, and their totals over the window."""
+
+    __slots__ = ("buckets", "totals")
+
+    def __init__(self) -> None:
+        self.buckets: deque[tuple[int, Counter[Key]]] = deque()
+        self.totals: Counter[Key] = Counter()
+
+    def bucket(self, now: float) -> Counter[Key]:
+        second = int(now)
+        if not self.buckets or self.buckets[-1][0] != second:
+            self.buckets.append((second, Counter()))
+        return self.buckets[-1][1]
+
+    def add(self, now: float, counts: Counter[Key]) -> None:
+        self.bucket(now).update(counts)
+        self.totals.update(counts)
+
+    def trim(self, cutoff: float) -> None:
+        while self.buckets and self.buckets[0][0] < cutoff:
+            _second, gone = self.buckets.popleft()
+            self.totals.subtract(gone)
+        if not self.buckets:
+            self.totals.clear()
 
 
 @dataclass(frozen=True, slots=True)
 class Seen:
-    at: float  # when the broker received it
     edge: str
     job: wire.TraceJob
 
 
-class Window:
-    """Job records and completions of the last ``window_s`` seconds."""
+def _count(c: Counter[Key], job: wire.TraceJob) -> None:
+    """Add one job record's counts to ``c``."""
+    c[JOBS] += 1
+    c[("status", job.status)] += 1
+    if job.deadline_ms is not None:
+        c[DEADLINE] += 1
+        if job.status == "ok" and job.latency_ms <= job.deadline_ms:
+            c[MET] += 1
+    if job.ran_on is None:
+        return
+    if job.offloaded:
+        c[OFFLOADED] += 1
+        c[("to", job.ran_on)] += 1
+    else:
+        c[LOCAL] += 1
+        c[("stayed", job.code or "")] += 1
+    total, queue, service = job.latency_ms, job.queue_ms, job.service_ms
+    c[("h", "total", bin_of(total))] += 1
+    c[("h", "queue", bin_of(queue))] += 1
+    c[("h", "inference", bin_of(service))] += 1
+    c[("h", "other", bin_of(total - queue - service))] += 1
+    c[("class", job.data_class, job.ran_on)] += 1
 
-    def __init__(self, window_s: float, limit: int = MAX_RECORDS) -> None:
+
+class Window:
+    """Job records and completions of the last ``window_s`` seconds, counted."""
+
+    def __init__(self, window_s: float) -> None:
         self.window_s = window_s
-        self.jobs: deque[Seen] = deque(maxlen=limit)
-        self.completions: deque[tuple[float, Completion]] = deque(maxlen=limit)
+        self._lines: dict[str, Rolling] = {}
+        self._workers: dict[str, Rolling] = {}
+        self._points: dict[str, deque[tuple[float, dict[str, Any]]]] = {}  # (arrived, point)
+        self._examples: dict[tuple[str, str, str], str] = {}  # (edge, class, node) -> job id
+        self._recent: OrderedDict[str, Seen] = OrderedDict()
+
+    # -- intake --------------------------------------------------------------------------
 
     def add_trace(self, trace: wire.EdgeTrace, now: float) -> None:
-        for record in trace.records:
-            self.jobs.append(Seen(now, trace.node, record))
+        edge = trace.node
+        rolling = self._lines.setdefault(edge, Rolling())
+        points = self._points.setdefault(edge, deque(maxlen=POINTS))
+        counts: Counter[Key] = Counter()
+        for job in trace.records:
+            _count(counts, job)
+            late = job.deadline_ms is not None and job.latency_ms > job.deadline_ms
+            points.append(
+                (
+                    now,
+                    {
+                        "id": job.job_id,
+                        "t": round(job.received_at, 3),
+                        "ms": job.latency_ms,
+                        "on": job.ran_on,
+                        "offloaded": job.offloaded,
+                        "late": late,
+                    },
+                )
+            )
+            if job.ran_on is not None:
+                self._examples[(edge, job.data_class, job.ran_on)] = job.job_id
+            self._recent[job.job_id] = Seen(edge, job)
+            self._recent.move_to_end(job.job_id)
+        while len(self._recent) > RECENT:
+            self._recent.popitem(last=False)
+        rolling.add(now, counts)
 
     def add_completion(self, done: Completion, now: float) -> None:
-        self.completions.append((now, done))
+        if done.kind != "pool":
+            return
+        m = done.model
+        counts: Counter[Key] = Counter(
+            {
+                ("jobs", m): 1,
+                ("h", "service", m, bin_of(done.service_ms)): 1,
+                ("h", "queue", m, bin_of(done.queue_ms)): 1,
+                ("batch", m, done.batch_size): 1,
+            }
+        )
+        if done.status != "ok":
+            counts[("failed", m)] = 1
+        self._workers.setdefault(done.worker_id, Rolling()).add(now, counts)
+
+    def find(self, job_id: str) -> Seen | None:
+        """A recent job's record, as its edge sent it."""
+        return self._recent.get(job_id)
 
     def _trim(self, now: float) -> None:
         cutoff = now - self.window_s
-        while self.jobs and self.jobs[0].at < cutoff:
-            self.jobs.popleft()
-        while self.completions and self.completions[0][0] < cutoff:
-            self.completions.popleft()
+        for rolling in (*self._lines.values(), *self._workers.values()):
+            rolling.trim(cutoff)
+
+    # -- figures -----------------------------------------------------------------------------
 
     def lines(self, now: float) -> dict[str, dict[str, Any]]:
         """Per edge: its jobs in the window, as the dashboard shows them."""
         self._trim(now)
-        by_edge: dict[str, list[Seen]] = defaultdict(list)
-        for seen in self.jobs:
-            by_edge[seen.edge].append(seen)
-        return {edge: _line(seen, now, self.window_s) for edge, seen in sorted(by_edge.items())}
+        out = {}
+        for edge, rolling in sorted(self._lines.items()):
+            if rolling.buckets:
+                out[edge] = self._line(edge, rolling, now)
+        return out
+
+    def _line(self, edge: str, rolling: Rolling, now: float) -> dict[str, Any]:
+        t = rolling.totals
+        where: Counter[str] = Counter()
+        stayed: Counter[str] = Counter()
+        statuses: Counter[str] = Counter()
+        parts: dict[str, Counter[int]] = {p: Counter() for p in PARTS}
+        for key, n in t.items():
+            if n <= 0:
+                continue
+            kind = key[0]
+            if kind == "to":
+                where[key[1]] += n
+            elif kind == "stayed":
+                stayed[key[1]] += n
+            elif kind == "status":
+                statuses[key[1]] += n
+            elif kind == "h":
+                parts[key[1]][key[2]] += n
+        recent = sum(c[("jobs",)] for second, c in rolling.buckets if second >= now - 10.0)
+        deadline = t[("deadline",)]
+        cutoff = now - self.window_s
+        points = [p for at, p in self._points.get(edge, ()) if at >= cutoff]
+        return {
+            "jobs": t[("jobs",)],
+            "jobs_per_s": round(recent / min(10.0, self.window_s), 2),
+            "local": t[("local",)],
+            "offloaded": t[("offloaded",)],
+            "offloaded_to": dict(where.most_common()),
+            "statuses": dict(statuses),
+            "attainment": round(t[("met",)] / deadline, 4) if deadline else None,
+            "with_deadline": deadline,
+            "latency_ms": {name: _spread(bins) for name, bins in parts.items()},
+            "stayed_local": [
+                {"code": code or None, "jobs": n, "why": words_for(code)}
+                for code, n in stayed.most_common()
+            ],
+            "points": points,
+        }
 
     def pools(self, now: float, pool_of: Callable[[str], str]) -> dict[str, dict[str, Any]]:
         """Per pool: completions in the window by model (batch sizes, service and queue
         times), and per worker."""
         self._trim(now)
-        grouped: dict[str, list[Completion]] = defaultdict(list)
-        for _at, done in self.completions:
-            if done.kind == "pool":
-                grouped[pool_of(done.worker_id)].append(done)
-        return {pool: _pool(done, self.window_s) for pool, done in sorted(grouped.items())}
+        grouped: dict[str, Counter[Key]] = {}
+        by_worker: dict[str, Counter[str]] = {}
+        for worker, rolling in sorted(self._workers.items()):
+            pool = pool_of(worker)
+            grouped.setdefault(pool, Counter()).update(rolling.totals)
+            jobs = sum(n for k, n in rolling.totals.items() if k[0] == "jobs")
+            if jobs > 0:
+                by_worker.setdefault(pool, Counter())[worker] = jobs
+        return {
+            pool: _pool(t, by_worker.get(pool, Counter()), self.window_s)
+            for pool, t in sorted(grouped.items())
+            if any(k[0] == "jobs" and n > 0 for k, n in t.items())
+        }
 
-    def placements(self, now: float, zone_of: Callable[[str], str | None]) -> list[Placement]:
-        """Where each job in the window ran: (data class, origin edge, zone it ran in)."""
-        self._trim(now)
+    def placements(self) -> list[Placement]:
+        """Where the jobs in the window ran: (data class, origin edge, node), counted."""
         out = []
-        for seen in self.jobs:
-            ran = seen.job.ran_on
-            if ran is None:
-                continue
-            out.append(Placement(seen.job.data_class, seen.edge, zone_of(ran), seen.job.job_id))
+        for edge, rolling in self._lines.items():
+            for key, n in rolling.totals.items():
+                if key[0] == "class" and n > 0:
+                    _kind, data_class, node = key
+                    example = self._examples.get((edge, data_class, node))
+                    out.append(Placement(data_class, edge, node, n, example))
         return out
+
+
+def _pool(t: Counter[Key], workers: Counter[str], window_s: float) -> dict[str, Any]:
+    models: dict[str, dict[str, Any]] = {}
+    service: dict[str, Counter[int]] = {}
+    queue: dict[str, Counter[int]] = {}
+    batch: dict[str, Counter[int]] = {}
+    for key, n in t.items():
+        if n <= 0:
+            continue
+        kind = key[0]
+        if kind == "jobs":
+            models.setdefault(key[1], {"jobs": 0, "failed": 0})["jobs"] += n
+        elif kind == "failed":
+            models.setdefault(key[1], {"jobs": 0, "failed": 0})["failed"] += n
+        elif kind == "h":
+            which = service if key[1] == "service" else queue
+            which.setdefault(key[2], Counter())[key[3]] += n
+        elif kind == "batch":
+            batch.setdefault(key[1], Counter())[key[2]] += n
+    total = sum(m["jobs"] for m in models.values())
+    for model, figures in models.items():
+        sizes = batch.get(model, Counter())
+        figures["service_ms"] = _spread(service.get(model, Counter()))
+        figures["queue_ms"] = _spread(queue.get(model, Counter()))
+        figures["batch_size"] = {
+            "p50": _exact(sizes, 0.50),
+            "p99": _exact(sizes, 0.99),
+        }
+    return {
+        "jobs": total,
+        "jobs_per_s": round(total / window_s, 2),
+        "by_worker": dict(workers.most_common()),
+        "models": dict(sorted(models.items())),
+    }
+
+
+def _exact(counts: Mapping[int, int], q: float) -> float | None:
+    """Nearest-rank percentile of small integers counted exactly (batch sizes)."""
+    n = sum(counts.values())
+    if not n:
+        return None
+    rank, seen = max(1, math.ceil(q * n)), 0
+    for value in sorted(counts):
+        seen += counts[value]
+        if seen >= rank:
+            return float(value)
+    return None  # unreachable
 
 
 @dataclass(frozen=True, slots=True)
 class Placement:
     data_class: str
     edge: str
-    zone: str | None  # None: the node it ran on is not known to the broker (shown as "?")
-    job_id: str
-
-
-def _line(seen: list[Seen], now: float, window_s: float) -> dict[str, Any]:
-    recent = [s for s in seen if s.at >= now - 10.0]
-    local = offloaded = met = with_deadline = 0
-    where: Counter[str] = Counter()
-    stayed: Counter[str] = Counter()
-    statuses: Counter[str] = Counter()
-    parts: dict[str, list[float]] = {"total": [], "queue": [], "inference": [], "other": []}
-    for s in seen:
-        job = s.job
-        statuses[job.status] += 1
-        if job.deadline_ms is not None:
-            with_deadline += 1
-            met += job.status == "ok" and job.latency_ms <= job.deadline_ms
-        if job.ran_on is None:
-            continue
-        if job.offloaded:
-            offloaded += 1
-            where[job.ran_on] += 1
-        else:
-            local += 1
-            stayed[job.code or ""] += 1
-        parts["total"].append(job.latency_ms)
-        parts["queue"].append(job.queue_ms)
-        parts["inference"].append(job.service_ms)
-        parts["other"].append(max(0.0, job.latency_ms - job.queue_ms - job.service_ms))
-    points = [
-        {
-            "id": s.job.job_id,
-            "t": round(s.job.received_at, 3),
-            "ms": s.job.latency_ms,
-            "on": s.job.ran_on,
-            "offloaded": s.job.offloaded,
-            "late": s.job.deadline_ms is not None and s.job.latency_ms > s.job.deadline_ms,
-        }
-        for s in seen[-POINTS:]
-    ]
-    return {
-        "jobs": len(seen),
-        "jobs_per_s": round(len(recent) / min(10.0, window_s), 2),
-        "local": local,
-        "offloaded": offloaded,
-        "offloaded_to": dict(where.most_common()),
-        "statuses": dict(statuses),
-        "attainment": round(met / with_deadline, 4) if with_deadline else None,
-        "with_deadline": with_deadline,
-        "latency_ms": {name: _spread(values) for name, values in parts.items()},
-        "stayed_local": [
-            {"code": code or None, "jobs": n, "why": words_for(code)}
-            for code, n in stayed.most_common()
-        ],
-        "points": points,
-    }
-
-
-def _pool(done: list[Completion], window_s: float) -> dict[str, Any]:
-    models: dict[str, list[Completion]] = defaultdict(list)
-    workers: Counter[str] = Counter()
-    for d in done:
-        models[d.model].append(d)
-        workers[d.worker_id] += 1
-    return {
-        "jobs": len(done),
-        "jobs_per_s": round(len(done) / window_s, 2),
-        "by_worker": dict(workers.most_common()),
-        "models": {
-            model: {
-                "jobs": len(items),
-                "service_ms": _spread([d.service_ms for d in items]),
-                "queue_ms": _spread([d.queue_ms for d in items]),
-                "batch_size": _spread([float(d.batch_size) for d in items]),
-                "failed": sum(d.status != "ok" for d in items),
-            }
-            for model, items in sorted(models.items())
-        },
-    }
+    node: str  # the node it ran on
+    jobs: int
+    example: str | None  # one such job's id
 
 
 def class_matrix(
     placements: Iterable[Placement],
+    zone_of: Callable[[str], str | None],
     allowed: Callable[[str, str, str], bool],
     edge_zone: Mapping[str, str],
 ) -> dict[str, Any]:
     """Jobs by data class and the zone they ran in; a cell is ``forbidden`` when the policy
-    in force denies any of its jobs' (class, origin, zone): a red, never-expected cell."""
+    in force denies any of its jobs' (class, origin, zone): a red, never-expected cell. A
+    node whose zone the broker does not know counts under "?"."""
     cells: dict[tuple[str, str], dict[str, Any]] = {}
-    zones: set[str] = set()
     for p in placements:
-        zone = p.zone or "?"
-        zones.add(zone)
-        cell = cells.setdefault((p.data_class, zone), {"jobs": 0, "forbidden": 0, "example": None})
-        cell["jobs"] += 1
+        zone = zone_of(p.node)
+        cell = cells.setdefault(
+            (p.data_class, zone or "?"), {"jobs": 0, "forbidden": 0, "example": None}
+        )
+        cell["jobs"] += p.jobs
         origin = edge_zone.get(p.edge)
-        if p.zone is not None and origin is not None and not allowed(p.data_class, origin, p.zone):
-            cell["forbidden"] += 1
-            cell["example"] = cell["example"] or p.job_id
-    classes = sorted({c for c, _ in cells})
+        if zone is not None and origin is not None and not allowed(p.data_class, origin, zone):
+            cell["forbidden"] += p.jobs
+            cell["example"] = cell["example"] or p.example
     return {
-        "classes": classes,
-        "zones": sorted(zones),
+        "classes": sorted({c for c, _ in cells}),
+        "zones": sorted({z for _, z in cells}),
         "cells": [{"class": c, "zone": z, **cell} for (c, z), cell in sorted(cells.items())],
         "forbidden": sum(cell["forbidden"] for cell in cells.values()),
     }

@@ -44,9 +44,9 @@ def build(console: Console, broker: Broker, feed: PolicyFeed, now: float) -> dic
         edge_zone.update({e.edge_id: e.zone for e in policy.edges})
     classes: dict[str, Any] = {"classes": [], "zones": [], "cells": [], "forbidden": 0}
     if policy is not None:
-        placements = console.window.placements(now, zone_of.get)
         classes = class_matrix(
-            placements,
+            console.window.placements(),
+            zone_of.get,
             lambda c, origin, target: allowed(policy, c, origin, target).allowed,
             edge_zone,
         )

@@ -110,6 +110,9 @@ function renderLines(s) {
         <td data-testid="line-to-${esc(id)}">${to}</td><td class="num">${pct(l.attainment)}</td>
         <td class="num">${part("total")}</td><td class="num">${part("queue")}</td>
         <td class="num">${part("inference")}</td><td class="num">${part("other")}</td></tr></table>
+      <p class="row" data-testid="line-statuses-${esc(id)}">answers: ${Object.entries(l.statuses || {}).map(([k, n]) => `${esc(k)} ${esc(n)}`).join(", ") || "–"}
+        · points: <span style="color:#1b7f3b">●</span> on the line PC <span style="color:#3a7bd5">●</span> on a pool
+        <span style="color:#b3261e">●</span> late; each links to its job</p>
       ${l.points && l.points.length ? scatter(l.points, since, until) : ""}
       ${why ? `<p>Why jobs stayed on the line PC:</p><ul data-testid="stayed-${esc(id)}">${why}</ul>` : ""}</div>`;
   }).join("") || "<p>No line has reported a job yet.</p>";

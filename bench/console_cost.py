@@ -1,0 +1,254 @@
+"""Benchmark: what open dashboards cost the broker. Placement decisions per second through
+one broker process with five consoles open (each a live stream of snapshots, as a browser
+holds it) against none, rounds alternating in one run.
+
+Processes and driver as in ``bench/broker_throughput.py`` (a Mosquitto and a Redis for the
+run, one ``sluicegate broker run`` replica over ``--workers`` played pool workers, a paho
+driver keeping ``--window`` requests outstanding as edge ``line-1-pc``). In both arms the
+edges' job records arrive as in production (``--records`` a second on the edge trace topic,
+so the console's window is full); only the open dashboards differ. Target: at most 5 %
+fewer decisions per second with five dashboards open.
+
+    .venv/bin/python bench/console_cost.py                  # about 70 s on 2 cores
+    .venv/bin/python bench/console_cost.py --rounds 5 --dashboards 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from statistics import median_high
+
+import paho.mqtt.client as paho
+import psutil
+from paho.mqtt.enums import CallbackAPIVersion
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from broker_throughput import EDGE, ZONE, Driver, fleet_publisher  # noqa: E402
+
+from policies import SigningKey  # noqa: E402
+from sluicegate import topics, wire  # noqa: E402
+from sluicegate.app.campus import write_campus  # noqa: E402
+from sluicegate.app.servers import free_port, running, start_mosquitto, start_redis  # noqa: E402
+
+TARGET = {"max_drop": 0.05}
+
+
+def records_publisher(port: int, per_s: int, stop: threading.Event) -> None:
+    """The edges' job records, ``per_s`` a second in one trace document per edge."""
+    client = paho.Client(CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
+    client.connect("127.0.0.1", port)
+    client.loop_start()
+    n = 0
+    while not stop.is_set():
+        now = time.time()
+        for edge, worker in (("line-1-pc", "w0001"), ("line-2-pc", None)):
+            records = []
+            for i in range(per_s // 2):
+                n += 1
+                offloaded = worker is not None and i % 2 == 0
+                records.append(
+                    wire.TraceJob(
+                        received_at=now - 0.05,
+                        job_id=f"r{n}",
+                        model="defect-v1",
+                        data_class="wafer-image",
+                        priority=5,
+                        deadline_ms=200.0,
+                        bytes=80_000,
+                        status="ok",
+                        ran_on=worker if offloaded else edge,
+                        offloaded=offloaded,
+                        worker=worker if offloaded else None,
+                        latency_ms=40.0 + i % 50,
+                        queue_ms=5.0,
+                        service_ms=20.0,
+                        code=None if offloaded else "no_faster_worker",
+                    )
+                )
+            trace = wire.EdgeTrace(node=edge, records=records)
+            client.publish(topics.edge_trace(edge), wire.dump(trace), qos=0)
+        stop.wait(1.0)
+    client.disconnect()
+    client.loop_stop()
+
+
+class Dashboard(threading.Thread):
+    """One open console: the live stream, read and parsed as the page does."""
+
+    def __init__(self, port: int, token: str) -> None:
+        super().__init__(daemon=True)
+        self.port, self.token = port, token
+        self.snapshots = 0
+        self.bytes = 0
+        self.build_ms: list[float] = []  # the broker's time to build each snapshot
+        self.closed = threading.Event()
+
+    def run(self) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        conn.request(
+            "GET", "/console/api/events", headers={"Authorization": f"Bearer {self.token}"}
+        )
+        stream = conn.getresponse()
+        assert stream.status == 200, stream.status
+        while not self.closed.is_set():
+            line = stream.readline()
+            if not line:
+                break
+            if line.startswith(b"data: "):
+                self.build_ms.append(float(json.loads(line[6:])["build_ms"]))
+                self.snapshots += 1
+                self.bytes += len(line)
+        conn.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=8.0, help="length of a round")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds of each arm, alternating")
+    ap.add_argument("--window", type=int, default=64, help="requests outstanding")
+    ap.add_argument("--workers", type=int, default=50)
+    ap.add_argument("--dashboards", type=int, default=5)
+    ap.add_argument("--records", type=int, default=500, help="edge job records a second")
+    args = ap.parse_args()
+    workers = [f"w{i:04d}" for i in range(args.workers)]
+    with (
+        running(start_mosquitto()) as mqtt,
+        running(start_redis()) as redis,
+        tempfile.TemporaryDirectory(prefix="sg-bench-") as tmp,
+    ):
+        http_port = free_port()
+        campus = write_campus(
+            Path(tmp),
+            lambda _n: SigningKey.generate(),
+            mqtt_port=mqtt.port,
+            redis_url=f"redis://127.0.0.1:{redis.port}/0",
+            workers=dict.fromkeys(workers, (ZONE, "x86-cpu")),
+            http_port=http_port,
+            secure=False,
+        )
+        cmd = [sys.executable, "-m", "sluicegate.app.cli", "broker", "run"]
+        broker = subprocess.Popen(
+            [*cmd, "--log-level", "warning", "--config", str(campus.node_config("broker-1"))]
+        )
+        stop = threading.Event()
+        feeders = [
+            threading.Thread(target=fleet_publisher, args=(mqtt.port, workers, stop)),
+            threading.Thread(target=records_publisher, args=(mqtt.port, args.records, stop)),
+        ]
+        for f in feeders:
+            f.start()
+        driver = Driver(mqtt.port)
+        driver.wait_online(topics.broker_status("broker-1"))
+        token = campus.console_token("viewer")
+        arms: dict[str, list[float]] = {"none": [], "dashboards": []}
+        cpu: dict[str, list[float]] = {"none": [], "dashboards": []}
+        pushed: list[float] = []
+        built: list[float] = []  # ms the broker took per snapshot
+        snapshot_bytes: list[float] = []
+        try:
+            requests = topics.placement_request(EDGE)
+            driver.round(requests, 3.0, args.window)  # warm-up; the window fills
+            proc = psutil.Process(broker.pid)
+            for _ in range(args.rounds):
+                for arm in ("none", "dashboards"):
+                    boards: list[Dashboard] = []
+                    if arm == "dashboards":
+                        boards = [Dashboard(http_port, token) for _ in range(args.dashboards)]
+                        for b in boards:
+                            b.start()
+                        deadline = time.monotonic() + 10
+                        while min(b.snapshots for b in boards) < 1:
+                            assert time.monotonic() < deadline, "no snapshot reached a dashboard"
+                            time.sleep(0.05)  # until every dashboard has its first snapshot
+                    got = [b.snapshots for b in boards]
+                    rate, us = driver.round(
+                        requests, args.seconds, args.window, count=True, serving=proc
+                    )
+                    arms[arm].append(rate)
+                    cpu[arm].append(us)
+                    if boards:
+                        pushed.append(
+                            sum(b.snapshots - g for b, g in zip(boards, got, strict=True))
+                            / len(boards)
+                            / args.seconds
+                        )
+                        built += [ms for b in boards[:1] for ms in b.build_ms[1:]]
+                        snapshot_bytes.append(boards[0].bytes / max(boards[0].snapshots, 1))
+                        for b in boards:
+                            b.closed.set()
+        finally:
+            stop.set()
+            for f in feeders:
+                f.join()
+            broker.terminate()
+            broker.wait(30)
+    report(args, arms, cpu, pushed, driver.statuses, built, snapshot_bytes)
+
+
+def report(
+    args: argparse.Namespace,
+    arms: dict[str, list[float]],
+    cpu: dict[str, list[float]],
+    pushed: list[float],
+    statuses: dict[str, int],
+    built: list[float],
+    snapshot_bytes: list[float],
+) -> None:
+    none, boards = median_high(arms["none"]), median_high(arms["dashboards"])
+    drop = 1.0 - boards / none
+    print(
+        f"console cost: {args.workers} workers, {args.records} job records/s, window "
+        f"{args.window}, {args.rounds} rounds of {args.seconds:g} s per arm, alternating, "
+        f"nproc {os.cpu_count()}; replies {statuses}"
+    )
+    print(
+        f"  decisions/s, no dashboard      {none:8.0f}   rounds {[round(x) for x in arms['none']]}"
+    )
+    print(
+        f"  decisions/s, {args.dashboards} dashboards open  {boards:8.0f}   rounds "
+        f"{[round(x) for x in arms['dashboards']]}"
+    )
+    print(
+        f"  broker CPU per decision        {median_high(cpu['none']):5.0f} / "
+        f"{median_high(cpu['dashboards']):5.0f} µs"
+    )
+    print(f"  snapshots per dashboard per s  {median_high(pushed) if pushed else 0:8.2f}")
+    build = sorted(built) or [0.0]
+    print(
+        f"  snapshot build + encode        {median_high(build):8.2f} ms p50, "
+        f"{build[int(0.99 * (len(build) - 1))]:.2f} ms p99, "
+        f"{median_high(snapshot_bytes or [0.0]) / 1024:.0f} KiB each"
+    )
+    print(
+        f"  drop                           {100 * drop:7.1f} %   "
+        f"target <= {100 * TARGET['max_drop']:.0f} %"
+    )
+    result = {
+        "bench": "console_cost",
+        "subject": {"decisions_per_s": boards, "rounds": arms["dashboards"]},
+        "baseline": {"decisions_per_s": none, "rounds": arms["none"]},
+        "ratio": {"dashboards_over_none": boards / none},
+        "cpu_us_per_decision": {k: median_high(v) for k, v in cpu.items()},
+        "snapshots_per_s": median_high(pushed) if pushed else 0.0,
+        "snapshot_build_ms_p50": median_high(build),
+        "target": TARGET,
+        "met": drop <= TARGET["max_drop"],
+        "params": vars(args),
+    }
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
