@@ -185,9 +185,12 @@ def test_the_dashboard_follows_a_burst_explains_a_job_and_drains_a_worker(
 
     # A chart point is a job: its link opens the job's explanation. (The page redraws every
     # second and dots overlap, so the link is followed by a click dispatched on it.)
-    link = page.locator("[data-testid=line-line-1-pc] svg a:has(circle[fill='#3a7bd5'])").first
-    job_id = link.get_attribute("data-job")
-    assert link.get_attribute("href") == f"#job={job_id}"
+    job_id, href = page.evaluate(
+        """() => { const a = document.querySelector(
+            "[data-testid='line-line-1-pc'] svg a circle[fill='#3a7bd5']").parentElement;
+          return [a.dataset.job, a.getAttribute('href')]; }"""
+    )
+    assert href == f"#job={job_id}"
     page.evaluate(
         "id => document.querySelector(`a[data-job='${id}']`)"
         ".dispatchEvent(new MouseEvent('click', {bubbles: true, cancelable: true}))",

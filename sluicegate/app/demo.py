@@ -168,6 +168,11 @@ def run_demo(
             console.print(
                 f"Prometheus metrics: broker http://127.0.0.1:{campus.http_port}/metrics, {urls}"
             )
+            console.print(
+                f"operator's console: http://127.0.0.1:{campus.http_port}/console (log in with "
+                f"the token in {written.root / 'console-operator.token'}, or the viewer's in "
+                "console-viewer.token beside it)"
+            )
             observer = written.node_config(OBSERVER)
             console.print(
                 f"record it from another shell: sluicegate twin record --config {observer} "

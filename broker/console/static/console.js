@@ -47,7 +47,9 @@ function workerCard(w) {
   let state = w.online ? (w.health === "subhealthy" ? ["warn", "sub-healthy"] : ["ok", "online"]) : ["bad", "offline"];
   if (w.hold === "cordon") state = ["warn", "cordoned"];
   if (w.hold === "drain") state = w.drained ? ["warn", "drained"] : ["warn", `draining (${w.jobs_held} held)`];
-  const models = Object.entries(w.models || {}).map(([m, s]) => `${esc(m)}: ${esc(s)}`).join(", ");
+  // A model is listed by name and by name@sha256: the name is enough here.
+  const models = Object.entries(w.models || {}).filter(([m]) => !m.includes("@"))
+    .map(([m, s]) => `${esc(m)}: ${esc(s)}`).join(", ");
   const util = w.utilisation ?? 0;
   const fc = w.forecast ? `forecast ${pct(w.forecast.predicted)}${w.forecast.crosses ? " (will fill)" : ""}` : "";
   const actions = w.hold ? button("uncordon", w.id) : button("drain", w.id) + button("cordon", w.id);
