@@ -46,7 +46,7 @@ from broker.store import BrokerStore
 from policies.audit import decode_record
 from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
 from sluicegate import topics, wire
-from sluicegate.app.broker_http import get_json
+from sluicegate.app.broker_http import get_json, post_json
 from sluicegate.app.campus import FAB, Campus, write_campus
 from sluicegate.app.servers import ServerProcess, free_port, running, start_mosquitto, start_redis
 from sluicegate.wire_pool import (
@@ -825,3 +825,37 @@ def test_a_replica_that_stopped_takes_no_share_of_the_requests(
     second.stop()
     replies = [edge.place(job) for job in _jobs(6)]
     assert {r.status for r in replies} == {"placed"}
+
+
+@pytest.mark.integration
+def test_an_operators_hold_taken_on_one_replica_holds_on_every_replica(
+    campus: Campus,
+    mqtt: ServerProcess,
+    broker_redis: str,
+    edge: Edge,
+    processes: list[Any],
+) -> None:
+    brokers = [BrokerProcess(campus, mqtt, broker_redis, replica) for replica in REPLICAS]
+    processes.extend(brokers)
+    workers = _workers(campus, mqtt, processes, 4)
+    for broker in brokers:
+        _online(broker, workers)
+    first, other = brokers
+    operator = campus.console_token("operator")
+    held, free = workers[:3], workers[3]
+    for worker in held:
+        status, body = post_json(
+            f"http://127.0.0.1:{first.http_port}/console/api/actions",
+            operator,
+            {"action": "cordon", "target": worker.id, "note": "rack swap"},
+        )
+        assert status == 200, body
+
+    def applied() -> bool:
+        holds = other.http("/console/api/snapshot")[1]["holds"]
+        return {h["target"] for h in holds} == {w.id for w in held}
+
+    wait_until(applied)  # the other replica reads the holds from Redis within a second
+    replies = [edge.place(job) for job in _jobs(12)]
+    assert {r.broker_id for r in replies} == {b.id for b in brokers}  # both answered
+    assert {r.worker_id for r in replies} == {free.id}

@@ -285,3 +285,27 @@ def test_a_jobs_story_has_its_decision_candidates_and_audit_record(
     status, body = get_json(_url(held, "/console/api/jobs/never-seen"), viewer)
     assert status == 404
     assert "never-seen" in body["error"]
+
+
+def test_past_the_limit_of_live_streams_a_dashboard_is_told_to_poll(
+    held: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("broker.console.routes.MAX_STREAMS", 2)
+    viewer = _token(held, "viewer")
+    auth = {"Authorization": f"Bearer {viewer}"}
+    snapshot = _url(held, "/console/api/snapshot")
+    # A stream another test closed ends when the broker next writes to it (within a second).
+    wait_until(lambda: get_json(snapshot, viewer)[1]["watching"] == 0)
+    opened = []
+    for _ in range(2):
+        conn = http.client.HTTPConnection("127.0.0.1", held.broker.http_port, timeout=10)
+        conn.request("GET", "/console/api/events", headers=auth)
+        answer = conn.getresponse()
+        assert answer.status == 200
+        assert answer.readline().startswith(b"event: snapshot")  # it is being served
+        opened.append(conn)
+    status, body = get_json(_url(held, "/console/api/events"), _token(held, "viewer"))
+    assert status == 503
+    assert "poll /console/api/snapshot" in body["error"]
+    for conn in opened:
+        conn.close()

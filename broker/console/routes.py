@@ -29,6 +29,7 @@ STATIC = Path(__file__).parent / "static"
 COOKIE = "sg_session"
 PUBLIC = frozenset({"/health", "/metrics", "/openapi.json", "/v1/enroll", "/console/login"})
 HEARTBEAT_S = 15.0
+MAX_STREAMS = 64  # live streams one broker serves at once
 WHO = web.RequestKey("who", Who)
 
 
@@ -148,6 +149,14 @@ def add_console(
         return _json(console.snapshot())
 
     async def events(request: web.Request) -> web.StreamResponse:
+        if console.watching >= MAX_STREAMS:
+            return _json(
+                {
+                    "error": f"{MAX_STREAMS} dashboards are open on this broker already; close "
+                    "one, or poll /console/api/snapshot"
+                },
+                503,
+            )
         response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
