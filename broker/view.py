@@ -19,6 +19,7 @@ from broker.audit_check import AuditChecker
 from broker.exposition import refresh
 from broker.params_file import ParamsChoice
 from broker.service import Broker
+from policies import Policy
 from sluicegate.policy_feed import PolicyFeed
 from sluicegate.transport import Transport
 
@@ -109,11 +110,7 @@ class HttpView:
         if policy is None:
             return None
         return {
-            "campus": policy.campus,
-            "version": policy.version,
-            "digest": policy.digest.hex(),
-            "expires": policy.expires,
-            "zones": sorted(policy.zones),
+            **policy_facts(policy),
             "classes": sorted(policy.classes),
             "pools": {p.name: {"zone": p.zone, "workers": list(p.workers)} for p in policy.pools},
             "demand": [asdict(d) for d in self._broker.demand()],
@@ -162,3 +159,14 @@ def _plain(value: object) -> Any:
         return None
     data = asdict(value)  # type: ignore[call-overload]
     return {k: sorted(v) if isinstance(v, frozenset) else v for k, v in data.items()}
+
+
+def policy_facts(policy: Policy) -> dict[str, Any]:
+    """What people are shown of a policy first: campus, version, digest, expiry, zones."""
+    return {
+        "campus": policy.campus,
+        "version": policy.version,
+        "digest": policy.digest.hex(),
+        "expires": policy.expires,
+        "zones": sorted(policy.zones),
+    }

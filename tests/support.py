@@ -7,6 +7,7 @@ events with timeouts (queue.get with a timeout), never fixed sleeps.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import queue
@@ -17,7 +18,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,8 @@ from policies.signing import add_signature, dump_signatures, sign_policy
 from policies.verdict import Body, Candidate, Figures, Thresholds, Verdict, judge, sign_verdict
 from sluicegate import topics
 from sluicegate.app.campus import OFFICER, Campus
+from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
+from sluicegate.app.servers import ServerProcess, free_port, running
 from sluicegate.config import Settings
 from sluicegate.vision.runtime import ModelRegistry
 from tests.policies.policy_testkit import base_doc, key, policy_of, signed, to_toml
@@ -331,3 +334,26 @@ def list_brokers(campus: Campus, ids: tuple[str, ...]) -> dict[str, Path]:
         dump_signatures(bundle)
     )
     return files
+
+
+@contextlib.contextmanager
+def local_campus(
+    root: Path, redis_server: ServerProcess, db: int, **kw: Any
+) -> Iterator[LocalCampus]:
+    """A whole secured campus as processes (:class:`LocalCampus`: its own Mosquitto with TLS
+    and the generated ACL, on database ``db`` of ``redis_server``), started; stopped after."""
+    from tests.policies.policy_testkit import key
+
+    lc = LocalCampus(
+        root,
+        mqtt_port=free_port(),
+        redis_url=f"redis://127.0.0.1:{redis_server.port}/{db}",
+        key_for=key,
+        **kw,
+    )
+    with running(start_campus_mosquitto(lc.write())):
+        lc.start()
+        try:
+            yield lc
+        finally:
+            lc.stop()

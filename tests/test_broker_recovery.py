@@ -533,6 +533,18 @@ def _online(broker: BrokerProcess, workers: list[FakeWorker]) -> None:
     wait_until(ready)
 
 
+def _replicas(
+    campus: Campus, mqtt: ServerProcess, redis_url: str, started: list[Any], n: int
+) -> tuple[list[BrokerProcess], list[FakeWorker]]:
+    """Every replica of :data:`REPLICAS` and ``n`` workers, each replica seeing them all."""
+    brokers = [BrokerProcess(campus, mqtt, redis_url, replica) for replica in REPLICAS]
+    started.extend(brokers)
+    workers = _workers(campus, mqtt, started, n)
+    for broker in brokers:
+        _online(broker, workers)
+    return brokers, workers
+
+
 def _jobs(n: int) -> list[str]:
     return [f"job-{uuid.uuid4().hex[:12]}" for _ in range(n)]
 
@@ -757,11 +769,7 @@ def test_two_brokers_on_one_redis_send_one_notice_per_job(
     edge: Edge,
     processes: list[Any],
 ) -> None:
-    brokers = [BrokerProcess(campus, mqtt, broker_redis, replica) for replica in REPLICAS]
-    processes.extend(brokers)
-    (worker,) = _workers(campus, mqtt, processes, 1)
-    for broker in brokers:
-        _online(broker, [worker])
+    brokers, (worker,) = _replicas(campus, mqtt, broker_redis, processes, 1)
     jobs = set(_jobs(10))
     replies = [edge.place(job) for job in jobs]
     assert {r.broker_id for r in replies} == {b.id for b in brokers}  # both placed some
@@ -835,11 +843,7 @@ def test_an_operators_hold_taken_on_one_replica_holds_on_every_replica(
     edge: Edge,
     processes: list[Any],
 ) -> None:
-    brokers = [BrokerProcess(campus, mqtt, broker_redis, replica) for replica in REPLICAS]
-    processes.extend(brokers)
-    workers = _workers(campus, mqtt, processes, 4)
-    for broker in brokers:
-        _online(broker, workers)
+    brokers, workers = _replicas(campus, mqtt, broker_redis, processes, 4)
     first, other = brokers
     operator = campus.console_token("operator")
     held, free = workers[:3], workers[3]

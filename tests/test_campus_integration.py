@@ -31,7 +31,7 @@ from sluicegate.app.servers import ServerProcess, free_port, running
 from sluicegate.app.traffic import Tally, stream
 from tests.image_bytes import sample_jpeg
 from tests.policies.policy_testkit import key
-from tests.support import wait_until
+from tests.support import local_campus, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -40,19 +40,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def campus(
     tmp_path_factory: pytest.TempPathFactory, redis_server: ServerProcess
 ) -> Iterator[LocalCampus]:
-    root = tmp_path_factory.mktemp("local-campus")
     # Each campus gets its own Redis database, so reservations of other tests never count.
-    lc = LocalCampus(
-        root,
-        mqtt_port=free_port(),
-        redis_url=f"redis://127.0.0.1:{redis_server.port}/3",
-        key_for=key,
-        log_level="info",
-    )
-    with running(start_campus_mosquitto(lc.write())):
-        lc.start()
+    with local_campus(
+        tmp_path_factory.mktemp("local-campus"), redis_server, 3, log_level="info"
+    ) as lc:
         yield lc
-        lc.stop()
 
 
 def test_burst_on_one_line_completes_and_stays_inside_the_policy(campus: LocalCampus) -> None:

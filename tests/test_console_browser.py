@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
-from sluicegate.app.servers import ServerProcess, free_port, running
+from sluicegate.app.localcampus import LocalCampus
+from sluicegate.app.servers import ServerProcess
 from sluicegate.app.traffic import Tally, stream
-from tests.policies.policy_testkit import key
+from tests.support import local_campus
 from tests.test_node_metrics_integration import scrape, total
 
 playwright = pytest.importorskip("playwright.sync_api")
@@ -42,18 +42,8 @@ TIMEOUT_MS = 30_000
 def campus(
     tmp_path_factory: pytest.TempPathFactory, redis_server: ServerProcess
 ) -> Iterator[LocalCampus]:
-    root = tmp_path_factory.mktemp("console-campus")
-    lc = LocalCampus(
-        root,
-        mqtt_port=free_port(),
-        redis_url=f"redis://127.0.0.1:{redis_server.port}/6",
-        key_for=key,
-        log_level="info",
-    )
-    with running(start_campus_mosquitto(lc.write())):
-        lc.start()
+    with local_campus(tmp_path_factory.mktemp("console-campus"), redis_server, 6) as lc:
         yield lc
-        lc.stop()
 
 
 @pytest.fixture(scope="module")

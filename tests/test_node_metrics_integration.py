@@ -25,14 +25,13 @@ import pytest
 from policies import SigningKey
 from sluicegate import AsyncClient, topics
 from sluicegate.app.campus import APP_OF_LINE, APPS
-from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
-from sluicegate.app.servers import ServerProcess, free_port, running
+from sluicegate.app.localcampus import LocalCampus
+from sluicegate.app.servers import ServerProcess, free_port
 from sluicegate.config import Settings, load_settings
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir
 from tests.image_bytes import sample_jpeg
-from tests.policies.policy_testkit import key
 from tests.pool_kit import SPARE_EDGES, WORKER, WORKER_ZONE, WorkSpec, write_policy_file
-from tests.support import AgentThread, PlainClient, installed_policy, wait_until
+from tests.support import AgentThread, PlainClient, installed_policy, local_campus, wait_until
 from tests.test_node_metrics import Samples, samples
 from tests.test_pool_integration import WorkerThread, publish_work
 
@@ -213,22 +212,16 @@ def test_a_taken_metrics_port_leaves_the_worker_serving(
 def campus(
     tmp_path_factory: pytest.TempPathFactory, redis_server: ServerProcess
 ) -> Iterator[LocalCampus]:
-    lc = LocalCampus(
+    with local_campus(
         tmp_path_factory.mktemp("metrics-campus"),
-        mqtt_port=free_port(),
-        redis_url=f"redis://127.0.0.1:{redis_server.port}/11",
-        key_for=key,
+        redis_server,
+        11,
         nodes=("broker-1", "line-1-pc", "north-cpu-1"),
         # An offloaded job waits for its worker's return however loaded this machine is:
         # none is offered again or run here meanwhile, so each ran exactly once.
         node_env={"line-1-pc": {"SLUICEGATE_OFFLOAD__RESULT_TIMEOUT_S": "120"}},
-    )
-    with running(start_campus_mosquitto(lc.write())):
-        lc.start()
-        try:
-            yield lc
-        finally:
-            lc.stop()
+    ) as lc:
+        yield lc
 
 
 def counted(url: str, jobs: int) -> Samples | None:

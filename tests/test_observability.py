@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
-from sluicegate.app.servers import ServerProcess, free_port, running
+from sluicegate.app.localcampus import LocalCampus
+from sluicegate.app.servers import ServerProcess
 from sluicegate.app.traffic import Tally, stream
-from tests.policies.policy_testkit import key
+from tests.support import local_campus
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS = ROOT / "observability" / "prometheus"
@@ -124,18 +124,8 @@ def scrape(url: str) -> str:
 def campus(
     tmp_path_factory: pytest.TempPathFactory, redis_server: ServerProcess
 ) -> Iterator[LocalCampus]:
-    lc = LocalCampus(
-        tmp_path_factory.mktemp("observed-campus"),
-        mqtt_port=free_port(),
-        redis_url=f"redis://127.0.0.1:{redis_server.port}/7",
-        key_for=key,
-    )
-    with running(start_campus_mosquitto(lc.write())):
-        lc.start()
-        try:
-            yield lc
-        finally:
-            lc.stop()
+    with local_campus(tmp_path_factory.mktemp("observed-campus"), redis_server, 7) as lc:
+        yield lc
 
 
 @pytest.mark.integration

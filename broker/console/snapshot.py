@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker.console.figures import class_matrix
 from broker.service import Broker
+from broker.view import policy_facts
 from policies.evaluate import allowed
 from sluicegate.policy_feed import PolicyFeed
 
@@ -175,14 +176,10 @@ def _policy(policy: Any, now: float) -> dict[str, Any] | None:
     if policy is None:
         return None
     return {
-        "campus": policy.campus,
-        "version": policy.version,
-        "digest": policy.digest.hex(),
-        "expires": policy.expires,
+        **policy_facts(policy),
         "expires_in_s": round(policy.expires - now),
         "signers": [s.key_id for s in policy.signers],
         "signer_threshold": policy.signer_threshold,
-        "zones": sorted(policy.zones),
     }
 
 
