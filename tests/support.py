@@ -41,6 +41,7 @@ from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
 from sluicegate.app.servers import ServerProcess, free_port, running
 from sluicegate.config import Settings
 from sluicegate.vision.runtime import ModelRegistry
+from sluicegate.wire_pool import PlacementRequest
 from tests.policies.policy_testkit import base_doc, key, policy_of, signed, to_toml
 
 
@@ -357,3 +358,24 @@ def local_campus(
             yield lc
         finally:
             lc.stop()
+
+
+def live_request(
+    edge: str, job_id: str, *, deadline_s: float = 5.0, **fields: Any
+) -> PlacementRequest:
+    """A placement request as an edge sends one now: an 80 KB wafer image for defect-v1,
+    due in ``deadline_s``, the edge predicting 2 s locally; ``fields`` override any field."""
+    now = time.time()
+    base: dict[str, Any] = {
+        "job_id": job_id,
+        "edge_id": edge,
+        "model": "defect-v1",
+        "data_class": "wafer-image",
+        "payload_sha256": "ab" * 32,
+        "payload_bytes": 80_000,
+        "priority": 5,
+        "deadline_at": now + deadline_s,
+        "submitted_at": now,
+        "local_estimate_ms": 2000.0,
+    }
+    return PlacementRequest(**(base | fields))

@@ -37,12 +37,11 @@ from sluicegate.wire_pool import (
     Completion,
     ModelCapability,
     PlacementReply,
-    PlacementRequest,
     WorkerCapabilities,
     WorkerTelemetry,
 )
 from tests.policies.policy_testkit import key
-from tests.support import PlainClient, ServiceThread, sluicegate_cmd, wait_until
+from tests.support import PlainClient, ServiceThread, live_request, sluicegate_cmd, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -163,18 +162,7 @@ def workers(mosquitto: ServerProcess) -> Iterator[Workers]:
 
 def ask(client: PlainClient, model: str = "defect-v1") -> PlacementReply:
     job_id = uuid.uuid4().hex
-    req = PlacementRequest(
-        job_id=job_id,
-        edge_id=EDGE,
-        model=model,
-        data_class="wafer-image",
-        payload_sha256="ab" * 32,
-        payload_bytes=80_000,
-        priority=5,
-        deadline_at=time.time() + 5.0,
-        submitted_at=time.time(),
-        local_estimate_ms=2000.0,
-    )
+    req = live_request(EDGE, job_id, model=model)
     client.client.publish(topics.placement_request(EDGE), wire.dump(req), qos=1)
     while True:
         got = PlacementReply.model_validate_json(client.next(timeout=15).payload)

@@ -39,12 +39,11 @@ from sluicegate.wire_pool import (
     ModelCapability,
     PlacementRelease,
     PlacementReply,
-    PlacementRequest,
     WorkerCapabilities,
     WorkerTelemetry,
 )
 from tests.policies.policy_testkit import key
-from tests.support import PlainClient, ServiceThread, wait_until
+from tests.support import PlainClient, ServiceThread, live_request, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -191,18 +190,13 @@ def ask(
     client = PlainClient(mosquitto.port)
     client.subscribe(topics.placement_replies(edge))
     job_id = uuid.uuid4().hex
-    req = PlacementRequest(
-        job_id=job_id,
-        edge_id=named or edge,
+    req = live_request(
+        named or edge,
+        job_id,
         origin_zone=origin,
         model=model,
         data_class=data_class,
         payload_sha256=DIGEST,
-        payload_bytes=80_000,
-        priority=5,
-        deadline_at=time.time() + 5.0,
-        submitted_at=time.time(),
-        local_estimate_ms=2000.0,
         max_wait_ms=max_wait_ms,
     )
     from paho.mqtt.packettypes import PacketTypes

@@ -54,7 +54,6 @@ from sluicegate.wire_pool import (
     JobNotice,
     ModelCapability,
     PlacementReply,
-    PlacementRequest,
     WorkerCapabilities,
     WorkerTelemetry,
 )
@@ -451,19 +450,7 @@ class Edge:
         self._replies: dict[bytes, PlacementReply] = {}
 
     def place(self, job_id: str, attempt: int = 1, *, must_place: bool = True) -> PlacementReply:
-        req = PlacementRequest(
-            job_id=job_id,
-            edge_id=EDGE,
-            model="defect-v1",
-            data_class="wafer-image",
-            payload_sha256="ab" * 32,
-            payload_bytes=80_000,
-            priority=5,
-            deadline_at=time.time() + 120.0,
-            submitted_at=time.time(),
-            local_estimate_ms=2000.0,
-            attempt=attempt,
-        )
+        req = support.live_request(EDGE, job_id, deadline_s=120.0, attempt=attempt)
         props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
         props.CorrelationData = f"{job_id}/{attempt}".encode()
         info = self.client.client.publish(
