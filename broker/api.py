@@ -262,8 +262,9 @@ OPENAPI: dict[str, Any] = {
         },
         "/console/api/actions": {
             "post": {
-                "summary": "An operator's action: {action: drain|cordon|uncordon|pause|resume, "
-                "target, note}; audited as operator.<action>",
+                "summary": "An operator's action: {action: drain|cordon|uncordon|pause|resume"
+                "|release, target, note} (release: target a dead letter's job id); audited as "
+                "operator.<action>",
                 "responses": {
                     "200": {"description": "done"},
                     "400": {"description": "a malformed action"},

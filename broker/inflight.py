@@ -29,6 +29,7 @@ from broker.core.recovery import Current, LostJob
 from broker.lua import Lua, check_cancelled, execute
 from broker.store import BrokerStore
 from sluicegate.store import reaching
+from sluicegate.wire_pool import retry_id
 
 DEAD_LETTER_KEEP_S = 7 * 24 * 3600  # a dead letter stays listed and readable this long
 FIELDS = ("edge", "worker", "attempt", "crashes", "crashed_on", "deadline_at", "placed_at")
@@ -128,6 +129,12 @@ def record_of(raw: dict[Any, Any]) -> dict[str, Any] | None:
             "reason": f.get("dead_reason", ""),
             "at": _ms_to_s(f.get("dead_at", "")),
         }
+        if f.get("retry_by"):  # an operator released it for one retry
+            out["dead_letter"]["retry"] = {
+                "by": f["retry_by"],
+                "at": _ms_to_s(f.get("retry_at", "")),
+                "job_id": f.get("retry_id") or None,
+            }
     return out
 
 
@@ -230,6 +237,25 @@ class InflightStore:
     async def record(self, job_id: str) -> dict[str, Any] | None:
         """The job's in-flight record for people (see :func:`record_of`)."""
         return record_of(await self._client.hgetall(keys.inflight(job_id)))
+
+    @reaching("release a dead letter")
+    async def release_dead_letter(self, job_id: str, by: str, now: float) -> dict[str, Any] | str:
+        """Mark the dead letter released by ``by`` for one retry (``retry_id``) and take it
+        off the list; its record (edge, attempt, worker, crashes, retry id), or why not."""
+        key = keys.inflight(job_id)
+        raw = await self._client.hgetall(key)
+        record = record_of(raw)
+        if record is None or "dead_letter" not in record:
+            return f"release: job {job_id!r} is not a dead letter (or no longer listed)"
+        retry = retry_id(job_id)
+        if not await self._client.hsetnx(key, "retry_by", by):
+            return f"release: dead letter {job_id!r} was released already"
+        async with self._client.pipeline(transaction=False) as pipe:
+            pipe.hset(key, mapping={"retry_at": int(now * 1000), "retry_id": retry})
+            pipe.zrem(keys.dead_letters(), job_id)
+            await pipe.execute()
+        check_cancelled()
+        return {**record, "retry_id": retry}
 
     @reaching("list the dead letters")
     async def dead_letters(self, limit: int) -> list[dict[str, Any]]:

@@ -239,7 +239,7 @@ class Carrier:
             placed_on=entry.life.worker if entry.life.attempt else None,
         )
         entry.result, entry.started = (wire.dump(result), result), started
-        self._commit(entry, None)
+        self._commit(entry, None, keep_image=effect.code == "dead_letter")
 
     def _conclude_return(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
         assert entry.returned is not None
@@ -249,9 +249,11 @@ class Carrier:
             entry.forwarded_at = self._clock()
         self._commit(entry, effect.attempt)
 
-    def _commit(self, entry: Entry, attempt: int | None) -> None:
+    def _commit(self, entry: Entry, attempt: int | None, *, keep_image: bool = False) -> None:
         assert entry.result is not None
-        committing = self._outbox.finish(entry.job.job_id, entry.result[0], attempt=attempt)
+        committing = self._outbox.finish(
+            entry.job.job_id, entry.result[0], attempt=attempt, keep_image=keep_image
+        )
         committing.add_done_callback(self._mover.later(self._result_committed, entry))
 
     def _result_committed(self, entry: Entry, fut: asyncio.Future[bool]) -> None:

@@ -45,7 +45,7 @@ from edge_agent.lifecycle import NEEDS_OUTLOOK, transition
 from edge_agent.load import PredictionErrors
 from edge_agent.offload import PlacementClient
 from edge_agent.outbox import Accepted, Outbox, Stored
-from edge_agent.returns import not_run, read_notice, read_return
+from edge_agent.returns import not_run, read_notice, read_return, retry_job
 from edge_agent.rules import Placement
 from edge_agent.tally import Tally
 from edge_agent.trace_log import TraceLog, refusal_of
@@ -54,6 +54,7 @@ from sluicegate.config import EdgeSettings, OffloadSettings
 from sluicegate.policy_feed import PolicyFeed
 from sluicegate.transport import Message, Transport
 from sluicegate.vision.image import PayloadLimits
+from sluicegate.wire_pool import JobNotice
 
 log = logging.getLogger(__name__)
 Mode = Literal["starting", "serving", "stopping", "stopped", "killed"]
@@ -146,6 +147,12 @@ class Dispatcher:
         if isinstance(job, RequestRefusal):
             self._answers.refuse(job, msg)
             return
+        self._take(job, msg, now)
+
+    def _take(self, job: Job, msg: Message, now: float) -> None:
+        """A job read from a request (or a released dead letter's retry): into the table,
+        unless its answer could not be delivered, it is known, or there is no room."""
+        edge = self.settings.id
         nowhere = self._results_gate.check(job, self._feed.current if self._feed else None)
         if nowhere is not None:
             self.counters[Tally.RESPONSE_TOPIC_NOT_ALLOWED] += 1
@@ -195,6 +202,9 @@ class Dispatcher:
             self._unreadable(msg, Tally.BAD_NOTICES, notice)
             return
         event: ev.Event = ev.WorkerLost(notice.attempt, notice.reason)
+        if notice.kind == "released":
+            self._retry(notice, msg)
+            return
         if notice.kind == "dead_letter":
             event = ev.DeadLettered(notice.reason)
         entry = self.table.get(notice.job_id)
@@ -202,6 +212,36 @@ class Dispatcher:
             self._stray(notice.job_id, event, msg)
             return
         self.dispatch(entry, event, msg)
+
+    def _retry(self, notice: JobNotice, msg: Message) -> None:
+        """An operator released a dead letter: its image, kept on disk with its answer,
+        runs again as a new job (the notice is acked once that job's acceptance commits)."""
+        self._repeats += 1
+        self.idle.clear()
+        both = asyncio.gather(
+            self._outbox.get(notice.job_id), self._outbox.get(notice.retry_id or notice.job_id)
+        )
+        both.add_done_callback(self.later(self._retry_found, notice, msg))
+
+    def _retry_found(
+        self, notice: JobNotice, msg: Message, fut: asyncio.Future[list[Stored | None]]
+    ) -> None:
+        self._repeats -= 1
+        try:
+            stored, retried = fut.result()
+        except OutboxError as exc:  # not acked: the notice comes again
+            log.error("could not read dead letter %s to retry it: %s", notice.job_id, exc)
+            return
+        if retried is not None or (notice.retry_id and self.table.known(notice.retry_id)):
+            self._unreadable(msg, Tally.STALE_NOTICES, f"{notice.retry_id} is retried already")
+            return
+        job = retry_job(stored, notice, self._clock())
+        if isinstance(job, str):
+            self._unreadable(msg, Tally.STALE_NOTICES, job)
+            return
+        log.warning("dead letter %s released: retrying as %s", notice.job_id, job.job_id)
+        self.counters[Tally.RETRIES] += 1
+        self._take(job, msg, self._clock())
 
     def _unreadable(self, msg: Message, tally: Tally, why: str) -> None:
         self.counters[tally] += 1

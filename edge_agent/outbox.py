@@ -63,6 +63,7 @@ class Outbox:
         result_retention_s: float = 600.0,
         tombstone_s: float = 86_400.0,
         max_tombstones: int = 100_000,
+        dead_letter_keep_s: float = 7 * 86_400.0,
         clock: Callable[[], float] = time.time,
         gate: Gate | None = None,
     ) -> None:
@@ -73,6 +74,7 @@ class Outbox:
         self.result_retention_s = result_retention_s
         self.tombstone_s = tombstone_s
         self.max_tombstones = max_tombstones
+        self.dead_letter_keep_s = dead_letter_keep_s
         self._clock = clock
         self._loop: asyncio.AbstractEventLoop | None = None
         self._writer = Writer(f"outbox {self.path}", gate)
@@ -217,20 +219,23 @@ class Outbox:
         return self._submit(op)
 
     def finish(
-        self, job_id: str, result: bytes, *, attempt: int | None = None
+        self, job_id: str, result: bytes, *, attempt: int | None = None, keep_image: bool = False
     ) -> asyncio.Future[bool]:
-        """Store a pending job's result and drop its image; False if it was not pending (or,
-        with ``attempt``, not offloaded as that attempt): only the first result counts."""
+        """Store a pending job's result and drop its image (with ``keep_image``, a dead
+        letter's, keep it for ``dead_letter_keep_s``: an operator may release it for a
+        retry); False if it was not pending (or, with ``attempt``, not offloaded as that
+        attempt): only the first result counts."""
         now = self._clock()
         where = "job_id = ? AND state IN ('queued', 'offloaded')"
-        args: tuple[Any, ...] = (result, now, job_id)
+        args: tuple[Any, ...] = (result, int(keep_image), now, job_id)
         if attempt is not None:
             where = "job_id = ? AND state = 'offloaded' AND attempt = ?"
             args = (*args, attempt)
 
         def op(db: sqlite3.Connection) -> bool:
             cur = db.execute(
-                f"UPDATE jobs SET state = 'done', result = ?, payload = NULL, updated_at = ?"
+                "UPDATE jobs SET state = 'done', result = ?,"
+                " payload = CASE WHEN ? THEN payload ELSE NULL END, updated_at = ?"
                 f" WHERE {where}",
                 args,
             )
@@ -256,18 +261,20 @@ class Outbox:
         """Turn delivered rows past their retention into tombstones and forget old
         tombstones; returns (rows turned into tombstones, tombstones dropped)."""
         now = self._clock()
-        keep_after = now - self.result_retention_s
+        # A row still holding its image is a dead letter's: kept for dead_letter_keep_s.
+        cutoff = (now - self.result_retention_s, now - self.dead_letter_keep_s)
+        expired = (
+            "state = 'delivered' AND delivered_at < (CASE WHEN payload IS NULL THEN ? ELSE ? END)"
+        )
         forget_before = now - self.tombstone_s
 
         def op(db: sqlite3.Connection) -> tuple[int, int]:
             db.execute(
                 "INSERT OR REPLACE INTO tombstones (job_id, delivered_at) SELECT job_id,"
-                " delivered_at FROM jobs WHERE state = 'delivered' AND delivered_at < ?",
-                (keep_after,),
+                f" delivered_at FROM jobs WHERE {expired}",
+                cutoff,
             )
-            moved = db.execute(
-                "DELETE FROM jobs WHERE state = 'delivered' AND delivered_at < ?", (keep_after,)
-            ).rowcount
+            moved = db.execute(f"DELETE FROM jobs WHERE {expired}", cutoff).rowcount
             dropped = db.execute(
                 "DELETE FROM tombstones WHERE delivered_at < ?", (forget_before,)
             ).rowcount

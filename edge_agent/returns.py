@@ -1,18 +1,24 @@
 """What comes back to the edge about the jobs it offloaded, read off the wire: a worker's
 return (:func:`read_return`) and a broker's notice (:func:`read_notice`), each either a
 value or the reason it cannot be one, and whether a returned result says the work never ran
-(:func:`not_run`). Pure: what the job then does is the lifecycle table's to say.
+(:func:`not_run`), and the job a released dead letter's retry is (:func:`retry_job`). Pure:
+what the job then does is the lifecycle table's to say.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from edge_agent.admission import Job
 from sluicegate import topics, wire
 from sluicegate.transport import Message
 from sluicegate.wire_pool import JobNotice
+
+if TYPE_CHECKING:  # the outbox's row type, named here only (this module does no I/O)
+    from edge_agent.outbox_file import Stored
 
 # A worker's "rejected" with one of these codes (or before its token passed) means the job
 # never ran there: the edge runs it itself rather than answering the app with the refusal.
@@ -67,3 +73,15 @@ def read_notice(msg: Message) -> JobNotice | str:
         return JobNotice.model_validate_json(msg.payload)
     except ValidationError as exc:
         return f"the notice is malformed: {exc.error_count()} error(s)"
+
+
+def retry_job(stored: Stored | None, notice: JobNotice, now: float) -> Job | str:
+    """The retry of a released dead letter (``notice``): the image and request this edge
+    kept, as a new job ``notice.retry_id`` received ``now``, with no deadline (the
+    original's has passed); or why there is none."""
+    if notice.retry_id is None:
+        return f"the release of {notice.job_id!r} names no retry id"
+    if stored is None or not stored.job.payload or stored.pending:
+        why = "holds no such job" if stored is None else "keeps no dead letter's image for it"
+        return f"cannot retry {notice.job_id!r}: this edge {why} (kept for dead_letter_keep_s)"
+    return replace(stored.job, job_id=notice.retry_id, received_at=now, deadline=None)

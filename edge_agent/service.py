@@ -60,6 +60,7 @@ def open_outbox(settings: Settings) -> Outbox:
         synchronous=edge.outbox_synchronous,
         result_retention_s=edge.result_retention_s,
         tombstone_s=edge.tombstone_s,
+        dead_letter_keep_s=edge.dead_letter_keep_s,
         max_tombstones=edge.max_tombstones,
     )
 

@@ -25,6 +25,7 @@ class Tally(StrEnum):
     NOT_RUN_RETURNS = "not_run_returns"  # a worker refused the work unrun: it runs here
     BAD_NOTICES = "bad_notices"  # a broker notice that could not be read
     STALE_NOTICES = "stale_notices"  # a notice for an attempt no longer current
+    RETRIES = "retries"  # released dead letters run again as new jobs
     WORKERS_LOST = "workers_lost"  # the broker says the attempt's worker is gone
     OFFLOAD_TIMEOUTS = "offload_timeouts"  # no return within result_timeout_s
     OFFLOAD_RESCUES = "offload_rescues"  # no return yet, queued here to meet the deadline

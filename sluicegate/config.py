@@ -95,6 +95,9 @@ class EdgeSettings(_Section):
     result_retention_s: float = Field(600.0, ge=0.0)
     tombstone_s: float = Field(86_400.0, ge=0.0)
     max_tombstones: int = Field(100_000, ge=0, le=10_000_000)
+    # A dead-lettered job keeps its image this long after its answer, so an operator may
+    # release it for one retry (the console); then it is pruned like any other result.
+    dead_letter_keep_s: float = Field(7 * 86_400.0, ge=0.0)
 
 
 class OffloadSettings(_Section):

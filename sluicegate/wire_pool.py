@@ -8,6 +8,7 @@ Every document carries ``v``; inside the processes these become frozen dataclass
 
 from __future__ import annotations
 
+import hashlib
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -155,12 +156,28 @@ class JobNotice(_Wire):
     ``worker_lost``: the worker holding ``attempt`` died; place the job again (or run it
     locally) as the next attempt. ``dead_letter``: the job has now been on ``crashes``
     workers that died with it; stop retrying and answer the app ``failed`` with ``reason``.
+    ``released``: an operator released the dead letter for one retry: run its image again
+    as a new job, ``retry_id``, answered like the original (``reason``: who, and why).
     """
 
     v: Literal[1] = WIRE_VERSION
     job_id: str
     attempt: int = Field(ge=1)
-    kind: Literal["worker_lost", "dead_letter"]
+    kind: Literal["worker_lost", "dead_letter", "released"]
     worker_id: str
     crashes: int = Field(ge=0)
     reason: str
+    retry_id: str | None = Field(None, min_length=1, max_length=200)  # with "released"
+
+
+MAX_JOB_ID = 128  # the edge's admission accepts ids of 1 to 128 of [A-Za-z0-9._-]
+
+
+def retry_id(job_id: str) -> str:
+    """The job id of a released dead letter's retry: ``<job id>.retry``, shortened (with a
+    digest of the whole id) when that would pass :data:`MAX_JOB_ID`."""
+    tail = ".retry"
+    if len(job_id) + len(tail) <= MAX_JOB_ID:
+        return job_id + tail
+    digest = hashlib.sha256(job_id.encode()).hexdigest()[:8]
+    return f"{job_id[: MAX_JOB_ID - len(tail) - 9]}-{digest}{tail}"

@@ -615,6 +615,24 @@ def test_the_kth_crash_dead_letters_the_job_with_its_reason_in_api_and_metrics(
     again = edge.place(job, 4, must_place=False)
     assert (again.status, again.code) == ("refused", "dead_letter")
     assert notice.reason in (again.reason or "")
+    # An operator releases it for one retry: its edge is told to run its image again.
+    actions = f"http://127.0.0.1:{broker.http_port}/console/api/actions"
+    release = {"action": "release", "target": job, "note": "fixed the model"}
+    assert post_json(actions, campus.console_token("viewer"), release)[0] == 403
+    status, done = post_json(actions, campus.console_token("operator"), release)
+    assert status == 200, done
+    assert done["retry_id"] == f"{job}.retry"
+    (told,) = [n for n in edge.wait_notices({job}) if n.kind == "released"]
+    assert (told.retry_id, told.attempt) == (f"{job}.retry", 3)
+    assert told.reason == "released by operator for one retry: fixed the model"
+    status, twice = post_json(actions, campus.console_token("operator"), release)
+    assert (status, "released already" in twice["error"]) == (409, True)
+    unknown = {"action": "release", "target": "job-never-dead"}
+    assert post_json(actions, campus.console_token("operator"), unknown)[0] == 404
+    assert broker.http("/dead-letters?limit=5")[1]["dead_letters"] == []  # off the list
+    retry = broker.http(f"/jobs/{job}")[1]["inflight"]["dead_letter"]["retry"]
+    assert (retry["by"], retry["job_id"]) == ("operator", f"{job}.retry")
+    assert _audited(broker_redis, broker, "operator.release", job)["note"] == "fixed the model"
 
 
 def _job_record(broker: BrokerProcess, job: str, status: str) -> dict[str, Any] | None:

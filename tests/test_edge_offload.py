@@ -192,7 +192,14 @@ class Rig:
         )
         return payload
 
-    def notify(self, job_id: str, attempt: int, kind: str, reason: str = "gone") -> None:
+    def notify(
+        self,
+        job_id: str,
+        attempt: int,
+        kind: str,
+        reason: str = "gone",
+        retry_id: str | None = None,
+    ) -> None:
         notice = JobNotice(
             job_id=job_id,
             attempt=attempt,
@@ -200,6 +207,7 @@ class Rig:
             worker_id=WORKER,
             crashes=attempt,
             reason=reason,
+            retry_id=retry_id,
         )
         topic = topics.edge_notices(self.agent.settings.id)
         self.pool.publish_nowait(Message(topic, wire.dump(notice), qos=1))
@@ -652,6 +660,32 @@ async def test_dead_letter_notice_answers_failed_with_the_reason(rig: Rig) -> No
     rig.give_back(barrier, 1)
     await rig.results(2)
     assert rig.agent.counters["fenced_returns"] == 1
+
+
+async def test_a_released_dead_letter_runs_again_once_as_a_new_job(rig: Rig) -> None:
+    job_id = rig.submit()
+    await rig.work(1)
+    rig.notify(job_id, 1, "dead_letter", "3 workers died running this job")
+    (failed,) = await rig.results(1)
+    assert json.loads(failed.payload)["code"] == "dead_letter"
+    retry = f"{job_id}.retry"
+    rig.notify(job_id, 1, "released", "released by ana for one retry", retry_id=retry)
+    _, again = await rig.results(2)
+    doc = json.loads(again.payload)
+    assert (doc["job_id"], doc["status"]) == (retry, "ok")  # the image the edge kept, run
+    assert again.correlation_data == failed.correlation_data  # answered like the original
+    assert rig.agent.counters["retries"] == 1
+    # The same release again (a redelivery), and one for a job the edge never held: nothing.
+    rig.notify(job_id, 1, "released", "again", retry_id=retry)
+    rig.notify("never-held", 1, "released", "?", retry_id="never-held.retry")
+    barrier = rig.submit()
+    await rig.work(2)
+    rig.give_back(barrier, 1)
+    results = await rig.results(3)
+    assert [json.loads(m.payload)["job_id"] for m in results][2] == barrier
+    await rig.concluded(barrier)  # every notice acked
+    assert rig.agent.counters["retries"] == 1
+    assert rig.agent.counters["stale_notices"] == 2
 
 
 @pytest.mark.parametrize("result_timeout", [0.2])

@@ -133,6 +133,34 @@ async def test_delivered_results_become_tombstones_then_are_forgotten(
     assert (await outbox.accept(job("e"))).outcome == "new"
 
 
+async def test_a_dead_letters_image_is_kept_past_the_results_retention(
+    tmp_path: Path, clock: Clock
+) -> None:
+    box = Outbox(tmp_path / "edge.db", result_retention_s=60, dead_letter_keep_s=3600, clock=clock)
+    await box.open()
+    for name in ("dead", "plain"):
+        await box.accept(job(name))
+    await box.finish("dead", b'{"code":"dead_letter"}', keep_image=True)
+    await box.finish("plain", b"{}")
+    for name in ("dead", "plain"):
+        assert await box.delivered(name)
+    dead = await box.get("dead")
+    assert dead is not None
+    assert dead.job.payload == job("dead").payload  # kept, for a release
+    plain = await box.get("plain")
+    assert plain is not None
+    assert plain.job.payload == b""
+    clock.now += 100  # past the results' retention: only the dead letter's row stays
+    assert await box.prune() == (1, 0)
+    assert await box.get("plain") is None
+    assert await box.get("dead") is not None
+    clock.now += 3600  # past dead_letter_keep_s: a tombstone like any other
+    assert await box.prune() == (1, 0)
+    assert await box.get("dead") is None
+    assert (await box.accept(job("dead"))).outcome == "forgotten"
+    await box.close()
+
+
 async def test_reopen_returns_unfinished_jobs_in_order(tmp_path: Path) -> None:
     path = tmp_path / "edge.db"
     box = Outbox(path)

@@ -1,7 +1,8 @@
 """The operator's console: a live dashboard served by the broker, its viewers and operators,
 and the actions they take (``docs/console.md``).
 
-``auth`` (users, tokens, sessions), ``holds`` (drain, cordon, pause: the pure rules),
+``auth`` (users, tokens, sessions), ``holds`` (drain, cordon, pause: the pure rules; a
+dead letter's release is ``board``'s, through ``broker.inflight``),
 ``figures`` (per line and per pool over a sliding window), ``snapshot`` (the dashboard's
 document), ``board`` (the shell that feeds and serves them) and ``routes`` (aiohttp).
 """

@@ -4,9 +4,10 @@ and a job's whole story, for one broker replica.
 It hears the edges' job records (``sluicegate/v1/edge/+/trace``) and the broker's
 completions into a :class:`~broker.console.figures.Window`; keeps the operators' holds in
 Redis and applies them to the broker (its own actions at once, other replicas' at the next
-sync); and once a push interval builds one snapshot that every open dashboard receives, so
-five dashboards cost what one does. Every action is audited in the broker's hash-chained
-log (kind ``operator.<action>``) before it is answered.
+sync); releases a dead letter for one retry (its record marked, its edge told to run the
+image it kept as a new job); and once a push interval builds one snapshot that every open
+dashboard receives, so five dashboards cost what one does. Every action is audited in the
+broker's hash-chained log (kind ``operator.<action>``) before it is answered.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ from broker.service import Broker
 from policies.redis_stores import audit_stream_key
 from sluicegate import topics, wire
 from sluicegate.config import ConsoleSettings
-from sluicegate.errors import StoreUnavailable
+from sluicegate.errors import StoreUnavailable, TransportError
 from sluicegate.policy_feed import PolicyFeed
 from sluicegate.transport import Message, Transport
+from sluicegate.wire_pool import JobNotice
 
 log = logging.getLogger(__name__)
 DEAD_LETTERS_SHOWN = 20
@@ -105,6 +107,8 @@ class Console:
             action = Action.model_validate_json(body)
         except ValidationError as exc:
             raise ActionRefused(400, f"bad action: {_first_error(exc)}") from None
+        if action.action == "release":
+            return await self._release(who, action)
         policy = self._feed.current
         if policy is None:
             raise ActionRefused(503, "the broker holds no verified policy")
@@ -128,6 +132,49 @@ class Console:
         await self.sync_holds()
         log.warning("operator %s: %s %s %s", who.name, action.action, action.target, action.note)
         return {"ok": True, **outcome.record}
+
+    async def _release(self, who: Who, action: Action) -> dict[str, Any]:
+        """Release a dead letter for one retry: listed as released, audited, and its edge
+        told to run the image it kept as a new job (``<job id>.retry``)."""
+        job_id = action.target
+        now = self._clock()
+        released = await self._broker.inflight.release_dead_letter(job_id, who.name, now)
+        if isinstance(released, str):
+            raise ActionRefused(409 if "already" in released else 404, released)
+        if not released["edge"]:  # every placement records its edge; an old record may not
+            raise ActionRefused(409, f"release: dead letter {job_id!r} names no edge to tell")
+        retry = released["retry_id"]
+        record = {"action": "release", "target": job_id, "job_id": job_id, "by": who.name}
+        record["note"] = action.note
+        record |= {"retry_id": retry, "edge": released["edge"]}
+        self._broker.audit.add(job_id, encode(record), "operator.release")
+        why = f"released by {who.name} for one retry" + (f": {action.note}" if action.note else "")
+        notice = JobNotice(
+            job_id=job_id,
+            attempt=released["attempt"] or 1,
+            kind="released",
+            worker_id=released["worker"] or "",
+            crashes=released["crashes"],
+            reason=why,
+            retry_id=retry,
+        )
+        message = Message(
+            topics.edge_notices(released["edge"]),
+            wire.dump(notice),
+            qos=1,
+            content_type=wire.RESULT_CONTENT_TYPE,
+            user_properties=((topics.PROP_JOB_ID, job_id),),
+        )
+        try:
+            await self._transport.publish(message, wait=True)
+        except TransportError as exc:
+            raise ActionRefused(
+                503, f"release of {job_id!r} recorded, but its edge was not told: {exc}"
+            ) from exc
+        recent = [d for d in self._dead["recent"] if d.get("job_id") != job_id]
+        self._dead = {"count": max(0, self._dead["count"] - 1), "recent": recent}
+        log.warning("operator %s released dead letter %s as %s", who.name, job_id, retry)
+        return {"ok": True, **record}
 
     # -- the live document ------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from broker.errors import BrokerError
 
 HoldKind = Literal["drain", "cordon", "pause"]
-Verb = Literal["drain", "cordon", "uncordon", "pause", "resume"]
+Verb = Literal["drain", "cordon", "uncordon", "pause", "resume", "release"]
 ON_WORKERS = ("drain", "cordon", "uncordon")
 ON_LINES = ("pause", "resume")
 
@@ -98,7 +98,8 @@ def act(
     edges: Collection[str],
 ) -> Outcome:
     """The change ``action`` makes, or :class:`ActionRefused`. ``workers`` and ``edges``:
-    the node ids the policy in force lists."""
+    the node ids the policy in force lists. (``release`` is not a hold: the console takes
+    it to the dead letter itself.)"""
     verb, target = action.action, action.target
     record: dict[str, Any] = {"action": verb, "target": target, "by": by, "note": action.note}
     if verb in ON_WORKERS and target not in workers:

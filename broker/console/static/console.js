@@ -151,7 +151,8 @@ function renderCompliance(s) {
   const audit = a ? `<p data-testid="audit">Audit chain: ${esc(a.records)} records, head <code>${esc(String(a.head || "").slice(0, 16))}</code>,
     last verified ${a.verified_at ? new Date(1000 * a.verified_at).toLocaleTimeString() : "never"}
     <span class="badge ${a.ok === false ? "bad" : "ok"}">${a.ok === false ? "FAILED: " + esc(a.error) : "ok"}</span></p>` : "<p>Audit verification: not reported.</p>";
-  const dead = (dl.recent || []).map((d) => `<li><a href="#job=${encodeURIComponent(d.job_id)}">${esc(d.job_id)}</a> ${esc(d.reason)}</li>`).join("");
+  const dead = (dl.recent || []).map((d) => `<li data-testid="dead-${esc(d.job_id)}"><a href="#job=${encodeURIComponent(d.job_id)}">${esc(d.job_id)}</a>
+    ${esc(d.reason)} ${button("release", d.job_id)}</li>`).join("");
   $("compliance-body").innerHTML = `
     <p data-testid="policy">${p ? `Policy <b>${esc(p.campus)} v${esc(p.version)}</b> <code>${esc(p.digest.slice(0, 16))}</code>,
       signed by ${esc(p.signer_threshold)} of ${esc(p.signers.join(", "))}, expires ${esc(new Date(1000 * p.expires).toISOString())} (${days} days)` : "<span class=bad>no verified policy</span>"}</p>
@@ -175,9 +176,13 @@ async function lookup(id) {
     <td class="num">${num(c.transfer_ms)}</td><td class="num">${num(c.queue_ms)}</td><td class="num">${num(c.service_ms)}</td>
     <td class="num">${num(c.penalty_ms)}</td><td class="num">${num(c.predicted_ms)}</td><td class="num">${num(c.score_ms)}</td></tr>`).join("");
   const filtered = Object.entries(cands.filtered || {}).map(([r, n]) => `${esc(n)} ${esc(r)}`).join(", ");
+  const dead = (pl.inflight || {}).dead_letter;
+  const retry = dead && dead.retry ? `<p>Released by ${esc(dead.retry.by)} for one retry: <a href="#job=${encodeURIComponent(dead.retry.job_id)}">${esc(dead.retry.job_id)}</a></p>`
+    : dead ? `<p class="bad">Dead letter: ${esc(dead.reason)} ${button("release", j.job_id)}</p>` : "";
   const audit = (j.audit || []).map((a) => `<li>#${esc(a.seq)} ${esc(a.kind)} at ${esc(new Date(a.t).toISOString())}</li>`).join("");
   $("job-body").innerHTML = `<h3 data-testid="job-title">${esc(j.job_id)}</h3>
     <ol data-testid="job-path">${(j.path || []).map((p) => `<li>${esc(p)}</li>`).join("")}</ol>
+    ${retry}
     ${pl.status ? `<p data-testid="job-decision">Decision: <b>${esc(pl.status)}</b>${pl.worker ? ` on ${esc(pl.worker)}` : ""}${pl.reason ? ` — ${esc(pl.reason)}` : ""}</p>` : "<p>The broker was never asked to place it: it ran on its line PC.</p>"}
     ${ranked ? `<table data-testid="job-candidates"><tr><th>#</th><th>worker</th><th>zone</th><th>device</th><th>transfer</th><th>queue</th><th>service</th><th>penalty</th><th>predicted ms</th><th>score</th></tr>${ranked}</table>` : ""}
     ${filtered ? `<p data-testid="job-filtered">Filtered out: ${filtered}; eligible ${esc(cands.eligible)}</p>` : ""}
