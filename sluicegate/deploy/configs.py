@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 from sluicegate import topics
 from sluicegate.config import (
     BrokerSettings,
+    ConsoleSettings,
     EdgeSettings,
     MqttSettings,
     OffloadSettings,
@@ -38,7 +39,7 @@ Values = Mapping[str, Mapping[str, Value]]  # section -> key -> value
 SECTIONS: dict[Role, tuple[str, ...]] = {
     "edge": ("mqtt", "edge", "offload"),
     "pool": ("mqtt", "pool"),
-    "broker": ("mqtt", "broker"),
+    "broker": ("mqtt", "broker", "console"),
 }
 MODELS: dict[str, type[BaseModel]] = {
     "mqtt": MqttSettings,
@@ -46,6 +47,7 @@ MODELS: dict[str, type[BaseModel]] = {
     "offload": OffloadSettings,
     "pool": PoolSettings,
     "broker": BrokerSettings,
+    "console": ConsoleSettings,
 }
 TLS_PORT, PLAINTEXT_PORT = 8883, 1883
 _CHECKSUM = re.compile(r"# sluicegate-install sha256 ([0-9a-f]{64})\n")
