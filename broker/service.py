@@ -493,10 +493,6 @@ class Broker:
                 )
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def _parse(model: type[M], msg: Message) -> M | None:
     try:
         return model.model_validate_json(msg.payload)
