@@ -28,12 +28,19 @@ def canonical_json(value: Any) -> bytes:
 def canonical_bytes(doc: PolicyDocument) -> bytes:
     """The canonical form of a validated policy document. A policy without a ``[rollout]``
     table has no ``rollout`` key at all, and one without ``min_burst`` no such key in it,
-    so policies written before them keep their digests."""
+    so policies written before them keep their digests; likewise a pool's empty
+    ``encryption_keys`` and a class's ``confidential = false``."""
     data = doc.model_dump(mode="json")
     if doc.rollout is None:
         del data["rollout"]
     elif doc.rollout.min_burst is None:
         del data["rollout"]["min_burst"]
+    for pool in data["pools"].values():
+        if not pool["encryption_keys"]:
+            del pool["encryption_keys"]
+    for cls in data["classes"].values():
+        if not cls["confidential"]:
+            del cls["confidential"]
     return canonical_json(data)
 
 

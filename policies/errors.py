@@ -42,7 +42,14 @@ parsing messages. A message names the bad value and what would have been accepte
     │       ├── TokenWrongTarget             token.wrong_target
     │       ├── TokenZoneDenied              token.zone_denied
     │       ├── TokenReplayed                token.replayed
-    │       └── ReplayCacheFull              token.replay_cache_full (fails closed)
+    │       ├── ReplayCacheFull              token.replay_cache_full (fails closed)
+    │       ├── TokenNotSealed               token.not_sealed        confidential, no key bound
+    │       ├── TokenUnknownSealKey          token.unknown_seal_key  key not listed for worker
+    │       └── SealRefused                  the sealed image was not accepted
+    │           ├── SealRequired             seal.required     the token binds a key: clear
+    │           ├── SealUnexpected           seal.unexpected   sealed, the token binds none
+    │           ├── SealKeyNotHeld           seal.key_not_held this worker lacks that key
+    │           └── SealOpenFailed           seal.open_failed  another placement's, or altered
     ├── StoreUnavailable                     store.unavailable   Redis cannot be reached
     └── AuditError                           audit.error
         ├── AuditChainBroken                 audit.chain_broken  names the first bad record
@@ -238,6 +245,40 @@ class TokenReplayed(TokenRefused):
 
 class ReplayCacheFull(TokenRefused):
     reason = "token.replay_cache_full"
+
+
+class TokenNotSealed(TokenRefused):
+    """The policy marks the data class confidential and the token binds no sealing key."""
+
+    reason = "token.not_sealed"
+
+
+class TokenUnknownSealKey(TokenRefused):
+    """The token binds a sealing key the policy does not list for its target worker."""
+
+    reason = "token.unknown_seal_key"
+
+
+class SealRefused(TokenRefused):
+    """A work message whose sealing does not match its token."""
+
+    reason = "seal.refused"
+
+
+class SealRequired(SealRefused):
+    reason = "seal.required"
+
+
+class SealUnexpected(SealRefused):
+    reason = "seal.unexpected"
+
+
+class SealKeyNotHeld(SealRefused):
+    reason = "seal.key_not_held"
+
+
+class SealOpenFailed(SealRefused):
+    reason = "seal.open_failed"
 
 
 class StoreUnavailable(PolicyError):

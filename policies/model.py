@@ -15,6 +15,7 @@ from typing import Literal
 from policies.canonical import canonical_bytes, digest
 from policies.keys import decode_public_key, fingerprint
 from policies.schema import PolicyDocument, RolloutDoc
+from policies.sealing import decode_seal_key, seal_key_id
 
 Effect = Literal["allow", "deny"]
 
@@ -90,6 +91,7 @@ class DataClass:
     description: str
     deny: tuple[Rule, ...]
     allow: tuple[Rule, ...]
+    confidential: bool = False  # images travel only sealed to the chosen worker
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,8 @@ class Worker:
     pool: str
     zone: str
     key: bytes
+    # Raw X25519 keys edges may seal to, by key id (``policies.sealing.seal_key_id``).
+    seal_keys: Mapping[bytes, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -244,6 +248,15 @@ class Policy:
         """The policy's entry for ``worker_id``: its pool, zone and key, or None."""
         return self.workers.get(worker_id)
 
+    def seal_key(self, worker_id: str, key_id: bytes) -> bytes | None:
+        """The raw X25519 key ``key_id`` the policy lists for ``worker_id``, or None."""
+        worker = self.workers.get(worker_id)
+        return worker.seal_keys.get(key_id) if worker is not None else None
+
+    def confidential(self, data_class: str) -> bool:
+        cls = self.classes.get(data_class)
+        return cls is not None and cls.confidential
+
     def broker_key(self, broker_id: str) -> bytes | None:
         """The placement-signing key listed for broker replica ``broker_id``, or None."""
         for ref in self.brokers:
@@ -293,6 +306,11 @@ def _rules(name: str, effect: Effect, texts: list[str]) -> tuple[Rule, ...]:
     return tuple(Rule.parse(name, effect, i, text) for i, text in enumerate(texts))
 
 
+def _seal_keys(texts: list[str] | None) -> dict[bytes, bytes]:
+    raws = [decode_seal_key(t) for t in texts or ()]
+    return {seal_key_id(raw): raw for raw in raws}
+
+
 def policy_from_document(doc: PolicyDocument) -> Policy:
     """Build the runtime policy from a validated (and semantically checked) document."""
     canonical = canonical_bytes(doc)
@@ -302,7 +320,7 @@ def policy_from_document(doc: PolicyDocument) -> Policy:
         by_fp[fingerprint(ref.public)] = (*by_fp.get(fingerprint(ref.public), ()), ref.public)
     pools = tuple(Pool(n, p.zone, tuple(p.workers)) for n, p in doc.pools.items())
     workers = {
-        w: Worker(w, name, p.zone, decode_public_key(key))
+        w: Worker(w, name, p.zone, decode_public_key(key), _seal_keys(p.encryption_keys.get(w)))
         for name, p in doc.pools.items()
         for w, key in p.workers.items()
     }
@@ -321,7 +339,11 @@ def policy_from_document(doc: PolicyDocument) -> Policy:
         apps=tuple(App(k, tuple(a.edges), tuple(a.results)) for k, a in doc.apps.items()),
         classes={
             name: DataClass(
-                name, c.description, _rules(name, "deny", c.deny), _rules(name, "allow", c.allow)
+                name,
+                c.description,
+                _rules(name, "deny", c.deny),
+                _rules(name, "allow", c.allow),
+                c.confidential,
             )
             for name, c in doc.classes.items()
         },

@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from policies.keys import decode_public_key, public_key_text
+from policies.sealing import decode_seal_key, seal_key_text
 
 FORMAT = "sluicegate-policy/1"
 MAX_VERSION = 2**32 - 1
@@ -50,6 +51,18 @@ KeyText = Annotated[
     AfterValidator(_normalise_key),
     WithJsonSchema({"type": "string", "pattern": "^ed25519:[A-Za-z0-9_-]{43}$"}),
 ]
+
+
+def _normalise_seal_key(text: str) -> str:
+    return seal_key_text(decode_seal_key(text))
+
+
+SealKeyText = Annotated[
+    str,
+    AfterValidator(_normalise_seal_key),
+    WithJsonSchema({"type": "string", "pattern": "^x25519:[A-Za-z0-9_-]{43}$"}),
+]
+MAX_SEAL_KEYS = 4  # per worker: the current key and those still open for in-flight jobs
 
 
 def _normalise_rule(text: str) -> str:
@@ -142,6 +155,12 @@ class PoolDoc(_Model):
     workers: Annotated[dict[NodeId, KeyText], BeforeValidator(_workers_table)] = Field(
         min_length=1, max_length=1000
     )
+    # Each worker's HPKE (X25519) public keys, which edges seal images to: the current one
+    # and, while a rotation runs, the previous ones. Left out of the canonical form when
+    # empty, so policies written before it keep their digests.
+    encryption_keys: dict[
+        NodeId, Annotated[list[SealKeyText], Field(min_length=1, max_length=MAX_SEAL_KEYS)]
+    ] = Field(default_factory=dict, max_length=1000)
 
 
 class EdgeDoc(_Model):
@@ -183,6 +202,9 @@ class ClassDoc(_Model):
     description: Text = ""
     allow: list[RuleText] = Field(default_factory=list, max_length=256)
     deny: list[RuleText] = Field(default_factory=list, max_length=256)
+    # Images of a confidential class travel only sealed to the chosen worker's key; left
+    # out of the canonical form when false.
+    confidential: bool = False
 
 
 class ConditionDoc(_Model):
@@ -272,6 +294,22 @@ def semantic_problems(doc: PolicyDocument) -> list[tuple[Loc, str]]:
                     )
                 )
             seen[worker] = pool_name
+        for worker, keys in pool.encryption_keys.items():
+            if worker not in pool.workers:
+                problems.append(
+                    (
+                        ("pools", pool_name, "encryption_keys", worker),
+                        f"encryption keys for {worker!r}, which is not a worker of pool "
+                        f"{pool_name!r}; its workers: {', '.join(sorted(pool.workers))}",
+                    )
+                )
+            if len(set(keys)) != len(keys):
+                problems.append(
+                    (
+                        ("pools", pool_name, "encryption_keys", worker),
+                        f"worker {worker!r} lists the same encryption key twice",
+                    )
+                )
     for app_name, app in doc.apps.items():
         for index, edge in enumerate(app.edges):
             if edge not in doc.edges:

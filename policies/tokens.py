@@ -1,14 +1,17 @@
 """Placement tokens: minted by the broker, verified by the edge and the worker.
 
 A token binds job id, payload sha256, data class, origin zone, target worker and zone, policy
-version and (first 16 bytes of the) digest, issue and expiry time and a random nonce, signed
-with a broker key the policy trusts. The layout is fixed binary, then base64url: at most 400
+version and (first 16 bytes of the) digest, issue and expiry time, a random nonce (the
+token's id) and the id of the worker's sealing key the image must be encrypted to (zeros:
+sent in the clear; never for a class the policy marks confidential), signed with a broker
+key the policy trusts. The layout is fixed binary, then base64url: at most 400
 characters. ``verify`` is pure (``now`` passed in); the replay check is separate
 (``policies.replay``) because it needs state. This module never looks at a clock, never
 stores anything, and never accepts a token it has not fully checked.
 
 Layout (big-endian): version u8 | signer fingerprint 8 | payload sha256 32 | policy version u32
-| policy digest[:16] | issued-at ms u64 | expires-at ms u64 | nonce 16 | five strings, each u8
+| policy digest[:16] | issued-at ms u64 | expires-at ms u64 | nonce 16 | seal key id 8 |
+five strings, each u8
 length + UTF-8 (job id, data class, origin zone, target worker, target zone) | Ed25519
 signature 64 over ``DOMAIN`` + everything before it.
 
@@ -31,10 +34,12 @@ from policies.errors import (
     TokenExpired,
     TokenLifetimeTooLong,
     TokenMalformed,
+    TokenNotSealed,
     TokenNotYetValid,
     TokenPayloadMismatch,
     TokenPolicyMismatch,
     TokenTooLarge,
+    TokenUnknownSealKey,
     TokenUntrustedSigner,
     TokenWrongClass,
     TokenWrongJob,
@@ -45,13 +50,14 @@ from policies.errors import (
 from policies.evaluate import allowed
 from policies.keys import SIGNATURE_BYTES, SigningKey, fingerprint, signature_valid
 from policies.model import Policy
+from policies.sealing import NO_KEY, work_info
 
-TOKEN_VERSION = 1
-DOMAIN = b"sluicegate-placement-token/1\n"
+TOKEN_VERSION = 2
+DOMAIN = b"sluicegate-placement-token/2\n"
 MAX_ENCODED = 400
 MAX_RAW = MAX_ENCODED * 3 // 4
 DEFAULT_TTL_S = 30.0
-_HEAD = struct.Struct(">B8s32sI16sQQ16s")
+_HEAD = struct.Struct(">B8s32sI16sQQ16s8s")
 _STRING_NAMES = ("job id", "data class", "origin zone", "target worker", "target zone")
 STRING_BUDGET = MAX_RAW - _HEAD.size - SIGNATURE_BYTES - len(_STRING_NAMES)
 MIN_RAW = _HEAD.size + 2 * len(_STRING_NAMES) + SIGNATURE_BYTES
@@ -73,6 +79,28 @@ class PlacementClaims:
     expires_at_ms: int
     nonce: bytes
     signer: bytes = b""
+    seal_key_id: bytes = NO_KEY
+
+    @property
+    def sealed(self) -> bool:
+        """Whether the image must travel sealed to the target worker's key."""
+        return self.seal_key_id != NO_KEY
+
+    @property
+    def token_id(self) -> bytes:
+        return self.nonce
+
+    def seal_info(self) -> bytes:
+        """The HPKE info the image is sealed under: this placement and no other."""
+        return work_info(
+            token_id=self.nonce,
+            key_id=self.seal_key_id,
+            job_id=self.job_id,
+            data_class=self.data_class,
+            origin_zone=self.origin_zone,
+            target_worker=self.target_worker,
+            target_zone=self.target_zone,
+        )
 
     def body(self, signer: bytes) -> bytes:
         head = _HEAD.pack(
@@ -84,6 +112,7 @@ class PlacementClaims:
             self.issued_at_ms,
             self.expires_at_ms,
             self.nonce,
+            self.seal_key_id,
         )
         parts = [head]
         for text in (
@@ -143,8 +172,10 @@ def mint(
     now: float,
     ttl_s: float = DEFAULT_TTL_S,
     nonce: bytes | None = None,
+    seal_key_id: bytes = NO_KEY,
 ) -> str:
-    """A signed token for a placement ``policy`` allows; raises ``PlacementDenied`` if not."""
+    """A signed token for a placement ``policy`` allows; raises ``PlacementDenied`` if not,
+    and ``TokenNotSealed``/``TokenUnknownSealKey`` when the sealing key does not fit."""
     if key.public not in policy.broker_keys_by_fp.get(key.fingerprint, ()):
         raise TokenUntrustedSigner(
             f"key {key.fingerprint.hex()} is not a broker signer of policy v{policy.version}; "
@@ -162,6 +193,7 @@ def mint(
     verdict = allowed(policy, data_class, origin_zone, target_zone)
     if not verdict.allowed:
         raise PlacementDenied(f"placement on {target_worker!r}: {verdict}")
+    _check_seal(policy, data_class, target_worker, seal_key_id)
     issued = int(now * 1000)
     claims = PlacementClaims(
         job_id=job_id,
@@ -175,8 +207,30 @@ def mint(
         issued_at_ms=issued,
         expires_at_ms=issued + int(ttl_s * 1000),
         nonce=os.urandom(16) if nonce is None else nonce,
+        seal_key_id=seal_key_id,
     )
     return seal(claims, key)
+
+
+def _check_seal(policy: Policy, data_class: str, worker: str, key_id: bytes) -> None:
+    if key_id == NO_KEY:
+        if policy.confidential(data_class):
+            raise TokenNotSealed(
+                f"policy v{policy.version} marks class {data_class!r} confidential: its images "
+                f"travel only sealed, and the placement on {worker!r} binds no sealing key"
+            )
+        return
+    if policy.seal_key(worker, key_id) is None:
+        raise TokenUnknownSealKey(
+            f"sealing key {key_id.hex()} is not one policy v{policy.version} lists for worker "
+            f"{worker!r}; listed: "
+            + (", ".join(k.hex() for k in _listed(policy, worker)) or "none")
+        )
+
+
+def _listed(policy: Policy, worker: str) -> list[bytes]:
+    entry = policy.worker(worker)
+    return list(entry.seal_keys) if entry is not None else []
 
 
 def _decode(token: str) -> tuple[PlacementClaims, bytes, bytes]:
@@ -196,7 +250,7 @@ def _decode(token: str) -> tuple[PlacementClaims, bytes, bytes]:
             f"{TOKEN_VERSION} token of {MIN_RAW} to {MAX_RAW} bytes"
         )
     body, signature = raw[:-SIGNATURE_BYTES], raw[-SIGNATURE_BYTES:]
-    _, signer, payload, pver, pdigest, iat, exp, nonce = _HEAD.unpack_from(body)
+    _, signer, payload, pver, pdigest, iat, exp, nonce, seal_id = _HEAD.unpack_from(body)
     strings: list[str] = []
     pos = _HEAD.size
     for name in _STRING_NAMES:
@@ -213,7 +267,7 @@ def _decode(token: str) -> tuple[PlacementClaims, bytes, bytes]:
         raise TokenMalformed(f"{len(body) - pos} unexpected bytes after the names")
     job, cls, origin, worker, zone = strings
     claims = PlacementClaims(
-        job, payload, cls, origin, worker, zone, pver, pdigest, iat, exp, nonce, signer
+        job, payload, cls, origin, worker, zone, pver, pdigest, iat, exp, nonce, signer, seal_id
     )
     return claims, body, signature
 
@@ -246,7 +300,7 @@ def verify(
     *,
     now: float,
     job_id: str,
-    payload_sha256: bytes,
+    payload_sha256: bytes | None,
     worker_id: str | None = None,
     origin_zone: str | None = None,
     data_class: str | None = None,
@@ -254,6 +308,8 @@ def verify(
     """Check everything but replay; return the claims or raise a ``TokenRefused`` subclass.
 
     The worker passes ``worker_id`` (itself); the edge passes ``origin_zone`` (its zone).
+    ``payload_sha256=None`` leaves the payload to :func:`check_payload`: a worker given a
+    sealed image opens it only after everything else here passed.
     """
     claims, body, signature = _decode(token)
     keys = policy.broker_keys_by_fp.get(claims.signer)
@@ -270,11 +326,8 @@ def verify(
     _check_time(claims, policy, now)
     if claims.job_id != job_id:
         raise TokenWrongJob(f"token is for job {claims.job_id!r}, attached to job {job_id!r}")
-    if claims.payload_sha256 != payload_sha256:
-        raise TokenPayloadMismatch(
-            f"payload sha256 {payload_sha256.hex()[:16]}… but the token binds "
-            f"{claims.payload_sha256.hex()[:16]}…: the image is not the one placed"
-        )
+    if payload_sha256 is not None:
+        check_payload(claims, payload_sha256)
     if data_class is not None and claims.data_class != data_class:
         raise TokenWrongClass(f"token is for class {claims.data_class!r}, job says {data_class!r}")
     if origin_zone is not None and claims.origin_zone != origin_zone:
@@ -294,7 +347,17 @@ def verify(
     verdict = allowed(policy, claims.data_class, claims.origin_zone, claims.target_zone)
     if not verdict.allowed:
         raise TokenZoneDenied(str(verdict))
+    _check_seal(policy, claims.data_class, claims.target_worker, claims.seal_key_id)
     return claims
+
+
+def check_payload(claims: PlacementClaims, payload_sha256: bytes) -> None:
+    """The payload (the opened plaintext, when sealed) is the one the token was minted for."""
+    if claims.payload_sha256 != payload_sha256:
+        raise TokenPayloadMismatch(
+            f"payload sha256 {payload_sha256.hex()[:16]}… but the token binds "
+            f"{claims.payload_sha256.hex()[:16]}…: the image is not the one placed"
+        )
 
 
 def _check_time(claims: PlacementClaims, policy: Policy, now: float) -> None:

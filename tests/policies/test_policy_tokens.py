@@ -234,7 +234,7 @@ def test_token_budget_is_enforced_at_mint() -> None:
     fits = seal(replace(base, job_id="j" * room), BROKER)
     assert len(fits) == MAX_ENCODED
     assert peek(fits).job_id == "j" * room
-    with pytest.raises(TokenTooLarge, match="room for 138 bytes"):
+    with pytest.raises(TokenTooLarge, match="room for 130 bytes"):
         seal(replace(base, job_id="j" * (room + 1)), BROKER)
     with pytest.raises(TokenTooLarge):
         seal(replace(base, job_id="", data_class="c" * 256), BROKER)
@@ -253,7 +253,7 @@ def _raw(claims: PlacementClaims, tail: bytes = b"") -> str:
         ("A" * 401, "at most 400"),
         ("tökén", "at most 400"),
         ("not base64!", "not base64url"),
-        (base64.urlsafe_b64encode(b"\x02" + bytes(200)).decode(), "version-1 token"),
+        (base64.urlsafe_b64encode(b"\x01" + bytes(200)).decode(), "version-2 token"),
         (_raw(_claims(job_id="x"), tail=b"\x00\x00"), "unexpected bytes"),
     ],
 )
@@ -270,7 +270,7 @@ def test_malformed_string_fields() -> None:
     with pytest.raises(TokenMalformed, match="target zone field is empty or cut short"):
         _verify(base64.urlsafe_b64encode(cut + bytes(64)).decode())
     bad_utf8 = bytearray(raw)
-    bad_utf8[94] = 0xFF  # first byte of the job id
+    bad_utf8[102] = 0xFF  # first byte of the job id
     with pytest.raises(TokenMalformed, match="job id field is not UTF-8"):
         _verify(base64.urlsafe_b64encode(bytes(bad_utf8)).decode())
 
