@@ -1,0 +1,158 @@
+"""Usage records: what one node says it ran, signed by it, numbered and hash-chained per
+node, and countersigned by the broker replica that accepted it.
+
+A record is written by the node that ran an attempt (a pool worker, or an edge agent for a
+job it ran itself) before the result leaves the node, and says: which job and attempt,
+under which placement token, for which line (the edge that owns the job) and owner (the
+app), on which model file, backend and device class, how long it took on the device (the
+job's share of its batch), how long it queued, the bytes it took in, the digest of the
+result, and the status. An edge also writes a ``settled`` record when it delivers an
+offloaded job's result: which worker's attempt it delivered. Billing takes, for each job,
+the attempt its edge settled; every other attempt that ran is waste (a lost worker, a
+fenced return), recorded but not billed to the line.
+
+Each record carries ``seq`` (1, 2, 3 ... per node: a gap or a repeat is visible) and
+``prev``, the digest of the node's previous signed record (32 zero bytes before the first),
+so a record altered, removed or inserted breaks the node's chain. Times are integer
+milliseconds and durations integer microseconds, so the signed bytes are the same in any
+language that can write sorted, compact JSON.
+
+This module is pure: no clock (times are passed in), no files, no network.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from policies.keys import SigningKey, signature_valid
+
+RECORD_DOMAIN = b"sluicegate-usage/1\n"
+RECEIPT_DOMAIN = b"sluicegate-usage-receipt/1\n"
+GENESIS = bytes(32)
+Event = Literal["ran", "settled"]
+NodeKind = Literal["pool", "edge"]
+_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+_HEX64 = r"^[0-9a-f]{64}$"
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class Usage(_Doc):
+    """One attempt that ran (``ran``), or an edge's settlement of an offloaded job
+    (``settled``: ``settled_node``/``settled_attempt`` name the attempt delivered)."""
+
+    v: Literal[1] = 1
+    node: str = Field(pattern=_ID)
+    kind: NodeKind
+    seq: int = Field(ge=1)
+    prev: str = Field(pattern=_HEX64)  # hex digest of the node's previous signed record
+    at_ms: int = Field(ge=0)  # when the node wrote it
+    event: Event
+    job_id: str = Field(min_length=1, max_length=200)
+    attempt: int = Field(ge=0, le=1000)  # 0: a job the edge ran itself, never placed
+    token_id: str = Field("", pattern=r"^([0-9a-f]{32})?$")  # the placement token's nonce
+    line: str = Field(pattern=_ID)  # the edge that owns the job
+    owner: str = Field("", max_length=64)  # the app, from the policy; "" when not known
+    data_class: str = Field("", max_length=64)
+    zone: str = Field(max_length=128)  # where it ran
+    model: str = Field("", max_length=128)
+    model_sha256: str = Field("", pattern=r"^([0-9a-f]{64})?$")
+    backend: str = Field("", max_length=128)
+    device_class: str = Field("", max_length=64)
+    device_us: int = Field(0, ge=0)  # the job's share of its batch's time on the device
+    queue_us: int = Field(0, ge=0)
+    batch_size: int = Field(1, ge=1)
+    bytes_in: int = Field(0, ge=0)
+    result_sha256: str = Field("", pattern=r"^([0-9a-f]{64})?$")
+    status: str = Field(max_length=16)
+    settled_node: str = Field("", max_length=64)
+    settled_attempt: int = Field(0, ge=0, le=1000)
+
+    def canonical(self) -> bytes:
+        return json.dumps(
+            self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=True
+        ).encode("ascii")
+
+
+class Receipt(_Doc):
+    """A broker replica's countersignature: it accepted the record at ``received_ms``."""
+
+    broker: str = Field(pattern=_ID)
+    received_ms: int = Field(ge=0)
+    sig: str  # base64url Ed25519 over RECEIPT_DOMAIN + record digest + broker + received_ms
+
+
+class SignedUsage(_Doc):
+    """A record with its node's signature, as the node ships it; ``receipt`` once accepted."""
+
+    record: Usage
+    sig: str  # base64url Ed25519 over RECORD_DOMAIN + record.canonical()
+    receipt: Receipt | None = None
+
+    def digest(self) -> bytes:
+        """What the node's next record names as ``prev``: the record and its signature."""
+        return hashlib.sha256(RECORD_DOMAIN + self.record.canonical() + _raw(self.sig)).digest()
+
+    def node_signature_valid(self, public: bytes) -> bool:
+        return signature_valid(public, _raw(self.sig), RECORD_DOMAIN + self.record.canonical())
+
+    def receipt_valid(self, public: bytes) -> bool:
+        if self.receipt is None:
+            return False
+        return signature_valid(public, _raw(self.receipt.sig), _receipt_message(self))
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+
+
+def _raw(text: str) -> bytes:
+    try:
+        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except ValueError:
+        return b""
+
+
+def _receipt_message(signed: SignedUsage) -> bytes:
+    assert signed.receipt is not None
+    return (
+        RECEIPT_DOMAIN
+        + signed.digest()
+        + signed.receipt.broker.encode("ascii")
+        + b"\n"
+        + str(signed.receipt.received_ms).encode("ascii")
+    )
+
+
+def sign_usage(record: Usage, key: SigningKey) -> SignedUsage:
+    return SignedUsage(record=record, sig=_b64(key.sign(RECORD_DOMAIN + record.canonical())))
+
+
+def countersign(
+    signed: SignedUsage, key: SigningKey, *, broker: str, received_ms: int
+) -> SignedUsage:
+    """``signed`` with this broker's receipt (any earlier receipt replaced)."""
+    bare = signed.model_copy(
+        update={"receipt": Receipt(broker=broker, received_ms=received_ms, sig="")}
+    )
+    sig = _b64(key.sign(_receipt_message(bare)))
+    return signed.model_copy(
+        update={"receipt": Receipt(broker=broker, received_ms=received_ms, sig=sig)}
+    )
+
+
+def to_line(signed: SignedUsage) -> bytes:
+    """One record as one line of an export (JSON, no newline inside)."""
+    return signed.model_dump_json().encode("utf-8")
+
+
+def from_line(line: bytes | str) -> SignedUsage:
+    """A record read back; pydantic's ``ValidationError`` when it is not one."""
+    return SignedUsage.model_validate_json(line)
