@@ -156,3 +156,77 @@ def to_line(signed: SignedUsage) -> bytes:
 def from_line(line: bytes | str) -> SignedUsage:
     """A record read back; pydantic's ``ValidationError`` when it is not one."""
     return SignedUsage.model_validate_json(line)
+
+
+class NodeHead(_Doc):
+    """One node's part of an export: its records ``first_seq`` to ``last_seq``, all there,
+    the last one's digest."""
+
+    node: str = Field(pattern=_ID)
+    first_seq: int = Field(ge=1)
+    last_seq: int = Field(ge=1)
+    last_digest: str = Field(pattern=_HEX64)
+
+
+class Manifest(_Doc):
+    """The last line of an export, signed by the broker replica that made it: the period,
+    each node's head, and the sha256 of the record lines before it (each line and its
+    newline), so a record removed from the end of a node's run, or any line changed, shows."""
+
+    v: Literal[1] = 1
+    broker: str = Field(pattern=_ID)
+    exported_ms: int = Field(ge=0)
+    from_ms: int = Field(ge=0)
+    to_ms: int = Field(ge=0)
+    heads: list[NodeHead]
+    records_sha256: str = Field(pattern=_HEX64)
+    sig: str = ""
+
+    def signed_bytes(self) -> bytes:
+        body = self.model_copy(update={"sig": ""}).model_dump(mode="json")
+        return MANIFEST_DOMAIN + json.dumps(
+            body, sort_keys=True, separators=(",", ":"), ensure_ascii=True
+        ).encode("ascii")
+
+    def signature_valid(self, public: bytes) -> bool:
+        return signature_valid(public, _raw(self.sig), self.signed_bytes())
+
+
+class ManifestLine(_Doc):
+    manifest: Manifest
+
+
+MANIFEST_DOMAIN = b"sluicegate-usage-export/1\n"
+
+
+def export_lines(
+    records: list[SignedUsage],
+    key: SigningKey,
+    *,
+    broker: str,
+    exported_ms: int,
+    from_ms: int,
+    to_ms: int,
+) -> list[bytes]:
+    """An export: one line per record (ordered by node, then seq), then the signed manifest.
+    Each returned line has no newline; join them with ``b"\\n"`` and end with one."""
+    ordered = sorted(records, key=lambda s: (s.record.node, s.record.seq))
+    lines = [to_line(s) for s in ordered]
+    digest = hashlib.sha256(b"".join(line + b"\n" for line in lines)).hexdigest()
+    heads: dict[str, NodeHead] = {}
+    for signed in ordered:
+        r = signed.record
+        first = heads[r.node].first_seq if r.node in heads else r.seq
+        heads[r.node] = NodeHead(
+            node=r.node, first_seq=first, last_seq=r.seq, last_digest=signed.digest().hex()
+        )
+    manifest = Manifest(
+        broker=broker,
+        exported_ms=exported_ms,
+        from_ms=from_ms,
+        to_ms=to_ms,
+        heads=list(heads.values()),
+        records_sha256=digest,
+    )
+    manifest = manifest.model_copy(update={"sig": _b64(key.sign(manifest.signed_bytes()))})
+    return [*lines, ManifestLine(manifest=manifest).model_dump_json().encode("utf-8")]
