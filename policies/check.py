@@ -1,9 +1,10 @@
 """Lint for policies: mistakes a schema cannot see, found before anyone signs.
 
 Errors: a pool, edge or rule naming a zone the policy does not declare; one key in two roles;
-one id used by two kinds of node or app (they would share an MQTT user). Warnings: rules shadowed by
-deny rules or made redundant by an earlier rule, classes no zone may process, one key under
-two ids, published test keys. Coverage is computed exactly over the declared zones. Pure: it
+one id used by two kinds of node or app (they would share an MQTT user). Warnings: rules
+shadowed by deny rules or made redundant by an earlier rule, classes no zone may process,
+one key under two ids, published test keys, a confidential class that may run where a
+worker lists no sealing key. Coverage is computed exactly over the declared zones. Pure: it
 reports and never changes a policy.
 """
 
@@ -244,6 +245,33 @@ def _id_findings(policy: Policy) -> list[Finding]:
     ]
 
 
+def _seal_findings(policy: Policy) -> list[Finding]:
+    """A confidential class whose allow rules reach a pool with a worker that lists no
+    sealing key: that worker can never be given the class's jobs."""
+    coverage = _Coverage(policy)
+    out: list[Finding] = []
+    for name, cls in policy.classes.items():
+        if not cls.confidential:
+            continue
+        reachable = set().union(*(coverage.targets(rule) for rule in cls.allow))
+        for pool in policy.pools:
+            if pool.zone not in reachable:
+                continue
+            bare = [w for w in pool.workers if not policy.workers[w].seal_keys]
+            if bare:
+                out.append(
+                    Finding(
+                        "warning",
+                        "confidential-no-seal-key",
+                        ("pools", pool.name, "encryption_keys"),
+                        f"class {name!r} is confidential and may run in {pool.zone!r}, but "
+                        f"{', '.join(bare)} list(s) no encryption key: its jobs never go "
+                        "there (add each worker's key from 'sluicegate pool seal-key new')",
+                    )
+                )
+    return out
+
+
 def check_policy(policy: Policy) -> list[Finding]:
     """Every finding, errors first, in file order within each severity."""
     findings = (
@@ -251,5 +279,6 @@ def check_policy(policy: Policy) -> list[Finding]:
         + _rule_findings(policy)
         + _key_findings(policy)
         + _id_findings(policy)
+        + _seal_findings(policy)
     )
     return sorted(findings, key=lambda f: f.severity != "error")

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from policy_testkit import EXAMPLE, NOW, key
 
+from policies.check import check_policy
 from policies.errors import (
+    KeyFileError,
     SealOpenFailed,
     TokenNotSealed,
     TokenUnknownSealKey,
@@ -20,6 +23,7 @@ from policies.sealing import (
     SEAL_OVERHEAD,
     SealingKey,
     decode_seal_key,
+    load_sealing_key,
     open_sealed,
     seal,
     sealing_key_from_pem,
@@ -170,3 +174,47 @@ def test_bad_encryption_keys_tables_are_refused(snippet: str, expect: str) -> No
 def test_canonical_form_lists_keys_once_normalised() -> None:
     policy = _policy(confidential=True, keys=[GPU1_OLD])
     assert GPU1_OLD.public_text.encode() in policy.canonical
+
+
+def test_lint_warns_of_a_confidential_class_reaching_a_worker_with_no_key() -> None:
+    findings = check_policy(_policy(confidential=True, keys=[GPU1_OLD]))
+    bare = [f for f in findings if f.code == "confidential-no-seal-key"]
+    # wafer-image may run anywhere on campus: north-gpu-2 and south-npu-1 list no key.
+    assert {f.key for f in bare} == {
+        "pools.north-dc-gpu.encryption_keys",
+        "pools.south-dc-npu.encryption_keys",
+    }
+    assert "north-gpu-2" in bare[0].message
+    assert not [
+        f
+        for f in check_policy(_policy(confidential=False, keys=[GPU1_OLD]))
+        if f.code == "confidential-no-seal-key"
+    ]
+
+
+def test_key_files_and_their_errors(tmp_path: Path) -> None:
+    made = SealingKey.generate()
+    path = tmp_path / "seal.key"
+    path.write_bytes(made.to_pem())
+    assert load_sealing_key(path).public == made.public
+    with pytest.raises(KeyFileError, match="cannot read key file"):
+        load_sealing_key(tmp_path / "absent.key")
+    with pytest.raises(KeyFileError, match="not an unencrypted PKCS#8 PEM"):
+        sealing_key_from_pem(b"not a key", source="x")
+    with pytest.raises(KeyFileError, match="expected an X25519 key"):
+        sealing_key_from_pem(key("officer").to_pem(), source="x")
+    with pytest.raises(ValueError, match="has 32 bytes, this one has 3"):
+        decode_seal_key("x25519:AAAA")
+
+
+def test_many_distinct_workers_keys_seal_without_growing_without_bound() -> None:
+    policy = _policy(confidential=True, keys=[GPU1_OLD])
+    claims = peek(_mint(policy, seal_key_id=GPU1_OLD.key_id))
+    assert claims.token_id == claims.nonce
+    assert len(claims.token_id) == 16
+    for _ in range(4100):  # more keys than the cache holds: it starts again, still right
+        seal(SealingKey.generate().public, b"x", claims.seal_info())
+    assert (
+        open_sealed(GPU1_OLD, seal(GPU1_OLD.public, IMAGE, claims.seal_info()), claims.seal_info())
+        == IMAGE
+    )
