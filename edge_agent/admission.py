@@ -289,6 +289,20 @@ def results_topics(policy: Policy, edge_id: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+def owner_of(policy: Policy | None, edge_id: str, response_topic: str) -> str:
+    """The app a job is billed to: the first app (by id) the policy lets submit to this
+    edge whose results topics its Response Topic falls under; "" when none does."""
+    if policy is None:
+        return ""
+    for app in sorted(policy.apps, key=lambda a: a.app_id):
+        if edge_id not in app.edges:
+            continue
+        filters = (topics.client_results(app.app_id), *(f"{p}/#" for p in app.results))
+        if any(topics.matches(f, response_topic) for f in filters):
+            return app.app_id
+    return ""
+
+
 class ResultsGate:
     """:func:`unanswerable` against the policy in force, its topics worked out once per
     policy version."""

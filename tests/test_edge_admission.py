@@ -246,3 +246,29 @@ def test_an_edge_answers_only_where_the_policy_lets_its_apps_take_results() -> N
             assert refusal.response_topic is None  # nowhere to say so
             assert "app/north/#" in refusal.reason
     assert unanswerable(job_for("anything"), (), "e") is None
+
+
+@pytest.mark.parametrize(
+    ("edge", "topic", "owner"),
+    [
+        ("north-l1-pc", "app/north/line-1/results", "inspect"),
+        ("north-l1-pc", "sluicegate/v1/clients/inspect/results", "inspect"),
+        ("north-l1-pc", "sluicegate/v1/clients/audit/results", "audit"),
+        ("north-l1-pc", "app/shared/results", "audit"),  # both list it: the first by id
+        ("north-l1-pc", "app/elsewhere/results", ""),
+        ("other-pc", "app/north/line-1/results", ""),  # not an edge of the app
+    ],
+)
+def test_a_job_is_billed_to_the_app_whose_results_topics_it_answers_on(
+    edge: str, topic: str, owner: str
+) -> None:
+    from edge_agent.admission import owner_of
+    from tests.policies.policy_testkit import base_doc, policy_of
+
+    doc = base_doc()
+    doc["apps"] = {
+        "inspect": {"edges": ["north-l1-pc"], "results": ["app/north", "app/shared"]},
+        "audit": {"edges": ["north-l1-pc"], "results": ["app/shared"]},
+    }
+    assert owner_of(policy_of(doc), edge, topic) == owner
+    assert owner_of(None, edge, topic) == ""
