@@ -62,6 +62,9 @@ def local_result(
         preprocess_ms=round(times.preprocess_ms, 3) if times else 0.0,
         inference_ms=round(times.inference_ms, 3) if times else 0.0,
         total_ms=round((now - job.received_at) * 1000.0, 3),
+        device_ms=round(times.decode_ms + times.preprocess_ms + times.inference_ms, 3)
+        if times
+        else 0.0,
     )
     return wire.JobResult(
         job_id=job.job_id,

@@ -45,6 +45,9 @@ class Timings(_Wire):
     preprocess_ms: float = 0.0
     inference_ms: float = 0.0
     total_ms: float = 0.0
+    # The job's own time on the device: its decode and preprocess plus its share of its
+    # batch's inference (the batch's time over its size). What a usage record bills.
+    device_ms: float = 0.0
 
 
 class Detection(_Wire):

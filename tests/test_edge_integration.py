@@ -109,6 +109,9 @@ def test_plain_paho_job_gets_right_labels(app: tuple[PlainClient, str], edge: Ag
         assert set(result["outputs"]["scores"]) == set(LABELS)
         assert result["timings_ms"]["inference_ms"] > 0
         assert result["timings_ms"]["total_ms"] >= result["timings_ms"]["inference_ms"]
+        t = result["timings_ms"]  # run here: the whole run is the job's device time
+        parts = t["decode_ms"] + t["preprocess_ms"] + t["inference_ms"]
+        assert t["device_ms"] == pytest.approx(parts, abs=0.002)
         right += result["outputs"]["label"] == truth
     assert right / n >= 0.95, f"{right}/{n} labels right"
 
