@@ -17,7 +17,8 @@ log line or a ``rejected`` result can act on it without reading the code.
     ├── IdentityError           a certificate, key or identity claim cannot be trusted
     │   ├── EnrollmentRefused   a join token or enrollment request was refused (``code``)
     │   └── IdentityInUse       another process already serves this node's identity
-    └── BundleError             an offline install bundle cannot be built as asked
+    ├── BundleError             an offline install bundle cannot be built as asked
+    └── LedgerError             a node's usage ledger cannot be opened or written
 
 ``policies.errors.PolicyError`` is the policy library's own root; :data:`EXPECTED` names both
 roots, for the commands that turn any error raised on purpose into a message. One of its
@@ -97,3 +98,7 @@ class BundleError(SluicegateError):
 
 
 EXPECTED: tuple[type[Exception], ...] = (SluicegateError, PolicyError)
+
+
+class LedgerError(SluicegateError):
+    """A node's usage ledger (``sluicegate.metering.ledger``) cannot be opened or written."""

@@ -34,6 +34,8 @@ PROP_EDGE = "edge-id"
 # earlier attempt than the edge's current one are discarded (fencing).
 PROP_ATTEMPT = "attempt"
 PROP_WORKER = "worker-id"
+# The app a job is billed to, as the edge sends it with the work (empty when absent).
+PROP_OWNER = "owner"
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -183,6 +185,23 @@ def completion(worker_id: str) -> str:
 def completions_all() -> str:
     """Subscription filter for every worker's completion records."""
     return f"{ROOT}/broker/completions/+"
+
+
+def usage(node_id: str) -> str:
+    """Where node ``node_id`` (a worker or an edge) ships its signed usage records to the
+    broker replicas (QoS 1; ``sluicegate.metering.shipper``)."""
+    return f"{ROOT}/broker/usage/{node_id}"
+
+
+def usage_all() -> str:
+    """Subscription filter for every node's usage records (every replica hears each)."""
+    return f"{ROOT}/broker/usage/+"
+
+
+def usage_acks(node_id: str) -> str:
+    """Broker -> node: which of its usage records a replica holds (QoS 1). Under ``node/``,
+    for any kind of node, its id the third level as on ``edge/`` and ``worker/``."""
+    return f"{ROOT}/node/{node_id}/usage-acks"
 
 
 def broker_status(broker_id: str) -> str:

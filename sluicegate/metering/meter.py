@@ -1,0 +1,66 @@
+"""A node's metering, put together: its :class:`~sluicegate.metering.ledger.Ledger` and
+:class:`~sluicegate.metering.shipper.Shipper`, started and stopped with the node, and the
+one call a node's shell makes per batch of attempts (:meth:`Meter.record`): the records on
+disk (what the caller waits for before it sends the results), then on their way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+
+from sluicegate.metering.ledger import Ledger
+from sluicegate.metering.record import SignedUsage, Usage
+from sluicegate.metering.shipper import Shipper
+from sluicegate.transport import Transport
+
+log = logging.getLogger(__name__)
+
+
+class Meter:
+    def __init__(self, ledger: Ledger, transport: Transport, *, resend_s: float = 30.0) -> None:
+        self.ledger = ledger
+        self.shipper = Shipper(ledger, transport, resend_s=resend_s)
+        self._task: asyncio.Task[None] | None = None
+        self.written = 0  # records committed by this process
+        self.failed = 0  # appends (batches) whose commit failed
+
+    async def start(self) -> None:
+        """Open the ledger (the chain goes on from its head), subscribe to the acks and
+        start shipping: every record not acknowledged before goes out again."""
+        head = await self.ledger.open()
+        if head.unacked:
+            log.info(
+                "usage ledger of %s: %d record(s) not acknowledged yet, shipping them again",
+                self.ledger.node,
+                head.unacked,
+            )
+        await self.shipper.start()
+        self._task = asyncio.create_task(self.shipper.run(), name="usage shipper")
+
+    def record(self, drafts: Sequence[Usage]) -> asyncio.Future[list[SignedUsage]]:
+        """Append ``drafts`` (one transaction) and ship them once durable; the future
+        resolves once they are on disk (or with the ``LedgerError``)."""
+        done = self.ledger.append(drafts)
+        done.add_done_callback(self._written)
+        return done
+
+    def _written(self, fut: asyncio.Future[list[SignedUsage]]) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self.failed += 1
+            return
+        signed = fut.result()
+        self.written += len(signed)
+        self.shipper.ship(signed)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.ledger.close()
