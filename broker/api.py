@@ -45,6 +45,8 @@ class BrokerView(Protocol):
 
     def metrics(self) -> bytes: ...
 
+    async def usage_export(self, from_ms: int, to_ms: int) -> bytes | None: ...
+
 
 class Enrollment(Protocol):
     """The enrollment desk (``broker.enrollment``): status and document for a request."""
@@ -281,6 +283,26 @@ OPENAPI: dict[str, Any] = {
                 "responses": {"200": {"description": "{name, role, via}"}, "401": {}},
             }
         },
+        "/v1/usage/export": {
+            "get": {
+                "summary": "The usage records of a period, countersigned, then the signed "
+                "manifest (application/x-ndjson)",
+                "description": "Viewer. One line per record whose at_ms falls in [from, to] "
+                "(ordered by node, then seq), each signed by its node and countersigned by the "
+                "replica that stored it; the last line is this replica's signed manifest "
+                "(each node's head, the records' sha256). 'sluicegate meter verify' checks it.",
+                "parameters": [
+                    {"name": n, "in": "query", "required": True, "schema": {"type": "number"}}
+                    for n in ("from", "to")
+                ],
+                "responses": {
+                    "200": {"description": "the export"},
+                    "400": {"description": "from or to missing, not unix seconds, or from > to"},
+                    "404": {"description": "this broker takes no usage records"},
+                    "503": {"description": "{code: store_unavailable, error}: Redis is away"},
+                },
+            }
+        },
         "/openapi.json": {
             "get": {
                 "summary": "This description",
@@ -343,6 +365,15 @@ def make_app(
     async def openapi(_request: web.Request) -> web.Response:
         return _json(OPENAPI)
 
+    async def usage_export(request: web.Request) -> web.Response:
+        period = export_period(request.query.get("from"), request.query.get("to"))
+        if isinstance(period, str):
+            return _error(400, period)
+        body = await view.usage_export(*period)
+        if body is None:
+            return _error(404, "this broker takes no usage records")
+        return web.Response(body=body, content_type="application/x-ndjson")
+
     async def enroll(request: web.Request) -> web.Response:
         status, doc = await enrollment.enroll(await request.read())
         return _json(doc, status)
@@ -360,8 +391,27 @@ def make_app(
     app.router.add_get("/shadow", shadow)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/enroll", enroll)
+    app.router.add_get("/v1/usage/export", usage_export)
     app.router.add_get("/openapi.json", openapi)
     return app
+
+
+def export_period(start: str | None, end: str | None) -> tuple[int, int] | str:
+    """``from`` and ``to`` (unix seconds) as milliseconds, or what is wrong with them."""
+    got: list[int] = []
+    for name, raw in (("from", start), ("to", end)):
+        if raw is None:
+            return f"{name} is missing: give ?from=<unix seconds>&to=<unix seconds>"
+        try:
+            value = float(raw)
+        except ValueError:
+            value = -1.0
+        if not 0 <= value < 1e11:  # NaN fails too
+            return f"{name}={raw[:40]!r}: expected unix seconds, e.g. {name}=1796000000"
+        got.append(int(value * 1000))
+    if got[0] > got[1]:
+        return f"from ({start}) is after to ({end})"
+    return got[0], got[1]
 
 
 async def start_http(

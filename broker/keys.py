@@ -71,3 +71,27 @@ def operator_holds() -> str:
     """Hash: operators' holds in force (a drained or cordoned worker, a paused line), one
     JSON document per field (``broker.console.holds``); every replica applies them."""
     return f"{PREFIX}:operator-holds"
+
+
+def usage_records(node_id: str) -> str:
+    """Hash: a node's usage records by seq, each the first one held for that seq: its
+    digest (64 hex), its ``prev`` (64 hex), then its countersigned line. Never overwritten."""
+    return f"{PREFIX}:usage:records:{node_id}"
+
+
+def usage_by_time() -> str:
+    """Sorted set: ``<node>:<seq>`` of every usage record held, scored by its ``at_ms``
+    (what an export's period selects)."""
+    return f"{PREFIX}:usage:by-time"
+
+
+def usage_heads() -> str:
+    """Hash: node -> the highest seq of its usage records held (with the records' count,
+    the gaps)."""
+    return f"{PREFIX}:usage:heads"
+
+
+def usage_conflicts(node_id: str) -> str:
+    """Hash: usage records of a node that differ from the one held for their seq, by their
+    digest, as they came (kept aside for an investigation, capped)."""
+    return f"{PREFIX}:usage:conflicts:{node_id}"

@@ -120,6 +120,68 @@ class BrokerMetrics:
             registry=r,
         )
 
+        # Usage records from the nodes (broker.metering): this replica's share of the new
+        # ones (every replica hears each record; the one whose insert stored it counts it).
+        self.usage_records = Counter(
+            "sluicegate_usage_records",
+            "Usage records stored, by the line that owns the job, the pool that ran it "
+            "('edge': the line PC itself) and event (ran, settled)",
+            ["line", "pool", "event"],
+            registry=r,
+        )
+        self.usage_device_seconds = Counter(
+            "sluicegate_usage_device_seconds",
+            "Device time recorded by attempts that ran (each job's share of its batch), by "
+            "line and pool: billed and waste alike until settlements decide",
+            ["line", "pool"],
+            registry=r,
+        )
+        self.usage_jobs_billed = Counter(
+            "sluicegate_usage_jobs_billed",
+            "Jobs whose edge settled them (delivered one attempt's result), by line and pool",
+            ["line", "pool"],
+            registry=r,
+        )
+        self.usage_refusals = Counter(
+            "sluicegate_usage_refusals",
+            "Usage records refused (not stored, not acknowledged: the node keeps them), by "
+            "code (usage.bad_signature, usage.not_in_policy, usage.id_mismatch, ...)",
+            ["code"],
+            registry=r,
+        )
+        self.usage_duplicates = Counter(
+            "sluicegate_usage_duplicates",
+            "Usage records received again (a resend, or another replica stored it first)",
+            registry=r,
+        )
+        self.usage_conflicts = Counter(
+            "sluicegate_usage_conflicts",
+            "Usage records that differ from the one held for their node and seq: kept "
+            "aside, never stored over it",
+            ["node"],
+            registry=r,
+        )
+        self.usage_chain_breaks = Counter(
+            "sluicegate_usage_chain_breaks",
+            "Links between a node's neighbouring usage records that do not match (a prev "
+            "that is not the digest of the record before)",
+            ["node"],
+            registry=r,
+        )
+        self.usage_missing = Gauge(
+            "sluicegate_usage_missing_records",
+            "Records a node has numbered that the broker does not hold (gaps in its seq), "
+            "as of its latest record stored",
+            ["node"],
+            registry=r,
+        )
+        self.usage_store_failures = Counter(
+            "sluicegate_usage_store_failures",
+            "Messages of usage records not stored because Redis failed (not acknowledged: "
+            "their node sends them again)",
+            registry=r,
+        )
+
         # The fleet's freshness and the policy in force, refreshed at scrape time.
         self.signal_age = Gauge(
             "sluicegate_pool_signal_age_seconds",

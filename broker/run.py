@@ -21,6 +21,7 @@ from broker.console.board import Console
 from broker.decision_audit import encode
 from broker.enrollment import EnrollmentDesk
 from broker.lease import ReplicaLease
+from broker.metering import UsageIngest
 from broker.params_file import ParamsChoice, ParamsRefused, choose_params, shadow_of
 from broker.service import Broker, status_message
 from broker.view import HttpView
@@ -177,7 +178,18 @@ async def _serve(
     )
     board = Console(broker, feed, transport, redis, settings.console, audit_state=checker.plain)
     await transport.subscribe(topics.edge_trace_all(), board.on_trace, qos=0)
-    view = HttpView(broker, feed, transport, placement, checker)
+    usage = UsageIngest(
+        cfg.id,
+        transport,
+        redis,
+        key,
+        lambda: feed.current,
+        broker.metrics,
+        broker.gate,
+        broker.audit,
+    )
+    await transport.subscribe(topics.usage_all(), usage.on_usage, qos=1)
+    view = HttpView(broker, feed, transport, placement, checker, usage=usage)
     runner, port = await start_http(
         view, desk, cfg.http_host, cfg.http_port, (board, access_for(settings))
     )
@@ -187,12 +199,14 @@ async def _serve(
     keeper = asyncio.ensure_future(lease.keep())
     verifier = asyncio.ensure_future(checker.run())
     console = asyncio.ensure_future(board.run())
+    metering = asyncio.ensure_future(usage.run())
     try:
         await identity.serve_until_fenced(stop, lease.lost, lambda: lease.reason, broker.run)
     finally:
         keeper.cancel()
         verifier.cancel()
         console.cancel()
+        metering.cancel()
         board.close()
         await runner.cleanup()
         await transport.close()

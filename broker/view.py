@@ -17,6 +17,7 @@ from typing import Any
 
 from broker.audit_check import AuditChecker
 from broker.exposition import refresh
+from broker.metering import UsageIngest
 from broker.params_file import ParamsChoice
 from broker.service import Broker
 from policies import Policy
@@ -32,12 +33,22 @@ class HttpView:
         transport: Transport,
         placement: ParamsChoice | None = None,
         audit: AuditChecker | None = None,
+        *,
+        usage: UsageIngest | None = None,
     ) -> None:
         self._broker = broker
+        self._usage = usage
         self._audit = audit
         self._feed = feed
         self._transport = transport
         self._placement = placement
+
+    async def usage_export(self, from_ms: int, to_ms: int) -> bytes | None:
+        """The signed export of the usage records of ``[from_ms, to_ms]``; None when this
+        broker takes no usage records."""
+        if self._usage is None:
+            return None
+        return await self._usage.export(from_ms, to_ms)
 
     def health(self) -> dict[str, Any]:
         checks = {

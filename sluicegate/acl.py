@@ -6,7 +6,8 @@ certificate (``use_identity_as_username``), which is also its client id
 
 - **Own topics, for every authenticated user** (``pattern`` lines, ``%u`` = its username):
   a node may write only the topics that carry its own id (telemetry, job records, status,
-  capabilities, placement requests and releases, completions) and read its own inbox and the policy;
+  capabilities, placement requests and releases, completions, usage records) and read its
+  own inbox, its usage acknowledgements and the policy;
   its probe topic it may both write and read (``sluicegate doctor``'s round trips). So
   a node the policy does not list yet can still ask, and be refused by name, but can speak
   for no one else.
@@ -17,7 +18,8 @@ certificate (``use_identity_as_username``), which is also its client id
   edges; a broker replica reads requests and telemetry (never a work topic: no images),
   answers edges and publishes the retained policy. Observers (monitoring, the twin's
   recorder) read status, telemetry, the edges' job records, the workers' completions and
-  the policy: never an image, a result or a token.
+  the policy: never an image, a result or a token. Broker replicas read every node's usage
+  records and acknowledge them on each node's own acks topic.
 
 Anonymous clients get nothing (the Mosquitto configuration sets ``allow_anonymous false``).
 Every topic comes from ``sluicegate.topics``; none is spelled here. Pure: returns text.
@@ -61,6 +63,8 @@ def own_topics() -> list[Rule]:
         ("read", topics.worker_status(SELF)),
         ("write", topics.worker_capabilities(SELF)),
         ("write", topics.completion(SELF)),
+        ("write", topics.usage(SELF)),
+        ("read", topics.usage_acks(SELF)),
         ("read", topics.client_results(SELF)),
         ("read", topics.policy()),
         ("read", topics.broker_status_all()),
@@ -135,6 +139,7 @@ def broker_users(policy: Policy) -> list[UserRules]:
         topics.placement_requests_all(),
         topics.placement_releases_all(),
         topics.completions_all(),
+        topics.usage_all(),  # usage records (broker.metering)
         topics.edge_telemetry_all(),
         topics.edge_trace_all(),  # job records, for the console
         topics.edge_status_all(),
@@ -148,6 +153,7 @@ def broker_users(policy: Policy) -> list[UserRules]:
         rules += [
             ("write", topics.placement_replies("+")),
             ("write", topics.edge_notices("+")),
+            ("write", topics.usage_acks("+")),
             ("write", topics.broker_status(ref.key_id)),
             ("write", topics.policy()),
         ]

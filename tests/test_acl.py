@@ -183,6 +183,17 @@ FLOWS: dict[str, list[tuple[str, str, str]]] = {
         ("north-gpu-1", "write", topics.completion("north-gpu-1")),
         ("broker-1", "read", topics.completion("north-gpu-1")),
     ],
+    "usage": [
+        ("north-gpu-1", "write", topics.usage("north-gpu-1")),
+        ("north-l1-pc", "write", topics.usage("north-l1-pc")),
+        ("broker-1", "read", topics.usage("north-gpu-1")),
+        ("broker-1", "read", topics.usage("north-l1-pc")),
+    ],
+    "usage_acks": [
+        ("broker-1", "write", topics.usage_acks("north-gpu-1")),
+        ("north-gpu-1", "read", topics.usage_acks("north-gpu-1")),
+        ("north-l1-pc", "read", topics.usage_acks("north-l1-pc")),
+    ],
     "broker_status": [
         ("broker-1", "write", topics.broker_status("broker-1")),
         ("north-l1-pc", "read", topics.broker_status("broker-1")),
@@ -242,6 +253,12 @@ def test_every_topic_of_the_topics_module_has_its_flows_in_the_acl() -> None:
         ("stranger", "write", topics.edge_submit("north-l1-pc")),
         ("north-l1-pc", "read", topics.node_probe("north-gpu-1")),
         ("north-gpu-1", "write", topics.node_probe("north-l1-pc")),
+        ("north-gpu-1", "write", topics.usage("north-gpu-2")),
+        ("north-gpu-1", "read", topics.usage("north-gpu-2")),
+        ("north-gpu-1", "read", topics.usage_acks("north-gpu-2")),
+        ("north-gpu-1", "write", topics.usage_acks("north-gpu-1")),
+        ("north-l1-pc", "write", topics.usage("north-gpu-1")),
+        ("observer-x", "read", topics.usage("north-gpu-1")),
     ],
 )
 def test_what_no_identity_may_do(user: str, access: str, topic: str) -> None:
