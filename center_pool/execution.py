@@ -37,6 +37,7 @@ class ItemRun:
     reason: str | None
     decode_ms: float
     preprocess_ms: float
+    ran: bool = False  # it went into session.run (ok or failed there): an attempt that ran
 
     @property
     def ok(self) -> bool:
@@ -102,11 +103,11 @@ def run_batch(
         for index in slots:
             item = prepared[index]
             prepared[index] = ItemRun(
-                None, "inference_error", reason, item.decode_ms, item.preprocess_ms
+                None, "inference_error", reason, item.decode_ms, item.preprocess_ms, ran=True
             )
         return BatchRun(tuple(prepared), inference_ms, len(tensors))
     inference_ms = (time.perf_counter() - t0) * 1e3
     for index, result in zip(slots, outputs, strict=True):
         item = prepared[index]
-        prepared[index] = ItemRun(result, None, None, item.decode_ms, item.preprocess_ms)
+        prepared[index] = ItemRun(result, None, None, item.decode_ms, item.preprocess_ms, ran=True)
     return BatchRun(tuple(prepared), inference_ms, len(tensors))

@@ -91,6 +91,11 @@ class WorkItem:
     origin_zone: str
     received_at: float
     deadline: float | None
+    # What the job's usage record names: the token's nonce (hex), the app it is billed to
+    # (the edge's ``owner`` property; "" when absent) and the work message's payload size.
+    token_id: str = ""
+    owner: str = ""
+    bytes_in: int = 0
 
 
 def refuse(work: Work, code: str, reason: str, *, token_passed: bool = False) -> WorkRefusal:
@@ -298,4 +303,7 @@ def admit_work(
         origin_zone=claims.origin_zone,
         received_at=work.received_at,
         deadline=deadline,
+        token_id=claims.nonce.hex(),
+        owner=(work.prop(topics.PROP_OWNER) or "")[:64],
+        bytes_in=len(work.payload),
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from center_pool.intake import WorkRefusal
 from sluicegate import topics, wire
@@ -27,6 +28,18 @@ from sluicegate.transport import Message, Transport
 from sluicegate.wire_pool import Completion
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """A result ready to go back to its edge: the topic, the document's bytes (what a usage
+    record's ``result_sha256`` digests), its correlation data and user properties."""
+
+    topic: str
+    payload: bytes
+    correlation: bytes | None
+    job_id: str
+    props: tuple[tuple[str, str], ...] = ()
 
 
 class Replies:
@@ -56,13 +69,16 @@ class Replies:
         code: str | None = None,
         reason: str | None = None,
         outputs: wire.Outputs | None = None,
-    ) -> None:
-        """The job's result, back to its edge; counted even when there is no edge to send it to."""
+        hold: bool = False,
+    ) -> Outgoing | None:
+        """The job's result, back to its edge; counted even when there is no edge to send it
+        to. With ``hold`` it is built and returned, not sent, for the caller to send with
+        :meth:`send` (once its usage record is on disk)."""
         self.results[status] += 1
         if edge_id is None:
             self.unreturned += 1
             log.warning("result %s of job %r has no edge to return to", status, job_id[:128])
-            return
+            return None
         result = wire.JobResult(
             job_id=job_id,
             status=status,
@@ -79,13 +95,20 @@ class Replies:
             (topics.PROP_ATTEMPT, str(attempt)),
             (topics.PROP_WORKER, self._settings.id),
         )
-        self._publish(
+        out = Outgoing(
             topics.edge_returns(edge_id, self._settings.id),
             wire.dump(result),
             correlation_data,
             job_id,
             props,
         )
+        if not hold:
+            self.send(out)
+        return out
+
+    def send(self, out: Outgoing) -> None:
+        """Publish a result built with ``hold``."""
+        self._publish(out.topic, out.payload, out.correlation, out.job_id, out.props)
 
     def completion(
         self,

@@ -6,7 +6,9 @@ metrics_*``; a port it cannot bind is logged, never fatal). ``sluicegate pool ru
 
 Where the audit log goes, first match wins: ``audit_path`` (a file), ``redis_url`` (the
 stream ``sluicegate:audit:<worker id>``), ``state_dir/audit.jsonl``, else memory with a
-warning. The audit records are signed with ``key_file`` (or an ephemeral key, logged).
+warning. The audit records are signed with ``key_file`` (or an ephemeral key, logged), and
+so are the usage records (``[pool] metering``), kept in ``state_dir/usage.sqlite`` until a
+broker replica acknowledges them (in memory, with a warning, without a ``state_dir``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from center_pool.hardware import available_providers, open_probe, select_provide
 from center_pool.metrics import worker_registry
 from center_pool.reporting import last_will, status_message
 from center_pool.worker import PoolWorker
-from policies import AsyncAuditWriter
+from policies import AsyncAuditWriter, SigningKey
 from policies.audit import AsyncAuditStore
 from policies.redis_stores import (
     AsyncRedisReplayCache,
@@ -38,6 +40,8 @@ from policies.redis_stores import (
 from policies.replay import AsyncReplayCache
 from sluicegate import identity, topics
 from sluicegate.config import PoolSettings, Settings
+from sluicegate.metering.ledger import Ledger, ledger_path
+from sluicegate.metering.meter import Meter
 from sluicegate.mqtt import MqttTransport
 from sluicegate.node_metrics import MetricsServer
 from sluicegate.policy_feed import PolicyFeed
@@ -135,6 +139,7 @@ async def _serve(
                 probe=probe,
                 providers=providers,
                 models_dir=watched,
+                meter=meter(pool, key, transport),
             )
             if watched is not None:
                 known = read_priors(watched / PRIORS_FILE)
@@ -157,6 +162,27 @@ async def _serve(
         if client is not None:
             await client.aclose()
     return worker
+
+
+def meter(pool: PoolSettings, key: SigningKey, transport: MqttTransport) -> Meter | None:
+    """The worker's usage metering (not started), or None with ``[pool] metering`` off."""
+    if not pool.metering:
+        return None
+    if pool.state_dir is None:
+        log.warning(
+            "worker %s keeps its usage records in memory only: set [pool] state_dir so that "
+            "records not yet acknowledged by the broker survive a restart",
+            pool.id,
+        )
+    ledger = Ledger(
+        ledger_path(pool.state_dir),
+        key,
+        node=pool.id,
+        kind="pool",
+        retention_s=pool.usage_retention_s,
+        synchronous=pool.usage_synchronous,
+    )
+    return Meter(ledger, transport, resend_s=pool.usage_resend_s)
 
 
 def metrics_server(pool: PoolSettings, worker: PoolWorker) -> MetricsServer | None:

@@ -37,11 +37,14 @@ from center_pool.intake import Work, WorkItem, WorkRefusal, admit_work, refuse
 from center_pool.job_figures import WorkFigures
 from center_pool.metrics import WorkerFigures
 from center_pool.replies import Replies
+from center_pool.usage import attempt_record
 from policies import PlacementClaims, Policy
 from policies.replay import AsyncReplayCache
 from sluicegate import topics, wire
 from sluicegate.config import PoolSettings
 from sluicegate.errors import TransportError
+from sluicegate.metering.meter import Meter
+from sluicegate.metering.record import SignedUsage, Usage
 from sluicegate.node_metrics import MetricsServer
 from sluicegate.policy_feed import PolicyFeed
 from sluicegate.supervise import until_stopped
@@ -73,9 +76,11 @@ class PoolWorker:
         providers: list[str],
         clock: Callable[[], float] = time.time,
         models_dir: Path | None = None,
+        meter: Meter | None = None,
     ) -> None:
         """``models_dir``: the folder ``registry`` was loaded from, watched for new model
-        versions every ``settings.models_reload_s`` (none: not watched)."""
+        versions every ``settings.models_reload_s`` (none: not watched). ``meter``: where
+        each attempt that ran is recorded before its result goes (none: not metered)."""
         topics.check_id("worker id", settings.id)
         self.settings = settings
         self._transport = transport
@@ -88,6 +93,9 @@ class PoolWorker:
         self._limits = Limits(settings.max_payload_bytes, settings.max_pixels, settings.max_side)
         self._gate = Gate(settings.id, feed, replay, self._limits, clock)
         self.replies = Replies(settings, transport, clock)
+        self.meter = meter
+        self._recording = 0  # batches whose results wait for their usage records' commit
+        self.unmetered = 0  # attempts that ran and went out without a usage record
         self._queue: BatchQueue[WorkItem] = BatchQueue(
             max_batch=settings.max_batch,
             window_s=settings.batch_window_ms / 1000.0,
@@ -222,7 +230,8 @@ class PoolWorker:
             future = self._executor.submit(run_batch, model, jobs, limits=self._limits)
             future.add_done_callback(partial(self._from_thread, live, now))
         self._arm_timer(now)
-        if not (self._running or len(self._queue) or self._intake or self._screening):
+        busy = self._running or self._recording or self._intake or self._screening
+        if not (busy or len(self._queue)):
             self._idle.set()
 
     def _arm_timer(self, now: float) -> None:
@@ -260,19 +269,28 @@ class PoolWorker:
             self.service.observe(items[0].model, run.compute_ms, run.batch_size)
             self.batch_sizes[run.batch_size] += 1
             self.figures.batch(items[0].model, run.batch_size, end - started)
+        sends: list[Callable[[], None]] = []
+        drafts: list[Usage] = []
         for item, part in zip(items, run.items, strict=True):
             queue_ms = (started - item.received_at) * 1000.0
+            # The job's own time on the device: its decode and preprocess, and its share of
+            # the batch's inference (what its usage record bills).
+            device_ms = 0.0
+            if part.ran:
+                device_ms = part.decode_ms + part.preprocess_ms
+                device_ms += run.inference_ms / max(1, run.batch_size)
             timings = wire.Timings(
                 queue_ms=round(queue_ms, 3),
                 decode_ms=round(part.decode_ms, 3),
                 preprocess_ms=round(part.preprocess_ms, 3),
                 inference_ms=round(run.inference_ms, 3) if part.ok else 0.0,
                 total_ms=round((end - item.received_at) * 1000.0, 3),
+                device_ms=round(device_ms, 3),
             )
             status: wire.Status = "ok" if part.outputs is not None else "failed"
             if part.code == "bad_image":
                 status = "rejected"
-            self.replies.result(
+            out = self.replies.result(
                 item.job_id,
                 item.edge_id,
                 item.attempt,
@@ -283,20 +301,65 @@ class PoolWorker:
                 code=part.code,
                 reason=part.reason,
                 outputs=(wire.outputs_of(part.outputs) if part.outputs is not None else None),
+                hold=True,
             )
+            if out is not None:
+                sends.append(partial(self.replies.send, out))
+            if part.ran and self.meter is not None:
+                draft = attempt_record(
+                    self.meter.ledger,
+                    item,
+                    self.settings,
+                    model_sha256=self._models.get(item.model, ""),
+                    backend=backend_of(self._providers[0]) if self._providers else "",
+                    batch_size=run.batch_size,
+                    status=status,
+                    queue_ms=queue_ms,
+                    device_ms=device_ms,
+                    result=out.payload if out is not None else None,
+                    now=end,
+                )
+                if draft is not None:
+                    drafts.append(draft)
+                else:
+                    self.unmetered += 1
             service_ms = part.decode_ms + part.preprocess_ms + run.inference_ms
             ran = service_ms / 1000.0 if run.batch_size else None
             self.figures.returned(item.model, status, ran)
-            self.replies.completion(
-                item.job_id,
-                status,
-                item.model,
-                edge_id=item.edge_id,
-                attempt=item.attempt,
-                service_ms=service_ms,
-                queue_ms=queue_ms,
-                batch_size=run.batch_size,
+            sends.append(
+                partial(
+                    self.replies.completion,
+                    item.job_id,
+                    status,
+                    item.model,
+                    edge_id=item.edge_id,
+                    attempt=item.attempt,
+                    service_ms=service_ms,
+                    queue_ms=queue_ms,
+                    batch_size=run.batch_size,
+                )
             )
+        if drafts and self.meter is not None:
+            # One transaction for the batch's records; its results leave once it is durable.
+            self._recording += 1
+            self.meter.record(drafts).add_done_callback(partial(self._recorded, sends, len(drafts)))
+        else:
+            for send in sends:
+                send()
+        self._dispatch()
+
+    def _recorded(
+        self, sends: list[Callable[[], None]], count: int, fut: asyncio.Future[list[SignedUsage]]
+    ) -> None:
+        self._recording -= 1
+        if fut.cancelled() or fut.exception() is not None:
+            self.unmetered += count
+            why = "cancelled" if fut.cancelled() else fut.exception()
+            log.error(
+                "%d job(s) ran unmetered: their usage records were not written: %s", count, why
+            )
+        for send in sends:
+            send()
         self._dispatch()
 
     def _finish_expired(self, item: WorkItem, now: float) -> None:
@@ -441,6 +504,8 @@ class PoolWorker:
                 await asyncio.wait_for(changed.wait(), policy_wait)
         if self._feed.current is None:
             log.warning("%s; work will be refused until one arrives", self._feed.why_none())
+        if self.meter is not None:  # records not acknowledged before go out again
+            await self.meter.start()
         work_topic = topics.pool_work_all(self.settings.zone, self.settings.id)
         await self._transport.subscribe(work_topic, self.on_message, qos=1)
         self._transport.on_connect(self._announce)
@@ -485,6 +550,8 @@ class PoolWorker:
                     ),
                     2.0,
                 )
+            if self.meter is not None:
+                await self.meter.stop()
             await self.audit.flush(5.0)
             tasks[0].cancel()
             await asyncio.gather(tasks[0], return_exceptions=True)

@@ -154,6 +154,12 @@ class PoolSettings(_Section):
     audit_path: Path | None = None
     policy_file: Path | None = None
     state_dir: Path | None = None
+    # A signed usage record for every attempt that ran, on disk (state_dir/usage.sqlite)
+    # before its result leaves, shipped to the broker; false: none (the A/B bench's "off").
+    metering: bool = True
+    usage_resend_s: float = Field(30.0, gt=0.0, le=3600.0)  # unacknowledged: sent again
+    usage_retention_s: float = Field(7 * 86_400.0, ge=0.0)  # acknowledged: kept this long
+    usage_synchronous: Literal["FULL", "NORMAL"] = "FULL"  # as [edge] outbox_synchronous
 
 
 class BrokerSettings(_Section):
