@@ -28,6 +28,7 @@ import psutil
 from edge_agent.answers import Answers
 from edge_agent.compute import Compute
 from edge_agent.dispatch import Dispatcher
+from edge_agent.metering import EdgeMetering
 from edge_agent.metrics import EdgeFigures
 from edge_agent.offload import PlacementClient
 from edge_agent.outbox import Outbox
@@ -35,13 +36,16 @@ from edge_agent.reporting import Load, status_message, telemetry
 from sluicegate import topics, wire
 from sluicegate.config import EdgeSettings, OffloadSettings
 from sluicegate.errors import TransportError
+from sluicegate.metering.meter import Meter
 from sluicegate.node_metrics import MetricsServer
 from sluicegate.policy_feed import PolicyFeed
 from sluicegate.transport import Message, Transport
+from sluicegate.vision.openvino_session import backend_of
 from sluicegate.vision.runtime import ModelRegistry
 from sluicegate.vision.watch import ModelWatcher
 
 log = logging.getLogger(__name__)
+CPU = "CPUExecutionProvider"  # what runs the models when [edge] providers names none
 
 PRUNE_INTERVAL_S = 60.0
 # Offloaded jobs are looked at this often: a job whose worker went silent joins the local
@@ -70,7 +74,9 @@ class EdgeAgent:
         executor: Executor | None = None,
         feed: PolicyFeed | None = None,
         models_dir: Path | None = None,
+        meter: Meter | None = None,
     ) -> None:
+        """``meter``: the edge's usage ledger and its shipper (none: nothing metered)."""
         topics.check_id("edge id", settings.id)
         self.settings = settings
         self._transport = transport
@@ -106,6 +112,19 @@ class EdgeAgent:
         self._answers = Answers(transport, self.outbox, ran_on)
         self._compute = Compute(settings, registry, clock, executor)
         self.service_times = self._compute.service_times
+        self.metering = (
+            EdgeMetering(
+                meter,
+                edge_id=settings.id,
+                zone=settings.zone,
+                device_class=settings.device_class,
+                backend=backend_of(settings.providers[0] if settings.providers else CPU),
+                policy=(lambda: feed.current) if feed is not None else (lambda: None),
+                model_sha256=self._compute.model_sha256,
+            )
+            if meter is not None
+            else None
+        )
         self._jobs = Dispatcher(
             settings,
             self._offload_settings,
@@ -119,6 +138,7 @@ class EdgeAgent:
             clock=clock,
             new_id=new_id,
             ran_on=ran_on,
+            metering=self.metering,
         )
         self.counters: Counter[str] = self._jobs.counters
         self.on_message = self._jobs.on_message
@@ -243,6 +263,8 @@ class EdgeAgent:
     async def run(self, stop: asyncio.Event, *, drain_timeout: float = 10.0) -> None:
         """Serve until ``stop`` is set, then answer what is queued and go offline."""
         stored = await self.outbox.open()
+        if self.metering is not None:
+            await self.metering.meter.start()
         await self._compute.start()
         self._process.cpu_percent(None)  # prime: the first reading is always 0
         # Tracked before the returns and notices about them can come.
@@ -317,3 +339,5 @@ class EdgeAgent:
         self._jobs.mode = "stopped"  # offers still waiting: their jobs replay after a restart
         self._compute.shutdown()
         await self.outbox.close()
+        if self.metering is not None:
+            await self.metering.meter.stop()

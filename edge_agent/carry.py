@@ -22,13 +22,15 @@ from edge_agent.errors import OutboxError
 from edge_agent.job_figures import JobFigures
 from edge_agent.jobs import Entry, JobTable
 from edge_agent.load import PredictionErrors
+from edge_agent.metering import Concluded, EdgeMetering
 from edge_agent.offload import PlacementClient
 from edge_agent.outbox import Accepted, Outbox, Stored
 from edge_agent.tally import Tally
 from edge_agent.trace_log import TraceLog, record_of
 from sluicegate import wire
-from sluicegate.errors import TransportError
+from sluicegate.errors import LedgerError, TransportError
 from sluicegate.transport import Message
+from sluicegate.vision.runtime import StageTimes
 
 log = logging.getLogger(__name__)
 Msg = Message | None  # the message that carried the event, if one did
@@ -62,6 +64,7 @@ class Carrier:
         clock: Callable[[], float],
         ran_on: wire.RanOn,
         trace: TraceLog | None = None,
+        metering: EdgeMetering | None = None,
     ) -> None:
         self._mover = mover
         self._table = table
@@ -74,6 +77,7 @@ class Carrier:
         self._clock = clock
         self._ran_on = ran_on
         self._trace = trace
+        self.metering = metering
         self.offloaded = 0  # work messages sent to pool workers since start
         self.prediction = PredictionErrors()  # of the jobs that ran here
         self.figures = JobFigures()  # deadlines, part times, why local: for /metrics
@@ -239,7 +243,7 @@ class Carrier:
             placed_on=entry.life.worker if entry.life.attempt else None,
         )
         entry.result, entry.started = (wire.dump(result), result), started
-        self._commit(entry, None, keep_image=effect.code == "dead_letter")
+        self._commit(entry, None, keep_image=effect.code == "dead_letter", times=times)
 
     def _conclude_return(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
         assert entry.returned is not None
@@ -249,12 +253,42 @@ class Carrier:
             entry.forwarded_at = self._clock()
         self._commit(entry, effect.attempt)
 
-    def _commit(self, entry: Entry, attempt: int | None, *, keep_image: bool = False) -> None:
+    def _commit(
+        self,
+        entry: Entry,
+        attempt: int | None,
+        *,
+        keep_image: bool = False,
+        times: StageTimes | None = None,
+    ) -> None:
+        """Commit the result and, beside it, the job's usage record; the result goes on
+        (``ResultCommitted``) once both are on disk. A record that cannot be written is
+        logged and counted, never a reason to hold a result back."""
         assert entry.result is not None
         committing = self._outbox.finish(
             entry.job.job_id, entry.result[0], attempt=attempt, keep_image=keep_image
         )
-        committing.add_done_callback(self._mover.later(self._result_committed, entry))
+        metered = None
+        if self.metering is not None:
+            done = Concluded(
+                entry.job,
+                entry.result[1],
+                entry.result[0],
+                times,
+                placed=entry.life.attempt > 0,
+                settled_attempt=attempt or 0,
+            )
+            metered = self.metering.record(done)
+        if metered is None:
+            committing.add_done_callback(self._mover.later(self._result_committed, entry))
+            return
+        both = asyncio.gather(
+            committing, _logged(metered, entry.job.job_id), return_exceptions=True
+        )
+        both.add_done_callback(self._mover.later(self._both_committed, entry, committing))
+
+    def _both_committed(self, entry: Entry, committing: asyncio.Future[bool], _both: Any) -> None:
+        self._result_committed(entry, committing)
 
     def _result_committed(self, entry: Entry, fut: asyncio.Future[bool]) -> None:
         try:
@@ -312,3 +346,11 @@ class Carrier:
         if stored is not None and stored.pending and self._table.get(job_id) is None:
             log.warning("job %s is still %s on disk; tracking it again", job_id, stored.state)
             self._mover.replay([stored])
+
+
+async def _logged(fut: asyncio.Future[Any], job_id: str) -> None:
+    """Wait for a usage record's commit; a failure is the log's, not the result's."""
+    try:
+        await fut
+    except LedgerError as exc:
+        log.error("job %s: its usage record was not written: %s", job_id, exc)

@@ -43,6 +43,7 @@ from edge_agent.job_figures import JobFigures
 from edge_agent.jobs import NOT, SURE, Entry, JobTable, ahead_kind
 from edge_agent.lifecycle import NEEDS_OUTLOOK, transition
 from edge_agent.load import PredictionErrors
+from edge_agent.metering import EdgeMetering
 from edge_agent.offload import PlacementClient
 from edge_agent.outbox import Accepted, Outbox, Stored
 from edge_agent.returns import not_run, read_notice, read_return, retry_job
@@ -80,6 +81,7 @@ class Dispatcher:
         clock: Callable[[], float],
         new_id: Callable[[], str],
         ran_on: wire.RanOn,
+        metering: EdgeMetering | None = None,
     ) -> None:
         self.settings = settings
         self._offload = offload_settings
@@ -132,6 +134,7 @@ class Dispatcher:
             clock=clock,
             ran_on=ran_on,
             trace=self.trace,
+            metering=metering,
         )
 
     # -- what comes in -------------------------------------------------------------------------

@@ -11,6 +11,7 @@ run`` and the demo call :func:`serve`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from pathlib import Path
@@ -20,13 +21,20 @@ from edge_agent.metrics import edge_registry
 from edge_agent.offload import PlacementClient
 from edge_agent.outbox import Outbox
 from edge_agent.reporting import last_will, status_message
+from policies import load_signing_key
+from policies.errors import KeyFileError
 from sluicegate import identity, topics
 from sluicegate.config import EdgeSettings, Settings
+from sluicegate.metering.ledger import Ledger
+from sluicegate.metering.meter import Meter
 from sluicegate.mqtt import MqttTransport
 from sluicegate.node_metrics import MetricsServer
 from sluicegate.policy_feed import PolicyFeed
+from sluicegate.transport import Transport
 from sluicegate.vision.priors import PRIORS_FILE, priors_for, read_priors
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir
+
+log = logging.getLogger(__name__)
 
 
 def models_folder(settings: Settings) -> Path:
@@ -63,6 +71,32 @@ def open_outbox(settings: Settings) -> Outbox:
         dead_letter_keep_s=edge.dead_letter_keep_s,
         max_tombstones=edge.max_tombstones,
     )
+
+
+def edge_meter(settings: Settings, transport: Transport) -> Meter | None:
+    """The edge's usage metering (not started): its ledger beside the outbox, signed with
+    the edge's own key; None with ``[edge] metering`` off, or with no readable ``key_file``
+    (a record nobody can check bills nothing: said in the log)."""
+    edge = settings.edge
+    if not edge.metering:
+        return None
+    if edge.key_file is None:
+        log.warning("edge %s has no [edge] key_file: its jobs are not metered", edge.id)
+        return None
+    try:
+        key = load_signing_key(edge.key_file)
+    except KeyFileError as exc:  # not enrolled yet (plaintext debugging): serve unmetered
+        log.error("edge %s: its jobs are not metered: [edge] key_file: %s", edge.id, exc)
+        return None
+    ledger = Ledger(
+        outbox_path(settings).with_name(f"edge-{edge.id}.usage.sqlite"),
+        key,
+        node=edge.id,
+        kind="edge",
+        retention_s=edge.usage_retention_s,
+        synchronous=edge.usage_synchronous,
+    )
+    return Meter(ledger, transport, resend_s=edge.usage_resend_s)
 
 
 async def serve(
@@ -140,6 +174,7 @@ async def _serve(
         outbox=open_outbox(settings),
         feed=feed,
         models_dir=watched,
+        meter=edge_meter(settings, transport),
     )
     if watched is not None:
         for name, prior in priors_for(registry, read_priors(watched / PRIORS_FILE)).items():
