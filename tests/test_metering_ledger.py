@@ -66,6 +66,17 @@ async def test_append_numbers_chains_and_signs_each_record(tmp_path: Path) -> No
     await ledger.close()
 
 
+@pytest.mark.parametrize("synchronous", ["FULL", "NORMAL"])
+async def test_appended_records_become_durable(tmp_path: Path, synchronous: str) -> None:
+    ledger = Ledger(tmp_path / "u.sqlite", KEY, node="w", kind="pool", synchronous=synchronous)  # type: ignore[arg-type]
+    await ledger.open()
+    signed = await ledger.append(_drafts(ledger, 3))
+    await asyncio.wait_for(ledger.durable(signed[-1].record.seq), 10)
+    assert ledger.durable(1).done()  # what is durable already resolves at once
+    assert ledger.syncs >= (1 if synchronous == "NORMAL" else 0)
+    await ledger.close()
+
+
 async def test_the_chain_goes_on_after_reopening(tmp_path: Path) -> None:
     path = tmp_path / "usage.sqlite"
     ledger = _ledger(path)
@@ -142,7 +153,8 @@ CHILD = textwrap.dedent(
     from sluicegate.metering.ledger import Ledger
 
     async def main():
-        ledger = Ledger(sys.argv[1], load_signing_key(Path(sys.argv[2])), node="w", kind="pool")
+        ledger = Ledger(sys.argv[1], load_signing_key(Path(sys.argv[2])), node="w", kind="pool",
+                        synchronous=sys.argv[3])
         await ledger.open()
         for batch in range(5):
             drafts = [ledger.draft(event="ran", job_id=f"{batch}-{i}", attempt=1, line="l",
@@ -156,12 +168,13 @@ CHILD = textwrap.dedent(
 )
 
 
-def test_what_append_returned_survives_a_sigkill(tmp_path: Path) -> None:
+@pytest.mark.parametrize("synchronous", ["FULL", "NORMAL"])
+def test_what_append_returned_survives_a_sigkill(tmp_path: Path, synchronous: str) -> None:
     key_file = tmp_path / "w.key"
     key_file.write_bytes(KEY.to_pem())
     path = tmp_path / "usage.sqlite"
     with subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(path), str(key_file)],
+        [sys.executable, "-c", CHILD, str(path), str(key_file), synchronous],
         stdout=subprocess.PIPE,
         env={**os.environ},
     ) as child:

@@ -11,7 +11,11 @@ of records costs one commit. The chain's head (last seq, last digest) is the thr
 transaction, so a commit that fails leaves the head where the file has it and no seq is
 ever skipped or used twice. An append's future resolves only after its commit: with
 ``synchronous = "FULL"`` (the default) that survives power loss, with ``"NORMAL"`` a killed
-process. A failure is a :class:`~sluicegate.errors.LedgerError` naming the file; nothing
+process, and a second thread then syncs the log to the disk, grouped, after which
+:meth:`Ledger.durable` says the records survive power loss too. A node ships a record only
+once it is durable that way, so a power loss can take records no broker has seen, never
+one it holds (their seqs, written again, are no conflict).
+A failure is a :class:`~sluicegate.errors.LedgerError` naming the file; nothing
 here pretends a record is written when it is not. The edge agent uses the same ledger for
 its own records (``kind = "edge"``).
 """
@@ -20,6 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
+import logging
+import os
 import queue
 import sqlite3
 import threading
@@ -36,9 +44,11 @@ from sluicegate.metering import ledger_file
 from sluicegate.metering.ledger_file import Head
 from sluicegate.metering.record import GENESIS, NodeKind, SignedUsage, Usage
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 Synchronous = Literal["FULL", "NORMAL"]
 FILE_NAME = "usage.sqlite"
+SYNC_EVERY_S = 0.005  # at most one sync of the log this often: commits in between share it
 _Op = Callable[[sqlite3.Connection], Any]
 
 
@@ -73,6 +83,16 @@ class Ledger:
         self._head = Head(0, GENESIS)  # the writer thread's
         self._closed = False
         self.commits = 0
+        # Durable (synced) up to which seq: the sync thread's figure, and the loop's with
+        # the futures waiting on it.
+        self._committed = 0  # (writer thread) the head once committed
+        self._synced = 0  # (sync thread)
+        self._sync_wanted = threading.Condition()
+        self._sync_stop = False
+        self._durable_seq = 0  # (loop)
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._order = itertools.count()
+        self.syncs = 0
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -140,6 +160,25 @@ class Ledger:
     def count_unacked(self) -> asyncio.Future[int]:
         return self._submit(ledger_file.count_unacked)
 
+    def durable(self, seq: int) -> asyncio.Future[None]:
+        """Resolves once the records up to ``seq`` (committed) would survive power loss."""
+        loop = self._loop
+        if loop is None:
+            raise LedgerError(f"{self._where} is not open")
+        fut: asyncio.Future[None] = loop.create_future()
+        if seq <= self._durable_seq:
+            fut.set_result(None)
+        else:
+            heapq.heappush(self._waiting, (seq, next(self._order), fut))
+        return fut
+
+    def _durable_to(self, seq: int) -> None:
+        self._durable_seq = max(self._durable_seq, seq)
+        while self._waiting and self._waiting[0][0] <= self._durable_seq:
+            fut = heapq.heappop(self._waiting)[2]
+            if not fut.done():
+                fut.set_result(None)
+
     def _submit(self, op: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
         loop = self._loop
         if loop is None:
@@ -160,6 +199,13 @@ class Ledger:
             opened.set_exception(exc)
             return
         self._head = head
+        self._committed = self._synced = head.seq  # what the file held was synced at close
+        self._report_durable(head.seq)
+        syncs = self._synchronous == "NORMAL" and str(self.path) != ":memory:"
+        syncer = None
+        if syncs:
+            syncer = threading.Thread(target=self._sync, name="sg-usage-sync", daemon=True)
+            syncer.start()
         opened.set_result(head)
         try:
             stop = False
@@ -178,8 +224,57 @@ class Ledger:
                         break
                     batch.append(more)
                 self._report(batch, self._commit(db, batch))
+                if syncs:
+                    with self._sync_wanted:
+                        self._committed = self._head.seq
+                        self._sync_wanted.notify()
+                else:  # every commit synced already (FULL), or nothing to sync (memory)
+                    self._report_durable(self._head.seq)
         finally:
+            if syncer is not None:
+                with self._sync_wanted:
+                    self._sync_stop = True
+                    self._sync_wanted.notify()
+                syncer.join()
             db.close()
+
+    def _sync(self) -> None:
+        """The sync thread: the log file to the disk, as often as commits come, grouped."""
+        wal = Path(f"{self.path}-wal")
+        fd: int | None = None
+        try:
+            while True:
+                with self._sync_wanted:
+                    self._sync_wanted.wait_for(
+                        lambda: self._committed > self._synced or self._sync_stop
+                    )
+                    if self._committed <= self._synced:
+                        return
+                    target = self._committed  # everything up to it was written before now
+                try:
+                    if fd is None:
+                        fd = os.open(wal, os.O_RDONLY)
+                    os.fsync(fd)
+                except OSError as exc:
+                    log.error("%s: the log could not be synced (%s); retrying", self._where, exc)
+                    with self._sync_wanted:
+                        self._sync_wanted.wait(1.0)
+                    continue
+                self._synced = target
+                self.syncs += 1
+                self._report_durable(target)
+                with self._sync_wanted:  # let the next commits gather (and run undisturbed)
+                    self._sync_wanted.wait_for(lambda: self._sync_stop, SYNC_EVERY_S)
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _report_durable(self, seq: int) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(self._durable_to, seq)
 
     def _commit(
         self, db: sqlite3.Connection, batch: list[tuple[_Op, asyncio.Future[Any]]]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from policies.keys import SigningKey
 from sluicegate.errors import LedgerError
-from sluicegate.metering.record import GENESIS, SignedUsage, Usage, from_line, sign_usage, to_line
+from sluicegate.metering.record import GENESIS, SignedUsage, Usage, from_line, sign_chained, to_line
 
 SCHEMA_VERSION = 1
 
@@ -130,8 +130,7 @@ def append(
     for draft in drafts:
         seq += 1
         record = draft.model_copy(update={"seq": seq, "prev": digest.hex()})
-        one = sign_usage(record, key)
-        digest = one.digest()
+        one, digest = sign_chained(record, key)
         signed.append(one)
         rows.append((seq, record.at_ms, to_line(one)))
     db.executemany("INSERT INTO records (seq, at_ms, line) VALUES (?, ?, ?)", rows)

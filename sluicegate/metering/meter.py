@@ -1,7 +1,8 @@
 """A node's metering, put together: its :class:`~sluicegate.metering.ledger.Ledger` and
 :class:`~sluicegate.metering.shipper.Shipper`, started and stopped with the node, and the
 one call a node's shell makes per batch of attempts (:meth:`Meter.record`): the records on
-disk (what the caller waits for before it sends the results), then on their way.
+disk (what the caller waits for before it sends the results), then, once they would survive
+a power loss too, on their way.
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ class Meter:
             return
         signed = fut.result()
         self.written += len(signed)
-        self.shipper.ship(signed)
+        if signed:  # shipped once it would survive power loss (ledger.durable)
+            durable = self.ledger.durable(signed[-1].record.seq)
+            durable.add_done_callback(lambda _done: self.shipper.ship(signed))
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -230,3 +230,11 @@ def export_lines(
     )
     manifest = manifest.model_copy(update={"sig": _b64(key.sign(manifest.signed_bytes()))})
     return [*lines, ManifestLine(manifest=manifest).model_dump_json().encode("utf-8")]
+
+
+def sign_chained(record: Usage, key: SigningKey) -> tuple[SignedUsage, bytes]:
+    """:func:`sign_usage` and the signed record's :meth:`SignedUsage.digest` (what the next
+    record's ``prev`` names), its canonical bytes made once: a ledger's hot path."""
+    body = RECORD_DOMAIN + record.canonical()
+    raw = key.sign(body)
+    return SignedUsage(record=record, sig=_b64(raw)), hashlib.sha256(body + raw).digest()
