@@ -36,6 +36,9 @@ class WorkerFigures:
     service_s: Mapping[str, float]  # moving average of a job's amortised compute, by model
     refused: Mapping[str, int]  # work refused unrun, by code
     jobs: WorkFigures
+    usage_written: int = 0  # usage records committed by this process
+    unmetered: int = 0  # attempts that ran and went out without a usage record
+    usage_unacked: int = 0  # records shipped by this process, not acknowledged yet
 
 
 class WorkerCollector:
@@ -113,6 +116,26 @@ class WorkerCollector:
         for model in sorted(f.service_s):
             service.add_metric([worker, model], f.service_s[model])
         yield service
+        usage = CounterMetricFamily(
+            "sluicegate_worker_usage_records",
+            "Usage records this worker wrote (one per attempt that ran), since it started",
+            labels=["worker"],
+        )
+        usage.add_metric([worker], f.usage_written)
+        yield usage
+        unmetered = CounterMetricFamily(
+            "sluicegate_worker_unmetered",
+            "Attempts that ran and whose result went out without a usage record (the ledger "
+            "failed, or a value no record can hold: see the log)",
+            labels=["worker"],
+        )
+        unmetered.add_metric([worker], f.unmetered)
+        yield unmetered
+        yield gauge(
+            "sluicegate_worker_usage_unacknowledged",
+            "Usage records shipped since it started that no broker replica acknowledged yet",
+            f.usage_unacked,
+        )
         info = GaugeMetricFamily(
             "sluicegate_worker_info",
             "The worker's pool, zone, backend and device class (always 1)",

@@ -440,6 +440,9 @@ class PoolWorker:
             service_s={m: load.service_ms / 1000.0 for m, load in self.service.loads().items()},
             refused=self.refused,
             jobs=self.figures,
+            usage_written=self.meter.written if self.meter is not None else 0,
+            unmetered=self.unmetered,
+            usage_unacked=self.meter.shipper.in_flight if self.meter is not None else 0,
         )
 
     async def _telemetry_loop(self) -> None:

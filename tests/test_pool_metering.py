@@ -165,6 +165,8 @@ async def test_an_attempt_that_ran_is_recorded_signed_and_shipped(pool: Pool) ->
     assert r.device_us > 0
     shipped = await pool.broker.wait_for(lambda m: m.topic == topics.usage(WORKER))
     assert decode_batch(shipped.payload) == [signed]
+    figures = pool.worker.scrape()  # what /metrics reads
+    assert (figures.usage_written, figures.unmetered, figures.usage_unacked) == (1, 0, 1)
 
 
 async def test_what_never_ran_gets_no_record(pool: Pool) -> None:
