@@ -21,6 +21,7 @@ from pydantic_settings import (
 )
 
 from sluicegate.errors import ConfigError
+from sluicegate.metering.prices import PriceTable
 
 ENV_PREFIX = "SLUICEGATE_"
 MIB = 1024 * 1024
@@ -235,6 +236,7 @@ class Settings(BaseSettings):
     pool: PoolSettings = PoolSettings()
     broker: BrokerSettings = BrokerSettings()
     console: ConsoleSettings = ConsoleSettings()
+    meter: PriceTable = PriceTable()  # 'sluicegate meter report --prices' (docs/metering.md)
 
     @classmethod
     def settings_customise_sources(
