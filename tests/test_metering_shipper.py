@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from policies.keys import SigningKey
 from sluicegate import topics
 from sluicegate.memory_transport import MemoryBroker, MemoryTransport
+from sluicegate.metering import shipper
 from sluicegate.metering.ledger import Ledger
 from sluicegate.metering.meter import Meter
 from sluicegate.metering.wire import Refused, UsageAck, decode_batch
@@ -116,3 +119,41 @@ async def test_an_ack_for_another_node_or_malformed_changes_nothing(tmp_path: Pa
     assert [s.record.seq for s in await meter.ledger.unacked()] == [1]
     assert meter.shipper.acked == 0
     await meter.stop()
+
+
+async def test_a_long_backlog_goes_out_over_several_passes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "u.sqlite"
+    ledger = Ledger(path, KEY, node=NODE, kind="pool")
+    await ledger.open()
+    await ledger.append([ledger.draft(**_fields(i)) for i in range(7)])
+    await ledger.close()
+    monkeypatch.setattr(shipper, "PER_PASS", 3)
+    monkeypatch.setattr(shipper, "PAGE", 2)
+    broker = MemoryBroker()
+    meter = Meter(Ledger(path, KEY, node=NODE, kind="pool"), MemoryTransport(broker), resend_s=0.2)
+    await meter.start()
+
+    seen: set[int] = set()
+
+    def all_shipped(message: Message) -> bool:  # each message looked at once
+        if message.topic == topics.usage(NODE):
+            seen.update(_seqs(message))
+        return seen == {1, 2, 3, 4, 5, 6, 7}
+
+    await broker.wait_for(all_shipped, timeout=5.0)
+    first = next(m for m in broker.log if m.topic == topics.usage(NODE))
+    assert len(_seqs(first)) <= 3
+    await meter.stop()
+
+
+def _fields(i: int) -> dict[str, object]:
+    return {
+        "event": "ran",
+        "job_id": f"b{i}",
+        "attempt": 1,
+        "line": "line-1-pc",
+        "zone": "campus/dc",
+        "status": "ok",
+    }

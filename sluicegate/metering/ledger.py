@@ -160,6 +160,11 @@ class Ledger:
     def count_unacked(self) -> asyncio.Future[int]:
         return self._submit(ledger_file.count_unacked)
 
+    @property
+    def durable_seq(self) -> int:
+        """Records up to this seq would survive power loss (loop side)."""
+        return self._durable_seq
+
     def durable(self, seq: int) -> asyncio.Future[None]:
         """Resolves once the records up to ``seq`` (committed) would survive power loss."""
         loop = self._loop
@@ -199,9 +204,13 @@ class Ledger:
             opened.set_exception(exc)
             return
         self._head = head
-        self._committed = self._synced = head.seq  # what the file held was synced at close
-        self._report_durable(head.seq)
         syncs = self._synchronous == "NORMAL" and str(self.path) != ":memory:"
+        if str(self.path) != ":memory:":
+            # What a killed process committed may still sit in the page cache only.
+            for name in (str(self.path), f"{self.path}-wal"):
+                _fsync(Path(name), self._where)
+        self._committed = self._synced = head.seq
+        self._report_durable(head.seq)
         syncer = None
         if syncs:
             syncer = threading.Thread(target=self._sync, name="sg-usage-sync", daemon=True)
@@ -308,6 +317,22 @@ class Ledger:
             return
         with contextlib.suppress(RuntimeError):  # the loop closed under us
             loop.call_soon_threadsafe(partial(_resolve, batch, results))
+
+
+def _fsync(path: Path, where: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        log.error("%s: %s could not be opened to sync it: %s", where, path.name, exc)
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        log.error("%s: %s could not be synced: %s", where, path.name, exc)
+    finally:
+        os.close(fd)
 
 
 def _resolve(batch: list[tuple[_Op, asyncio.Future[Any]]], results: list[Any]) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 
 BATCH = 128  # records per message at most (a record is about 1 KB)
 PAGE = 500  # records read from the ledger per query when resending
+PER_PASS = 4_096  # records resent per pass at most: a long backlog goes out over passes
 
 
 class Shipper:
@@ -61,6 +63,7 @@ class Shipper:
         self._sent: dict[int, float] = {}  # seq -> when last sent, for records not acked
         self._everything = asyncio.Event()  # send every unacked record (start, reconnect)
         self._everything.set()
+        self._more = False  # the last pass stopped at PER_PASS: go on at the next tick
         self._told: set[str] = set()  # refusal codes logged already
         self.sent = 0  # records published, resends included
         self.acked = 0  # records newly acknowledged
@@ -112,19 +115,30 @@ class Shipper:
     async def _resend(self, everything: bool) -> None:
         if not self._transport.connected:
             return
+        if everything:  # whatever was in flight may be lost: every record is due again
+            self._sent.clear()
+            self._more = True
         stale = self._clock() - self._resend_s
-        if not everything and not any(at <= stale for at in self._sent.values()):
+        if not self._more and not any(at <= stale for at in self._sent.values()):
             return
-        after = 0
-        while True:
+        self._more = False
+        after, budget = 0, PER_PASS
+        while budget > 0:
             page = await self.ledger.unacked(after=after, limit=PAGE)
             if not page:
                 return
             after = page[-1].record.seq
-            due = [s for s in page if everything or self._sent.get(s.record.seq, -1.0) <= stale]
-            self.ship(due)
+            durable = self.ledger.durable_seq  # never ship what a power loss could undo
+            due = [
+                s
+                for s in page
+                if s.record.seq <= durable and self._sent.get(s.record.seq, -math.inf) <= stale
+            ]
+            self.ship(due[:budget])
+            budget -= len(due[:budget])
             if len(page) < PAGE:
                 return
+        self._more = True
 
     # -- in -------------------------------------------------------------------------------------
 
