@@ -29,7 +29,7 @@ from functools import partial
 
 from pydantic import ValidationError
 
-from edge_agent.admission import Job
+from edge_agent.admission import Job, owner_of
 from edge_agent.rules import Declined, Placement
 from policies import Policy, verify
 from policies.errors import PolicyError
@@ -296,16 +296,20 @@ class PlacementClient:
     def send(self, job: Job, placement: Placement, *, attempt: int = 1) -> None:
         """Publish the image straight to the worker, with everything it needs to verify it
         and to return the result to this edge as ``attempt``."""
+        policy = self._policy()
         props = [
             (topics.PROP_JOB_ID, job.job_id),
             (topics.PROP_MODEL, job.model),
             (topics.PROP_TOKEN, placement.token),
             (topics.PROP_DATA_CLASS, job.data_class),
-            (topics.PROP_ORIGIN_ZONE, self.origin_zone(self._policy())),
+            (topics.PROP_ORIGIN_ZONE, self.origin_zone(policy)),
             (topics.PROP_EDGE, self._edge_id),
             (topics.PROP_PRIORITY, str(job.priority)),
             (topics.PROP_ATTEMPT, str(attempt)),
         ]
+        owner = owner_of(policy, self._edge_id, job.response_topic)
+        if owner:  # the app the worker's usage record bills
+            props.append((topics.PROP_OWNER, owner))
         if job.deadline is not None:
             props.append((topics.PROP_DEADLINE_AT, repr(job.deadline * 1000.0)))
         sha256 = self._model_sha256(job.model)

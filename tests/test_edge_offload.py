@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import pytest
 
 from edge_agent import jobs as jobs_module
+from edge_agent.admission import owner_of
 from edge_agent.agent import EdgeAgent
 from edge_agent.errors import OutboxError
 from edge_agent.offload import PlacementClient
@@ -490,6 +491,9 @@ async def test_late_job_is_placed_verified_and_sent_to_the_worker(rig: Rig) -> N
     assert work.user_property(topics.PROP_TOKEN)
     assert work.user_property(topics.PROP_ORIGIN_ZONE) == ZONE
     assert work.user_property(topics.PROP_JOB_ID) == job_id
+    # The app billed: none of the policy's apps takes results on app/results.
+    assert owner_of(POLICY, EDGE, "app/results") == ""
+    assert work.user_property(topics.PROP_OWNER) is None
     assert rig.agent.offloaded == 1
     assert not [m for m in rig.broker.log if m.topic == "app/results"]  # the worker answers
 
