@@ -53,6 +53,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import meter_check  # noqa: E402
 
 from sluicegate.app.campus import BROKER, LINES, WORKERS  # noqa: E402
 from sluicegate.app.localcampus import ROLE  # noqa: E402
@@ -62,7 +65,13 @@ from tests.faults.rig import WIRETAP, Rig, RssSampler, image_for  # noqa: E402
 
 EDGES = list(LINES)
 TARGETS = [*EDGES, BROKER, *WORKERS]
-TARGET = {"lost": 0, "duplicated": 0, "unexpected": 0}
+TARGET = {
+    "lost": 0,
+    "duplicated": 0,
+    "unexpected": 0,
+    "billed_twice": 0,
+    "billed_over_results_within": 0.01,
+}
 
 
 @dataclass
@@ -93,6 +102,7 @@ class Run:
     executions: Counter[int]  # executions per job -> jobs
     peak_rss_mib: dict[str, float]
     ack_failures: dict[str, int] = field(default_factory=dict)
+    metering: dict[str, object] = field(default_factory=dict)  # bench/meter_check.py's figures
 
     @property
     def duplicate_executions(self) -> int:
@@ -228,6 +238,13 @@ async def one_run(rig: Rig, args: argparse.Namespace, name: str, n_jobs: int, n_
         await app.close()
     _recoveries(kills, app.ledger, observer.timeline)
     verdict = app.ledger.verdict()
+    metering = meter_check.check(
+        broker_url=f"http://127.0.0.1:{rig.campus.http_port}",
+        token=rig.files.console_token("viewer"),
+        policy_file=rig.files.policy_file,
+        jobs=app.ledger.jobs,
+        prefix=name,
+    )
     latencies = [
         (j.first_result_at - j.published_at) * 1000.0
         for j in app.ledger.jobs.values()
@@ -244,6 +261,7 @@ async def one_run(rig: Rig, args: argparse.Namespace, name: str, n_jobs: int, n_
         executions=executions(app.ledger, observer.timeline),
         peak_rss_mib={},
         ack_failures=dict(app.ack_failures),
+        metering=metering,
     )
 
 
@@ -297,6 +315,7 @@ def summary(run: Run) -> dict[str, object]:
         "executions_per_job": {str(k): n for k, n in sorted(run.executions.items())},
         "peak_rss_mib": {k: round(x, 1) for k, x in sorted(run.peak_rss_mib.items())},
         "publish_not_acked": run.ack_failures,
+        "metering": run.metering,
     }
 
 
@@ -346,6 +365,28 @@ def print_tables(runs: list[Run], args: argparse.Namespace) -> None:
             )
         for job_id in run.verdict.lost[:10]:
             print(f"  LOST {job_id}")
+    print("usage records (bench/meter_check.py): billed once per job that ran, waste apart")
+    meter_rows = [
+        ("records in the export", "records", "{}"),
+        ("meter verify passes", "verified", "{}"),
+        ("jobs that ran (results)", "jobs_ran", "{}"),
+        ("jobs billed", "jobs_billed", "{}"),
+        ("billed twice (must be 0)", "jobs_billed_twice", "{}"),
+        ("ran, not billed (must be 0)", "ran_not_billed", "{}"),
+        ("billed, not delivered (must be 0)", "billed_not_delivered", "{}"),
+        ("billed on another node (must be 0)", "billed_on_other_node", "{}"),
+        ("waste attempts", "waste_attempts", "{}"),
+        ("waste device-seconds", "waste_device_s", "{:.3f}"),
+        ("unsettled jobs", "unsettled_jobs", "{}"),
+        ("billed device-seconds", "billed_device_s", "{:.3f}"),
+        ("results' device-seconds", "results_device_s", "{:.3f}"),
+        ("billed / results", "billed_over_results", "{:.4f}"),
+    ]
+    for label, key, fmt in meter_rows:
+        print(f"{label:34}" + "".join(f"{fmt.format(r.metering.get(key)):>14}" for r in runs))
+    for run in runs:
+        for problem in run.metering.get("problems", []) or []:  # type: ignore[union-attr]
+            print(f"  [{run.name}] {problem}")
 
 
 def main() -> None:
@@ -389,6 +430,16 @@ def main() -> None:
     subject = summary(chaos)
     baseline = summary(base) if base is not None else {}
     met = subject["lost"] == 0 and subject["duplicated"] == 0 and subject["unexpected"] == 0
+    m = chaos.metering
+    metering_met = (
+        m.get("verified") is True
+        and m.get("jobs_billed_twice") == 0
+        and m.get("ran_not_billed") == 0
+        and m.get("billed_not_delivered") == 0
+        and m.get("billed_on_other_node") == 0
+        and abs(float(m.get("billed_over_results", 0.0)) - 1.0) <= 0.01  # type: ignore[arg-type]
+    )
+    met = met and metering_met
     ratio = {}
     if base is not None:
         ratio = {
