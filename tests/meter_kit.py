@@ -25,7 +25,7 @@ from sluicegate.metering.record import (
 )
 from tests.policies.policy_testkit import base_doc, key, policy_of, to_toml, workers
 
-T0 = 1_796_000_000_000  # ms, 2026-11-30T01:33:20Z
+T0 = 1_796_000_000_000  # ms, 2026-11-30T00:53:20Z
 MINUTE = 60_000
 EDGES = ("north-l1-pc", "north-l2-pc")
 MODEL_SHA = "ab" * 32

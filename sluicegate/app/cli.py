@@ -26,6 +26,7 @@ from sluicegate.deploy.cli import register as register_deploy
 from sluicegate.doctor.cli import register as register_doctor
 from sluicegate.enroll.cli import ca_app, enroll_app
 from sluicegate.errors import EXPECTED
+from sluicegate.metering.cli import meter_app
 from sluicegate.twin.cli import twin_app
 
 T = TypeVar("T")
@@ -52,6 +53,7 @@ app.add_typer(enroll_app, name="enroll")
 register_twin_demo(twin_app)
 app.add_typer(twin_app, name="twin")
 app.add_typer(console_app, name="console")
+app.add_typer(meter_app, name="meter")
 
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", "-c", help="TOML settings file.", exists=False)

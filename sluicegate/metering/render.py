@@ -187,7 +187,7 @@ def as_table(s: Settlement, by: By, invoices: list[Invoice] | None, verified: st
     lines += _more(len(s.waste))
     if s.undelivered:
         lines.append(
-            f"  {_n(s.undelivered, 'job')} settled with nothing delivered: all their runs waste"
+            f"  {_n(s.undelivered, 'job')} settled with nothing delivered: every run waste"
         )
     lines += [
         "",
@@ -209,7 +209,7 @@ def as_table(s: Settlement, by: By, invoices: list[Invoice] | None, verified: st
                 f"  {line.item:<15} {line.pool:<20} {line.device_class or '-':<14} "
                 f"{line.quantity:>14} x {line.unit_price:<10} = {line.amount:>12}"
             )
-        lines.append(f"  {'total':<86} {inv.total:>12}")
+        lines.append(f"  {'total':<81} {inv.total:>12}")
     return "\n".join(lines) + "\n"
 
 

@@ -120,6 +120,7 @@ def verify_export(data: bytes, policy: Policy) -> Verification:
     records = _records(record_lines, policy, manifest, problems, altered)
     if manifest is not None:
         _heads(records, manifest, problems, altered)
+    problems.sort(key=lambda p: (p.line is None, p.line or 0))  # stable: by line, then found
     counts = Counter(p.kind for p in problems)
     return Verification(
         problems=tuple(problems),
@@ -277,9 +278,9 @@ def _signatures(n: int, signed: SignedUsage, policy: Policy, problems: list[Prob
         )
     receipt_ok = broker_key is None or signed.receipt_valid(broker_key)
     if not node_ok and not receipt_ok:
-        problem("altered", f"neither {r.node!r}'s signature nor the broker's receipt fits it")
+        problem("altered", f"neither the signature of {r.node!r} nor the receipt fits it")
     elif not node_ok:
-        problem("altered", f"not signed by {r.node!r}'s key (its receipt fits)")
+        problem("altered", f"not signed by the key of {r.node!r} (its receipt fits)")
     elif not receipt_ok:
         assert receipt is not None
         problem("altered", f"the receipt is not broker {receipt.broker!r}'s for this record")
@@ -375,8 +376,8 @@ def _chain(
         problems.append(
             Problem(
                 "removed",
-                f"the manifest's head ends at seq {head.last_seq}: seq {last_seq + 1} to "
-                f"{head.last_seq} (the node's last records) are missing",
+                f"the manifest's head ends at seq {head.last_seq}: "
+                f"{_seqs(last_seq + 1, head.last_seq)} (the node's last) missing",
                 final.line,
                 node,
                 last_seq,
@@ -405,8 +406,13 @@ def _chain(
 
 
 def _gap(low: int, high: int, at: Located, node: str, where: str) -> Problem:
-    seqs = f"seq {low}" if low == high else f"seq {low} to {high}"
-    return Problem("removed", f"{seqs} missing ({where})", at.line, node, at.signed.record.seq)
+    return Problem(
+        "removed", f"{_seqs(low, high)} missing ({where})", at.line, node, at.signed.record.seq
+    )
+
+
+def _seqs(low: int, high: int) -> str:
+    return f"seq {low}" if low == high else f"seq {low} to {high}"
 
 
 def _first(exc: ValidationError) -> str:
