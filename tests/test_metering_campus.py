@@ -26,7 +26,7 @@ from sluicegate.app.broker_http import get
 from sluicegate.app.campus import APP_OF_LINE, APPS
 from sluicegate.app.localcampus import LocalCampus
 from sluicegate.app.servers import ServerProcess
-from sluicegate.metering.fetch import fetch_export
+from sluicegate.metering.fetch import ExportError, fetch_export
 from sluicegate.metering.ledger import FILE_NAME, Ledger
 from sluicegate.metering.record import ManifestLine, SignedUsage, from_line, sign_usage
 from sluicegate.metering.wire import UsageAck, encode_batch
@@ -166,6 +166,16 @@ def test_offloaded_jobs_are_recorded_once_per_attempt_countersigned(campus: Loca
         assert r.bytes_in > 0
         assert len(r.result_sha256) == 64
     assert _metric(campus, "sluicegate_usage_device_seconds_total") > 0
+
+
+def test_the_export_needs_a_viewer_and_a_period(campus: LocalCampus) -> None:
+    base = f"http://127.0.0.1:{campus.http_port}"
+    with pytest.raises(ExportError, match=r"HTTP 401 \(give a viewer's console token\)"):
+        fetch_export(base, None, 0, 4e9)
+    with pytest.raises(ExportError, match=r"(?s)HTTP 400.*is after to"):
+        fetch_export(base, campus.write().console_token("viewer"), 10, 5)
+    with pytest.raises(ExportError, match="cannot reach the broker"):
+        fetch_export("http://127.0.0.1:1", None, 0, 1, timeout=5)
 
 
 def test_a_restarted_worker_resends_and_the_broker_keeps_one_copy(campus: LocalCampus) -> None:
