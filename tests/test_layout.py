@@ -37,6 +37,7 @@ PURE = [
     "sluicegate/metering/render.py",
     "sluicegate/metering/report.py",
     "sluicegate/metering/verify.py",
+    "sluicegate/metering/wire.py",
     "sluicegate/mqtt/wire.py",
     "sluicegate/vision/anomaly.py",
     "sluicegate/vision/author.py",
