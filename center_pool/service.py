@@ -168,6 +168,13 @@ def meter(pool: PoolSettings, key: SigningKey, transport: MqttTransport) -> Mete
     """The worker's usage metering (not started), or None with ``[pool] metering`` off."""
     if not pool.metering:
         return None
+    if pool.key_file is None:  # an ephemeral key's records would never verify at the broker
+        log.warning(
+            "worker %s runs unmetered: usage records are signed with its identity key, and "
+            "[pool] key_file is not set",
+            pool.id,
+        )
+        return None
     if pool.state_dir is None:
         log.warning(
             "worker %s keeps its usage records in memory only: set [pool] state_dir so that "
