@@ -218,6 +218,7 @@ def test_a_plot_without_matplotlib_says_how_to_get_it(
     )
     assert done.exit_code == 2
     assert "pip install 'sluicegate[twin]'" in done.output
+    assert "device-s" not in done.output  # no report half made
 
 
 class _Broker(BaseHTTPRequestHandler):

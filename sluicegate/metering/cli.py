@@ -187,14 +187,14 @@ def report(
         else:
             said = f"verified: {len(checked.records)} records" if checked.ok else "NOT VERIFIED"
             text = render.as_table(settlement, totals_by, invoices, said)
+        if plot is not None:  # first: a plot that cannot be drawn leaves no report half made
+            from sluicegate.metering.plot import write_plot
+
+            write_plot(settlement, totals_by, plot)
         if out is not None:
             write_atomic(out, text.encode("utf-8"))
         else:
             typer.echo(text, nl=False)
-        if plot is not None:
-            from sluicegate.metering.plot import write_plot
-
-            write_plot(settlement, totals_by, plot)
     except SluicegateError as exc:
         _fail(str(exc))
     except OSError as exc:
