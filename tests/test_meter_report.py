@@ -8,9 +8,11 @@ import csv
 import io
 import json
 from decimal import Decimal
+from pathlib import Path
 
 import pytest
 
+from sluicegate.config import load_settings
 from sluicegate.metering.prices import PriceError, invoices, parse_prices
 from sluicegate.metering.render import as_csv, as_json, as_table
 from sluicegate.metering.report import BY, Settlement, overall, settle, totals
@@ -201,6 +203,18 @@ def test_a_bad_price_table_is_an_error_that_says_what_is_accepted(text: str, mes
 def test_a_configs_meter_section_is_a_price_table() -> None:
     table = parse_prices('[mqtt]\nhost = "x"\n[meter.device_second]\ndefault = 2\n', source="c")
     assert table.device_second.default == Decimal(2)
+
+
+def test_a_config_with_a_meter_section_still_loads_for_the_roles(tmp_path: Path) -> None:
+    config = tmp_path / "broker.toml"
+    config.write_text(
+        '[mqtt]\nhost = "x"\n\n[meter]\ncurrency = "EUR"\n\n[meter.device_second]\n'
+        "default = 0.5\nclass = { ascend-310 = 0.75 }\n"
+    )
+    settings = load_settings(config)
+    assert settings.mqtt.host == "x"
+    assert settings.meter == parse_prices(config.read_text(), source=str(config))
+    assert settings.meter.device_second.price("south-dc", "ascend-310") == Decimal("0.75")
 
 
 def test_the_invoice_as_csv_adds_up() -> None:
