@@ -68,6 +68,18 @@ def test_retries_are_billed_once_however_many() -> None:
     assert overall(s).waste_device_s == Decimal("0.030000")
 
 
+def test_a_job_its_edge_ran_after_a_worker_was_lost_bills_the_edges_run() -> None:
+    led = Ledgers()
+    led.ran("north-gpu-1", "j", line=L1, attempt=1, at_ms=T0 + 1000, device_ms=30)
+    led.ran(L1, "j", line=L1, at_ms=T0 + 4000, device_ms=50)
+    s = _settle(led)
+    (billed,) = s.billed
+    assert (billed.attempt.node, billed.attempt.pool) == (L1, f"edge:{L1}")
+    (waste,) = s.waste
+    assert waste.attempt.node == "north-gpu-1"
+    assert "its own run" in waste.reason
+
+
 def test_waste_is_accounted_and_says_why() -> None:
     s = _settle(day())
     waste = {(w.attempt.job[1], w.attempt.node, w.attempt.attempt): w.reason for w in s.waste}
