@@ -46,9 +46,11 @@ from broker.store import BrokerStore
 from policies.audit import decode_record
 from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
 from sluicegate import topics, wire
-from sluicegate.app.broker_http import get_json, post_json
+from sluicegate.app.broker_http import get, get_json, post_json
 from sluicegate.app.campus import FAB, Campus, write_campus
 from sluicegate.app.servers import ServerProcess, free_port, running, start_mosquitto, start_redis
+from sluicegate.metering.record import GENESIS, ManifestLine, Usage, from_line, sign_usage
+from sluicegate.metering.wire import UsageAck, encode_batch
 from sluicegate.wire_pool import (
     Completion,
     JobNotice,
@@ -868,3 +870,64 @@ def test_an_operators_hold_taken_on_one_replica_holds_on_every_replica(
     replies = [edge.place(job) for job in _jobs(12)]
     assert {r.broker_id for r in replies} == {b.id for b in brokers}  # both answered
     assert {r.worker_id for r in replies} == {free.id}
+
+
+@pytest.mark.integration
+def test_two_replicas_store_each_usage_record_once_and_both_acknowledge(
+    campus: Campus,
+    mqtt: ServerProcess,
+    broker_redis: str,
+    processes: list[Any],
+    unique: str,
+) -> None:
+    brokers = [BrokerProcess(campus, mqtt, broker_redis, replica) for replica in REPLICAS]
+    processes.extend(brokers)
+    worker = f"w1-{unique}"
+    records, prev = [], GENESIS
+    for seq in (1, 2, 3):
+        usage = Usage(
+            node=worker,
+            kind="pool",
+            seq=seq,
+            prev=prev.hex(),
+            at_ms=1_780_000_000_000 + seq,
+            event="ran",
+            job_id=f"job-{seq}",
+            attempt=1,
+            line="line-1-pc",
+            zone=ZONE,
+            status="ok",
+            device_us=1_500,
+        )
+        signed = sign_usage(usage, key(worker))
+        records.append(signed)
+        prev = signed.digest()
+    client = PlainClient(mqtt.port)  # the open Mosquitto: it may speak as the worker
+    try:
+        client.subscribe(topics.usage_acks(worker))
+        client.client.publish(topics.usage(worker), encode_batch(records), qos=1).wait_for_publish(
+            10
+        )
+        acks = [UsageAck.model_validate_json(client.next().payload) for _ in REPLICAS]
+    finally:
+        client.close()
+    assert sorted(a.broker for a in acks) == sorted(REPLICAS)
+    assert all(sorted(a.held) == [1, 2, 3] and not a.refused for a in acks)
+    assert redis.Redis.from_url(broker_redis).hlen(keys.usage_records(worker)) == 3
+    assert sum(b.metric("sluicegate_usage_records_total") for b in brokers) == 3
+    assert sum(b.metric("sluicegate_usage_duplicates_total") for b in brokers) == 3
+    for broker in brokers:  # either replica exports the same records, under its own manifest
+        status, body = get(
+            f"http://127.0.0.1:{broker.http_port}/v1/usage/export?from=0&to=4000000000",
+            campus.console_token("viewer"),
+        )
+        assert status == 200
+        lines = body.rstrip(b"\n").split(b"\n")
+        exported = [from_line(line) for line in lines[:-1]]
+        assert [s.record for s in exported if s.record.node == worker] == [
+            r.record for r in records
+        ]
+        assert all(s.receipt is not None and s.receipt.broker in REPLICAS for s in exported)
+        manifest = ManifestLine.model_validate_json(lines[-1]).manifest
+        assert manifest.broker == broker.id
+        assert manifest.signature_valid(key(broker.id).public)
