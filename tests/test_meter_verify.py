@@ -199,6 +199,13 @@ def test_a_repeated_line_is_caught(lines: list[bytes]) -> None:
     v = _check(lines)
     assert [(p.line, p.node, p.seq) for p in _of(v, "repeated")] == [(i + 2, "north-l1-pc", 2)]
     assert _kinds(v) == {"repeated", "manifest"}
+    assert v.totals == {
+        "lines": 15,
+        "records": 13,
+        "nodes": 5,
+        "problems.repeated": 1,
+        "problems.manifest": 1,
+    }
 
 
 def test_another_record_in_a_seqs_place_is_an_insertion(lines: list[bytes]) -> None:

@@ -93,6 +93,13 @@ class Verification:
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def totals(self) -> dict[str, int]:
+        """Lines read, distinct records, nodes, and the problems of each kind found."""
+        return {"lines": self.lines, "records": len(self.records), "nodes": self.nodes} | {
+            f"problems.{kind}": n for kind, n in self.counts.items()
+        }
+
     def summary(self) -> str:
         if self.ok and self.manifest is not None:
             m = self.manifest
