@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 BATCH = 128  # records per message at most (a record is about 1 KB)
 PAGE = 500  # records read from the ledger per query when resending
 PER_PASS = 4_096  # records resent per pass at most: a long backlog goes out over passes
+TRACKED = 65_536  # records whose last send is remembered (a broker away for long: bounded)
 
 
 class Shipper:
@@ -63,7 +64,8 @@ class Shipper:
         self._sent: dict[int, float] = {}  # seq -> when last sent, for records not acked
         self._everything = asyncio.Event()  # send every unacked record (start, reconnect)
         self._everything.set()
-        self._more = False  # the last pass stopped at PER_PASS: go on at the next tick
+        self._more = False  # the last pass stopped at PER_PASS: go on at the next tick ...
+        self._cursor = 0  # ... after this seq
         self._told: set[str] = set()  # refusal codes logged already
         self.sent = 0  # records published, resends included
         self.acked = 0  # records newly acknowledged
@@ -93,6 +95,8 @@ class Shipper:
             for signed in chunk:
                 self._sent[signed.record.seq] = now
             self.sent += len(chunk)
+        while len(self._sent) > TRACKED:  # the oldest forgotten: due again at the next pass
+            del self._sent[next(iter(self._sent))]
 
     async def run(self) -> None:
         """Resend what was not acknowledged in time (all of it at start and after each
@@ -117,28 +121,32 @@ class Shipper:
             return
         if everything:  # whatever was in flight may be lost: every record is due again
             self._sent.clear()
-            self._more = True
+            self._more, self._cursor = True, 0
         stale = self._clock() - self._resend_s
         if not self._more and not any(at <= stale for at in self._sent.values()):
             return
-        self._more = False
-        after, budget = 0, PER_PASS
-        while budget > 0:
+        # A pass cut short by PER_PASS goes on from where it stopped, not from the start.
+        after, budget = (self._cursor if self._more else 0), PER_PASS
+        self._more, self._cursor = False, 0
+        while True:
             page = await self.ledger.unacked(after=after, limit=PAGE)
             if not page:
                 return
-            after = page[-1].record.seq
             durable = self.ledger.durable_seq  # never ship what a power loss could undo
             due = [
                 s
                 for s in page
                 if s.record.seq <= durable and self._sent.get(s.record.seq, -math.inf) <= stale
             ]
-            self.ship(due[:budget])
-            budget -= len(due[:budget])
+            if len(due) >= budget:
+                self.ship(due[:budget])
+                self._more, self._cursor = True, due[budget - 1].record.seq
+                return
+            self.ship(due)
+            budget -= len(due)
+            after = page[-1].record.seq
             if len(page) < PAGE:
                 return
-        self._more = True
 
     # -- in -------------------------------------------------------------------------------------
 
