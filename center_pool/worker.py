@@ -42,7 +42,7 @@ from policies import PlacementClaims, Policy
 from policies.replay import AsyncReplayCache
 from sluicegate import topics, wire
 from sluicegate.config import PoolSettings
-from sluicegate.errors import TransportError
+from sluicegate.errors import LedgerError, TransportError
 from sluicegate.metering.meter import Meter
 from sluicegate.metering.record import SignedUsage, Usage
 from sluicegate.node_metrics import MetricsServer
@@ -339,10 +339,17 @@ class PoolWorker:
                     batch_size=run.batch_size,
                 )
             )
+        recording = None
         if drafts and self.meter is not None:
             # One transaction for the batch's records; its results leave once it is durable.
+            try:
+                recording = self.meter.record(drafts)
+            except LedgerError as exc:  # not open (any more): the results go all the same
+                self.unmetered += len(drafts)
+                log.error("%d job(s) ran unmetered: %s", len(drafts), exc)
+        if recording is not None:
             self._recording += 1
-            self.meter.record(drafts).add_done_callback(partial(self._recorded, sends, len(drafts)))
+            recording.add_done_callback(partial(self._recorded, sends, len(drafts)))
         else:
             for send in sends:
                 send()
