@@ -1,11 +1,15 @@
-"""The gate every work message passes before its image is looked at: token, then replay.
+"""The gate every work message passes before its image is looked at: token, then replay,
+then (a sealed image) its opening.
 
 For a chunk of messages taken off the transport, :class:`Gate` runs the pure steps of
 :mod:`center_pool.intake` (properties, then ``policies.verify`` against the current verified
 policy) and the replay check against the shared cache (Redis ``SET NX``, or memory), with the
 claims of one chunk in flight together. A cache that cannot answer fails closed. It returns
 one verdict per message, in arrival order, and says which refusals belong in the audit log:
-every one made before the token passed. It never decodes, publishes or writes the log itself.
+every one made before the token passed, and every sealed image that did not open. A sealed
+image is opened (``intake.open_work``) only once its nonce is claimed, so a replayed message
+costs no decryption and a token tried on another ciphertext is spent. It never decodes,
+publishes or writes the log itself.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from center_pool.intake import (
     Work,
     WorkRefusal,
     check_token,
+    open_work,
     read_work,
     refuse,
 )
@@ -26,6 +31,7 @@ from policies import PlacementClaims, Policy, acheck_replay
 from policies.audit import Scalar
 from policies.errors import StoreUnavailable, TokenRefused
 from policies.replay import AsyncReplayCache
+from policies.sealing import SealingKey
 from sluicegate import topics
 from sluicegate.policy_feed import PolicyFeed
 from sluicegate.transport import Message
@@ -80,8 +86,11 @@ class Gate:
         replay: AsyncReplayCache,
         limits: Limits,
         clock: Callable[[], float],
+        keys: Callable[[], Mapping[bytes, SealingKey]] = dict,
     ) -> None:
+        """``keys``: the sealing keys this worker holds now, by key id."""
         self.worker_id = worker_id
+        self._keys = keys
         self._feed = feed
         self._replay = replay
         self._limits = limits
@@ -93,6 +102,7 @@ class Gate:
         """One verdict per ``(message, received_at)``, in the order given."""
         policy = self._feed.current
         now = self._clock()
+        keys = self._keys()
         verdicts: list[Passed | Stopped] = []
         for msg, received in chunk:
             work = read_work(msg, limits=self._limits, now=received, worker_id=self.worker_id)
@@ -105,13 +115,20 @@ class Gate:
                 refusal = refuse(work, POLICY_MISSING, self._feed.why_none())
                 verdicts.append(Stopped(refusal, work, audit=True))
             else:
-                claims = check_token(work, policy, now=now, worker_id=self.worker_id)
+                claims = check_token(work, policy, now=now, worker_id=self.worker_id, keys=keys)
                 if isinstance(claims, WorkRefusal):
                     verdicts.append(Stopped(claims, work, audit=True))
                 else:
                     verdicts.append(Passed(work, claims))
         if policy is not None:
             await self._check_replays(verdicts, policy, now)
+        for index, verdict in enumerate(verdicts):
+            if isinstance(verdict, Passed) and verdict.work.sealed:
+                opened = open_work(verdict.work, verdict.claims, keys, worker_id=self.worker_id)
+                if isinstance(opened, WorkRefusal):
+                    verdicts[index] = Stopped(opened, verdict.work, audit=True)
+                else:
+                    verdicts[index] = Passed(opened, verdict.claims)
         return verdicts
 
     async def _check_replays(

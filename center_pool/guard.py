@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 REFUSED = "work.refused"
 POLICY_ACCEPTED = "policy.accepted"
+SEAL_KEY_ROTATED = "worker.seal_key_rotated"  # the key edges seal this worker's images to
 
 
 def check_cancelled() -> None:

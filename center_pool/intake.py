@@ -10,6 +10,12 @@
    origin zone, which is the sending edge's zone in the policy (an edge the policy does not
    list is refused), never the zone the message declares.
    (The replay check needs state, so the shell runs it next.)
+   A sealed image (``topics.PROP_SEALED``) is checked without its hash: a token that binds a
+   sealing key with a clear image (``seal.required``), a sealed image under a token that
+   binds none (``seal.unexpected``) or a key this worker does not hold
+   (``seal.key_not_held``) stop here. Only once the token and the replay check passed does
+   :func:`open_work` open it (HPKE, ``policies.sealing``: this worker's key, this placement's
+   info) and check the plaintext's hash (``seal.open_failed``, ``token.payload_mismatch``).
 3. :func:`admit_work` reads the rest (model, deadline, priority) and probes the image
    *header* (no pixel decoding) against the limits.
 
@@ -24,11 +30,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from policies import PlacementClaims, Policy, payload_digest, verify
-from policies.errors import TokenRefused
+from policies.errors import SealKeyNotHeld, SealRequired, SealUnexpected, TokenRefused
+from policies.sealing import SealingKey, open_sealed
+from policies.tokens import check_payload
 from sluicegate import topics
 from sluicegate.transport import Message
 from sluicegate.vision.image import ImageInfo, PayloadProblem, inspect_payload
@@ -57,6 +65,11 @@ class Work:
 
     def prop(self, name: str) -> str | None:
         return self.props.get(name)
+
+    @property
+    def sealed(self) -> bool:
+        """The message says its payload is sealed to this worker's key."""
+        return topics.PROP_SEALED in self.props
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +182,14 @@ def read_work(msg: Message, *, limits: Limits, now: float, worker_id: str) -> Wo
             f"user property {topics.PROP_ATTEMPT!r}={props.get(topics.PROP_ATTEMPT)!r} is "
             f"invalid: expected an integer 1 to {MAX_ATTEMPT} (1 for a job's first placement)",
         )
+    suite = props.get(topics.PROP_SEALED)
+    if suite is not None and suite != topics.SEAL_SUITE:
+        return refuse(
+            work,
+            "bad_property",
+            f"user property {topics.PROP_SEALED!r}={suite!r} is invalid: worker {worker_id} "
+            f"opens only {topics.SEAL_SUITE!r}",
+        )
     if len(msg.payload) > limits.max_payload_bytes:
         return refuse(
             work,
@@ -197,10 +218,16 @@ def _attempt(raw: str | None) -> int | None:
 
 
 def check_token(
-    work: Work, policy: Policy, *, now: float, worker_id: str
+    work: Work,
+    policy: Policy,
+    *,
+    now: float,
+    worker_id: str,
+    keys: Mapping[bytes, SealingKey] | None = None,
 ) -> PlacementClaims | WorkRefusal:
-    """Step 2: the placement token against the policy, this worker and the payload's hash;
-    the origin is the sending edge's zone in the policy."""
+    """Step 2: the placement token against the policy, this worker and the payload's hash
+    (a sealed payload's is checked once opened); the origin is the sending edge's zone in
+    the policy. ``keys``: the sealing keys this worker holds, by key id."""
     entry = policy.edge(work.edge_id) if work.edge_id is not None else None
     if entry is None:
         return refuse(
@@ -210,18 +237,63 @@ def check_token(
             f"v{policy.version}; worker {worker_id} runs work only from listed edges",
         )
     try:
-        return verify(
+        claims = verify(
             work.token,
             policy,
             now=now,
             job_id=work.job_id,
-            payload_sha256=payload_digest(work.payload),
+            payload_sha256=None if work.sealed else payload_digest(work.payload),
             worker_id=worker_id,
             origin_zone=entry.zone,
             data_class=work.prop(topics.PROP_DATA_CLASS),
         )
+        _check_sealing(work, claims, keys or {}, worker_id)
     except TokenRefused as exc:
         return refuse(work, exc.reason, f"placement token refused by worker {worker_id}: {exc}")
+    return claims
+
+
+def _check_sealing(
+    work: Work, claims: PlacementClaims, keys: Mapping[bytes, SealingKey], worker_id: str
+) -> None:
+    if claims.sealed and not work.sealed:
+        raise SealRequired(
+            f"the token binds sealing key {claims.seal_key_id.hex()}: the image must come "
+            f"sealed to it ({topics.PROP_SEALED!r}={topics.SEAL_SUITE!r}), never in the clear"
+        )
+    if work.sealed and not claims.sealed:
+        raise SealUnexpected(
+            "the image is sealed but the token binds no sealing key: nothing may open it"
+        )
+    if work.sealed and claims.seal_key_id not in keys:
+        held = ", ".join(k.hex() for k in keys) or "none"
+        raise SealKeyNotHeld(
+            f"the token binds sealing key {claims.seal_key_id.hex()}, which worker "
+            f"{worker_id} does not hold (it holds: {held})"
+        )
+
+
+def open_work(
+    work: Work, claims: PlacementClaims, keys: Mapping[bytes, SealingKey], *, worker_id: str
+) -> Work | WorkRefusal:
+    """Step 2b, after the token and the replay check passed: a sealed payload opened with the
+    key the token binds and this placement's info, and the plaintext's hash checked against
+    the token's; the work comes back with the plaintext and its own content type. A clear
+    payload comes back as it is (its hash was checked with the token)."""
+    if not work.sealed:
+        return work
+    key = keys.get(claims.seal_key_id)
+    try:
+        if key is None:  # dropped between the token check and now
+            raise SealKeyNotHeld(
+                f"worker {worker_id} no longer holds sealing key {claims.seal_key_id.hex()}"
+            )
+        plain = open_sealed(key, work.payload, claims.seal_info())
+        check_payload(claims, payload_digest(plain))
+    except TokenRefused as exc:
+        reason = f"sealed image refused by worker {worker_id}: {exc}"
+        return refuse(work, exc.reason, reason, token_passed=True)  # it was placed here
+    return replace(work, payload=plain, content_type=work.prop(topics.PROP_INNER_CONTENT_TYPE))
 
 
 def _number(work: Work, name: str, accepts: str, *, least: float) -> float | WorkRefusal | None:

@@ -95,10 +95,14 @@ def last_will(settings: PoolSettings) -> Will:
 
 
 def capabilities(
-    settings: PoolSettings, registry: ModelRegistry, providers: list[str], memory_total_mb: int
+    settings: PoolSettings,
+    registry: ModelRegistry,
+    providers: list[str],
+    memory_total_mb: int,
+    seal_key: str | None = None,
 ) -> WorkerCapabilities:
-    """What this worker can run. A model that needs providers this worker lacks is left out,
-    so the broker never places it here."""
+    """What this worker can run, and its current sealing key. A model that needs providers
+    this worker lacks is left out, so the broker never places it here."""
     models: dict[str, ModelCapability] = {}
     for name in registry.names():
         manifest = registry.get(name).manifest
@@ -122,6 +126,7 @@ def capabilities(
         models=models,
         max_batch=settings.max_batch,
         concurrency=settings.concurrency,
+        seal_key=seal_key,
     )
 
 

@@ -9,6 +9,8 @@ stream ``sluicegate:audit:<worker id>``), ``state_dir/audit.jsonl``, else memory
 warning. The audit records are signed with ``key_file`` (or an ephemeral key, logged), and
 so are the usage records (``[pool] metering``), kept in ``state_dir/usage.sqlite`` until a
 broker replica acknowledges them (in memory, with a warning, without a ``state_dir``).
+The sealing keys sealed images are opened with live in ``state_dir/seal-keys/``
+(``center_pool.seal_keys``; one is made on first start; in memory without a ``state_dir``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import redis.asyncio
 
@@ -29,6 +32,7 @@ from center_pool.guard import (
 from center_pool.hardware import available_providers, open_probe, select_providers
 from center_pool.metrics import worker_registry
 from center_pool.reporting import last_will, status_message
+from center_pool.seal_keys import KeyFolder, SealKeys, folder_of
 from center_pool.worker import PoolWorker
 from policies import AsyncAuditWriter, SigningKey
 from policies.audit import AsyncAuditStore
@@ -140,6 +144,7 @@ async def _serve(
                 providers=providers,
                 models_dir=watched,
                 meter=meter(pool, key, transport),
+                seal_keys=SealKeys(KeyFolder(folder_of(pool.state_dir)), now=time.time()),
             )
             if watched is not None:
                 known = read_priors(watched / PRIORS_FILE)

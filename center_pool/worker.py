@@ -31,12 +31,19 @@ from center_pool import reporting
 from center_pool.batching import BatchQueue, Entry, start_by
 from center_pool.execution import BatchRun, ItemRun, run_batch
 from center_pool.gate import Gate, Passed, Stopped, audit_data
-from center_pool.guard import POLICY_ACCEPTED, REFUSED, AuditSink, check_cancelled
+from center_pool.guard import (
+    POLICY_ACCEPTED,
+    REFUSED,
+    SEAL_KEY_ROTATED,
+    AuditSink,
+    check_cancelled,
+)
 from center_pool.hardware import Probe
 from center_pool.intake import Work, WorkItem, WorkRefusal, admit_work, refuse
 from center_pool.job_figures import WorkFigures
 from center_pool.metrics import WorkerFigures
 from center_pool.replies import Replies
+from center_pool.seal_keys import KeyFolder, SealKeys
 from center_pool.usage import attempt_record
 from policies import PlacementClaims, Policy
 from policies.replay import AsyncReplayCache
@@ -77,10 +84,12 @@ class PoolWorker:
         clock: Callable[[], float] = time.time,
         models_dir: Path | None = None,
         meter: Meter | None = None,
+        seal_keys: SealKeys | None = None,
     ) -> None:
         """``models_dir``: the folder ``registry`` was loaded from, watched for new model
         versions every ``settings.models_reload_s`` (none: not watched). ``meter``: where
-        each attempt that ran is recorded before its result goes (none: not metered)."""
+        each attempt that ran is recorded before its result goes (none: not metered).
+        ``seal_keys``: the keys sealed images are opened with (none: one made in memory)."""
         topics.check_id("worker id", settings.id)
         self.settings = settings
         self._transport = transport
@@ -91,7 +100,8 @@ class PoolWorker:
         self._probe = probe
         self._clock = clock
         self._limits = Limits(settings.max_payload_bytes, settings.max_pixels, settings.max_side)
-        self._gate = Gate(settings.id, feed, replay, self._limits, clock)
+        self.seal_keys = seal_keys or SealKeys(KeyFolder(None), now=clock())
+        self._gate = Gate(settings.id, feed, replay, self._limits, clock, self.seal_keys.ring)
         self.replies = Replies(settings, transport, clock)
         self.meter = meter
         self._recording = 0  # batches whose results wait for their usage records' commit
@@ -127,7 +137,7 @@ class PoolWorker:
             else None
         )
         self.capabilities = reporting.capabilities(
-            settings, registry, providers, probe.memory_total_mb
+            settings, registry, providers, probe.memory_total_mb, self.seal_keys.public_text()
         )
         self.service = reporting.ServiceStats()
         self.refused: Counter[str] = Counter()
@@ -414,6 +424,41 @@ class PoolWorker:
             {"worker": self.settings.id, "version": policy.version, "digest": policy.digest.hex()},
             now=self._clock(),
         )
+        self._plan_seal_keys(policy)
+
+    def _plan_seal_keys(self, policy: Policy) -> None:
+        """The current sealing key is the newest one ``policy`` lists for this worker: when it
+        changes, the capabilities advertise the new one and the rotation is audited."""
+        entry = policy.worker(self.settings.id)
+        listed = set(entry.seal_keys) if entry is not None else set()
+        before = self.seal_keys.current
+        now = self._clock()
+        if not self.seal_keys.refresh(listed, now=now, max_ttl_s=policy.max_ttl_s):
+            return
+        current = self.seal_keys.current
+        log.info(
+            "worker %s seals to key %s from policy v%d (was %s)",
+            self.settings.id,
+            current.hex() if current is not None else "none",
+            policy.version,
+            before.hex() if before is not None else "none",
+        )
+        self.audit.submit(
+            SEAL_KEY_ROTATED,
+            {
+                "worker": self.settings.id,
+                "key_id": current.hex() if current is not None else None,
+                "previous": before.hex() if before is not None else None,
+                "public": self.seal_keys.public_text(),
+                "policy_version": policy.version,
+            },
+            now=now,
+        )
+        self.capabilities = self.capabilities.model_copy(
+            update={"seal_key": self.seal_keys.public_text()}
+        )
+        if self._transport.connected and self.ready.is_set():  # else run() announces
+            self._announce()
 
     def telemetry(self) -> WorkerTelemetry:
         return reporting.telemetry(
@@ -456,6 +501,9 @@ class PoolWorker:
         topic = topics.worker_telemetry(self.settings.id)
         while True:
             await asyncio.sleep(self.settings.telemetry_interval_s)
+            policy = self._feed.current
+            if policy is not None:  # retired keys are dropped once no token can need them
+                self._plan_seal_keys(policy)
             if self._transport.connected:
                 try:
                     await self._transport.publish(
@@ -470,7 +518,11 @@ class PoolWorker:
         registry = self._registry
         self._models = {n: registry.get(n).manifest.sha256 for n in registry.names()}
         self.capabilities = reporting.capabilities(
-            self.settings, registry, self._providers, self._probe.memory_total_mb
+            self.settings,
+            registry,
+            self._providers,
+            self._probe.memory_total_mb,
+            self.seal_keys.public_text(),
         )
         if self._transport.connected:
             self._announce()

@@ -36,6 +36,12 @@ PROP_ATTEMPT = "attempt"
 PROP_WORKER = "worker-id"
 # The app a job is billed to, as the edge sends it with the work (empty when absent).
 PROP_OWNER = "owner"
+# A work message whose image is sealed to the target worker's key (HPKE, policies.sealing):
+# the suite's name, and the image's own content type (the message's own says only sealed).
+PROP_SEALED = "sealed"
+SEAL_SUITE = "hpke-x25519-sha256-aes128gcm"
+PROP_INNER_CONTENT_TYPE = "inner-content-type"
+SEALED_CONTENT_TYPE = "application/vnd.sluicegate.sealed"
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 

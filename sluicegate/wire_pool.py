@@ -108,6 +108,9 @@ class WorkerCapabilities(_Wire):
     models: dict[str, ModelCapability]
     max_batch: int = Field(ge=1)
     concurrency: int = Field(ge=1)
+    # The worker's current sealing key (``x25519:...``, policies.sealing): edges seal its
+    # images to it when the policy lists it for this worker. None: it holds none listed.
+    seal_key: str | None = Field(default=None, max_length=64)
 
 
 class WorkerTelemetry(_Wire):
