@@ -33,6 +33,7 @@ from edge_agent.admission import Job, owner_of
 from edge_agent.rules import Declined, Placement
 from policies import Policy, verify
 from policies.errors import PolicyError
+from policies.sealing import seal
 from sluicegate import topics, wire
 from sluicegate.errors import TransportError
 from sluicegate.transport import Message, Transport
@@ -94,6 +95,11 @@ def check_placement(
             f"{claims.target_worker}@{claims.target_zone}",
         )
     work_topic = topics.pool_work(claims.target_zone, claims.target_worker, edge_id)
+    seal_to = None
+    if claims.sealed:  # verify checked that this edge's policy lists the key for the worker
+        seal_to = policy.seal_key(claims.target_worker, claims.seal_key_id)
+        if seal_to is None:
+            return Declined("token.unknown_seal_key", "the token binds a key the policy lacks")
     return Placement(
         claims.target_worker,
         claims.target_zone,
@@ -101,6 +107,8 @@ def check_placement(
         reply.token,
         payload_sha256,
         reply.predicted_ms,
+        claims,
+        seal_to,
     )
 
 
@@ -295,7 +303,9 @@ class PlacementClient:
 
     def send(self, job: Job, placement: Placement, *, attempt: int = 1) -> None:
         """Publish the image straight to the worker, with everything it needs to verify it
-        and to return the result to this edge as ``attempt``."""
+        and to return the result to this edge as ``attempt``. When the token binds a sealing
+        key the image goes sealed to it (only that worker, only this placement, can open
+        it); it is never sent in the clear under such a token."""
         policy = self._policy()
         props = [
             (topics.PROP_JOB_ID, job.job_id),
@@ -315,14 +325,23 @@ class PlacementClient:
         sha256 = self._model_sha256(job.model)
         if sha256 is not None:
             props.append((topics.PROP_MODEL_SHA256, sha256))
+        payload, content_type = job.payload, f"image/{job.image.format}"
+        claims = placement.claims
+        if claims is not None and claims.sealed:
+            if placement.seal_to is None:  # not reachable through check_placement
+                raise TransportError(f"job {job.job_id}: sealed placement without its key")
+            payload = seal(placement.seal_to, job.payload, claims.seal_info())
+            props.append((topics.PROP_SEALED, topics.SEAL_SUITE))
+            props.append((topics.PROP_INNER_CONTENT_TYPE, content_type))
+            content_type = topics.SEALED_CONTENT_TYPE
         self._transport.publish_nowait(
             Message(
                 placement.work_topic,
-                job.payload,
+                payload,
                 qos=1,
                 response_topic=topics.edge_returns(self._edge_id, placement.worker_id),
                 correlation_data=job.correlation_data,
-                content_type=f"image/{job.image.format}",
+                content_type=content_type,
                 user_properties=tuple(props),
             )
         )

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from policies import PlacementClaims
 from sluicegate import wire
 
 
@@ -29,6 +30,10 @@ class Placement:
     token: str
     payload_sha256: bytes
     predicted_ms: float | None = None  # the broker's predicted completion there, from its reply
+    # The token's verified claims, and the worker's key (raw X25519, from this edge's own
+    # policy) the image must be sealed to when they bind one; None: sent in the clear.
+    claims: PlacementClaims | None = None
+    seal_to: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
