@@ -35,6 +35,7 @@ from broker.core.fleet import Fleet
 from broker.core.identity import IdentityRefusal
 from broker.core.params import FleetParams, PlacementParams, ServiceParams
 from broker.core.placement import decide
+from broker.core.sealing import SealUnavailable, seal_binding
 from broker.core.shadow import Shadow
 from broker.decision_audit import DecisionAudit, decision_record, encode
 from broker.gatekeeper import Gatekeeper
@@ -337,6 +338,20 @@ class Broker:
     def _grant(self, item: Pending, decision: Placed, policy: Policy | None) -> None:
         assert policy is not None
         req = item.request
+        state = self.fleet.state(decision.worker_id)
+        caps = state.capabilities if state is not None else None
+        sealing = seal_binding(
+            policy,
+            decision.worker_id,
+            caps.seal_key if caps is not None else None,
+            req.data_class,
+            seal_all=self.settings.seal_all,
+        )
+        if isinstance(sealing, SealUnavailable):
+            self.fleet.release(req.job_id)
+            self.store.release(decision.worker_id, req.job_id)
+            self._answer(item, decision, sealing.code, sealing.reason)
+            return
         try:
             token = mint(
                 policy,
@@ -348,6 +363,7 @@ class Broker:
                 target_worker=decision.worker_id,
                 now=self._clock(),
                 ttl_s=self.settings.token_ttl_s,
+                seal_key_id=sealing,
             )
         except PolicyError as exc:  # the core and the policy library disagree: refuse
             self.fleet.release(req.job_id)

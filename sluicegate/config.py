@@ -199,6 +199,9 @@ class BrokerSettings(_Section):
     telemetry_interval_s: float = Field(1.0, gt=0.0, le=3600.0)  # expected from nodes
     missed_intervals: int = Field(3, ge=1, le=100)  # silent this long: out of the fleet
     token_ttl_s: float = Field(10.0, gt=0.0, le=300.0)
+    # Bind every placement to the chosen worker's sealing key when it has one the policy
+    # lists, not only a confidential class's (which always is): every image sealed.
+    seal_all: bool = False
     max_wait_ms: float = Field(50.0, ge=0.0, le=60_000.0)  # hold a job waiting for room
     # A job whose workers died holding it this many times is dead-lettered, not re-placed.
     max_worker_crashes: int = Field(3, ge=1, le=100)

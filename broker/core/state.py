@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from policies.sealing import decode_seal_key
 from sluicegate.wire_pool import WorkerCapabilities, WorkerTelemetry
 
 
@@ -40,6 +41,7 @@ class Capabilities:
     models: tuple[str, ...]  # sorted
     max_batch: int
     concurrency: int
+    seal_key: bytes | None = None  # its current sealing key (raw X25519); None: none or bad
 
     @classmethod
     def from_wire(cls, caps: WorkerCapabilities) -> Capabilities:
@@ -53,12 +55,22 @@ class Capabilities:
             models=tuple(sorted(keys)),
             max_batch=caps.max_batch,
             concurrency=caps.concurrency,
+            seal_key=_seal_key(caps.seal_key),
         )
 
     @property
     def names(self) -> tuple[str, ...]:
         """The models' names, each once."""
         return tuple(m for m in self.models if "@" not in m)
+
+
+def _seal_key(text: str | None) -> bytes | None:
+    if text is None:
+        return None
+    try:
+        return decode_seal_key(text)
+    except ValueError:  # an unreadable key is no key: nothing is sealed to it
+        return None
 
 
 @dataclass(frozen=True, slots=True)

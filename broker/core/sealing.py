@@ -1,0 +1,55 @@
+"""Which sealing key a placement's token binds: the key the chosen worker advertises, when the
+policy lists it for that worker.
+
+A confidential class (``Policy.confidential``) is always sealed; a worker without a usable key
+gets no such job (``seal_unavailable``, rather than a token that every node would refuse).
+Another class is sealed when the broker is told to seal everything (``[broker] seal_all``)
+and the worker has a usable key, and goes in the clear otherwise. Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from policies.model import Policy
+from policies.sealing import NO_KEY, seal_key_id
+
+SEAL_UNAVAILABLE = "seal_unavailable"
+
+
+@dataclass(frozen=True, slots=True)
+class SealUnavailable:
+    """A confidential job placed on a worker it cannot be sealed to."""
+
+    code: str
+    reason: str
+
+
+def seal_binding(
+    policy: Policy,
+    worker_id: str,
+    advertised: bytes | None,
+    data_class: str,
+    *,
+    seal_all: bool,
+) -> bytes | SealUnavailable:
+    """The key id the token binds (``NO_KEY``: clear), or why a confidential job cannot go."""
+    usable = None
+    if advertised is not None:
+        key_id = seal_key_id(advertised)
+        if policy.seal_key(worker_id, key_id) == advertised:
+            usable = key_id
+    if usable is not None and (seal_all or policy.confidential(data_class)):
+        return usable
+    if not policy.confidential(data_class):
+        return NO_KEY
+    if advertised is None:
+        why = "advertises no sealing key"
+    else:
+        why = f"advertises sealing key {seal_key_id(advertised).hex()}, not one the policy lists"
+    return SealUnavailable(
+        SEAL_UNAVAILABLE,
+        f"class {data_class!r} is confidential (policy v{policy.version}): its images travel "
+        f"only sealed to the worker's key, and worker {worker_id} {why}; the job runs on "
+        "the edge, or list the worker's key ('sluicegate pool seal-key list') in the policy",
+    )
