@@ -138,6 +138,10 @@ def add_node_command(
     ] = None,
     zone: Annotated[str | None, typer.Option(help="The edge's zone (or a new pool's).")] = None,
     pool: Annotated[str | None, typer.Option(help="The worker's pool.")] = None,
+    encryption_key: Annotated[
+        str | None,
+        typer.Option(help="The worker's sealing key, x25519:… ('sluicegate pool seal-key new')."),
+    ] = None,
     app_edge: Annotated[
         list[str] | None, typer.Option("--app-edge", help="An edge the app submits to.")
     ] = None,
@@ -174,6 +178,7 @@ def add_node_command(
             pool=pool,
             edges=app_edge or (),
             results=results or (),
+            encryption_key=encryption_key,
             source=str(policy_file),
         )
         _write_atomic(policy_file, text.encode("utf-8"))

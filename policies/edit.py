@@ -19,6 +19,7 @@ from policies.errors import PolicyParseError
 from policies.keys import parse_public_key, public_key_text
 from policies.loader import parse_policy
 from policies.model import Policy
+from policies.sealing import decode_seal_key, seal_key_text
 
 Kind = Literal["edge", "worker", "broker", "app"]
 
@@ -63,10 +64,12 @@ def add_node(
     pool: str | None = None,
     edges: Sequence[str] = (),
     results: Sequence[str] = (),
+    encryption_key: str | None = None,
     source: str = "policy",
 ) -> tuple[str, Policy]:
     """The policy text with ``node_id`` added as ``kind`` and the version raised by one,
-    and the policy it loads as."""
+    and the policy it loads as. ``encryption_key``: a worker's sealing key (``x25519:…``,
+    from 'sluicegate pool seal-key new'), listed under its pool's ``encryption_keys``."""
     try:
         doc = tomlkit.parse(text)
     except TOMLKitError as exc:
@@ -76,6 +79,8 @@ def add_node(
     listed |= {a.app_id for a in old.apps}
     if node_id in listed:
         raise PolicyParseError(f"{node_id!r} is already listed in v{old.version}", source=source)
+    if encryption_key is not None and kind != "worker":
+        raise PolicyParseError("only a worker has an encryption key", source="--encryption-key")
     if kind == "edge":
         if zone is None:
             raise PolicyParseError("adding an edge needs its zone", source="--zone")
@@ -101,6 +106,15 @@ def add_node(
             pools[pool] = fresh
         workers = pools[pool]["workers"]
         workers[node_id] = _key(key, f"worker {node_id!r}")
+        if encryption_key is not None:
+            try:
+                sealing = seal_key_text(decode_seal_key(encryption_key))
+            except ValueError as exc:
+                raise PolicyParseError(str(exc), source="--encryption-key") from exc
+            held = pools[pool]
+            if "encryption_keys" not in held:
+                held["encryption_keys"] = _fresh(held)
+            held["encryption_keys"][node_id] = [sealing]
     elif kind == "broker":
         _table(doc, "broker_signers", "keys")[node_id] = _key(key, f"broker {node_id!r}")
     else:

@@ -21,6 +21,7 @@ import typer
 from policies.cli import app as policy_app
 from sluicegate.app.acl_cli import register as register_acl
 from sluicegate.app.console_cli import console_app
+from sluicegate.app.seal_key_cli import register as register_seal_keys
 from sluicegate.app.twin_cli import register as register_twin_demo
 from sluicegate.deploy.cli import register as register_deploy
 from sluicegate.doctor.cli import register as register_doctor
@@ -44,6 +45,7 @@ pool_app = typer.Typer(help="A center pool worker on a GPU/NPU/CPU server.", no_
 app.add_typer(edge_app, name="edge")
 broker_app = typer.Typer(help="The campus broker: fleet state and placement.", no_args_is_help=True)
 app.add_typer(pool_app, name="pool")
+register_seal_keys(pool_app)  # pool seal-key new|list
 app.add_typer(broker_app, name="broker")
 app.add_typer(models_app, name="models")
 register_acl(policy_app)

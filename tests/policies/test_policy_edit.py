@@ -13,10 +13,12 @@ from policies.cli import app
 from policies.edit import add_node
 from policies.errors import KeyFileError, PolicyError, PolicyParseError
 from policies.loader import load_policy
+from policies.sealing import SealingKey
 from policies.signing import accept_policy, parse_signatures
 
 TEXT = EXAMPLE.read_text()
 NEW = key("line-5-pc").public_text
+SEAL = SealingKey.from_seed(bytes(range(32)))
 
 
 @pytest.mark.parametrize(
@@ -39,6 +41,23 @@ NEW = key("line-5-pc").public_text
             "west-gpu-1",
             {"key": NEW, "pool": "west", "zone": "campus/fab-north/dc"},
             lambda p: p.worker("west-gpu-1").pool == "west",
+        ),
+        (
+            "worker",
+            "north-gpu-3",
+            {"key": NEW, "pool": "north-dc-gpu", "encryption_key": SEAL.public_text},
+            lambda p: p.seal_key("north-gpu-3", SEAL.key_id) == SEAL.public,
+        ),
+        (
+            "worker",
+            "west-gpu-2",
+            {
+                "key": NEW,
+                "pool": "west",
+                "zone": "campus/fab-north/dc",
+                "encryption_key": SEAL.public_text,
+            },
+            lambda p: p.seal_key("west-gpu-2", SEAL.key_id) == SEAL.public,
         ),
         ("broker", "broker-2", {"key": NEW}, lambda p: p.broker_key("broker-2") is not None),
         (
@@ -69,6 +88,18 @@ def test_add_node_raises_the_version_and_keeps_the_comments(
         ("worker", "north-gpu-3", {"key": NEW}, "needs its pool"),
         ("worker", "north-gpu-3", {"key": NEW, "pool": "nope"}, "known: north-dc-gpu"),
         ("app", "line-5-app", {}, "edges it submits to"),
+        (
+            "worker",
+            "north-gpu-3",
+            {"key": NEW, "pool": "north-dc-gpu", "encryption_key": "x"},
+            "x25519",
+        ),
+        (
+            "edge",
+            "line-5-pc",
+            {"key": NEW, "zone": "campus/fab-north/line-1", "encryption_key": SEAL.public_text},
+            "only a worker",
+        ),
         ("app", "line-5-app", {"edges": ["ghost-pc"]}, "known edges"),
     ],
 )
