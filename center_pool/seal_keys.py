@@ -192,7 +192,12 @@ class SealKeys:
 
     def refresh(self, listed: Collection[bytes], *, now: float, max_ttl_s: float) -> bool:
         """Plan again against the key ids the policy lists; True when the current key
-        changed. A file that cannot be written is logged; the keys in memory still count."""
+        changed. A listed key not held yet is looked for in the folder ('pool seal-key new'
+        while the worker runs). A file that cannot be written is logged; the keys in memory
+        still count."""
+        if any(key_id not in self._held for key_id in listed):
+            for held in self._folder.load():
+                self._held.setdefault(held.key_id, held)
         result = plan(self._held.values(), listed, now=now, max_ttl_s=max_ttl_s)
         try:
             self._folder.apply(self._held, result)

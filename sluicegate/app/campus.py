@@ -5,7 +5,9 @@ The demo runs on it, and so do the tests that start a broker, edges and workers 
 processes. Keys come from a function the caller passes: fresh random keys for the demo
 (no private key is ever a shipped default), the published test keys in tests. The layout
 is two inspection lines and a data centre in one fab, and an off-site cloud pool: wafer
-images stay on campus, OCR crops may go off-site.
+images stay on campus and travel sealed to the chosen worker's key (the class is
+confidential; each worker's sealing key is made in its state folder and listed in the
+policy), OCR crops may go off-site.
 
 Secure by default, as a plant runs it: a campus CA made for the run, a TLS client
 certificate per node (its own Ed25519 key, the one the policy lists), per app and per
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from broker.console.auth import ROLES, add_entry, new_token, token_digest
+from center_pool.seal_keys import KeyFolder, folder_of
 from policies import SigningKey, parse_policy
 from policies.signing import add_signature, dump_signatures, sign_policy
 from sluicegate import pki
@@ -81,7 +84,8 @@ key = "{line2_key}"
 
 {apps}
 [classes.wafer-image]
-description = "Raw wafer inspection images: campus only"
+description = "Raw wafer inspection images: campus only, sealed to the chosen worker"
+confidential = true
 allow = ["campus/**"]
 deny = ["offsite/**"]
 
@@ -223,9 +227,15 @@ def write_campus(
     for worker, (zone, _device_class) in workers.items():
         by_zone.setdefault(zone, []).append(worker)
     keys = {name: key_for(name) for name in names}
+    # Each worker's sealing key, made in its state folder as 'pool run' would make it.
+    sealing = {
+        w: KeyFolder(folder_of(root / "state" / w)).create(now_s).key.public_text for w in workers
+    }
     pools = "".join(
         f'[pools.{zone.replace("/", "-")}]\nzone = "{zone}"\nworkers = {{ '
         + ", ".join(f'{w} = "{keys[w].public_text}"' for w in sorted(ids))
+        + " }\nencryption_keys = { "
+        + ", ".join(f'{w} = ["{sealing[w]}"]' for w in sorted(ids))
         + " }\n\n"
         for zone, ids in sorted(by_zone.items())
     )
