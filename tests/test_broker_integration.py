@@ -28,6 +28,7 @@ from broker.run import serve
 from policies import load_policy, verify, verify_chain
 from policies.audit import decode_record
 from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
+from policies.sealing import SealingKey, decode_seal_key, seal_key_id
 from sluicegate import topics, wire
 from sluicegate.app.broker_http import get_json, token_beside
 from sluicegate.app.campus import Campus, write_campus
@@ -106,8 +107,9 @@ def broker(campus: Campus) -> Iterator[tuple[ServiceThread, Settings]]:
 class Fleet:
     """Plays workers: publishes their capabilities and telemetry like real ones would."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, seal_keys: dict[str, str]) -> None:
         self.client = PlainClient(port)
+        self.seal_keys = seal_keys
 
     def capabilities(
         self,
@@ -117,9 +119,11 @@ class Fleet:
         memory_mb: int = 16000,
         zone: str | None = None,
         on: str | None = None,
+        seal_key: str | None = "",
     ) -> None:
         """``worker``'s capabilities (in ``zone``, by default its own), published on ``on``'s
-        topic (by default its own)."""
+        topic (by default its own), advertising ``seal_key`` (by default the sealing key the
+        campus made for it; None: none)."""
         listed, device = WORKERS.get(worker, UNLISTED)
         zone = zone or listed
         caps = WorkerCapabilities(
@@ -131,6 +135,7 @@ class Fleet:
             max_batch=8,
             concurrency=1,
             models={m: ModelCapability(version="1.0.0") for m in ("defect-v1", "defect-gpu")},
+            seal_key=self.seal_keys.get(worker) if seal_key == "" else seal_key,
         )
         info = self.client.client.publish(
             topics.worker_capabilities(on or worker), wire.dump(caps), qos=1, retain=True
@@ -167,8 +172,8 @@ class Fleet:
 
 
 @pytest.fixture
-def fleet(mosquitto: ServerProcess) -> Iterator[Fleet]:
-    f = Fleet(mosquitto.port)
+def fleet(mosquitto: ServerProcess, campus: Campus) -> Iterator[Fleet]:
+    f = Fleet(mosquitto.port, campus.seal_keys)
     yield f
     f.client.close()
 
@@ -298,6 +303,47 @@ def test_campus_only_class_never_goes_offsite_even_when_only_cloud_is_free(
     ocr = ask(mosquitto, data_class="ocr-crop")
     assert ocr.status == "placed"
     assert ocr.worker_id == "cloud-1"
+
+
+def test_a_confidential_job_goes_only_where_it_can_be_sealed_and_binds_that_key(
+    broker: tuple[ServiceThread, Settings],
+    fleet: Fleet,
+    campus: Campus,
+    mosquitto: ServerProcess,
+) -> None:
+    _thread, settings = broker
+    stray = SealingKey.generate().public_text  # a key the policy does not list
+    for worker, advertised in (("north-a", ""), ("north-b", None), ("north-gpu", stray)):
+        fleet.capabilities(worker, providers=["CPUExecutionProvider"], seal_key=advertised)
+        fleet.telemetry(worker)
+    fleet.capabilities("cloud-1", providers=["CPUExecutionProvider"])
+    fleet.telemetry("cloud-1")
+    _ready(settings, lambda ws: all(ws.get(w, {}).get("online") for w in WORKERS))
+    policy = load_policy(campus.policy_file)
+    north_a = seal_key_id(decode_seal_key(campus.seal_keys["north-a"]))
+    for _ in range(4):  # only north-a can be sealed to: placement passes the others by
+        reply = ask(mosquitto, data_class="wafer-image")
+        assert reply.status == "placed", reply
+        assert reply.worker_id == "north-a"
+        claims = verify(
+            reply.token or "",
+            policy,
+            now=time.time(),
+            job_id=reply.job_id,
+            payload_sha256=None,
+            worker_id="north-a",
+        )
+        assert claims.seal_key_id == north_a
+    ocr = ask(mosquitto, data_class="ocr-crop")  # not confidential: in the clear, anywhere
+    assert ocr.status == "placed", ocr
+    clear = verify(ocr.token or "", policy, now=time.time(), job_id=ocr.job_id, payload_sha256=None)
+    assert not clear.sealed
+    fleet.capabilities("north-a", providers=["CPUExecutionProvider"], seal_key=None)
+    refused = wait_until(
+        lambda: (r := ask(mosquitto, data_class="wafer-image")).code == "seal_unavailable" and r
+    )
+    assert refused.status == "refused"
+    assert "confidential" in (refused.reason or "")
 
 
 def _ready(settings: Settings, check: Any) -> None:

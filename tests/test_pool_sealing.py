@@ -15,6 +15,9 @@ from typing import Any
 
 import pytest
 
+from broker.core.decision import Placed, Refused
+from broker.core.placement import decide
+from broker.core.reference import decide_reference
 from broker.core.sealing import SealUnavailable, seal_binding
 from center_pool.intake import Work, WorkRefusal, check_token, open_work, read_work
 from center_pool.seal_keys import HeldKey, KeyFolder, SealKeys, plan
@@ -29,8 +32,10 @@ from sluicegate.transport import Message
 from sluicegate.vision.image import ImageInfo
 from sluicegate.vision.image import PayloadLimits as Limits
 from sluicegate.wire_pool import PlacementReply
+from tests import test_broker_core_kit as kit
 from tests.policies.policy_testkit import policy_of
 from tests.pool_kit import BROKER, DATA_CLASS, EDGE, JPEG, ORIGIN, WORKER, WORKER_ZONE, policy_doc
+from tests.test_broker_core_kit import campus_policy, caps, fleet_with, request
 
 
 def _key(name: str) -> SealingKey:
@@ -330,3 +335,27 @@ def test_the_edge_sends_a_sealed_placement_sealed_and_never_the_image() -> None:
     assert props[topics.PROP_INNER_CONTENT_TYPE] == "image/jpeg"
     assert placement.claims is not None
     assert open_sealed(NEW, msg.payload, placement.claims.seal_info()) == JPEG
+
+
+# -- placement passes by workers a confidential job cannot be sealed to ---------------------
+
+
+def test_placement_passes_by_workers_without_a_listed_key_and_refuses_when_none_has_one() -> None:
+    policy = campus_policy({kit.NDC: ["gpu-1", "gpu-2"]})
+    fleet = fleet_with(
+        policy,
+        [(caps("gpu-1", kit.NDC), {}), (caps("gpu-2", kit.NDC), {"queue_depth": 4})],
+    )
+    req = request(deadline_at=kit.NOW + 10.0)
+    args: dict[str, Any] = {"now": kit.NOW, "params": kit.PARAMS}
+    best = decide(fleet, req, policy, **args)
+    assert best == decide_reference(fleet, req, policy, **args)  # no filter: as before
+    assert isinstance(best, Placed)
+    assert best.worker_id == "gpu-1"
+    other = decide(fleet, req, policy, sealable=lambda w: w == "gpu-2", **args)
+    assert isinstance(other, Placed)
+    assert other.worker_id == "gpu-2"
+    none = decide(fleet, req, policy, sealable=lambda _w: False, **args)
+    assert isinstance(none, Refused)
+    assert none.code == "seal_unavailable"
+    assert "gpu-1" in none.reason

@@ -14,7 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-RefusalCode = Literal["policy_denied", "no_worker", "no_capacity", "no_faster_worker"]
+RefusalCode = Literal[
+    "policy_denied", "no_worker", "no_capacity", "no_faster_worker", "seal_unavailable"
+]
 
 # Filter reasons, in the order explanations list them.
 FILTER_REASONS = (

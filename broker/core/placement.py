@@ -10,7 +10,9 @@ online and heard from within ``stale_after_s``; it has the model loaded; it has 
 execution providers the model accepts and enough free memory; its declared zone is its
 pool's zone in the policy; it has room (queued + running + reserved < capacity).
 Sub-healthy workers (the policy's rules over their latest telemetry) are candidates only
-when no healthy one is. The best candidate has the lowest score (``broker.core.scoring``); it
+when no healthy one is. With ``sealable`` (a confidential class: ``broker.core.sealing``),
+the ranked candidates it rejects are dropped, and a job none of them can be sealed for is
+refused ``seal_unavailable``. The best candidate has the lowest score (``broker.core.scoring``); it
 is taken only if it meets the deadline or beats the edge's own estimate
 (``broker.core.explain``).
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import math
 from bisect import insort
+from collections.abc import Callable
 
 from broker.core.decision import Candidate, Candidates, Decision, Placed, Refused, as_record
 from broker.core.explain import conclude, conclude_ranked
@@ -37,6 +40,7 @@ from broker.core.fleet import Fleet
 from broker.core.index import Bucket, Route, Slot
 from broker.core.params import PlacementParams
 from broker.core.scoring import NO_NEEDS, OFFLINE, transfer_costs, wait_at
+from broker.core.sealing import SEAL_UNAVAILABLE
 from broker.core.state import model_key
 from policies.model import Policy, Verdict
 from sluicegate.wire_pool import PlacementRequest
@@ -147,6 +151,7 @@ def decide(
     *,
     now: float,
     params: PlacementParams,
+    sealable: Callable[[str], bool] | None = None,
 ) -> Decision:
     """Where ``request`` should run under ``policy`` at ``now``; see the module docstring.
 
@@ -176,6 +181,19 @@ def decide(
         sub = True
         top = _scan(route, tx, services, sub, k, now_ms)
     summary = index.summary(route)
+    if top and sealable is not None:
+        kept = [item for item in top if sealable(item[2])]
+        if not kept:
+            ranked = tuple(_candidate(item, now_ms) for item in top)
+            return Refused(
+                SEAL_UNAVAILABLE,
+                f"class {request.data_class!r} is confidential: its images travel only sealed "
+                "to the worker's key, and none of the best workers for it ("
+                + ", ".join(c.worker_id for c in ranked)
+                + ") advertises a sealing key the policy lists for it; the job runs on the edge",
+                Candidates(ranked, summary.eligible, summary.filtered),
+            )
+        top = kept
     if top:
         # Placed or no_faster_worker: neither needs the refusal context below.
         return conclude_ranked(request, now, [_candidate(item, now_ms) for item in top], summary)

@@ -10,11 +10,12 @@ and the worker has a usable key, and goes in the clear otherwise. Pure: no clock
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
 from policies.model import Policy
 from policies.sealing import NO_KEY, seal_key_id
 
-SEAL_UNAVAILABLE = "seal_unavailable"
+SEAL_UNAVAILABLE: Final = "seal_unavailable"
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +24,13 @@ class SealUnavailable:
 
     code: str
     reason: str
+
+
+def can_seal(policy: Policy, worker_id: str, advertised: bytes | None) -> bool:
+    """Whether ``worker_id`` advertises a sealing key the policy lists for it."""
+    return advertised is not None and policy.seal_key(worker_id, seal_key_id(advertised)) == (
+        advertised
+    )
 
 
 def seal_binding(
@@ -35,10 +43,8 @@ def seal_binding(
 ) -> bytes | SealUnavailable:
     """The key id the token binds (``NO_KEY``: clear), or why a confidential job cannot go."""
     usable = None
-    if advertised is not None:
-        key_id = seal_key_id(advertised)
-        if policy.seal_key(worker_id, key_id) == advertised:
-            usable = key_id
+    if advertised is not None and can_seal(policy, worker_id, advertised):
+        usable = seal_key_id(advertised)
     if usable is not None and (seal_all or policy.confidential(data_class)):
         return usable
     if not policy.confidential(data_class):

@@ -123,6 +123,8 @@ class Campus:
     key_files: dict[str, Path] = field(default_factory=dict)
     mqtt_port: int = 1883
     secure: bool = True
+    # Each worker's sealing key (x25519: text), made in its state folder, listed in the policy.
+    seal_keys: dict[str, str] = field(default_factory=dict)
 
     def node_config(self, node: str) -> Path:
         return self.root / f"{node}.toml"
@@ -268,7 +270,7 @@ def write_campus(
     if secure:
         key_files |= _write_pki(root, {n: k for n, k in keys.items() if n != OFFICER}, now_s)
         (root / "mosquitto.acl").write_text(render_acl(policy, observers=(OBSERVER,)))
-    campus = Campus(root, policy_file, key_files, mqtt_port, secure)
+    campus = Campus(root, policy_file, key_files, mqtt_port, secure, sealing)
 
     def mqtt(node: str) -> str:
         text = f"[mqtt]\nport = {mqtt_port}\nkeepalive_s = 5\nreconnect_max_s = 2\n"
