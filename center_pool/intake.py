@@ -35,7 +35,7 @@ from typing import Literal
 
 from policies import PlacementClaims, Policy, payload_digest, verify
 from policies.errors import SealKeyNotHeld, SealRequired, SealUnexpected, TokenRefused
-from policies.sealing import SealingKey, open_sealed
+from policies.sealing import SEAL_OVERHEAD, SealingKey, open_sealed
 from policies.tokens import check_payload
 from sluicegate import topics
 from sluicegate.transport import Message
@@ -190,11 +190,12 @@ def read_work(msg: Message, *, limits: Limits, now: float, worker_id: str) -> Wo
             f"user property {topics.PROP_SEALED!r}={suite!r} is invalid: worker {worker_id} "
             f"opens only {topics.SEAL_SUITE!r}",
         )
-    if len(msg.payload) > limits.max_payload_bytes:
+    image_bytes = len(msg.payload) - (SEAL_OVERHEAD if suite is not None else 0)
+    if image_bytes > limits.max_payload_bytes:
         return refuse(
             work,
             "payload_too_large",
-            f"payload is {len(msg.payload)} bytes; worker {worker_id} accepts at most "
+            f"payload is {image_bytes} bytes; worker {worker_id} accepts at most "
             f"{limits.max_payload_bytes} bytes",
         )
     return work

@@ -188,6 +188,18 @@ def test_an_altered_ciphertext_does_not_open() -> None:
     assert _refusal(_screen(altered)) == ("seal.open_failed", True)
 
 
+def test_a_sealed_image_of_the_largest_size_is_not_too_large() -> None:
+    limits = Limits(1024, 40_000_000, 10_000)
+    token = _token(SEALED_POLICY, "job-k", NEW.key_id)
+    props = ((topics.PROP_JOB_ID, "job-k"), (topics.PROP_TOKEN, token))
+    topic = topics.pool_work(WORKER_ZONE, WORKER, EDGE)
+    for size, sealed, fits in ((1024, True, True), (1025, True, False), (1025, False, False)):
+        extra = ((topics.PROP_SEALED, topics.SEAL_SUITE),) if sealed else ()
+        msg = Message(topic, bytes(size + (48 if sealed else 0)), user_properties=props + extra)
+        work = read_work(msg, limits=limits, now=NOW, worker_id=WORKER)
+        assert isinstance(work, Work) is fits, work
+
+
 def test_an_unknown_suite_is_refused_at_reading() -> None:
     token = _token(SEALED_POLICY, "job-i", NEW.key_id)
     refusal = _work("job-i", token, b"x" * 64, suite="rot13")
