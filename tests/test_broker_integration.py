@@ -107,9 +107,9 @@ def broker(campus: Campus) -> Iterator[tuple[ServiceThread, Settings]]:
 class Fleet:
     """Plays workers: publishes their capabilities and telemetry like real ones would."""
 
-    def __init__(self, port: int, seal_keys: dict[str, str]) -> None:
+    def __init__(self, port: int, seal_keys: dict[str, str] | None = None) -> None:
         self.client = PlainClient(port)
-        self.seal_keys = seal_keys
+        self.seal_keys = seal_keys or {}
 
     def capabilities(
         self,

@@ -60,7 +60,9 @@ def _campus(
     r = redis.Redis(port=redis_server.port)
     r.flushdb()
     url = f"redis://127.0.0.1:{redis_server.port}/0"
-    made = write_campus(root, key, mqtt_port=mosquitto.port, redis_url=url, secure=False, **kw)
+    made = write_campus(
+        root, key, mqtt_port=mosquitto.port, redis_url=url, secure=False, confidential=False, **kw
+    )
     return r, made
 
 

@@ -286,7 +286,13 @@ def campus(tmp_path: Path, mqtt: ServerProcess, broker_redis: str, unique: str) 
     :data:`REPLICAS` and four workers of this test's own."""
     workers = {f"w{i}-{unique}": (ZONE, "x86-cpu") for i in range(1, 5)}
     made = write_campus(
-        tmp_path, key, mqtt_port=mqtt.port, redis_url=broker_redis, workers=workers, secure=False
+        tmp_path,
+        key,
+        mqtt_port=mqtt.port,
+        redis_url=broker_redis,
+        workers=workers,
+        secure=False,
+        confidential=False,  # workers played by hand hold no sealing key
     )
     list_brokers(made, REPLICAS)
     return made
@@ -800,7 +806,13 @@ def test_with_redis_away_requests_get_a_named_refusal_and_placement_resumes_when
         url = f"redis://{store.host}:{store.port}/0"
         workers = {f"w{i}-{unique}": (ZONE, "x86-cpu") for i in range(1, 3)}
         own = write_campus(
-            tmp_path, key, mqtt_port=mqtt.port, redis_url=url, workers=workers, secure=False
+            tmp_path,
+            key,
+            mqtt_port=mqtt.port,
+            redis_url=url,
+            workers=workers,
+            secure=False,
+            confidential=False,  # workers played by hand hold no sealing key
         )
         list_brokers(own, REPLICAS)
         broker = BrokerProcess(own, mqtt, url)

@@ -85,8 +85,7 @@ key = "{line2_key}"
 {apps}
 [classes.wafer-image]
 description = "Raw wafer inspection images: campus only, sealed to the chosen worker"
-confidential = true
-allow = ["campus/**"]
+{wafer_confidential}allow = ["campus/**"]
 deny = ["offsite/**"]
 
 [classes.part-image]
@@ -213,11 +212,14 @@ def write_campus(
     secure: bool = True,
     apps: Mapping[str, AppSpec] | None = None,
     rollout: str = "",
+    confidential: bool = True,
 ) -> Campus:
     """Write the policy (signed by the officer), node keys and node configs under ``root``;
     with ``secure``, also the CA, every identity's certificate and the Mosquitto ACL.
     ``apps``: the vision apps the policy lists (default :data:`APPS`); ``rollout``: a
-    ``[rollout]`` table (TOML) for the policy, none by default."""
+    ``[rollout]`` table (TOML) for the policy, none by default; ``confidential``: wafer
+    images travel only sealed (the default; off for tests whose workers are played by hand
+    and hold no key)."""
     apps = APPS if apps is None else apps
     root.mkdir(parents=True, exist_ok=True)
     now_s = now if now is not None else dt.datetime.now(dt.UTC).timestamp()
@@ -261,6 +263,7 @@ def write_campus(
         line2_key=keys["line-2-pc"].public_text,
         pools=pools,
         apps=_app_tables(apps),
+        wafer_confidential="confidential = true\n" if confidential else "",
     ) + (f"\n{rollout}" if rollout else "")
     policy_file = root / "policy.toml"
     policy_file.write_text(text)
