@@ -26,7 +26,9 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from policies.audit import Scalar
 from policies.errors import KeyFileError
+from policies.model import Policy
 from policies.sealing import SealingKey, load_sealing_key
 from sluicegate.files import write_atomic
 
@@ -82,6 +84,31 @@ def plan(
         else:
             keep.append(h)
     return Plan(current.key_id if current is not None else None, tuple(keep), tuple(drop))
+
+
+@dataclass(frozen=True, slots=True)
+class Rotation:
+    """The current key changed under policy ``version``: from ``previous`` to ``current``
+    (ids; None: none), whose text ``public`` the capabilities now advertise."""
+
+    current: bytes | None
+    previous: bytes | None
+    public: str | None
+    version: int
+
+    def audit_data(self, worker_id: str) -> dict[str, Scalar]:
+        return {
+            "worker": worker_id,
+            "key_id": self.current.hex() if self.current is not None else None,
+            "previous": self.previous.hex() if self.previous is not None else None,
+            "public": self.public,
+            "policy_version": self.version,
+        }
+
+    def __str__(self) -> str:
+        now = self.current.hex() if self.current is not None else "none"
+        was = self.previous.hex() if self.previous is not None else "none"
+        return f"seals to key {now} from policy v{self.version} (was {was})"
 
 
 class KeyFolder:
@@ -207,3 +234,13 @@ class SealKeys:
         changed = result.current != self.current
         self.current = result.current
         return changed
+
+    def follow(self, policy: Policy, worker_id: str, *, now: float) -> Rotation | None:
+        """:meth:`refresh` against what ``policy`` lists for ``worker_id``; the rotation, when
+        the current key changed."""
+        entry = policy.worker(worker_id)
+        listed = set(entry.seal_keys) if entry is not None else set()
+        before = self.current
+        if not self.refresh(listed, now=now, max_ttl_s=policy.max_ttl_s):
+            return None
+        return Rotation(self.current, before, self.public_text(), policy.version)

@@ -429,34 +429,13 @@ class PoolWorker:
     def _plan_seal_keys(self, policy: Policy) -> None:
         """The current sealing key is the newest one ``policy`` lists for this worker: when it
         changes, the capabilities advertise the new one and the rotation is audited."""
-        entry = policy.worker(self.settings.id)
-        listed = set(entry.seal_keys) if entry is not None else set()
-        before = self.seal_keys.current
         now = self._clock()
-        if not self.seal_keys.refresh(listed, now=now, max_ttl_s=policy.max_ttl_s):
+        rotation = self.seal_keys.follow(policy, self.settings.id, now=now)
+        if rotation is None:
             return
-        current = self.seal_keys.current
-        log.info(
-            "worker %s seals to key %s from policy v%d (was %s)",
-            self.settings.id,
-            current.hex() if current is not None else "none",
-            policy.version,
-            before.hex() if before is not None else "none",
-        )
-        self.audit.submit(
-            SEAL_KEY_ROTATED,
-            {
-                "worker": self.settings.id,
-                "key_id": current.hex() if current is not None else None,
-                "previous": before.hex() if before is not None else None,
-                "public": self.seal_keys.public_text(),
-                "policy_version": policy.version,
-            },
-            now=now,
-        )
-        self.capabilities = self.capabilities.model_copy(
-            update={"seal_key": self.seal_keys.public_text()}
-        )
+        log.info("worker %s: %s", self.settings.id, rotation)
+        self.audit.submit(SEAL_KEY_ROTATED, rotation.audit_data(self.settings.id), now=now)
+        self.capabilities = self.capabilities.model_copy(update={"seal_key": rotation.public})
         if self._transport.connected and self.ready.is_set():  # else run() announces
             self._announce()
 

@@ -371,3 +371,16 @@ def test_placement_passes_by_workers_without_a_listed_key_and_refuses_when_none_
     assert isinstance(none, Refused)
     assert none.code == "seal_unavailable"
     assert "gpu-1" in none.reason
+
+
+def test_following_the_policy_reports_each_change_of_the_current_key_once() -> None:
+    keys = SealKeys(KeyFolder(None), now=100.0)  # no state folder: one key, in memory
+    (held,) = keys.held
+    assert keys.follow(_policy(OLD), WORKER, now=101.0) is None  # its key not listed yet
+    rotation = keys.follow(_policy(held.key), WORKER, now=102.0)
+    assert rotation is not None
+    assert (rotation.current, rotation.previous) == (held.key_id, None)
+    assert rotation.audit_data(WORKER)["public"] == keys.public_text() == held.key.public_text
+    assert keys.follow(_policy(held.key), WORKER, now=103.0) is None
+    assert keys.follow(_policy(OLD), WORKER, now=104.0) is not None  # unlisted: none current
+    assert keys.public_text() is None
