@@ -35,7 +35,7 @@ from broker.core.fleet import Fleet
 from broker.core.identity import IdentityRefusal
 from broker.core.params import FleetParams, PlacementParams, ServiceParams
 from broker.core.placement import decide
-from broker.core.sealing import SealUnavailable, can_seal, seal_binding
+from broker.core.sealing import SealUnavailable, seal_binding, sealable_in
 from broker.core.shadow import Shadow
 from broker.decision_audit import DecisionAudit, decision_record, encode
 from broker.gatekeeper import Gatekeeper
@@ -270,7 +270,7 @@ class Broker:
                     policy,
                     now=now,
                     params=self.params,
-                    sealable=self._sealable(policy, item.request.data_class),
+                    sealable=sealable_in(self.fleet, policy, item.request.data_class),
                 )
                 if self.shadow is not None and decisions == 1:
                     self._beside(item.request, decision, policy, now)
@@ -304,18 +304,6 @@ class Broker:
                     todo.append(item)
         for item in todo:
             self._answer(item, None, "no_capacity", "workers filled up while placing; run locally")
-
-    def _sealable(self, policy: Policy, data_class: str) -> Callable[[str], bool] | None:
-        """For a confidential class, which workers its images can be sealed to."""
-        if not policy.confidential(data_class):
-            return None
-
-        def sealable(worker_id: str) -> bool:
-            state = self.fleet.state(worker_id)
-            caps = state.capabilities if state is not None else None
-            return can_seal(policy, worker_id, caps.seal_key if caps is not None else None)
-
-        return sealable
 
     def _beside(
         self, request: PlacementRequest, decision: Decision, policy: Policy, now: float

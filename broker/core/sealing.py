@@ -9,9 +9,11 @@ and the worker has a usable key, and goes in the clear otherwise. Pure: no clock
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
+from broker.core.fleet import Fleet
 from policies.model import Policy
 from policies.sealing import NO_KEY, seal_key_id
 
@@ -31,6 +33,20 @@ def can_seal(policy: Policy, worker_id: str, advertised: bytes | None) -> bool:
     return advertised is not None and policy.seal_key(worker_id, seal_key_id(advertised)) == (
         advertised
     )
+
+
+def sealable_in(fleet: Fleet, policy: Policy, data_class: str) -> Callable[[str], bool] | None:
+    """For a confidential class, which of ``fleet``'s workers its images can be sealed to
+    (``placement.decide(sealable=)``); None for any other class: every worker will do."""
+    if not policy.confidential(data_class):
+        return None
+
+    def sealable(worker_id: str) -> bool:
+        state = fleet.state(worker_id)
+        caps = state.capabilities if state is not None else None
+        return can_seal(policy, worker_id, caps.seal_key if caps is not None else None)
+
+    return sealable
 
 
 def seal_binding(

@@ -33,6 +33,7 @@ from broker.core.decision import Decision, Placed
 from broker.core.fleet import Fleet
 from broker.core.params import FleetParams, PlacementParams
 from broker.core.placement import decide
+from broker.core.sealing import sealable_in
 from policies.evaluate import allowed
 from policies.model import Policy
 from sluicegate.vision.manifest import Requirements
@@ -166,8 +167,10 @@ class Shadow:
     ) -> Compared:
         """Decide ``request`` as the candidate would, beside production's ``decision``
         under the policy ``in_force``; count and return the comparison."""
+        policy = self.policy or in_force
+        sealable = sealable_in(self.fleet, policy, request.data_class)
         candidate = decide(
-            self.fleet, request, self.policy or in_force, now=now, params=self.params
+            self.fleet, request, policy, now=now, params=self.params, sealable=sealable
         )
         forbidden = False
         if isinstance(candidate, Placed):
