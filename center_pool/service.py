@@ -44,8 +44,8 @@ from policies.redis_stores import (
 from policies.replay import AsyncReplayCache
 from sluicegate import identity, topics
 from sluicegate.config import PoolSettings, Settings
-from sluicegate.metering.ledger import Ledger, ledger_path
-from sluicegate.metering.meter import Meter
+from sluicegate.metering.ledger import ledger_path
+from sluicegate.metering.meter import Meter, node_meter
 from sluicegate.mqtt import MqttTransport
 from sluicegate.node_metrics import MetricsServer
 from sluicegate.policy_feed import PolicyFeed
@@ -186,15 +186,8 @@ def meter(pool: PoolSettings, key: SigningKey, transport: MqttTransport) -> Mete
             "records not yet acknowledged by the broker survive a restart",
             pool.id,
         )
-    ledger = Ledger(
-        ledger_path(pool.state_dir),
-        key,
-        node=pool.id,
-        kind="pool",
-        retention_s=pool.usage_retention_s,
-        synchronous=pool.usage_synchronous,
-    )
-    return Meter(ledger, transport, resend_s=pool.usage_resend_s)
+    path = ledger_path(pool.state_dir)
+    return node_meter(path, key, transport, node=pool.id, kind="pool", settings=pool)
 
 
 def metrics_server(pool: PoolSettings, worker: PoolWorker) -> MetricsServer | None:

@@ -25,8 +25,7 @@ from policies import load_signing_key
 from policies.errors import KeyFileError
 from sluicegate import identity, topics
 from sluicegate.config import EdgeSettings, Settings
-from sluicegate.metering.ledger import Ledger
-from sluicegate.metering.meter import Meter
+from sluicegate.metering.meter import Meter, node_meter
 from sluicegate.mqtt import MqttTransport
 from sluicegate.node_metrics import MetricsServer
 from sluicegate.policy_feed import PolicyFeed
@@ -88,15 +87,8 @@ def edge_meter(settings: Settings, transport: Transport) -> Meter | None:
     except KeyFileError as exc:  # not enrolled yet (plaintext debugging): serve unmetered
         log.error("edge %s: its jobs are not metered: [edge] key_file: %s", edge.id, exc)
         return None
-    ledger = Ledger(
-        outbox_path(settings).with_name(f"edge-{edge.id}.usage.sqlite"),
-        key,
-        node=edge.id,
-        kind="edge",
-        retention_s=edge.usage_retention_s,
-        synchronous=edge.usage_synchronous,
-    )
-    return Meter(ledger, transport, resend_s=edge.usage_resend_s)
+    path = outbox_path(settings).with_name(f"edge-{edge.id}.usage.sqlite")
+    return node_meter(path, key, transport, node=edge.id, kind="edge", settings=edge)
 
 
 async def serve(

@@ -11,13 +11,48 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal, Protocol
 
+from policies.keys import SigningKey
 from sluicegate.metering.ledger import Ledger
-from sluicegate.metering.record import SignedUsage, Usage
+from sluicegate.metering.record import NodeKind, SignedUsage, Usage
 from sluicegate.metering.shipper import Shipper
 from sluicegate.transport import Transport
 
 log = logging.getLogger(__name__)
+
+
+class UsageSettings(Protocol):
+    """The ``usage_*`` settings an edge's and a worker's sections share."""
+
+    @property
+    def usage_resend_s(self) -> float: ...
+    @property
+    def usage_retention_s(self) -> float: ...
+    @property
+    def usage_synchronous(self) -> Literal["FULL", "NORMAL"]: ...
+
+
+def node_meter(
+    path: Path | str,
+    key: SigningKey,
+    transport: Transport,
+    *,
+    node: str,
+    kind: NodeKind,
+    settings: UsageSettings,
+) -> Meter:
+    """A node's meter (not started): its ledger at ``path``, signed with ``key``."""
+    ledger = Ledger(
+        path,
+        key,
+        node=node,
+        kind=kind,
+        retention_s=settings.usage_retention_s,
+        synchronous=settings.usage_synchronous,
+    )
+    return Meter(ledger, transport, resend_s=settings.usage_resend_s)
 
 
 class Meter:
