@@ -49,7 +49,9 @@ def campus(
     with local_campus(
         tmp_path_factory.mktemp("metering-campus"),
         redis_server,
-        7,
+        # A database of its own: another campus of the session (same ids, same published
+        # keys) would have left records under the same (node, seq), refused here as conflicts.
+        12,
         nodes=("broker-1", LINE, WORKER),
         node_env={LINE: {"SLUICEGATE_OFFLOAD__QUEUE_BOUND": "1"}},
     ) as lc:
