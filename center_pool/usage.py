@@ -1,19 +1,25 @@
 """The usage record of one attempt a worker ran: what the job was (id, attempt, token, line,
 owner, class), what ran it (zone, model file, backend, device class), and what it took (its
 share of the batch's device time, its queue time, the bytes it came with, the digest of the
-result document sent). Built here, written by the worker's ``sluicegate.metering`` meter
-before the result leaves. No I/O: the ledger only validates the draft.
+result document sent). Built here (:func:`attempt_record`, no I/O: the ledger only
+validates the draft), and a batch's results held until its records are on disk
+(:class:`BatchRecords`), which never keeps a result back when the ledger fails.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
+from collections.abc import Callable, Sequence
+from functools import partial
 
 from center_pool.intake import WorkItem
 from sluicegate.config import PoolSettings
+from sluicegate.errors import LedgerError
 from sluicegate.metering.ledger import Ledger
-from sluicegate.metering.record import Usage
+from sluicegate.metering.meter import Meter
+from sluicegate.metering.record import SignedUsage, Usage
 
 log = logging.getLogger(__name__)
 
@@ -59,3 +65,44 @@ def attempt_record(
     except ValueError as exc:  # pydantic's ValidationError, naming the field
         log.error("job %s ran unmetered: its usage record is invalid: %s", item.job_id, exc)
         return None
+
+
+class BatchRecords:
+    """A batch's records in one transaction of ``meter``'s ledger, and its results and
+    completions sent once that is durable (at once without a meter, or when it fails:
+    those attempts are counted unmetered). ``after`` runs once the sends are out."""
+
+    def __init__(self, meter: Meter | None, after: Callable[[], None]) -> None:
+        self._meter = meter
+        self._after = after
+        self.pending = 0  # batches whose results wait for their records' commit
+        self.unmetered = 0  # attempts that ran and went out without a usage record
+
+    def send_after(self, drafts: Sequence[Usage], sends: list[Callable[[], None]]) -> None:
+        recording = None
+        if drafts and self._meter is not None:
+            try:
+                recording = self._meter.record(drafts)
+            except LedgerError as exc:  # not open (any more): the results go all the same
+                self.unmetered += len(drafts)
+                log.error("%d job(s) ran unmetered: %s", len(drafts), exc)
+        if recording is None:
+            for send in sends:
+                send()
+            return
+        self.pending += 1
+        recording.add_done_callback(partial(self._recorded, sends, len(drafts)))
+
+    def _recorded(
+        self, sends: list[Callable[[], None]], count: int, fut: asyncio.Future[list[SignedUsage]]
+    ) -> None:
+        self.pending -= 1
+        if fut.cancelled() or fut.exception() is not None:
+            self.unmetered += count
+            why = "cancelled" if fut.cancelled() else fut.exception()
+            log.error(
+                "%d job(s) ran unmetered: their usage records were not written: %s", count, why
+            )
+        for send in sends:
+            send()
+        self._after()

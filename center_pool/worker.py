@@ -44,14 +44,14 @@ from center_pool.job_figures import WorkFigures
 from center_pool.metrics import WorkerFigures
 from center_pool.replies import Replies
 from center_pool.seal_keys import KeyFolder, SealKeys
-from center_pool.usage import attempt_record
+from center_pool.usage import BatchRecords, attempt_record
 from policies import PlacementClaims, Policy
 from policies.replay import AsyncReplayCache
 from sluicegate import topics, wire
 from sluicegate.config import PoolSettings
-from sluicegate.errors import LedgerError, TransportError
+from sluicegate.errors import TransportError
 from sluicegate.metering.meter import Meter
-from sluicegate.metering.record import SignedUsage, Usage
+from sluicegate.metering.record import Usage
 from sluicegate.node_metrics import MetricsServer
 from sluicegate.policy_feed import PolicyFeed
 from sluicegate.supervise import until_stopped
@@ -104,8 +104,8 @@ class PoolWorker:
         self._gate = Gate(settings.id, feed, replay, self._limits, clock, self.seal_keys.ring)
         self.replies = Replies(settings, transport, clock)
         self.meter = meter
-        self._recording = 0  # batches whose results wait for their usage records' commit
-        self.unmetered = 0  # attempts that ran and went out without a usage record
+        self.usage = BatchRecords(meter, self._dispatch)  # results wait for their records
+        self._backend = backend_of(providers[0]) if providers else ""
         self._queue: BatchQueue[WorkItem] = BatchQueue(
             max_batch=settings.max_batch,
             window_s=settings.batch_window_ms / 1000.0,
@@ -150,6 +150,11 @@ class PoolWorker:
         feed.on_change(self._policy_changed)
         if feed.current is not None:  # loaded from local files before the worker existed
             self._policy_changed(feed.current)
+
+    @property
+    def unmetered(self) -> int:
+        """Attempts that ran and went out without a usage record."""
+        return self.usage.unmetered
 
     @property
     def results(self) -> Counter[str]:
@@ -240,7 +245,7 @@ class PoolWorker:
             future = self._executor.submit(run_batch, model, jobs, limits=self._limits)
             future.add_done_callback(partial(self._from_thread, live, now))
         self._arm_timer(now)
-        busy = self._running or self._recording or self._intake or self._screening
+        busy = self._running or self.usage.pending or self._intake or self._screening
         if not (busy or len(self._queue)):
             self._idle.set()
 
@@ -321,7 +326,7 @@ class PoolWorker:
                     item,
                     self.settings,
                     model_sha256=self._models.get(item.model, ""),
-                    backend=backend_of(self._providers[0]) if self._providers else "",
+                    backend=self._backend,
                     batch_size=run.batch_size,
                     status=status,
                     queue_ms=queue_ms,
@@ -332,7 +337,7 @@ class PoolWorker:
                 if draft is not None:
                     drafts.append(draft)
                 else:
-                    self.unmetered += 1
+                    self.usage.unmetered += 1
             service_ms = part.decode_ms + part.preprocess_ms + run.inference_ms
             ran = service_ms / 1000.0 if run.batch_size else None
             self.figures.returned(item.model, status, ran)
@@ -349,34 +354,7 @@ class PoolWorker:
                     batch_size=run.batch_size,
                 )
             )
-        recording = None
-        if drafts and self.meter is not None:
-            # One transaction for the batch's records; its results leave once it is durable.
-            try:
-                recording = self.meter.record(drafts)
-            except LedgerError as exc:  # not open (any more): the results go all the same
-                self.unmetered += len(drafts)
-                log.error("%d job(s) ran unmetered: %s", len(drafts), exc)
-        if recording is not None:
-            self._recording += 1
-            recording.add_done_callback(partial(self._recorded, sends, len(drafts)))
-        else:
-            for send in sends:
-                send()
-        self._dispatch()
-
-    def _recorded(
-        self, sends: list[Callable[[], None]], count: int, fut: asyncio.Future[list[SignedUsage]]
-    ) -> None:
-        self._recording -= 1
-        if fut.cancelled() or fut.exception() is not None:
-            self.unmetered += count
-            why = "cancelled" if fut.cancelled() else fut.exception()
-            log.error(
-                "%d job(s) ran unmetered: their usage records were not written: %s", count, why
-            )
-        for send in sends:
-            send()
+        self.usage.send_after(drafts, sends)
         self._dispatch()
 
     def _finish_expired(self, item: WorkItem, now: float) -> None:
@@ -461,7 +439,7 @@ class PoolWorker:
         return WorkerFigures(
             pool=entry.pool if entry is not None else "",
             zone=self.settings.zone,
-            backend=backend_of(self._providers[0]) if self._providers else "",
+            backend=self._backend,
             device=self.settings.device_class,
             queue_depth=len(self._queue) + len(self._intake),
             in_flight=self.in_flight,
