@@ -35,7 +35,7 @@ from broker.core.fleet import Fleet
 from broker.core.identity import IdentityRefusal
 from broker.core.params import FleetParams, PlacementParams, ServiceParams
 from broker.core.placement import decide
-from broker.core.sealing import SealUnavailable, seal_binding, sealable_in
+from broker.core.sealing import SealUnavailable, advertised_key, seal_binding, sealable_in
 from broker.core.shadow import Shadow
 from broker.decision_audit import DecisionAudit, decision_record, encode
 from broker.gatekeeper import Gatekeeper
@@ -345,12 +345,10 @@ class Broker:
     def _grant(self, item: Pending, decision: Placed, policy: Policy | None) -> None:
         assert policy is not None
         req = item.request
-        state = self.fleet.state(decision.worker_id)
-        caps = state.capabilities if state is not None else None
         sealing = seal_binding(
             policy,
             decision.worker_id,
-            caps.seal_key if caps is not None else None,
+            advertised_key(self.fleet, decision.worker_id),
             req.data_class,
             seal_all=self.settings.seal_all,
         )

@@ -35,6 +35,13 @@ def can_seal(policy: Policy, worker_id: str, advertised: bytes | None) -> bool:
     )
 
 
+def advertised_key(fleet: Fleet, worker_id: str) -> bytes | None:
+    """The sealing key ``worker_id``'s capabilities advertise, if any."""
+    state = fleet.state(worker_id)
+    caps = state.capabilities if state is not None else None
+    return caps.seal_key if caps is not None else None
+
+
 def sealable_in(fleet: Fleet, policy: Policy, data_class: str) -> Callable[[str], bool] | None:
     """For a confidential class, which of ``fleet``'s workers its images can be sealed to
     (``placement.decide(sealable=)``); None for any other class: every worker will do."""
@@ -42,9 +49,7 @@ def sealable_in(fleet: Fleet, policy: Policy, data_class: str) -> Callable[[str]
         return None
 
     def sealable(worker_id: str) -> bool:
-        state = fleet.state(worker_id)
-        caps = state.capabilities if state is not None else None
-        return can_seal(policy, worker_id, caps.seal_key if caps is not None else None)
+        return can_seal(policy, worker_id, advertised_key(fleet, worker_id))
 
     return sealable
 
