@@ -303,6 +303,28 @@ def owner_of(policy: Policy | None, edge_id: str, response_topic: str) -> str:
     return ""
 
 
+class Owners:
+    """:func:`owner_of` against the policy in force, remembered per Response Topic until the
+    policy changes (an app answers on a handful of topics; the lookup is on every job)."""
+
+    MAX = 4096
+
+    def __init__(self, edge_id: str) -> None:
+        self._edge_id = edge_id
+        self._digest = b""
+        self._known: dict[str, str] = {}
+
+    def of(self, policy: Policy | None, response_topic: str) -> str:
+        if policy is None:
+            return ""
+        if self._digest != policy.digest or len(self._known) >= self.MAX:
+            self._digest, self._known = policy.digest, {}
+        owner = self._known.get(response_topic)
+        if owner is None:
+            owner = self._known[response_topic] = owner_of(policy, self._edge_id, response_topic)
+        return owner
+
+
 class ResultsGate:
     """:func:`unanswerable` against the policy in force, its topics worked out once per
     policy version."""

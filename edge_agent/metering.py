@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from edge_agent.admission import Job, owner_of
+from edge_agent.admission import Job, Owners
 from policies import Policy
 from sluicegate import wire
 from sluicegate.metering.meter import Meter
@@ -120,6 +120,7 @@ class EdgeMetering:
         self._backend = backend
         self._policy = policy
         self._model_sha256 = model_sha256
+        self._owners = Owners(edge_id)
         self.unmetered = 0  # jobs concluded with no record (a value a record cannot hold)
 
     def record(self, done: Concluded) -> asyncio.Future[list[SignedUsage]] | None:
@@ -131,7 +132,7 @@ class EdgeMetering:
                 done,
                 edge_id=self._edge_id,
                 zone=self._zone,
-                owner=owner_of(self._policy(), self._edge_id, done.job.response_topic),
+                owner=self._owners.of(self._policy(), done.job.response_topic),
                 model_sha256=self._model_sha256(done.job.model) or "",
                 backend=self._backend,
                 device_class=self._device_class,

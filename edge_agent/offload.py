@@ -29,7 +29,7 @@ from functools import partial
 
 from pydantic import ValidationError
 
-from edge_agent.admission import Job, owner_of
+from edge_agent.admission import Job, Owners
 from edge_agent.rules import Declined, Placement
 from policies import Policy, verify
 from policies.errors import PolicyError
@@ -128,6 +128,7 @@ class PlacementClient:
     ) -> None:
         self._transport = transport
         self._edge_id = edge_id
+        self._owners = Owners(edge_id)  # the app each job is billed to
         # The sha256 of the model file this edge runs under a name: a job goes only to a
         # worker holding exactly that file.
         self._model_sha256 = model_sha256
@@ -317,7 +318,7 @@ class PlacementClient:
             (topics.PROP_PRIORITY, str(job.priority)),
             (topics.PROP_ATTEMPT, str(attempt)),
         ]
-        owner = owner_of(policy, self._edge_id, job.response_topic)
+        owner = self._owners.of(policy, job.response_topic)
         if owner:  # the app the worker's usage record bills
             props.append((topics.PROP_OWNER, owner))
         if job.deadline is not None:

@@ -272,3 +272,20 @@ def test_a_job_is_billed_to_the_app_whose_results_topics_it_answers_on(
     }
     assert owner_of(policy_of(doc), edge, topic) == owner
     assert owner_of(None, edge, topic) == ""
+
+
+def test_owners_follow_the_policy_in_force() -> None:
+    from edge_agent.admission import Owners
+    from tests.policies.policy_testkit import base_doc, policy_of
+
+    doc = base_doc()
+    doc["apps"] = {"inspect": {"edges": ["north-l1-pc"], "results": ["app/north"]}}
+    first = policy_of(doc)
+    doc["apps"] = {"audit": {"edges": ["north-l1-pc"], "results": ["app/north"]}}
+    doc["version"] = first.version + 1
+    second = policy_of(doc)
+    owners = Owners("north-l1-pc")
+    assert owners.of(first, "app/north/results") == "inspect"
+    assert owners.of(first, "app/north/results") == "inspect"
+    assert owners.of(second, "app/north/results") == "audit"  # a new policy: asked again
+    assert owners.of(None, "app/north/results") == ""
