@@ -2,7 +2,7 @@
 model and status, each run job's service time, each batch's size, and the slot-seconds its
 batches kept busy.
 
-Counted where the worker concludes each job (``PoolWorker._completed`` and its expiry), next
+Counted where the worker concludes each job (``Dispatcher._completed`` and its expiry), next
 to the result it returns. Pure: no clock (the caller passes the times), no metrics library;
 ``center_pool.metrics`` reads these figures at scrape time.
 """
