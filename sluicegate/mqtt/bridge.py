@@ -25,14 +25,11 @@ add ~40 ms a hop) and can register a Last Will. Broker acks are matched to waiti
 Acknowledgements are ours, not paho's (``Client(manual_ack=True)``): a message of an
 ordinary subscription is acked as it is handed over, as paho itself would; one matching a
 ``manual_ack`` subscription carries an ack handle and is acked only when its handler calls
-:meth:`MqttTransport.ack`. A handle remembers the connection it arrived on: an ack after
-that connection was lost is dropped, since the broker redelivers the message on the new
-connection under a packet id that may by then name another message. A QoS ≥ 1 message that
-no subscription of this process claims yet (a persistent session delivers queued messages
-right after CONNACK, before the role has subscribed again) is parked unacked and handed to
-the first matching subscription made on the same connection. The CONNECT's Receive Maximum
-(``max_pending``) keeps the broker from sending more unacked messages than that, parked
-ones included.
+:meth:`MqttTransport.ack`. Which subscriptions a message goes to, which messages are parked
+for a subscription still to come and which acks are stale is kept by
+:class:`~sluicegate.mqtt.routing.Subscriptions`; this module owns paho, its callbacks and its
+socket. The CONNECT's Receive Maximum (``max_pending``) keeps the broker from sending more
+unacked messages than that, parked ones included.
 """
 
 from __future__ import annotations
@@ -43,9 +40,7 @@ import logging
 import socket
 import ssl
 import threading
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sized
 from typing import Any
 
 import paho.mqtt.client as paho
@@ -58,7 +53,7 @@ from sluicegate.config import MqttSettings
 from sluicegate.errors import TransportError
 from sluicegate.mqtt.client import new_client
 from sluicegate.mqtt.packets import new_properties, publish_properties, to_message
-from sluicegate.mqtt.routing import AckTable, Subscription
+from sluicegate.mqtt.routing import AckTable, Subscription, Subscriptions
 from sluicegate.transport import Handler, Message, Will
 
 __all__ = ["MqttTransport"]
@@ -68,18 +63,7 @@ log = logging.getLogger(__name__)
 _OK = (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN)
 MISC_INTERVAL_S = 1.0  # how often paho's keepalive bookkeeping runs
 CLOSE_TIMEOUT_S = 2.0  # how long close() waits for its DISCONNECT to go out
-MAX_ROUTES = 4096  # topics whose matching subscriptions are remembered
 READ_BURST = 64  # messages read per wake-up of the loop, at most
-
-
-@dataclass(frozen=True, slots=True)
-class _AckHandle:
-    """What :meth:`MqttTransport.ack` needs: the packet id on the connection it came on."""
-
-    owner: object
-    generation: int
-    mid: int
-    qos: int
 
 
 class MqttTransport:
@@ -99,9 +83,8 @@ class MqttTransport:
         self._client_id = client_id
         self._clean_start = clean_start
         self._session_expiry_s = session_expiry_s
-        self._subs: dict[str, Subscription] = {}
-        # Topic -> the subscriptions it matches, remembered (emptied whenever _subs changes).
-        self._routes: dict[str, list[Subscription]] = {}
+        self._max_pending = max_pending
+        self._routing: Subscriptions[paho.MQTTMessage] = Subscriptions(max_pending, self._convert)
         self._connect_hooks: list[Callable[[], None]] = []
         self._disconnect_hooks: list[Callable[[], None]] = []
         self._acks = AckTable()
@@ -114,13 +97,7 @@ class MqttTransport:
         self._fd: int | None = None  # paho's socket, while the loop watches it
         self._closing = False
         self._last_error: str | None = None
-        # Connection generation: bumped at every connect and disconnect; an ack handle
-        # from an earlier generation names a packet id the broker has forgotten.
-        self._generation = 0
         self._connacks = 0  # connections that got as far as a CONNACK
-        self._max_parked = max_pending
-        self._parked: deque[tuple[paho.MQTTMessage, int]] = deque()  # (message, generation)
-        self.stale_acks = 0  # acks dropped because their connection was lost
         self._messages_seen = 0
         # Inside a call into paho on the loop, whose callbacks may publish: paho's callback
         # lock is not reentrant, so such a publish waits for the writer (see publish_nowait).
@@ -147,6 +124,16 @@ class MqttTransport:
     def connected(self) -> bool:
         return self._connected.is_set()
 
+    @property
+    def stale_acks(self) -> int:
+        """Acks dropped because their connection was lost."""
+        return self._routing.stale_acks
+
+    @property
+    def _parked(self) -> Sized:
+        """The messages parked for a subscription still to come (the tests watch them)."""
+        return self._routing.parked
+
     async def connect(self, timeout: float | None = 10.0) -> None:
         """Start connecting (and reconnecting) and wait for the first CONNACK.
 
@@ -159,7 +146,7 @@ class MqttTransport:
         props.SessionExpiryInterval = self._session_expiry_s
         # MQTT v5 flow control: the broker keeps at most this many QoS >= 1 messages unacked
         # with us, so manual acks bound what waits here, parked messages included.
-        props.ReceiveMaximum = min(self._max_parked, 65_535)  # the most MQTT allows
+        props.ReceiveMaximum = min(self._max_pending, 65_535)  # the most MQTT allows
         self._client.connect_async(
             self._settings.host,
             self._settings.port,
@@ -377,15 +364,7 @@ class MqttTransport:
         reconnect. When connected, returns once the broker has acknowledged the subscription
         (SUBACK); otherwise it is made on the next (re)connect, before any on-connect hook.
         """
-        sub = Subscription(topic_filter, qos, handler, manual_ack)
-        self._subs = {**self._subs, topic_filter: sub}
-        self._routes = {}
-        claimed = [p for p in self._parked if sub.matches(p[0].topic)]
-        for parked in claimed:
-            self._parked.remove(parked)
-        loop = asyncio.get_running_loop()
-        for msg, generation in claimed:
-            loop.call_soon(self._call, sub.handler, self._convert(msg, [sub], generation))
+        self._routing.add(Subscription(topic_filter, qos, handler, manual_ack))
         if not self.connected:
             return
         result, mid = self._client.subscribe(topic_filter, qos=qos)
@@ -396,8 +375,7 @@ class MqttTransport:
         await self._await_ack(self._sub_acks, mid)
 
     async def unsubscribe(self, topic_filter: str) -> None:
-        self._subs = {f: s for f, s in self._subs.items() if f != topic_filter}
-        self._routes = {}
+        self._routing.remove(topic_filter)
         if self.connected:
             self._client.unsubscribe(topic_filter)
 
@@ -408,13 +386,9 @@ class MqttTransport:
         ``stale_acks``) when the connection it arrived on is gone, since the broker then
         redelivers it and the old packet id may already name another message.
         """
-        handle = message.ack_handle
-        if not isinstance(handle, _AckHandle) or handle.owner is not self or handle.qos == 0:
-            return
-        if handle.generation != self._generation:
-            self.stale_acks += 1
-            return
-        self._client.ack(handle.mid, handle.qos)
+        handle = self._routing.due(message.ack_handle)
+        if handle is not None:
+            self._client.ack(handle.mid, handle.qos)
 
     async def _await_ack(self, table: AckTable, mid: int) -> None:
         fut = table.expect(mid, asyncio.get_running_loop())
@@ -427,48 +401,15 @@ class MqttTransport:
 
     def _on_message(self, _client: paho.Client, _userdata: Any, msg: paho.MQTTMessage) -> None:
         self._messages_seen += 1
-        subs = self._routes.get(msg.topic)
-        if subs is None:
-            subs = [s for s in self._subs.values() if s.matches(msg.topic)]
-            if len(self._routes) >= MAX_ROUTES:
-                self._routes.clear()
-            self._routes[msg.topic] = subs
-        if not subs:
-            self._park(msg)
-            return
-        message = self._convert(msg, subs, self._generation)
-        for sub in subs:
-            self._call(sub.handler, message)
-
-    def _park(self, msg: paho.MQTTMessage) -> None:
-        """Keep an unclaimed QoS ≥ 1 message, unacked, for a subscription still to come."""
-        if msg.qos == 0:
-            return
-        self._parked.append((msg, self._generation))
-        if len(self._parked) > self._max_parked:
-            dropped, _ = self._parked.popleft()
-            log.warning(
-                "no subscription claimed a message on %s; left unacked for the broker to "
-                "redeliver after a reconnect",
-                dropped.topic,
-            )
+        self._routing.deliver(msg)
 
     def _convert(self, msg: paho.MQTTMessage, subs: list[Subscription], generation: int) -> Message:
         """Our message, with an ack handle when a manual-ack subscription wants it; acked
         here otherwise."""
-        handle = None
-        if msg.qos > 0:
-            if any(s.manual_ack for s in subs):
-                handle = _AckHandle(self, generation, msg.mid, msg.qos)
-            elif generation == self._generation:
-                self._client.ack(msg.mid, msg.qos)
+        handle = self._routing.handle(msg, subs, generation)
+        if handle is None and msg.qos > 0 and generation == self._routing.generation:
+            self._client.ack(msg.mid, msg.qos)
         return to_message(msg, handle)
-
-    def _call(self, handler: Handler, message: Message) -> None:
-        try:
-            handler(message)
-        except Exception:  # a handler's fault stays its own: the next message is served
-            log.exception("handler for %s failed; the transport keeps serving", message.topic)
 
     def _on_connect(
         self,
@@ -483,10 +424,10 @@ class MqttTransport:
             log.warning("MQTT connect refused by %s: %s", self._settings.host, reason_code)
             return
         self._connacks += 1
-        self._new_generation()
-        subs = list(self._subs.values())
-        if subs:
-            client.subscribe([(s.topic_filter, s.qos) for s in subs])
+        self._routing.new_generation()
+        renewal = self._routing.renewal()
+        if renewal:
+            client.subscribe(renewal)
         self._set_connected(True)
 
     def _on_disconnect(
@@ -497,7 +438,7 @@ class MqttTransport:
         reason_code: ReasonCode,
         _properties: Properties | None,
     ) -> None:
-        self._new_generation()
+        self._routing.new_generation()
         if not self._closing:
             self._last_error = f"disconnected: {reason_code}"
             log.warning("MQTT connection lost (%s); reconnecting", reason_code)
@@ -510,12 +451,6 @@ class MqttTransport:
         self._unwatch()
         self._lost.set()
         self._set_connected(False)
-
-    def _new_generation(self) -> None:
-        """A connection began or ended: acks of earlier messages are void, and parked
-        messages come again from the broker if they are still owed."""
-        self._generation += 1
-        self._parked.clear()
 
     def _on_subscribe(
         self,
