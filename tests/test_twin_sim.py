@@ -17,7 +17,7 @@ import edge_agent.rules
 from broker.core.params import PlacementParams
 from policies.loader import parse_policy
 from sluicegate.app.twin_demo import demo_trace
-from sluicegate.twin import sim, trace
+from sluicegate.twin import events, trace
 from sluicegate.twin.draws import Draws
 from sluicegate.twin.report import compare, render, strategy_table, summarise
 from sluicegate.twin.sim import STRATEGIES, Change, Result, digest_of, replay
@@ -63,7 +63,7 @@ def test_every_arrival_ends_in_exactly_one_outcome(demo: trace.Trace) -> None:
 
 def test_the_twin_calls_the_production_decision_functions() -> None:
     # Not copies: the very objects the edge agent, the broker and the worker run.
-    names = vars(sim)
+    names = vars(events)
     assert names["rules"] is edge_agent.rules
     assert names["decide"] is broker.core.placement.decide
     assert names["Waiting"] is center_pool.batching.Entry

@@ -1,7 +1,7 @@
 """The replay's parts: what a candidate changes, the simulated edges, workers and jobs,
 and what a replay produces.
 
-Plain state, no decisions: :mod:`sluicegate.twin.sim` moves jobs between these with the
+Plain state, no decisions: :mod:`sluicegate.twin.events` moves jobs between these with the
 production functions. An edge holds the agent's own ``JobQueue`` (its order) and
 ``ServiceTimes`` (its estimates, seeded from the node's figures); a worker the worker's
 ``BatchQueue`` and ``ServiceStats`` and its ``PoolSettings``, from which the worker's own
