@@ -35,6 +35,7 @@ from sluicegate.errors import ConfigError
 from sluicegate.instance import this_process
 from sluicegate.mqtt import MqttTransport
 from sluicegate.policy_feed import PolicyFeed
+from sluicegate.redis_url import async_client
 from sluicegate.transport import Message, Will
 from sluicegate.vision.manifest import Requirements, load_manifest
 from sluicegate.vision.runtime import default_models_dir
@@ -84,7 +85,7 @@ async def serve(
             )
     envelope = feed.envelope  # what the feed accepted: never a refused file's envelope
     placement = choose_params(cfg, feed.current)
-    redis = aioredis.Redis.from_url(cfg.redis_url)
+    redis = async_client(cfg.redis_url)
     lease = ReplicaLease(redis, cfg.id, this_process())
     try:
         await lease.acquire()

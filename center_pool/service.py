@@ -49,6 +49,7 @@ from sluicegate.metering.meter import Meter, node_meter
 from sluicegate.mqtt import MqttTransport
 from sluicegate.node_metrics import MetricsServer
 from sluicegate.policy_feed import PolicyFeed
+from sluicegate.redis_url import async_client
 from sluicegate.vision.priors import PRIORS_FILE, priors_for, read_priors
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir
 
@@ -109,7 +110,7 @@ async def _serve(
     feed.load()
     feed.require_anchor()
     key = load_worker_key(pool.key_file, pool.id)
-    client = redis.asyncio.Redis.from_url(pool.redis_url) if pool.redis_url else None
+    client = async_client(pool.redis_url) if pool.redis_url else None
     replay: AsyncReplayCache = (
         AsyncRedisReplayCache(client) if client is not None else MemoryAsyncReplayCache()
     )

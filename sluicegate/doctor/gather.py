@@ -39,7 +39,7 @@ from sluicegate.doctor.facts import (
     StateDir,
     TlsFiles,
 )
-from sluicegate.errors import IdentityError, SluicegateError
+from sluicegate.errors import ConfigError, IdentityError, SluicegateError
 from sluicegate.identity import lock_path
 from sluicegate.policy_feed import ANCHOR_FILE, ENVELOPE_FILE, PolicyFeed
 
@@ -314,12 +314,15 @@ def node_running(lock_dir: Path, node: str) -> Running:
 
 def broker_running(redis_url: str, broker_id: str) -> Running:
     """Whether a broker replica holds its lease in Redis (``broker.lease``)."""
-    import redis
     from redis.exceptions import RedisError
 
     from broker import keys
+    from sluicegate.redis_url import sync_client
 
-    client = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    try:
+        client = sync_client(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    except ConfigError as exc:
+        return Running(None, f"its replica lease cannot be read: {exc}")
     try:
         holder = client.get(keys.replica_lease(broker_id))
     except RedisError as exc:

@@ -247,6 +247,7 @@ def from_audit(
     from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
     from sluicegate.config import load_settings
     from sluicegate.errors import EXPECTED
+    from sluicegate.redis_url import sync_client
     from sluicegate.twin import trace as tr
     from sluicegate.twin.audit import trace_from_audit
     from sluicegate.twin.capture import edge_spec, worker_spec
@@ -264,7 +265,7 @@ def from_audit(
         if signer is None:
             _fail(f"policy v{policy.version} lists no key for broker {cfg.id!r}")
             return
-        client = redis.Redis.from_url(cfg.redis_url)
+        client = sync_client(cfg.redis_url)
         entries = list(RedisStreamAuditStore(client, audit_stream_key(cfg.id)).entries())
         chain = verify_chain(entries, {signer})
         docs = {}
