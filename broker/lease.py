@@ -5,8 +5,11 @@ expiry) and renews it every second, but only while the value is still its own in
 (one Lua script). A second process with the same id finds the lease held: it waits one
 expiry for a dead holder's lease to lapse, and refuses to start if the holder is still
 renewing it, saying which instance holds it. A holder that froze past the expiry and finds
-its lease taken is fenced: it stops serving. Redis is the replicas' shared truth already
-(reservations), so no MQTT session games are needed here.
+its lease taken is fenced: it stops serving. One that finds its lease gone, taken by nobody,
+takes it again: a Redis failover (Sentinel promotes a replica a few seconds after the last
+renewal it saw, and the lease expired there meanwhile) or a Redis restarted empty must not
+stop every replica. Redis is the replicas' shared truth already (reservations), so no MQTT
+session games are needed here.
 """
 
 from __future__ import annotations
@@ -27,10 +30,16 @@ log = logging.getLogger(__name__)
 TTL_MS = 3000
 RENEW_S = 1.0
 
-# KEYS[1] lease; ARGV: instance, ttl ms. 1: renewed; 0: someone else holds it.
+# KEYS[1] lease; ARGV: instance, ttl ms. 1: renewed (or taken again: nobody held it);
+# 0: someone else holds it.
 RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+if not holder then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
   return 1
 end
 return 0
