@@ -5,6 +5,13 @@ naming what was asked, and callers catch that type, never redis-py's.
 
 A Lua script the server does not hold (``NOSCRIPT``) is not a failure here: ``broker.lua``
 reloads and retries before anything reaches this translation.
+
+A Redis Sentinel failover (``sluicegate.redis_url``) fails calls for a few seconds with
+redis-py's ``ConnectionError`` (the master gone; ``MasterNotFoundError`` while the sentinels
+name none), ``TimeoutError`` and, from a master demoted under a client, ``ReadOnlyError``.
+Each is a ``RedisError``, so each is ``StoreUnavailable`` here, and the roles' handling of
+that (the broker refuses placements ``broker_unavailable``, the edge runs the job) holds
+through a failover too (``tests/test_redis_sentinel.py``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Starts and stops local ``mosquitto`` and ``redis-server`` processes on free ports.
+"""Starts and stops local ``mosquitto``, ``redis-server`` and Redis Sentinel processes on
+free ports.
 
 The demo and the test fixtures use this to run against real servers. It owns the
 configuration those servers get (no Nagle delay, loopback only, no disk persistence unless
@@ -268,6 +269,7 @@ def start_redis(
     workdir: Path | None = None,
     appendonly: bool = False,
     appendfsync: str = "everysec",
+    extra_args: tuple[str, ...] = (),
 ) -> ServerProcess:
     """Start ``redis-server`` on a free loopback port and wait until it answers PING.
 
@@ -276,6 +278,7 @@ def start_redis(
     a power cut), ``everysec`` (up to a second of writes lost to a power cut; none to a
     crash of Redis alone, since the file is in the OS cache) or ``no``. Restart it with
     :meth:`ServerProcess.restart`: the same port and ``workdir``, so it reloads the file.
+    ``extra_args`` go at the end of its command line (``("--replicaof", host, port)``, say).
     """
     if appendfsync not in APPENDFSYNC:
         raise ServerError(f"appendfsync {appendfsync!r} is not one of {', '.join(APPENDFSYNC)}")
@@ -298,7 +301,53 @@ def start_redis(
         str(workdir),
         "--protected-mode",
         "no",
+        *extra_args,
     ]
+    server = ServerProcess("redis", "127.0.0.1", port, _spawn(argv, workdir), workdir, argv)
+    _wait_ready(server, 10.0)
+    return server
+
+
+def start_sentinel(
+    master_port: int,
+    *,
+    service: str = "mymaster",
+    quorum: int = 2,
+    down_after_ms: int = 1000,
+    failover_timeout_ms: int = 3000,
+    port: int | None = None,
+    workdir: Path | None = None,
+) -> ServerProcess:
+    """Start a Redis Sentinel on a free loopback port, watching the master on
+    127.0.0.1:``master_port`` as ``service`` (it finds the replicas and the other sentinels
+    from there), and wait until it answers PING. A master unreachable for ``down_after_ms``
+    is down for this sentinel; ``quorum`` sentinels agreeing start a failover, retried after
+    ``failover_timeout_ms``. ``redis-sentinel`` is used when installed (Debian's package of
+    that name), else ``redis-server --sentinel``. Sentinel rewrites its configuration file,
+    which lives in ``workdir``."""
+    port = port or free_port()
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="sg-sentinel-"))
+    conf = workdir / "sentinel.conf"
+    conf.write_text(
+        "\n".join(
+            [
+                f"port {port}",
+                "bind 127.0.0.1",
+                "protected-mode no",
+                f"dir {workdir}",
+                f"sentinel monitor {service} 127.0.0.1 {master_port} {quorum}",
+                f"sentinel down-after-milliseconds {service} {down_after_ms}",
+                f"sentinel failover-timeout {service} {failover_timeout_ms}",
+                f"sentinel parallel-syncs {service} 1",
+            ]
+        )
+        + "\n"
+    )
+    try:
+        argv = [find_binary("redis-sentinel"), str(conf)]
+    except ServerError:
+        argv = [find_binary("redis-server"), str(conf), "--sentinel"]
+    # "redis": it answers the readiness PING as a Redis server does.
     server = ServerProcess("redis", "127.0.0.1", port, _spawn(argv, workdir), workdir, argv)
     _wait_ready(server, 10.0)
     return server
