@@ -1,0 +1,172 @@
+"""What the fleet benchmarks print: the human tables, the targets met or not, and the
+``RESULT {json}`` last line (BENCHMARKS.md), for ``bench/fleet_scale.py``'s sweep of N.
+Formatting only: it measures nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+from importlib.metadata import version
+from typing import Any
+
+TARGET = {"within_50ms": 1.0, "p99_over_idle": 2.0, "broker_us_per_telemetry": 50.0}
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "nproc": os.cpu_count(),
+        "python": platform.python_version(),
+        "paho": version("paho-mqtt"),
+        "redis": version("redis"),
+        "load_avg": os.getloadavg(),
+    }
+
+
+def verdict(row: dict[str, Any]) -> dict[str, bool]:
+    fleet = row["placements"]["fleet"]
+    return {
+        "within_50ms": fleet["within_timeout"] >= TARGET["within_50ms"],
+        "p99_over_idle": row["p99_over_idle"] <= TARGET["p99_over_idle"],
+        "broker_us_per_telemetry": row["broker_us_per_telemetry"]
+        <= TARGET["broker_us_per_telemetry"],
+    }
+
+
+COLUMNS = (
+    ("edges", 6),
+    ("tel/s", 6),
+    ("µs/msg", 7),
+    ("brk% fl|id", 11),
+    ("RSS MB", 7),
+    ("redis MB", 9),
+    ("p50 ms fl|id", 13),
+    ("p99 ms fl|id", 13),
+    ("max ms fl|id", 13),
+    ("<50ms % fl|id", 14),
+    ("p99 x", 6),
+)
+
+
+def _pair(a: float, b: float, fmt: str) -> str:
+    return f"{a:{fmt}}|{b:{fmt}}"
+
+
+def table_row(row: dict[str, Any]) -> str:
+    on, off = row["placements"]["fleet"], row["placements"]["idle"]
+    cells = [
+        str(row["edges"]),
+        f"{row['telemetry_per_s']:.0f}",
+        f"{row['broker_us_per_telemetry']:.1f}",
+        _pair(row["broker_cpu_pct"]["fleet"], row["broker_cpu_pct"]["idle"], ".1f"),
+        f"{row['broker_rss_mb']:.1f}",
+        f"{row['redis_used_mb']:.1f}",
+        _pair(on["p50_ms"], off["p50_ms"], ".2f"),
+        _pair(on["p99_ms"], off["p99_ms"], ".2f"),
+        _pair(on["max_ms"], off["max_ms"], ".1f"),
+        _pair(100 * on["within_timeout"], 100 * off["within_timeout"], ".2f"),
+        f"{row['p99_over_idle']:.2f}",
+    ]
+    return " ".join(f"{c:>{w}}" for c, (_h, w) in zip(cells, COLUMNS, strict=True))
+
+
+def details(row: dict[str, Any]) -> list[str]:
+    out = [f"  N={row['edges']}: µs/msg by pair {[round(x, 1) for x in row['broker_us_rounds']]}"]
+    if row["listed_edges"] < row["edges"]:
+        out[0] += f"; played by the {row['listed_edges']} edges the policy can list"
+    alone = row["alone"]
+    out.append(
+        f"    telemetry alone (no placements): broker {alone['broker_cpu_pct']:.1f} % against "
+        f"{alone['nothing_cpu_pct']:.1f} % with nothing: {alone['us_per_telemetry']:.1f} µs/msg"
+    )
+    nodes = row["redis_nodes"]
+    if nodes:
+        out.append(
+            f"    Redis: {nodes['keys']} node documents, an edge's {nodes['edge_doc_bytes']} B "
+            f"(used_memory {row['redis_used_mb']:.1f} MB fleet, "
+            f"{row['redis_used_mb_idle']:.1f} idle)"
+        )
+    for i, pair in enumerate(row["pairs"]):
+        on, off = pair["fleet"], pair["idle"]
+        out.append(
+            f"    pair {i + 1}: broker {on['broker_pct']}|{off['broker_pct']} %, p99 "
+            f"{on['p99_ms']}|{off['p99_ms']} ms, timeouts {on['timeout']}|{off['timeout']}"
+        )
+    for label, g in row["get_fleet"].items():
+        out.append(
+            f"    GET /{label.replace('_limit_', '?limit=')}: {g['ms']:.1f} ms, "
+            f"{g['bytes'] / 1024:.0f} KiB, {g['edges']} edges (HTTP {g['status']})"
+        )
+    cpu = row["cpu_pct"]
+    out.append(
+        "    CPU % fl|id: "
+        + "  ".join(f"{p} {cpu['fleet'][p]}|{cpu['idle'][p]}" for p in cpu["fleet"])
+    )
+    for mode in ("fleet", "idle"):
+        s = row["placements"][mode]
+        out.append(
+            f"    {mode}: {s['requests']} asked, {s['placed']} placed, {s['refused']} refused "
+            f"{s['codes'] or ''}, {s['timeout']} timed out"
+        )
+    return out
+
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace, setup: dict[str, Any]) -> None:
+    print(
+        f"\nfleet scale: {args.workers} workers, {args.rate:g} placements/s, {args.rounds} pairs "
+        f"of {args.seconds:g} s rounds (+{args.settle:g} s settle); nproc {os.cpu_count()}, "
+        f"load avg {os.getloadavg()[0]:.2f}; campus written in {setup['write_s']:.1f} s"
+    )
+    print(" ".join(f"{h:>{w}}" for h, w in COLUMNS))
+    for row in rows:
+        print(table_row(row))
+    print("(fl: fleet load on, id: no fleet load; µs/msg: broker CPU per telemetry message)")
+    for row in rows:
+        print("\n".join(details(row)))
+    last = rows[-1]
+    met = verdict(last)
+    print(f"\ntargets at N={last['edges']} (the brief's are for 5,000 edges, one broker):")
+    for key, ok in met.items():
+        print(f"  {key:<26} target {TARGET[key]:<6g} {'met' if ok else 'NOT met'}")
+    for row in rows[:-1]:
+        print(
+            f"  N={row['edges']}: "
+            + ", ".join(f"{k} {'met' if v else 'not met'}" for k, v in verdict(row).items())
+        )
+    result = {
+        "bench": "fleet_scale",
+        "subject": {str(r["edges"]): _plain(r, "fleet") for r in rows},
+        "baseline": {str(r["edges"]): _plain(r, "idle") for r in rows},
+        "ratio": {str(r["edges"]): {"p99_over_idle": r["p99_over_idle"]} for r in rows},
+        "target": TARGET,
+        "met": all(met.values()),
+        "met_by_n": {str(r["edges"]): verdict(r) for r in rows},
+        "params": dict(vars(args)),
+        "machine": machine(),
+    }
+    print("RESULT " + json.dumps(result))
+
+
+def _plain(row: dict[str, Any], mode: str) -> dict[str, Any]:
+    out = {
+        k: row["placements"][mode][k]
+        for k in ("p50_ms", "p99_ms", "max_ms", "within_timeout", "timeout")
+    }
+    out["broker_cpu_pct"] = row["broker_cpu_pct"][mode]
+    out["cpu_pct"] = row["cpu_pct"][mode]
+    if mode == "fleet":
+        out |= {
+            "broker_us_per_telemetry": row["broker_us_per_telemetry"],
+            "telemetry_per_s": row["telemetry_per_s"],
+            "broker_rss_mb": row["broker_rss_mb"],
+            "redis_used_mb": row["redis_used_mb"],
+            "get_fleet": row["get_fleet"],
+        }
+    else:
+        out |= {
+            "broker_rss_mb": row["broker_rss_mb_idle"],
+            "redis_used_mb": row["redis_used_mb_idle"],
+        }
+    return out

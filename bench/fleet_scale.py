@@ -1,0 +1,341 @@
+"""Benchmark: what a fleet of N edge agents' telemetry costs one campus broker, and what it
+does to placements, for N in 100, 500, 2,000 and 5,000 line PCs and 50 pool workers.
+
+Processes, all on this machine: a secured Mosquitto (TLS 1.3, a certificate per identity,
+the ACL from the policy) and a Redis started for the run; one ``sluicegate broker run``
+(broker-1; a fresh process and an emptied Redis for each N); ``bench/fleet_sim.py``, the
+N simulated edges' telemetry (1 Hz each, spread over the second) and the 50 simulated
+workers (retained capabilities, telemetry at 1 Hz, a Completion 20 ± 5 ms after each
+placement), all of them nodes of the signed policy (``bench/fleet_rig.py``); and this
+process, the driver (``bench/fleet_driver.py``): line-1-pc and line-2-pc asking through
+the edge agent's own PlacementClient, open-loop at ``--rate`` placements/s in total, each
+granted placement completed by its simulated worker (not released).
+
+For each N, on a fresh broker: first the fleet's telemetry alone against a round with
+nothing at all (no placements yet, so no audit records for the broker's periodic chain
+check to verify): the broker's CPU per telemetry message when nothing else wakes it.
+Then, after a discarded warm-up pair, ``--rounds`` pairs of rounds alternate *fleet load
+on* (the N edges' telemetry) and *no fleet load* (the same placements and workers, no edge
+telemetry): broker CPU per telemetry message = (broker CPU in the fleet round - broker
+CPU in its paired idle round, at the same duration) / telemetry messages sent in the
+fleet round (median over the pairs); placement-answer p50/p99/max and the share answered
+within the edge's 50 ms, fleet against idle; broker RSS and Redis ``used_memory`` (and
+the node documents it holds) at the end of the fleet rounds; ``GET /fleet`` (and
+``/fleet?limit=100``) timed outside the counted windows; each process's CPU. Targets at
+the largest N (5,000 edges, one broker): every placement answered within 50 ms, p99 at
+most 2 x idle p99, at most 50 µs of broker CPU per telemetry message.
+
+The policy format lists at most 4,096 edges (``policies.schema``); past that the edges it
+can list send N messages/s between them (4,094 edges at 1.22 Hz for N = 5,000), and the
+report says so.
+
+    .venv/bin/python bench/fleet_scale.py                   # about 9 minutes on 2 cores
+    .venv/bin/python bench/fleet_scale.py --edges 100,500   # about 4 minutes
+    .venv/bin/python bench/fleet_scale.py --edges 2000 --seconds 5 --rounds 2   # ~1.5 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fleet_driver import Ask, Driver, summary
+from fleet_report import report
+from fleet_rig import (
+    BROKER,
+    FleetCampus,
+    Servers,
+    Sim,
+    cpu_s,
+    edge_room,
+    rss_mb,
+    set_edges,
+    start_replica,
+    start_sims,
+    stop_replica,
+    wait_ready,
+    write_fleet,
+)
+
+from broker import keys
+from sluicegate.app.broker_http import get
+from sluicegate.app.servers import free_port
+
+
+class Meter:
+    """CPU seconds of named processes between two readings."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+
+    def read(self) -> dict[str, float]:
+        return {name: cpu_s(pid) for name, pid in self.pids.items()}
+
+
+def time_fleet(fleet: FleetCampus, port: int) -> dict[str, Any]:
+    """``GET /fleet`` three times (median ms, size, edges listed), and ``/fleet?limit=100``."""
+    out: dict[str, Any] = {}
+    for label, path in (("fleet", "/fleet"), ("fleet_limit_100", "/fleet?limit=100")):
+        times, size, edges, status = [], 0, -1, 0
+        for _ in range(3):
+            t0 = time.perf_counter()
+            status, body = get(f"http://127.0.0.1:{port}{path}", fleet.viewer, timeout=30)
+            times.append((time.perf_counter() - t0) * 1000.0)
+            size = len(body)
+        if status == 200:
+            doc = json.loads(body)
+            edges = len(doc.get("edges", []))
+        out[label] = {
+            "ms": statistics.median(times),
+            "bytes": size,
+            "edges": edges,
+            "status": status,
+        }
+    return out
+
+
+async def one_round(
+    driver: Driver,
+    sims: list[Sim],
+    meter: Meter,
+    fleet: tuple[int, float],
+    args: argparse.Namespace,
+    *,
+    placements: bool = True,
+) -> dict[str, Any]:
+    """One round: ``fleet`` = (edges on, their telemetry messages/s in all), the
+    placements (or none), and what each process used meanwhile."""
+    set_edges(sims, *fleet)
+    await asyncio.sleep(args.settle)
+    sent0 = sum(s.stats()["telemetry"] for s in sims)
+    cpu0, t0 = meter.read(), time.monotonic()
+    if placements:
+        asks = await driver.open_loop(args.rate, args.seconds)
+    else:
+        asks = []
+        await asyncio.sleep(args.seconds)
+    cpu1, t1 = meter.read(), time.monotonic()
+    sent1 = sum(s.stats()["telemetry"] for s in sims)
+    dt = t1 - t0
+    return {
+        "seconds": dt,
+        "telemetry": sent1 - sent0,
+        "cpu": {k: (cpu1[k] - cpu0[k]) / dt for k in cpu0},  # cores busy
+        "asks": asks,
+    }
+
+
+async def one_n(
+    n: int,
+    fleet: FleetCampus,
+    servers: Servers,
+    driver: Driver,
+    sims: list[Sim],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    assert servers.redis is not None
+    assert servers.mosquitto is not None
+    r = redis.Redis(port=servers.redis.port)
+    r.flushall()
+    replica = start_replica(fleet, BROKER, servers.root)
+    try:
+        await asyncio.to_thread(wait_ready, fleet, replica)
+        await driver.wait_brokers()
+        pids = {
+            "broker": replica.pid,
+            "mosquitto": servers.mosquitto.pid,
+            "redis": servers.redis.pid,
+        }
+        pids |= {s.name: s.pid for s in sims} | {"driver": os.getpid()}
+        meter = Meter(pids)
+        # Past the policy's room, the edges it lists send N messages/s between them.
+        load, idle = (min(n, len(fleet.edges)), float(n)), (0, 0.0)
+        # First the fleet alone against nothing at all, before any placement: telemetry's
+        # cost without the placements' batching moving with it, and before the audit log
+        # has records for the broker's periodic check to verify (a pass every 15 s).
+        await one_round(driver, sims, meter, load, args, placements=False)  # warm-up
+        nothing = await one_round(driver, sims, meter, idle, args, placements=False)
+        alone = await one_round(driver, sims, meter, load, args, placements=False)
+        for pair in (load, idle):  # warm-up pair, discarded
+            await one_round(driver, sims, meter, pair, args)
+        fleet_rounds, idle_rounds, gets = [], [], []
+        for _ in range(args.rounds):
+            on = await one_round(driver, sims, meter, load, args)
+            on["rss_mb"] = rss_mb(replica.pid)
+            on["redis_mb"] = int(r.info("memory")["used_memory"]) / 2**20
+            fleet_rounds.append(on)
+            redis_nodes = node_documents(r, fleet)
+            gets.append(await asyncio.to_thread(time_fleet, fleet, replica.http_port))
+            off = await one_round(driver, sims, meter, idle, args)
+            off["rss_mb"] = rss_mb(replica.pid)
+            off["redis_mb"] = int(r.info("memory")["used_memory"]) / 2**20
+            idle_rounds.append(off)
+    finally:
+        set_edges(sims, 0)
+        stop_replica(replica)
+    row = figures(n, fleet_rounds, idle_rounds, gets)
+    row["listed_edges"] = load[0]
+    row["redis_nodes"] = redis_nodes
+    cpu_alone, cpu_nothing = alone["cpu"]["broker"], nothing["cpu"]["broker"]
+    row["alone"] = {
+        "broker_cpu_pct": 100 * cpu_alone,
+        "nothing_cpu_pct": 100 * cpu_nothing,
+        "us_per_telemetry": (cpu_alone - cpu_nothing)
+        * alone["seconds"]
+        / max(alone["telemetry"], 1)
+        * 1e6,
+    }
+    return row
+
+
+def node_documents(r: redis.Redis, fleet: FleetCampus) -> dict[str, Any]:
+    """How many node documents Redis holds now, and what a simulated edge's costs."""
+    count = sum(1 for _ in r.scan_iter(match=keys.node("*"), count=2000))
+    sample = [keys.node(e) for e, _z in fleet.edges[:20]]
+    sizes = [int(r.memory_usage(k) or 0) for k in sample]
+    return {"keys": count, "edge_doc_bytes": statistics.median(sizes) if sizes else 0}
+
+
+def figures(
+    n: int,
+    fleet_rounds: list[dict[str, Any]],
+    idle_rounds: list[dict[str, Any]],
+    gets: list[dict[str, Any]],
+) -> dict[str, Any]:
+    per_msg = [
+        (on["cpu"]["broker"] - off["cpu"]["broker"]) * on["seconds"] / max(on["telemetry"], 1) * 1e6
+        for on, off in zip(fleet_rounds, idle_rounds, strict=True)
+    ]
+    fleet_asks: list[Ask] = [a for rnd in fleet_rounds for a in rnd["asks"]]
+    idle_asks: list[Ask] = [a for rnd in idle_rounds for a in rnd["asks"]]
+    s_on, s_off = summary(fleet_asks), summary(idle_asks)
+    med = statistics.median
+    procs = sorted(fleet_rounds[0]["cpu"])
+    return {
+        "edges": n,
+        "telemetry_per_s": med(r["telemetry"] / r["seconds"] for r in fleet_rounds),
+        "broker_us_per_telemetry": med(per_msg),
+        "broker_us_rounds": per_msg,
+        "pairs": [
+            {
+                mode: {
+                    "timeout": summary(r["asks"])["timeout"],
+                    "p99_ms": round(summary(r["asks"])["p99_ms"], 1),
+                    "broker_pct": round(100 * r["cpu"]["broker"], 1),
+                }
+                for mode, r in (("fleet", on), ("idle", off))
+            }
+            for on, off in zip(fleet_rounds, idle_rounds, strict=True)
+        ],
+        "broker_cpu_pct": {
+            "fleet": 100 * med(r["cpu"]["broker"] for r in fleet_rounds),
+            "idle": 100 * med(r["cpu"]["broker"] for r in idle_rounds),
+        },
+        "cpu_pct": {
+            mode: {p: round(100 * med(r["cpu"][p] for r in rounds), 1) for p in procs}
+            for mode, rounds in (("fleet", fleet_rounds), ("idle", idle_rounds))
+        },
+        "broker_rss_mb": max(r["rss_mb"] for r in fleet_rounds),
+        "broker_rss_mb_idle": max(r["rss_mb"] for r in idle_rounds),
+        "redis_used_mb": max(r["redis_mb"] for r in fleet_rounds),
+        "redis_used_mb_idle": max(r["redis_mb"] for r in idle_rounds),
+        "placements": {"fleet": s_on, "idle": s_off},
+        "p99_over_idle": s_on["p99_ms"] / s_off["p99_ms"] if s_off["p99_ms"] else float("nan"),
+        "get_fleet": {
+            label: {
+                "ms": med(g[label]["ms"] for g in gets),
+                "bytes": gets[-1][label]["bytes"],
+                "edges": gets[-1][label]["edges"],
+                "status": gets[-1][label]["status"],
+            }
+            for label in gets[0]
+        },
+    }
+
+
+async def sweep(
+    fleet: FleetCampus, servers: Servers, sims: list[Sim], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    campus = fleet.campus
+    worker0 = sims[0]
+    driver = Driver(
+        fleet.driver_edges,
+        campus.mqtt,
+        fleet.policy,
+        lambda ask: worker0.done(ask.worker, ask.job_id, 1, ask.edge),
+    )
+    await driver.start()
+    rows = []
+    try:
+        for n in args.edges:
+            print(f"N={n} ...", flush=True)
+            rows.append(await one_n(n, fleet, servers, driver, sims, args))
+    finally:
+        await driver.close()
+    return rows
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--edges", default="100,500,2000,5000", help="fleet sizes N, comma-separated")
+    ap.add_argument("--workers", type=int, default=50)
+    ap.add_argument("--rate", type=float, default=200.0, help="placements/s, in total")
+    ap.add_argument("--seconds", type=float, default=8.0, help="counted length of a round")
+    ap.add_argument("--settle", type=float, default=1.5, help="uncounted start of a round")
+    ap.add_argument("--rounds", type=int, default=3, help="pairs of rounds per N")
+    ap.add_argument("--capacity", type=int, default=1000, help="each worker's capacity")
+    ap.add_argument("--service-ms", type=float, default=20.0)
+    ap.add_argument("--jitter-ms", type=float, default=5.0)
+    ap.add_argument("--driver-edges", type=int, default=2, help="edge identities placing")
+    ap.add_argument("--sim-procs", type=int, default=1, help="simulator processes")
+    args = ap.parse_args()
+    args.edges = [int(x) for x in str(args.edges).split(",") if x]
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    servers = Servers()
+    sims: list[Sim] = []
+    try:
+        redis_server = servers.start_redis()
+        t0 = time.monotonic()
+        fleet = write_fleet(
+            servers.root / "campus",
+            edges=min(max(args.edges), edge_room(args.driver_edges)),
+            workers=args.workers,
+            mqtt_port=free_port(),
+            redis_url=f"redis://127.0.0.1:{redis_server.port}/0",
+            driver_edges=args.driver_edges,
+            sim_procs=args.sim_procs,
+        )
+        setup = {"write_s": time.monotonic() - t0}
+        servers.start_mosquitto(fleet.campus)
+        sims = start_sims(
+            fleet,
+            servers.root,
+            capacity=args.capacity,
+            service_ms=args.service_ms,
+            jitter_ms=args.jitter_ms,
+        )
+        rows = asyncio.run(sweep(fleet, servers, sims, args))
+    finally:
+        for sim in sims:
+            sim.stop()
+        servers.stop()
+    report(rows, args, setup)
+
+
+if __name__ == "__main__":
+    main()
