@@ -1,6 +1,6 @@
 """What the fleet benchmarks print: the human tables, the targets met or not, and the
-``RESULT {json}`` last line (BENCHMARKS.md), for ``bench/fleet_scale.py``'s sweep of N.
-Formatting only: it measures nothing.
+``RESULT {json}`` last line (BENCHMARKS.md), for ``bench/fleet_scale.py``'s sweep of N and
+``bench/fleet_replicas.py``'s replica checks. Formatting only: it measures nothing.
 """
 
 from __future__ import annotations
@@ -144,6 +144,10 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, setup: dict[str
     for row in rows:
         print(table_row(row))
     print(
+        "(CPU %: of one core; machine: all its cores together, every user's; others: the "
+        "machine less this run's processes)"
+    )
+    print(
         "(fl: fleet load on, id: no fleet load; µs/msg: broker CPU per telemetry message, "
         "paired against no fleet load | the fleet alone against nothing; *: broker saturated "
         f"(>= {100 * SATURATED:.0f} % of its one core) in the fleet rounds; {TIMED_OUT}: past "
@@ -213,3 +217,102 @@ def _plain(row: dict[str, Any], mode: str) -> dict[str, Any]:
             "redis_used_mb": row["redis_used_mb_idle"],
         }
     return out
+
+
+def _capacity_lines(out: dict[str, Any]) -> list[str]:
+    lines = [
+        f"{'replicas':>8} {'answers/s':>9} {'placed/s':>8} {'refused':>7} {'timeouts':>8} "
+        f"{'p99 ms':>7}  replica CPU % / driver CPU % / machine % of all cores"
+    ]
+    for k, row in out["by_replicas"].items():
+        c, s = row["capacity"], row["capacity"]["summary"]
+        cpu = " ".join(f"{v:.0f}" for v in c["replica_cpu_pct"].values())
+        lines.append(
+            f"{k:>8} {c['answers_per_s']:>9.0f} {c['placed_per_s']:>8.0f} {s['refused']:>7} "
+            f"{s['timeout']:>8} {_ms(s['p99_ms'], '.1f'):>7}  {cpu} / {c['driver_cpu_pct']:.0f}"
+            f" / {c['machine_cpu_pct']:.0f}"
+        )
+    lines.append("telemetry (CPU % with telemetry|without, per replica):")
+    for k, row in out["by_replicas"].items():
+        t, p = row["telemetry"], row["telemetry"]["placements"]
+        reps = "; ".join(
+            f"{b} {v['cpu_pct_fleet']:.0f}|{v['cpu_pct_idle']:.0f} "
+            f"({v['us_per_telemetry_sent']:.0f} µs/msg)"
+            for b, v in t["replicas"].items()
+        )
+        lines.append(
+            f"  {k}: {t['telemetry_per_s']:.0f} msgs/s from {t['listed_edges']} edges: {reps}"
+        )
+        cap = t["capacity_msgs_per_s"]
+        full = "n/a (saturated)" if cap is None else f"~{cap:.0f} msgs/s"
+        lines.append(
+            f"     machine {t['machine_cpu_pct']['fleet']:.0f}|{t['machine_cpu_pct']['idle']:.0f} "
+            f"% of its cores; a replica's core full at {full}; placements "
+            f"p99 {_pair(p['fleet']['p99_ms'], p['idle']['p99_ms'], '.1f')} ms, timeouts "
+            f"{p['fleet']['timeout']}|{p['idle']['timeout']}"
+        )
+    return lines
+
+
+def _kill_lines(k: dict[str, Any]) -> list[str]:
+    lines = [f"SIGKILL of {k['killed']} mid-run: {k['asked']} asked"]
+    for name, s in k["periods"].items():
+        lines.append(
+            f"  {name:<11} {s['requests']:>5} asked, {s['placed']} placed, {s['refused']} "
+            f"refused {s['codes'] or ''}, {s['timeout']} unanswered (edge timeout)"
+        )
+    lines += [
+        f"  granted {k['granted']} ({k['granted_by_killed']} by {k['killed']}); not completed "
+        f"{k['granted_not_completed']}; GET /jobs/<id> checked {k['api_checked']}, not "
+        f"completed {k['api_not_completed_count']} {k['api_not_completed'] or ''}",
+        f"  reservations left {k['reservations_left']} (settled in {k['settled_in_s']:.1f} s); "
+        f"in-flight records left of completed jobs {k['inflight_records_left_of_completed']}",
+        f"  granted by a replica, not received in time: {k['granted_undelivered']} (released "
+        f"by the edge {k['undelivered_released_by_edge']}, timed out "
+        f"{k['undelivered_never_answered']}; their in-flight records left "
+        f"{k['undelivered_inflight_left']})",
+        f"  unanswered and decided by no replica (lost with the killed one): "
+        f"{k['unanswered_undecided']} {k['unanswered_undecided_by_period']}",
+    ]
+    return lines
+
+
+def replicas_report(out: dict[str, Any], args: argparse.Namespace) -> None:
+    print(
+        f"\nbroker replicas: {args.workers} workers of capacity {args.small_capacity}, service "
+        f"{args.replica_service_ms:g} ms; window {args.window}; nproc {os.cpu_count()}, "
+        f"load avg {os.getloadavg()[0]:.2f}"
+    )
+    print("\n".join(_capacity_lines(out)))
+    conc, redis = out["concurrency"], out["redis_samples"]
+    checks = {
+        "no_double_grant": out["replies"]["jobs_placed_twice"] == 0,
+        "within_capacity": conc["over_capacity"] == 0 and redis["over_capacity"] == 0,
+        "decisions_ge_target": out["decisions"] >= args.decisions,
+    }
+    print(
+        f"double-reservation check over {out['decisions']} decisions ({out['asked']} asked): "
+        f"{out['replies']}; most held on one worker at once {conc['max_held']} (capacity "
+        f"{args.small_capacity}), over capacity {conc['over_capacity']} times, granted and "
+        f"never completed {conc['granted_not_completed']}; Redis {redis['samples']} samples, "
+        f"most live reservations {redis['max_live_reservations']}, over capacity "
+        f"{redis['over_capacity']}"
+    )
+    if "kill" in out:
+        k = out["kill"]
+        print("\n".join(_kill_lines(k)))
+        checks["no_lost_placement"] = (
+            k["granted_not_completed"] == 0 and k["api_not_completed_count"] == 0
+        )
+        checks["no_reservation_left"] = k["reservations_left"] == 0
+    for name, ok in checks.items():
+        print(f"  {name:<22} {'met' if ok else 'NOT met'}")
+    result = {
+        "bench": "fleet_replicas",
+        "subject": out,
+        "checks": checks,
+        "met": all(checks.values()),
+        "params": dict(vars(args)),
+        "machine": machine(),
+    }
+    print("RESULT " + json.dumps(_finite(result), default=str))

@@ -227,6 +227,12 @@ def cpu_s(pid: int) -> float:
     return float(t.user + t.system)
 
 
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine spent busy so far, all cores (every user's)."""
+    t = psutil.cpu_times()
+    return float(sum(t) - t.idle - getattr(t, "iowait", 0.0))
+
+
 def rss_mb(pid: int) -> float:
     try:
         return float(psutil.Process(pid).memory_info().rss) / 2**20

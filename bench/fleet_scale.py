@@ -32,11 +32,13 @@ core was not saturated: then the pair's difference is capped by the core, not th
 
 The policy format lists at most 4,096 edges (``policies.schema``); past that the edges it
 can list send N messages/s between them (4,094 edges at 1.22 Hz for N = 5,000), and the
-report says so.
+report says so. ``--replicas 1,2,3`` runs the replica checks instead
+(``bench/fleet_replicas.py``).
 
     .venv/bin/python bench/fleet_scale.py                   # about 9 minutes on 2 cores
     .venv/bin/python bench/fleet_scale.py --edges 100,500   # about 4 minutes
     .venv/bin/python bench/fleet_scale.py --edges 2000 --seconds 5 --rounds 2   # ~1.5 min
+    .venv/bin/python bench/fleet_scale.py --replicas 1,2,3  # about 6 minutes
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from fleet_rig import (
     Sim,
     cpu_s,
     edge_room,
+    machine_busy_s,
     rss_mb,
     set_edges,
     start_replica,
@@ -80,13 +83,16 @@ from sluicegate.app.servers import free_port
 
 
 class Meter:
-    """CPU seconds of named processes between two readings."""
+    """CPU seconds of named processes, of the whole machine (``machine``: all cores) and
+    of everything else on it (``others``: the machine less the named processes)."""
 
     def __init__(self, pids: dict[str, int]) -> None:
         self.pids = pids
 
     def read(self) -> dict[str, float]:
-        return {name: cpu_s(pid) for name, pid in self.pids.items()}
+        out = {name: cpu_s(pid) for name, pid in self.pids.items()}
+        machine = machine_busy_s()
+        return out | {"machine": machine, "others": machine - sum(out.values())}
 
 
 def time_fleet(fleet: FleetCampus, port: int) -> dict[str, Any]:
@@ -311,6 +317,19 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--jitter-ms", type=float, default=5.0)
     ap.add_argument("--driver-edges", type=int, default=2, help="edge identities placing")
     ap.add_argument("--sim-procs", type=int, default=1, help="simulator processes")
+    ap.add_argument("--replicas", default="", help="e.g. 1,2,3: the replica checks instead")
+    rep = ap.add_argument_group("--replicas mode (bench/fleet_replicas.py)")
+    rep.add_argument("--small-capacity", type=int, default=4, help="each worker's capacity")
+    rep.add_argument("--replica-service-ms", type=float, default=150.0)
+    rep.add_argument("--replica-jitter-ms", type=float, default=20.0)
+    rep.add_argument("--window", type=int, default=8, help="closed loop: requests outstanding")
+    rep.add_argument("--decisions", type=int, default=100_000, help="answers checked, at least")
+    rep.add_argument("--tel-edges", type=int, default=5000, help="edges for telemetry capacity")
+    rep.add_argument("--tel-rate", type=float, default=5000.0, help="their messages/s in all")
+    rep.add_argument("--tel-seconds", type=float, default=5.0)
+    rep.add_argument("--kill-rate", type=float, default=300.0, help="placements/s, kill run")
+    rep.add_argument("--kill-seconds", type=float, default=20.0)
+    rep.add_argument("--settle-timeout", type=float, default=60.0)
     args = ap.parse_args()
     args.edges = [int(x) for x in str(args.edges).split(",") if x]
     return args
@@ -318,6 +337,11 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.replicas:
+        from fleet_replicas import main as replicas_main
+
+        replicas_main(args)
+        return
     servers = Servers()
     sims: list[Sim] = []
     try:
