@@ -127,7 +127,7 @@ class Driver:
             entry = self.policy.edge(identity)
             assert entry is not None, f"{identity} is not an edge of the policy"
             client = RecordingClient(
-                Tap(transport, self.replies),  # type: ignore[arg-type]
+                Tap(transport, self.replies),
                 edge_id=identity,
                 zone=entry.zone,
                 policy=lambda: self.policy,

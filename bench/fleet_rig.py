@@ -49,7 +49,8 @@ from policies.signing import add_signature, dump_signatures, sign_policy
 from sluicegate import pki, topics
 from sluicegate.acl import render_acl
 from sluicegate.app.broker_http import get_json
-from sluicegate.app.campus import BROKER, LINES, OBSERVER, OFFICER, WORKERS, Campus, write_campus
+from sluicegate.app.campus import BROKER as BROKER
+from sluicegate.app.campus import LINES, OBSERVER, OFFICER, WORKERS, Campus, write_campus
 from sluicegate.app.localcampus import start_campus_mosquitto
 from sluicegate.app.servers import ServerProcess, free_port, start_redis
 

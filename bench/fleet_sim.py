@@ -274,7 +274,7 @@ class Simulator:
         context = ssl.create_default_context(cafile=m["ca"])
         context.load_cert_chain(m["cert"], m["key"])
         self.client.tls_set_context(context)
-        self.client.on_socket_open = lambda _c, _u, s: s.setsockopt(
+        self.client.on_socket_open = lambda _c, _u, s: s.setsockopt(  # type: ignore[attr-defined]
             socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
         )
         connected: list[bool] = []
@@ -339,7 +339,7 @@ class Simulator:
             self.client.publish(w.topic, w.payload(self.rng, wall), qos=0)
             self.counts["worker_telemetry"] += 1
         while self.due and self.due[0][0] <= now:
-            at, worker, job, attempt, edge, service_ms = heapq.heappop(self.due)
+            at, worker, job, attempt, edge_id, service_ms = heapq.heappop(self.due)
             state = self.workers[worker]
             state.held.discard(job)
             state.done += 1
@@ -353,7 +353,7 @@ class Simulator:
                 batch_size=1,
                 ts=wall,
                 attempt=attempt,
-                edge_id=edge,
+                edge_id=edge_id,
             )
             self.client.publish(topics.completion(worker), wire.dump(done), qos=1)
             sent = time.monotonic()
