@@ -31,7 +31,7 @@ class BrokerView(Protocol):
 
     def health(self) -> dict[str, Any]: ...
 
-    def fleet(self) -> dict[str, Any]: ...
+    def fleet(self, *, zone: str = "", after: str = "", limit: int = 1000) -> dict[str, Any]: ...
 
     async def job(self, job_id: str) -> dict[str, Any] | None: ...
 
@@ -76,6 +76,8 @@ async def _store_away(
 
 DEAD_LETTERS_DEFAULT = 100
 DEAD_LETTERS_MAX = 1000
+FLEET_PAGE = 1000  # edges GET /fleet shows unless asked for fewer
+FLEET_PAGE_MAX = 5000
 
 # What /metrics exposes beyond the placement histograms, for the OpenAPI description.
 METRICS_DOC = (
@@ -129,7 +131,22 @@ OPENAPI: dict[str, Any] = {
         "/fleet": {
             "get": {
                 "summary": "Nodes, zones, capabilities, load, health state and forecast",
-                "responses": {"200": {"description": "the fleet as the broker sees it"}},
+                "description": (
+                    "Every worker and a page of the edges, in id order: limit (1 to "
+                    f"{FLEET_PAGE_MAX}, default {FLEET_PAGE}) edges after the id 'after'; "
+                    "zone, a prefix, keeps only nodes in zones under it. page.next_after "
+                    "is the 'after' of the next page (null on the last); page.edges counts "
+                    "the edges that match."
+                ),
+                "parameters": [
+                    {"name": "limit", "in": "query", "schema": {"type": "integer"}},
+                    {"name": "after", "in": "query", "schema": {"type": "string"}},
+                    {"name": "zone", "in": "query", "schema": {"type": "string"}},
+                ],
+                "responses": {
+                    "200": {"description": "the fleet as the broker sees it"},
+                    "400": {"description": "a limit out of range, or a parameter too long"},
+                },
             }
         },
         "/jobs/{job_id}": {
@@ -323,8 +340,16 @@ def make_app(
         data = view.health()
         return _json(data, 200 if data.get("ready") else 503)
 
-    async def fleet(_request: web.Request) -> web.Response:
-        return _json(view.fleet())
+    async def fleet(request: web.Request) -> web.Response:
+        raw = request.query.get("limit", str(FLEET_PAGE))
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 5) or not (
+            1 <= int(raw) <= FLEET_PAGE_MAX
+        ):
+            return _error(400, f"limit={raw[:40]!r}: expected an integer 1 to {FLEET_PAGE_MAX}")
+        zone, after = request.query.get("zone", ""), request.query.get("after", "")
+        if len(zone) > 256 or len(after) > 256:
+            return _error(400, "zone and after are at most 256 characters")
+        return _json(view.fleet(zone=zone, after=after, limit=int(raw)))
 
     async def job(request: web.Request) -> web.Response:
         job_id = request.match_info["job_id"]

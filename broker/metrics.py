@@ -53,6 +53,19 @@ class BrokerMetrics:
         self.completions = Counter(
             "sluicegate_completions", "Completion records by status", ["status"], registry=r
         )
+        self.telemetry = Counter(
+            "sluicegate_broker_telemetry",
+            "Edge telemetry samples by what became of them: read, coalesced (replaced by a "
+            "newer one unread), shed (dropped unread under overload), ignored (a node the "
+            "policy does not list as an edge, or about another node), malformed",
+            ["outcome"],
+            registry=r,
+        )
+        self.telemetry_backlog = Gauge(
+            "sluicegate_broker_telemetry_backlog_seconds",
+            "How long the oldest unread edge telemetry sample had waited at the last read",
+            registry=r,
+        )
         self.finished = Gauge(
             "sluicegate_edge_finished_jobs",
             "Jobs an edge answered ok since it started, by where they ran (edge, pool), "

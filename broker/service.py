@@ -38,6 +38,7 @@ from broker.core.placement import decide
 from broker.core.sealing import SealUnavailable, advertised_key, seal_binding, sealable_in
 from broker.core.shadow import Shadow
 from broker.decision_audit import DecisionAudit, decision_record, encode
+from broker.edge_fleet import EdgeFleet
 from broker.gatekeeper import Gatekeeper
 from broker.inflight import InflightStore
 from broker.metrics import BrokerMetrics
@@ -106,7 +107,6 @@ class Broker:
         )
         self.metrics = BrokerMetrics()
         self._decided = {s: self.metrics.decisions.labels(s) for s in ("placed", "refused")}
-        self.edges: dict[str, wire.EdgeTelemetry] = {}
         # Operators' holds (broker.console.holds): lines whose offload is paused (edge ->
         # why), workers out of placement; and who else hears each completion (the console).
         self.paused: dict[str, str] = {}
@@ -126,6 +126,9 @@ class Broker:
         self.arrivals: dict[str, float] = {}  # jobs/s placed per pool (moving average)
         self._pools: tuple[bytes, dict[str, str]] = (b"", {})  # policy digest, worker -> pool
         self.store = BrokerStore(redis, int(self.params.stale_after_s * 1000))
+        self.edge_fleet = EdgeFleet(
+            policy, self.store, self.metrics, clock, interval_s=settings.telemetry_interval_s
+        )
         self._reserve_ok = True
         self.inflight = InflightStore(redis, self.store)
         self.reaper = Reaper(
@@ -229,11 +232,10 @@ class Broker:
         if rel is not None and self.gate.own("release", "edge", msg, rel.edge_id):
             self.reaper.release(rel, self.waiting.freed)
 
-    def on_edge_telemetry(self, msg: Message) -> None:
-        tel = _parse(wire.EdgeTelemetry, msg)
-        if tel is not None and tel.node == topics.node_of(msg.topic):
-            self.edges[tel.node] = tel
-            self.store.node_document(tel.node, "telemetry", msg.payload)
+    @property
+    def edges(self) -> dict[str, wire.EdgeTelemetry]:
+        """The latest telemetry of each edge the policy lists, as this replica heard it."""
+        return self.edge_fleet.edges
 
     # -- deciding ------------------------------------------------------------------------------
 
@@ -466,7 +468,8 @@ class Broker:
         await t.subscribe(topics.worker_all("status"), self.on_worker_status)
         await t.subscribe(topics.completions_all(), self.on_completion)
         await t.subscribe(topics.placement_releases_all(), self.on_release)
-        await t.subscribe(topics.edge_telemetry_all(), self.on_edge_telemetry, qos=0)
+        # A share each: no placement needs it (broker.edge_fleet).
+        await t.subscribe(topics.edge_telemetry_shared(), self.edge_fleet.offer, qos=0)
         # QoS 0, like the replies (see _reply); and a stale request redelivered to another
         # replica would only reserve for nobody.
         await t.subscribe(topics.placement_requests_shared(), self.on_request, qos=0)
@@ -489,6 +492,7 @@ class Broker:
             asyncio.create_task(self.audit.run(), name="decision audit"),
             asyncio.create_task(self._housekeeping(), name="housekeeping"),
             asyncio.create_task(self.store.run(), name="Redis writer"),
+            asyncio.create_task(self.edge_fleet.run(), name="edge telemetry"),
             asyncio.create_task(self.waiting.run(), name="waiting room"),
             asyncio.create_task(self.reaper.run(), name="reaper"),
         ]

@@ -5,8 +5,9 @@ bookkeeping of ``broker.inflight`` (Lua scripts included, with a callback for a 
 someone needs) are queued as they happen and sent in one pipeline per loop turn by
 :meth:`BrokerStore.run`, so a burst of decisions or completions costs one round trip of
 bookkeeping. Node documents expire when a node goes silent, so Redis holds exactly the
-fleet that is alive. Reading a job back serves the HTTP API of any replica. Every queued
-operation must be safe to send twice (see ``broker.lua``). Nothing here decides anything.
+fleet that is alive; they go a few hundred to a script call. Reading a job back serves the
+HTTP API of any replica. Every queued operation must be safe to send twice (see
+``broker.lua``). Nothing here decides anything.
 """
 
 from __future__ import annotations
@@ -28,6 +29,18 @@ from sluicegate.store import reached, reaching
 log = logging.getLogger(__name__)
 
 JOB_TTL_S = 24 * 3600  # how long a job's status and explanation stay queryable
+NODES_PER_CALL = 200  # node documents written per script call
+# KEYS: node documents; ARGV[1]: their expiry (ms), then a (kind, document) pair per key.
+NODE_DOCUMENTS = Lua(
+    """
+local ttl = ARGV[1]
+for i, key in ipairs(KEYS) do
+  redis.call('HSET', key, ARGV[2 * i], ARGV[2 * i + 1])
+  redis.call('PEXPIRE', key, ttl)
+end
+return #KEYS
+"""
+)
 # (command or script, args, kwargs or the script's keys, callback for the reply)
 _Op = tuple[str | Lua, tuple[Any, ...], Any, Callable[[Any], None] | None]
 
@@ -91,10 +104,18 @@ class BrokerStore:
         self._nodes[(node, kind)] = payload
 
     def flush_nodes(self) -> None:
+        """Queue the node documents kept since the last flush, :data:`NODES_PER_CALL` to a
+        script call (one command to pack and one reply to read per call, not two per node;
+        and Redis busy with one call for well under a millisecond, so a reservation queued
+        behind it hardly waits)."""
         nodes, self._nodes = self._nodes, {}
-        for (node, kind), payload in nodes.items():
-            self.write("hset", keys.node(node), kind, payload)
-            self.write("pexpire", keys.node(node), self._node_ttl_ms)
+        batch = list(nodes.items())
+        for start in range(0, len(batch), NODES_PER_CALL):
+            chunk = batch[start : start + NODES_PER_CALL]
+            args: list[Any] = [self._node_ttl_ms]
+            for (_node, kind), payload in chunk:
+                args += (kind, payload)
+            self.script(NODE_DOCUMENTS, [keys.node(node) for (node, _kind), _p in chunk], args)
         self.write("ping")
 
     @reaching("read a job's decision")

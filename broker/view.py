@@ -15,6 +15,7 @@ from collections import defaultdict
 from dataclasses import asdict
 from typing import Any
 
+from broker.api import FLEET_PAGE
 from broker.audit_check import AuditChecker
 from broker.exposition import refresh
 from broker.metering import UsageIngest
@@ -68,7 +69,10 @@ class HttpView:
             "inflight_at_start": {"workers": workers, "jobs": jobs},
         }
 
-    def fleet(self) -> dict[str, Any]:
+    def fleet(self, *, zone: str = "", after: str = "", limit: int = FLEET_PAGE) -> dict[str, Any]:
+        """Every worker, and a page of the edges: ``limit`` of them in id order after
+        ``after``; both only in zones under ``zone`` (a prefix) when it is given. ``page``
+        says how many match and where the next page starts."""
         fleet = self._broker.fleet
         workers = []
         zones: dict[str, list[str]] = defaultdict(list)
@@ -77,15 +81,17 @@ class HttpView:
             if view is None:
                 continue
             caps, latest = state.capabilities, state.latest
-            zone = caps.zone if caps else None
-            if zone:
-                zones[zone].append(state.worker_id)
+            zone_of = caps.zone if caps else None
+            if not (zone_of or "").startswith(zone):
+                continue
+            if zone_of:
+                zones[zone_of].append(state.worker_id)
             workers.append(
                 {
                     "id": state.worker_id,
                     "online": state.online,
                     "last_seen": state.last_seen,
-                    "zone": zone,
+                    "zone": zone_of,
                     "policy_zone": view.policy_zone,
                     "capabilities": _plain(caps),
                     "load": _plain(latest),
@@ -98,8 +104,11 @@ class HttpView:
                     "models": dict(view.statuses),
                 }
             )
-        edges = [t.model_dump() for t in self._broker.edges.values()]
-        return {"workers": workers, "edges": edges, "zones": dict(zones)}
+        edges, matching, next_after = self._broker.edge_fleet.page(
+            zone=zone, after=after, limit=limit
+        )
+        page = {"limit": limit, "edges": matching, "next_after": next_after}
+        return {"workers": workers, "edges": edges, "zones": dict(zones), "page": page}
 
     async def job(self, job_id: str) -> dict[str, Any] | None:
         data = await self._broker.job(job_id)

@@ -166,6 +166,12 @@ def placement_requests_shared(group: str = "brokers") -> str:
     return f"$share/{group}/{placement_requests_all()}"
 
 
+def edge_telemetry_shared(group: str = "brokers") -> str:
+    """The shared subscription broker replicas take the edges' telemetry on, so each sample
+    goes to one of them (no placement needs it: it is for people and for Redis)."""
+    return f"$share/{group}/{edge_telemetry_all()}"
+
+
 def placement_release(edge_id: str) -> str:
     """Where edge ``edge_id`` hands back a placement it will not use (every replica
     listens)."""

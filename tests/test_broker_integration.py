@@ -718,3 +718,79 @@ def test_the_edges_finished_jobs_and_the_offload_ratio_follow_their_telemetry(
     ratio = re.search(r"^sluicegate_offload_ratio (\S+)$", text, re.MULTILINE)
     assert ratio is not None
     assert float(ratio.group(1)) == pytest.approx(7 / 42)
+
+
+def _edge_telemetry(node: str, queue_depth: int) -> bytes:
+    return wire.dump(
+        wire.EdgeTelemetry(
+            node=node,
+            zone="declared/by/the/node",  # the fleet shows the policy's zone beside it
+            ts=time.time(),
+            queue_depth=queue_depth,
+            queue_capacity=64,
+            in_flight=0,
+            concurrency=1,
+            models={},
+            cpu_percent=5.0,
+            memory_rss_mb=100.0,
+            memory_percent=1.0,
+            results={},
+            dropped_no_response_topic=0,
+        )
+    )
+
+
+def _telemetry_counted(settings: Settings) -> dict[str, float]:
+    metrics: str = http(settings, "/metrics")[1]
+    pattern = r'^sluicegate_broker_telemetry_total\{outcome="(\w+)"\} (\S+)$'
+    return {k: float(v) for k, v in re.findall(pattern, metrics, re.MULTILINE)}
+
+
+def test_the_fleet_shows_the_policys_edges_in_pages_and_counts_what_it_ignored(
+    broker: tuple[ServiceThread, Settings], mosquitto: ServerProcess
+) -> None:
+    _, settings = broker
+    client = PlainClient(mosquitto.port)
+    before = _telemetry_counted(settings)
+
+    def send(node: str, payload: bytes) -> None:
+        client.client.publish(topics.edge_telemetry(node), payload, qos=1).wait_for_publish(10)
+
+    def counted(outcome: str, more: float) -> bool:
+        return _telemetry_counted(settings).get(outcome, 0.0) >= before.get(outcome, 0.0) + more
+
+    # One at a time: a node's next sample would replace an unread one (coalesced).
+    send("ghost-pc", _edge_telemetry("ghost-pc", 1))  # a node the policy does not list
+    wait_until(lambda: counted("ignored", 1))
+    send("line-2-pc", b"{not json")
+    wait_until(lambda: counted("malformed", 1))
+    send("line-2-pc", _edge_telemetry(EDGE, 99))  # on line-2-pc's topic, about line-1-pc
+    wait_until(lambda: counted("ignored", 2))
+    send(EDGE, _edge_telemetry(EDGE, 3))
+    send("line-2-pc", _edge_telemetry("line-2-pc", 4))
+    client.close()
+
+    def shown() -> dict[str, Any] | None:
+        fleet: dict[str, Any] = http(settings, "/fleet")[1]
+        depths = {e["node"]: e["queue_depth"] for e in fleet["edges"]}
+        return fleet if depths == {EDGE: 3, "line-2-pc": 4} else None
+
+    fleet = wait_until(shown)
+    assert {e["node"]: e["policy_zone"] for e in fleet["edges"]} == {
+        EDGE: f"{FAB}/line-1",
+        "line-2-pc": f"{FAB}/line-2",
+    }
+    assert fleet["page"] == {"limit": 1000, "edges": 2, "next_after": None}
+
+    first = http(settings, "/fleet?limit=1")[1]
+    assert [e["node"] for e in first["edges"]] == [EDGE]
+    assert first["page"] == {"limit": 1, "edges": 2, "next_after": EDGE}
+    second = http(settings, f"/fleet?limit=1&after={EDGE}")[1]
+    assert [e["node"] for e in second["edges"]] == ["line-2-pc"]
+    assert second["page"]["next_after"] is None
+    zoned = http(settings, f"/fleet?zone={FAB}/line-2")[1]
+    assert [e["node"] for e in zoned["edges"]] == ["line-2-pc"]
+    assert all(w["zone"].startswith(f"{FAB}/line-2") for w in zoned["workers"])
+    status, body = http(settings, "/fleet?limit=0")
+    assert status == 400
+    assert "limit" in body["error"]
