@@ -29,6 +29,7 @@ from policies.sealing import decode_seal_key, seal_key_text
 
 FORMAT = "sluicegate-policy/1"
 MAX_VERSION = 2**32 - 1
+MAX_EDGES = 65_536  # line PCs one policy may list (a large campus has thousands)
 
 _SEG = r"[a-z0-9][a-z0-9._-]*"
 ZONE_RE = rf"^{_SEG}(/{_SEG}){{0,7}}$"
@@ -192,7 +193,7 @@ class AppDoc(_Model):
     takes their results (besides ``sluicegate/v1/clients/<app id>/results``, always its)."""
 
     description: Text = ""
-    edges: list[NodeId] = Field(min_length=1, max_length=4096)
+    edges: list[NodeId] = Field(min_length=1, max_length=MAX_EDGES)
     results: list[ResultsPrefix] = Field(default_factory=list, max_length=16)
 
 
@@ -251,7 +252,7 @@ class PolicyDocument(_Model):
     broker_signers: BrokersDoc = Field(default_factory=BrokersDoc)
     zones: dict[ZoneName, Text] = Field(min_length=1, max_length=4096)
     pools: dict[NodeId, PoolDoc] = Field(default_factory=dict, max_length=1000)
-    edges: dict[NodeId, EdgeDoc] = Field(default_factory=dict, max_length=4096)
+    edges: dict[NodeId, EdgeDoc] = Field(default_factory=dict, max_length=MAX_EDGES)
     apps: dict[NodeId, AppDoc] = Field(default_factory=dict, max_length=4096)
     classes: dict[Name, ClassDoc] = Field(min_length=1, max_length=128)
     subhealth: list[SubhealthDoc] = Field(default_factory=list, max_length=64)
