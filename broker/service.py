@@ -1,8 +1,10 @@
 """The campus broker's asyncio shell: MQTT and Redis in, the placement core, tokens out.
 
 It feeds the pure :class:`~broker.core.fleet.Fleet` from worker capabilities, telemetry, status
-and completion records; answers each placement request (job metadata and the image's hash,
-never the image) with a signed token or a refusal that says why; and keeps what other
+and completion records; decides each placement request (job metadata and the image's hash,
+never the image), answered with a signed token or a refusal that says why by
+:class:`~broker.answers.Answers`; hands the edges' telemetry to
+:class:`~broker.edge_fleet.EdgeFleet`, which reads it between urgent work; and keeps what other
 replicas and a restart need in Redis: atomic reservations, each placement in flight (edge,
 worker, attempt), node documents that expire when a node goes silent, each job's status and
 explanation; a placement its edge hands back unused frees its slot at once. Requests are
@@ -21,13 +23,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ValidationError
 
+from broker.answers import Answers
 from broker.core import service_rules
 from broker.core.decision import Decision, Placed
 from broker.core.demand import PoolDemand, pool_demand
@@ -35,19 +37,18 @@ from broker.core.fleet import Fleet
 from broker.core.identity import IdentityRefusal
 from broker.core.params import FleetParams, PlacementParams, ServiceParams
 from broker.core.placement import decide
-from broker.core.sealing import SealUnavailable, advertised_key, seal_binding, sealable_in
+from broker.core.sealing import sealable_in
 from broker.core.shadow import Shadow
-from broker.decision_audit import DecisionAudit, decision_record, encode
+from broker.decision_audit import DecisionAudit
 from broker.edge_fleet import EdgeFleet
 from broker.gatekeeper import Gatekeeper
 from broker.inflight import InflightStore
 from broker.metrics import BrokerMetrics
 from broker.reaper import Reaper
-from broker.reservations import Hold, Reservations
+from broker.reservations import Reservations
 from broker.store import BrokerStore
 from broker.waiting_room import Pending, WaitingRoom
-from policies import AsyncAuditWriter, Policy, SigningKey, mint
-from policies.errors import PolicyError
+from policies import AsyncAuditWriter, Policy, SigningKey
 from sluicegate import topics, wire
 from sluicegate.config import BrokerSettings
 from sluicegate.errors import StoreUnavailable, TransportError
@@ -65,6 +66,9 @@ from sluicegate.wire_pool import (
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
+NO_POLICY = "the broker holds no verified policy"
+BROKER_FAILED = "the broker failed; run locally"
+FILLED_UP = "workers filled up while placing; run locally"
 
 
 def status_message(settings: BrokerSettings, state: Literal["online", "offline"]) -> bytes:
@@ -106,7 +110,6 @@ class Broker:
             redis, inflight_margin_ms=int(settings.inflight_margin_s * 1000)
         )
         self.metrics = BrokerMetrics()
-        self._decided = {s: self.metrics.decisions.labels(s) for s in ("placed", "refused")}
         # Operators' holds (broker.console.holds): lines whose offload is paused (edge ->
         # why), workers out of placement; and who else hears each completion (the console).
         self.paused: dict[str, str] = {}
@@ -119,13 +122,22 @@ class Broker:
             settings.max_wait_ms,
             clock=clock,
             again=self._inbox.put_nowait,
-            give_up=lambda item, reason: self._answer(item, None, "no_capacity", reason),
+            give_up=lambda item, reason: self.answers.refuse(item, None, "no_capacity", reason),
             gauge=self.metrics.waiting.set,
         )
-        self._placed_by_pool: Counter[str] = Counter()
         self.arrivals: dict[str, float] = {}  # jobs/s placed per pool (moving average)
-        self._pools: tuple[bytes, dict[str, str]] = (b"", {})  # policy digest, worker -> pool
         self.store = BrokerStore(redis, int(self.params.stale_after_s * 1000))
+        self.answers = Answers(
+            settings,
+            transport,
+            key,
+            self.fleet,
+            self.store,
+            self.metrics,
+            self.audit,
+            self.service_params,
+            clock,
+        )
         self.edge_fleet = EdgeFleet(
             policy, self.store, self.metrics, clock, interval_s=settings.telemetry_interval_s
         )
@@ -156,21 +168,21 @@ class Broker:
             bad = PlacementReply(
                 job_id="?", status="refused", code="bad_request", reason=f"{exc}"[:500]
             )
-            self._reply(reply_topic, msg.correlation_data, bad)
+            self.answers.reply(reply_topic, msg.correlation_data, bad)
             return
         item = Pending(request, reply_topic, msg.correlation_data, time.perf_counter())
         policy = self._policy()
         if policy is None:
-            self._answer(item, None, "no_policy", "the broker holds no verified policy")
+            self.answers.refuse(item, None, "no_policy", NO_POLICY)
             return
         origin = self.gate.origin(policy, edge_id, request.edge_id)
         if isinstance(origin, IdentityRefusal):
-            self._answer(item, None, origin.code, origin.reason)
+            self.answers.refuse(item, None, origin.code, origin.reason)
             return
         if request.origin_zone != origin:
             item.request = request.model_copy(update={"origin_zone": origin})
         if edge_id in self.paused:
-            self._answer(item, None, "offload_paused", self.paused[edge_id])
+            self.answers.refuse(item, None, "offload_paused", self.paused[edge_id])
             return
         self._inbox.put_nowait(item)
 
@@ -250,7 +262,9 @@ class Broker:
             except Exception:  # a fault in deciding still answers every request held
                 log.exception("placement batch failed; refusing its %d requests", len(batch))
                 for item in batch:
-                    self._answer(item, None, "broker_error", "the broker failed; run locally")
+                    self.answers.refuse(
+                        item, None, "broker_error", "the broker failed; run locally"
+                    )
 
     async def _place_batch(self, batch: list[Pending]) -> None:
         policy = self._policy()
@@ -264,7 +278,7 @@ class Broker:
             placed: list[tuple[Pending, Placed]] = []
             for item in todo:
                 if policy is None:
-                    self._answer(item, None, "no_policy", "the broker holds no verified policy")
+                    self.answers.refuse(item, None, "no_policy", NO_POLICY)
                     continue
                 decision = decide(
                     self.fleet,
@@ -282,9 +296,9 @@ class Broker:
                     )
                     placed.append((item, decision))
                 elif decision.code != "no_capacity" or not self.waiting.hold(item, now):
-                    self._answer(item, decision, decision.code, decision.reason)
+                    self.answers.refuse(item, decision, decision.code, decision.reason)
             todo = []
-            holds = [self._hold(item.request, d, now) for item, d in placed]
+            holds = [self.answers.hold(item.request, d, now) for item, d in placed]
             try:
                 granted = await self.reservations.reserve_many(holds, int(now * 1000))
                 self._reserve_ok = True
@@ -292,20 +306,24 @@ class Broker:
                 self._reserve_ok = False
                 for item, decision in placed:
                     self.fleet.release(item.request.job_id)
-                    self._answer(item, decision, "broker_unavailable", str(exc))
+                    self.answers.refuse(item, decision, "broker_unavailable", str(exc))
                 return
             for (item, decision), ok in zip(placed, granted, strict=True):
                 if isinstance(ok, str):  # dead-lettered: never placed again
                     self.fleet.release(item.request.job_id)
-                    self._answer(item, None, "dead_letter", f"the job is dead-lettered: {ok}")
+                    self.answers.refuse(
+                        item, None, "dead_letter", f"the job is dead-lettered: {ok}"
+                    )
                 elif ok:
-                    self._grant(item, decision, policy)
+                    self.answers.grant(item, decision, policy)
                 else:  # other replicas filled the worker first: count it full, decide again
                     self.fleet.release(item.request.job_id)
                     self.fleet.mark_full(decision.worker_id, now)
                     todo.append(item)
         for item in todo:
-            self._answer(item, None, "no_capacity", "workers filled up while placing; run locally")
+            self.answers.refuse(
+                item, None, "no_capacity", "workers filled up while placing; run locally"
+            )
 
     def _beside(
         self, request: PlacementRequest, decision: Decision, policy: Policy, now: float
@@ -322,113 +340,6 @@ class Broker:
         self.metrics.shadow.labels(compared.outcome).inc()
         if compared.outcome != "same" or compared.forbidden:
             log.debug("shadow: %s", compared)
-
-    def _hold(self, request: PlacementRequest, decision: Placed, now: float) -> Hold:
-        state = self.fleet.state(decision.worker_id)
-        latest = state.latest if state is not None else None
-        capacity = latest.capacity if latest is not None else 1
-        until = service_rules.reservation_until(
-            now,
-            token_ttl_s=self.settings.token_ttl_s,
-            deadline_at=request.deadline_at,
-            params=self.service_params,
-        )
-        until_ms = int(until * 1000)
-        return Hold(
-            decision.worker_id,
-            request.job_id,
-            capacity,
-            until_ms,
-            request.edge_id,
-            request.attempt,
-            request.deadline_at,
-        )
-
-    def _grant(self, item: Pending, decision: Placed, policy: Policy | None) -> None:
-        assert policy is not None
-        req = item.request
-        sealing = seal_binding(
-            policy,
-            decision.worker_id,
-            advertised_key(self.fleet, decision.worker_id),
-            req.data_class,
-            seal_all=self.settings.seal_all,
-        )
-        if isinstance(sealing, SealUnavailable):
-            self.fleet.release(req.job_id)
-            self.store.release(decision.worker_id, req.job_id)
-            self._answer(item, decision, sealing.code, sealing.reason)
-            return
-        try:
-            token = mint(
-                policy,
-                self._key,
-                job_id=req.job_id,
-                payload_sha256=bytes.fromhex(req.payload_sha256),
-                data_class=req.data_class,
-                origin_zone=req.origin_zone,
-                target_worker=decision.worker_id,
-                now=self._clock(),
-                ttl_s=self.settings.token_ttl_s,
-                seal_key_id=sealing,
-            )
-        except PolicyError as exc:  # the core and the policy library disagree: refuse
-            self.fleet.release(req.job_id)
-            self.store.release(decision.worker_id, req.job_id)
-            self._answer(item, decision, exc.reason, f"token not minted: {exc}")
-            return
-        reply = PlacementReply(
-            job_id=req.job_id,
-            status="placed",
-            token=token,
-            worker_id=decision.worker_id,
-            worker_zone=decision.zone,
-            work_topic=topics.pool_work(decision.zone, decision.worker_id, req.edge_id),
-            predicted_ms=round(decision.predicted_ms, 3),
-            broker_id=self.settings.id,
-        )
-        self._placed_by_pool[self._pool_of(policy, decision.worker_id)] += 1
-        self._finish(item, decision, reply)
-
-    def _pool_of(self, policy: Policy, worker_id: str) -> str:
-        if self._pools[0] != policy.digest:
-            self._pools = (policy.digest, {w: p.name for p in policy.pools for w in p.workers})
-        return self._pools[1].get(worker_id, "?")
-
-    def _answer(self, item: Pending, decision: Decision | None, code: str, reason: str) -> None:
-        reply = PlacementReply(
-            job_id=item.request.job_id,
-            status="refused",
-            code=code,
-            reason=reason,
-            broker_id=self.settings.id,
-        )
-        self.metrics.refusals.labels(code).inc()
-        self._finish(item, decision, reply)
-
-    def _finish(self, item: Pending, decision: Decision | None, reply: PlacementReply) -> None:
-        self._reply(item.reply_topic, item.correlation, reply)
-        self._decided[reply.status].inc()
-        self.metrics.decision_seconds.observe(time.perf_counter() - item.arrived)
-        req = item.request
-        text = encode(decision_record(req, reply, decision))  # for the log and the job alike
-        self.audit.add(req.job_id, text)
-        self.store.job_decision(req.job_id, text)
-
-    def _reply(self, topic: str, correlation: bytes | None, reply: PlacementReply) -> None:
-        # QoS 0: a request and its reply are worth something only while the edge waits (its
-        # placement timeout, 50 ms by default, far shorter than any redelivery would take);
-        # a lost one costs that wait and the reservation expires.
-        # QoS 1 would add a PUBACK to read per decision, here and at the edge.
-        self._transport.publish_nowait(
-            Message(
-                topic,
-                wire.dump(reply),
-                qos=0,
-                correlation_data=correlation,
-                content_type=wire.RESULT_CONTENT_TYPE,
-            )
-        )
 
     # -- Redis upkeep and the audit log ----------------------------------------------------
 
@@ -451,11 +362,11 @@ class Broker:
         while True:
             await asyncio.sleep(min(interval, 1.0))  # silent workers: the reaper's sweep
             tick = min(interval, 1.0)
-            for pool in set(self.arrivals) | set(self._placed_by_pool):
-                rate = self._placed_by_pool.get(pool, 0) / tick
+            for pool in set(self.arrivals) | set(self.answers.placed_by_pool):
+                rate = self.answers.placed_by_pool.get(pool, 0) / tick
                 previous = self.arrivals.get(pool)
                 self.arrivals[pool] = service_rules.arrivals(previous, rate, self.service_params)
-            self._placed_by_pool.clear()
+            self.answers.placed_by_pool.clear()
             self.store.flush_nodes()
 
     # -- lifecycle -----------------------------------------------------------------------------
