@@ -30,7 +30,7 @@ from sluicegate.transport import Handler, Message
 
 log = logging.getLogger(__name__)
 
-MAX_ROUTES = 4096  # topics whose matching subscriptions are remembered
+MAX_ROUTES = 65_536  # topics whose matching subscriptions are remembered (a topic per node)
 
 
 def matching(topic_filter: str) -> str:
