@@ -26,12 +26,18 @@ from sluicegate.errors import StoreUnavailable
 Console = tuple[Board, Access]
 
 
+FLEET_PAGE = 1000  # edges GET /fleet shows unless asked for fewer
+FLEET_PAGE_MAX = 5000
+
+
 class BrokerView(Protocol):
     """What the API needs from the running broker."""
 
     def health(self) -> dict[str, Any]: ...
 
-    def fleet(self, *, zone: str = "", after: str = "", limit: int = 1000) -> dict[str, Any]: ...
+    def fleet(
+        self, *, zone: str = "", after: str = "", limit: int = FLEET_PAGE
+    ) -> dict[str, Any]: ...
 
     async def job(self, job_id: str) -> dict[str, Any] | None: ...
 
@@ -76,8 +82,6 @@ async def _store_away(
 
 DEAD_LETTERS_DEFAULT = 100
 DEAD_LETTERS_MAX = 1000
-FLEET_PAGE = 1000  # edges GET /fleet shows unless asked for fewer
-FLEET_PAGE_MAX = 5000
 
 # What /metrics exposes beyond the placement histograms, for the OpenAPI description.
 METRICS_DOC = (

@@ -21,13 +21,11 @@ from pathlib import Path
 
 import redis
 
-from sluicegate import topics
 from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
 from sluicegate.app.servers import ServerProcess, free_port, start_redis, start_sentinel
 from sluicegate.errors import SluicegateError
-from tests.faults.rig import RIG_APPS, WIRETAP, Rig
+from tests.faults.rig import RIG_APPS, Rig, add_wiretap
 from tests.policies.policy_testkit import key
-from tests.secure_kit import issue_identity
 
 SERVICE = "sg-campus"
 DOWN_AFTER_MS = 1000  # a master silent this long is down (Sentinel's default is 30 s)
@@ -227,10 +225,7 @@ class SentinelRig(Rig):
                 apps=RIG_APPS,
             )
             files = self._campus.write()
-            issue_identity(files, WIRETAP)
-            with files.acl_file.open("a") as acl:  # the test's wiretap: it reads everything
-                acl.write(f"# the fault tests' wiretap\nuser {WIRETAP}\n")
-                acl.write(f"topic read {topics.ROOT}/#\n\n")
+            add_wiretap(files)
             self.mosquitto = start_campus_mosquitto(
                 files, workdir=self.root / "mosquitto", persistence=True
             )

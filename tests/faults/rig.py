@@ -44,6 +44,14 @@ FLOOD_RESULTS = "flood"
 RIG_APPS = dict(APPS) | {name: (tuple(LINES), FLOOD_RESULTS) for name in FLOODERS}
 
 
+def add_wiretap(files: Campus) -> None:
+    """Give the fault tests' wiretap a certificate and an ACL block that reads everything."""
+    issue_identity(files, WIRETAP)
+    with files.acl_file.open("a") as acl:
+        acl.write(f"# the fault tests' wiretap\nuser {WIRETAP}\n")
+        acl.write(f"topic read {topics.ROOT}/#\n\n")
+
+
 def image_for(job_id: str) -> bytes:
     """One of a few real inspection images, always the same one for a job id."""
     return IMAGES[zlib.crc32(job_id.encode()) % len(IMAGES)]
@@ -118,10 +126,7 @@ class Rig:
                 apps=RIG_APPS,
             )
             files = self._campus.write()
-            issue_identity(files, WIRETAP)
-            with files.acl_file.open("a") as acl:  # the test's wiretap: it reads everything
-                acl.write(f"# the fault tests' wiretap\nuser {WIRETAP}\n")
-                acl.write(f"topic read {topics.ROOT}/#\n\n")
+            add_wiretap(files)
             self.mosquitto = start_campus_mosquitto(
                 files, workdir=self.root / "mosquitto", persistence=True
             )
