@@ -1,21 +1,29 @@
 """The bridge between paho-mqtt (MQTT v5) and asyncio: the transport every role uses.
 
-paho runs on the event loop, through its external-loop interface: the loop watches paho's
-socket (``loop_read`` when readable, ``loop_write`` while paho has packets to send) and a
-small task calls ``loop_misc`` for keepalive. paho's callbacks therefore run on the loop
-thread, and a message is converted into our own :class:`~sluicegate.transport.Message` and
-handed to its handler at once. A publish made on the loop outside paho's callbacks is
-written at once (the loop's next poll cost an offloaded job ~0.6 ms over its four such
-publishes); one made by a handler is written right after the read that ran it, once
-paho's callback lock is released (it is not reentrant). There is no network thread:
-measured under load (the broker's placement path), a second thread cost about a third more
-CPU per message than the work itself, in GIL hand-offs and wake-ups (docs/performance.md).
-Handlers must therefore be quick and must never wait on the transport themselves; while one
-runs, nothing is read, so TCP pushes back on the sender instead of memory growing.
+paho runs on the event loop, through its external-loop interface: the loop watches the
+socket, a small task calls ``loop_misc`` for keepalive and paho writes (``loop_write``
+while it has packets to send). Reading is ours: when the socket is readable the transport
+reads what it holds in one large read, cuts the packets out (:mod:`sluicegate.mqtt.framing`),
+routes each QoS 0 and QoS 1 PUBLISH itself and hands paho the rest (acks, CONNACK, QoS 2,
+what does not decode), whole, to read as from its socket (``FedClient``). paho read a
+packet's first byte, each byte of its length and its body with a syscall each and built a
+``MQTTMessage`` (two locks and a condition) per message: taking in a 535-byte telemetry
+message cost 70 µs of CPU, 37 µs now (``bench/mqtt_read.py``). paho's callbacks run on the
+loop thread; a message is converted into our own :class:`~sluicegate.transport.Message`
+and handed to its handler at once. A publish made on the loop outside a read is written
+at once (the loop's next poll cost an offloaded job ~0.6 ms over its four such publishes);
+one made by a handler is written right after the read that ran it. There is no network
+thread: measured under load (the broker's placement path), a second thread cost about a
+third more CPU per message than the work itself, in GIL hand-offs and wake-ups
+(docs/performance.md). Handlers must therefore be quick and must never wait on the
+transport themselves; at most ``READ_BURST`` packets are taken in per turn of the loop, and
+while handlers run nothing is read, so TCP pushes back on the sender instead of memory
+growing.
 
-Received PUBLISH packets are decoded in one pass (:mod:`sluicegate.mqtt.packets`, installed
-as paho's ``decode_publish`` for every paho client of the process: paho's own decoder took
-~150 µs for a 100 KB work message; ours ~18 µs, checked against paho's in the tests).
+PUBLISH packets are decoded in one pass (:func:`sluicegate.mqtt.framing.decode_publish`,
+also installed as paho's ``decode_publish`` for every paho client of the process: paho's
+own decoder took ~150 µs for a 100 KB work message; ours ~18 µs, checked against paho's in
+the tests).
 
 Only the TCP (and TLS) connect, which blocks, runs on a worker thread; the transport
 connects, and reconnects whenever the connection is lost, with exponential backoff between
@@ -38,7 +46,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-import ssl
 import threading
 from collections.abc import Callable, Sized
 from typing import Any
@@ -52,7 +59,9 @@ from paho.mqtt.reasoncodes import ReasonCode
 from sluicegate.config import MqttSettings
 from sluicegate.errors import TransportError
 from sluicegate.mqtt.client import new_client
-from sluicegate.mqtt.packets import new_properties, publish_properties, to_message
+from sluicegate.mqtt.framing import Publish
+from sluicegate.mqtt.packets import from_paho, new_properties, publish_properties
+from sluicegate.mqtt.reader import SocketReader
 from sluicegate.mqtt.routing import AckTable, Subscription, Subscriptions
 from sluicegate.transport import Handler, Message, Will
 
@@ -63,7 +72,7 @@ log = logging.getLogger(__name__)
 _OK = (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN)
 MISC_INTERVAL_S = 1.0  # how often paho's keepalive bookkeeping runs
 CLOSE_TIMEOUT_S = 2.0  # how long close() waits for its DISCONNECT to go out
-READ_BURST = 64  # messages read per wake-up of the loop, at most
+READ_BURST = 64  # packets taken in per turn of the loop, at most
 
 
 class MqttTransport:
@@ -84,7 +93,8 @@ class MqttTransport:
         self._clean_start = clean_start
         self._session_expiry_s = session_expiry_s
         self._max_pending = max_pending
-        self._routing: Subscriptions[paho.MQTTMessage] = Subscriptions(max_pending, self._convert)
+        self._routing: Subscriptions[Publish] = Subscriptions(max_pending, self._convert)
+        self._resume = False  # a burst's continuation waits for the loop's next turn
         self._connect_hooks: list[Callable[[], None]] = []
         self._disconnect_hooks: list[Callable[[], None]] = []
         self._acks = AckTable()
@@ -98,12 +108,12 @@ class MqttTransport:
         self._closing = False
         self._last_error: str | None = None
         self._connacks = 0  # connections that got as far as a CONNACK
-        self._messages_seen = 0
         # Inside a call into paho on the loop, whose callbacks may publish: paho's callback
         # lock is not reentrant, so such a publish waits for the writer (see publish_nowait).
         self._in_paho = False
         self._handlers_published = False  # a handler published during this read
         self._client = new_client(settings, client_id, will)
+        self._reader = SocketReader(self._client, self._routing.deliver, settings.host)
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
         self._client.on_publish = self._on_publish
@@ -255,6 +265,7 @@ class MqttTransport:
         if sock is None or loop is None:
             return
         self._fd = sock.fileno()
+        self._reader.restart()
         loop.add_reader(self._fd, self._readable)
         loop.add_writer(self._fd, self._writable)
 
@@ -276,28 +287,27 @@ class MqttTransport:
             loop.remove_writer(fd)
 
     def _readable(self) -> None:
-        """Read what the socket holds, up to ``READ_BURST`` messages: a burst is handed to
+        """Take in what the socket holds, up to ``READ_BURST`` packets: a burst is handed to
         its handlers in one go (one placement batch, one Redis round trip), not one
-        message per turn of the loop. paho reads one packet per call here. What the
-        handlers published meanwhile (replies, acks) is written right after, not at the
-        loop's next poll."""
-        self._paho(self._read_burst)
+        message per turn of the loop. What the handlers published meanwhile (replies, acks)
+        is written right after, not at the loop's next poll."""
+        self._resume = False
+        if self._fd is None:
+            return  # a continuation that outlived its connection
+        self._in_paho = True  # a handler's publish waits for the end of the burst
+        try:
+            full = self._reader.burst(READ_BURST)
+        finally:
+            self._in_paho = False
+        if full and not self._resume and self._loop is not None:
+            # A burst's worth taken: what was read already waits for the loop's next turn,
+            # not for the socket (which may have nothing more to say).
+            self._resume = True
+            self._loop.call_soon(self._readable)
         if self._handlers_published:
             self._handlers_published = False
             if self._fd is not None:
                 self._paho(self._client.loop_write)
-
-    def _read_burst(self) -> None:
-        for _ in range(READ_BURST):
-            seen = self._messages_seen
-            self._client.loop_read()
-            if self._messages_seen == seen or self._fd is None:
-                break  # nothing whole came in: drained (or a packet is still arriving)
-        sock = self._client.socket()
-        # TLS: records already decrypted wait inside the SSL object, unseen by the selector.
-        while isinstance(sock, ssl.SSLSocket) and sock.pending() and self._fd is not None:
-            self._client.loop_read()
-            sock = self._client.socket()
 
     def _on_loop_thread(self) -> bool:
         return threading.get_ident() == self._loop_thread
@@ -400,16 +410,15 @@ class MqttTransport:
     # -- paho's callbacks (on the loop, inside loop_read / loop_write) -------------------
 
     def _on_message(self, _client: paho.Client, _userdata: Any, msg: paho.MQTTMessage) -> None:
-        self._messages_seen += 1
-        self._routing.deliver(msg)
+        self._routing.deliver(from_paho(msg))  # QoS 2: the rest are taken in by _take
 
-    def _convert(self, msg: paho.MQTTMessage, subs: list[Subscription], generation: int) -> Message:
+    def _convert(self, msg: Publish, subs: list[Subscription], generation: int) -> Message:
         """Our message, with an ack handle when a manual-ack subscription wants it; acked
         here otherwise."""
         handle = self._routing.handle(msg, subs, generation)
         if handle is None and msg.qos > 0 and generation == self._routing.generation:
             self._client.ack(msg.mid, msg.qos)
-        return to_message(msg, handle)
+        return msg.message(handle)
 
     def _on_connect(
         self,

@@ -1,8 +1,9 @@
 """paho's packets on the way in and out: a PUBLISH's properties handed to paho already
-packed, received PUBLISH packets decoded in one pass (installed as paho's
-``decode_publish`` for every paho client of the process), and a received paho message
-turned into our own :class:`~sluicegate.transport.Message`. The byte layouts live in
-:mod:`sluicegate.mqtt.wire`; this module only fits them to paho's types. No I/O.
+packed, the PUBLISH packets paho receives decoded in one pass (installed as paho's
+``decode_publish`` for every paho client of the process), and a message paho received
+turned into our own :class:`~sluicegate.mqtt.framing.Publish`. The byte layouts live in
+:mod:`sluicegate.mqtt.wire` and :mod:`sluicegate.mqtt.framing`; this module only fits them
+to paho's types. No I/O.
 """
 
 from __future__ import annotations
@@ -16,12 +17,10 @@ from paho.mqtt.exception import MalformedPacket
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from sluicegate.mqtt.wire import (
-    PublishProperties,
-    decode_publish_properties,
-    pack_publish_properties,
-)
-from sluicegate.transport import Message, UserProperties
+from sluicegate.mqtt import framing
+from sluicegate.mqtt.framing import Publish
+from sluicegate.mqtt.wire import PublishProperties, pack_publish_properties
+from sluicegate.transport import UserProperties
 
 
 def new_properties(packet_type: int) -> Properties:
@@ -78,37 +77,23 @@ paho_decode_publish = _packet.decode_publish
 def decode_publish(
     header: int, packet: bytes | bytearray, protocol: MQTTProtocolVersion
 ) -> _packet.PublishPacket:
-    """paho's ``decode_publish`` for MQTT v5, in one pass: the payload is copied once (paho
-    copies the rest of the packet for each field and property) and the properties are
-    read by :func:`~sluicegate.mqtt_wire.decode_publish_properties`."""
+    """paho's ``decode_publish`` for MQTT v5, in one pass
+    (:func:`sluicegate.mqtt.framing.decode_publish`: the payload is copied once; paho
+    copies the rest of the packet for each field and property)."""
     if protocol != MQTTProtocolVersion.MQTTv5:
         return paho_decode_publish(header, packet, protocol)
-    view = memoryview(packet)
-    qos = (header & 0x06) >> 1
     try:
-        if len(view) < 2:
-            raise ValueError("the packet ends before its topic's length")
-        pos = 2 + ((view[0] << 8) | view[1])
-        if pos > len(view):
-            raise ValueError("the topic runs past the end of the packet")
-        topic = bytes(view[2:pos])
-        mid = 0
-        if qos > 0:
-            if pos + 2 > len(view):
-                raise ValueError("the packet ends before its packet identifier")
-            mid = (view[pos] << 8) | view[pos + 1]
-            pos += 2
-        decoded, pos = decode_publish_properties(view, pos)
+        pub = framing.decode_publish(header, packet)
     except ValueError as exc:
         raise MalformedPacket(f"malformed PUBLISH: {exc}") from exc
     return _packet.PublishPacket(
-        dup=bool(header & 0x08),
-        qos=qos,
-        retain=bool(header & 0x01),
-        topic=topic,
-        mid=mid,
-        properties=_ReceivedProperties(decoded),
-        payload=bytes(view[pos:]),
+        dup=pub.dup,
+        qos=pub.qos,
+        retain=pub.retain,
+        topic=pub.topic.encode(),
+        mid=pub.mid,
+        properties=_ReceivedProperties(pub.properties),
+        payload=pub.payload,
     )
 
 
@@ -137,34 +122,26 @@ def publish_properties(
     return None if packed is None else _PublishProperties(packed)
 
 
-def to_message(msg: paho.MQTTMessage, ack_handle: object = None) -> Message:
-    """Convert a paho message into our own :class:`Message`."""
+def from_paho(msg: paho.MQTTMessage) -> Publish:
+    """A message paho received (and decoded with :func:`decode_publish`), as ours."""
     props = msg.properties
-    response_topic = correlation = content_type = expiry = None
-    user: UserProperties = ()
     if isinstance(props, _ReceivedProperties):
         decoded: PublishProperties = object.__getattribute__(props, "decoded")
-        response_topic = decoded.response_topic
-        correlation = decoded.correlation_data
-        content_type = decoded.content_type
-        expiry = decoded.message_expiry_s
-        user = decoded.user_properties
-    elif props is not None:
-        response_topic = getattr(props, "ResponseTopic", None)
+    else:  # paho's own decoder (not the paho ours was measured against)
         correlation = getattr(props, "CorrelationData", None)
-        content_type = getattr(props, "ContentType", None)
-        expiry = getattr(props, "MessageExpiryInterval", None)
-        user = tuple((str(k), str(v)) for k, v in getattr(props, "UserProperty", ()))
-    return Message(
+        decoded = PublishProperties(
+            message_expiry_s=getattr(props, "MessageExpiryInterval", None),
+            content_type=getattr(props, "ContentType", None),
+            response_topic=getattr(props, "ResponseTopic", None),
+            correlation_data=bytes(correlation) if correlation is not None else None,
+            user_properties=tuple((str(k), str(v)) for k, v in getattr(props, "UserProperty", ())),
+        )
+    return Publish(
         topic=msg.topic,
-        payload=bytes(msg.payload),
         qos=msg.qos,
+        mid=msg.mid,
         retain=bool(msg.retain),
-        response_topic=response_topic,
-        correlation_data=bytes(correlation) if correlation is not None else None,
-        content_type=content_type,
-        user_properties=user,
-        message_expiry_s=expiry,
-        ack_handle=ack_handle,
         dup=bool(msg.dup),
+        properties=decoded,
+        payload=bytes(msg.payload),
     )
