@@ -231,7 +231,12 @@ def test_a_worker_holding_another_version_never_gets_a_job_for_the_edges(
         redis_url=f"redis://127.0.0.1:{redis_server.port}/5",
         key_for=key,
         nodes=("broker-1", "line-1-pc", "north-cpu-1", "cloud-cpu-1"),
-        node_env={"north-cpu-1": {"SLUICEGATE_POOL__MODELS_DIR": str(tmp_path / "older-models")}},
+        node_env={
+            "north-cpu-1": {"SLUICEGATE_POOL__MODELS_DIR": str(tmp_path / "older-models")},
+            # Which worker, not how fast: a loaded machine's slow answer must not keep the
+            # volley on the edge.
+            "line-1-pc": {"SLUICEGATE_OFFLOAD__PLACEMENT_TIMEOUT_MS": "2000"},
+        },
     )
     with running(start_campus_mosquitto(mixed.write())):
         mixed.start()
