@@ -23,6 +23,7 @@ from broker.metrics import BrokerMetrics
 from center_pool.guard import MemoryAuditStore
 from policies import AsyncAuditWriter
 from sluicegate import topics
+from sluicegate.app.servers import running, start_redis
 from sluicegate.memory_transport import MemoryBroker, MemoryTransport
 from sluicegate.metering.record import (
     GENESIS,
@@ -251,3 +252,29 @@ def test_the_export_period(start: str | None, end: str | None, want: Any) -> Non
         assert want in got
     else:
         assert got == want
+
+
+async def test_records_redis_could_not_take_are_not_acknowledged_and_a_resend_stores_them() -> None:
+    """Redis down: nothing is acknowledged (the node keeps its records and sends them
+    again), the failure is counted, and the intake goes on serving; once Redis is back the
+    resend, more records than one Redis call takes, is stored and acknowledged."""
+    with running(start_redis()) as server:
+        client = aioredis.Redis.from_url(f"redis://127.0.0.1:{server.port}/0")
+        broker = MemoryBroker()
+        replica = Replica("broker-1", broker, client)
+        await replica.start()
+        try:
+            records = _chain(150)
+            await asyncio.to_thread(server.stop)
+            _ship(broker, records)
+            await until(lambda: replica.value("sluicegate_usage_store_failures_total") == 1, 15)
+            assert _acks(broker) == []
+            await asyncio.to_thread(server.start)
+            _ship(broker, records)
+            await until(lambda: len(_acks(broker)) == 1, 15)
+            assert sorted(_acks(broker)[0].held) == list(range(1, 151))
+            assert await client.hlen(keys.usage_records(NODE)) == 150
+        finally:
+            assert replica.task is not None
+            replica.task.cancel()
+            await client.aclose()
