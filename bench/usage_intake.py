@@ -33,18 +33,13 @@ import redis.asyncio as aioredis
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import broker.metering as metering
-from broker.decision_audit import DecisionAudit
-from broker.gatekeeper import Gatekeeper
-from broker.metrics import BrokerMetrics
-from center_pool.guard import MemoryAuditStore
-from policies import AsyncAuditWriter
 from sluicegate import topics
 from sluicegate.app.servers import running, start_redis
 from sluicegate.memory_transport import MemoryBroker, MemoryTransport
-from sluicegate.metering.record import GENESIS, SignedUsage, Usage, sign_usage
 from sluicegate.metering.wire import UsageAck, encode_batch
 from sluicegate.transport import Message
-from tests.policies.policy_testkit import base_doc, key, policy_of
+from tests.meter_kit import new_intake, pool_chain
+from tests.policies.policy_testkit import base_doc, policy_of
 
 POLICY = policy_of(base_doc())
 SLICES = (metering.SCREEN_SLICE, metering.STORE_SLICE)  # as the intake runs
@@ -54,47 +49,12 @@ TARGET_MAX_MS = 5.0  # a placement's share of the edge's 50 ms it may lose to th
 ARMS = ("sliced", "whole")
 
 
-def chain(n: int, start: int, prev: bytes) -> list[SignedUsage]:
-    out, signer = [], key(NODE)
-    for seq in range(start, start + n):
-        record = Usage(
-            node=NODE,
-            kind="pool",
-            seq=seq,
-            prev=prev.hex(),
-            at_ms=1_780_000_000_000 + seq,
-            event="ran",
-            job_id=f"j-{seq}",
-            attempt=1,
-            line="north-l1-pc",
-            zone="campus/fab-north/dc",
-            status="ok",
-            device_us=2_000,
-        )
-        signed = sign_usage(record, signer)
-        prev = signed.digest()
-        out.append(signed)
-    return out
-
-
 async def one_round(url: str, db: int, payloads: list[bytes], sliced: bool) -> dict[str, float]:
     screen, store = SLICES
     client = aioredis.Redis.from_url(f"{url}/{db}")
     await client.flushdb()
     broker = MemoryBroker()
-    metrics = BrokerMetrics()
-    audit = DecisionAudit(AsyncAuditWriter(MemoryAuditStore(), key("broker-1")), clock=time.time)
-    transport = MemoryTransport(broker)
-    ingest = metering.UsageIngest(
-        "broker-1",
-        transport,
-        client,
-        key("broker-1"),
-        lambda: POLICY,
-        metrics,
-        Gatekeeper(lambda: POLICY, metrics, audit),
-        audit,
-    )
+    ingest, _metrics, transport = new_intake("broker-1", broker, client, POLICY)
     await transport.subscribe(topics.usage_all(), ingest.on_usage, qos=1)
     metering.SCREEN_SLICE = screen if sliced else 1 << 30
     metering.STORE_SLICE = store if sliced else 1 << 30
@@ -136,7 +96,7 @@ def main() -> None:
     ap.add_argument("--messages", type=int, default=16, help="messages of 128 records")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    records = chain(args.messages * PER_MESSAGE, 1, GENESIS)
+    records = pool_chain(NODE, args.messages * PER_MESSAGE)
     payloads = [
         encode_batch(records[i : i + PER_MESSAGE]) for i in range(0, len(records), PER_MESSAGE)
     ]

@@ -7,6 +7,8 @@ tests.
 :func:`day` is a small campus's day: jobs run on their edges, jobs offloaded once, a job
 whose first worker was lost (attempt 1 wasted, attempt 2 billed), a fenced late return, a
 job that expired after a run (nothing delivered, all waste), and a job still unsettled.
+:func:`pool_chain` is a worker's chain of records; :func:`new_intake` a broker replica's
+usage intake to ship them to.
 """
 
 from __future__ import annotations
@@ -14,7 +16,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import redis.asyncio as aioredis
+
+from broker.decision_audit import DecisionAudit
+from broker.gatekeeper import Gatekeeper
+from broker.metering import UsageIngest
+from broker.metrics import BrokerMetrics
+from center_pool.guard import MemoryAuditStore
+from policies import AsyncAuditWriter
 from policies.model import Policy
+from sluicegate.memory_transport import MemoryBroker, MemoryTransport
 from sluicegate.metering.record import (
     GENESIS,
     SignedUsage,
@@ -210,3 +221,52 @@ def day() -> Ledgers:
         owner="ocr",
     )
     return led
+
+
+def pool_chain(
+    node: str, n: int, *, start: int = 1, prev: bytes = GENESIS, signer: str | None = None
+) -> list[SignedUsage]:
+    """``n`` records of jobs run on pool worker ``node`` (seq ``start`` on), chained from
+    ``prev`` and signed by ``signer``'s key (the node's own unless named)."""
+    out = []
+    signing = key(signer or node)
+    for seq in range(start, start + n):
+        record = Usage(
+            node=node,
+            kind="pool",
+            seq=seq,
+            prev=prev.hex(),
+            at_ms=1_780_000_000_000 + seq,
+            event="ran",
+            job_id=f"j-{seq}",
+            attempt=1,
+            line="north-l1-pc",
+            zone="campus/fab-north/dc",
+            status="ok",
+            device_us=2_000,
+        )
+        signed = sign_usage(record, signing)
+        prev = signed.digest()
+        out.append(signed)
+    return out
+
+
+def new_intake(
+    name: str, broker: MemoryBroker, client: aioredis.Redis, policy: Policy
+) -> tuple[UsageIngest, BrokerMetrics, MemoryTransport]:
+    """A broker replica's usage intake on ``client``'s Redis and the in-memory ``broker``:
+    the intake, its metrics and its transport (subscribe it to the usage topics to start)."""
+    metrics = BrokerMetrics()
+    audit = DecisionAudit(AsyncAuditWriter(MemoryAuditStore(), key(name)), clock=lambda: 1e9)
+    transport = MemoryTransport(broker)
+    ingest = UsageIngest(
+        name,
+        transport,
+        client,
+        key(name),
+        lambda: policy,
+        metrics,
+        Gatekeeper(lambda: policy, metrics, audit),
+        audit,
+    )
+    return ingest, metrics, transport

@@ -16,12 +16,6 @@ import redis.asyncio as aioredis
 
 from broker import keys
 from broker.api import export_period
-from broker.decision_audit import DecisionAudit
-from broker.gatekeeper import Gatekeeper
-from broker.metering import UsageIngest
-from broker.metrics import BrokerMetrics
-from center_pool.guard import MemoryAuditStore
-from policies import AsyncAuditWriter
 from sluicegate import topics
 from sluicegate.app.servers import running, start_redis
 from sluicegate.memory_transport import MemoryBroker, MemoryTransport
@@ -29,12 +23,11 @@ from sluicegate.metering.record import (
     GENESIS,
     ManifestLine,
     SignedUsage,
-    Usage,
     from_line,
-    sign_usage,
 )
 from sluicegate.metering.wire import UsageAck, encode_batch
 from sluicegate.transport import Message
+from tests.meter_kit import new_intake, pool_chain
 from tests.policies.policy_testkit import base_doc, key, policy_of
 from tests.support import until
 
@@ -48,43 +41,12 @@ DB = 9
 def _chain(
     n: int, *, start: int = 1, prev: bytes = GENESIS, signer: str = NODE
 ) -> list[SignedUsage]:
-    out = []
-    for seq in range(start, start + n):
-        record = Usage(
-            node=NODE,
-            kind="pool",
-            seq=seq,
-            prev=prev.hex(),
-            at_ms=1_780_000_000_000 + seq,
-            event="ran",
-            job_id=f"j-{seq}",
-            attempt=1,
-            line="north-l1-pc",
-            zone="campus/fab-north/dc",
-            status="ok",
-            device_us=2_000,
-        )
-        signed = sign_usage(record, key(signer))
-        prev = signed.digest()
-        out.append(signed)
-    return out
+    return pool_chain(NODE, n, start=start, prev=prev, signer=signer)
 
 
 class Replica:
     def __init__(self, name: str, broker: MemoryBroker, client: aioredis.Redis) -> None:
-        self.metrics = BrokerMetrics()
-        audit = DecisionAudit(AsyncAuditWriter(MemoryAuditStore(), key(name)), clock=lambda: 1e9)
-        self.transport = MemoryTransport(broker)
-        self.ingest = UsageIngest(
-            name,
-            self.transport,
-            client,
-            key(name),
-            lambda: POLICY,
-            self.metrics,
-            Gatekeeper(lambda: POLICY, self.metrics, audit),
-            audit,
-        )
+        self.ingest, self.metrics, self.transport = new_intake(name, broker, client, POLICY)
         self.task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:

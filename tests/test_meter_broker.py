@@ -13,12 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 from typer.testing import CliRunner
 
-from broker.decision_audit import DecisionAudit
-from broker.gatekeeper import Gatekeeper
 from broker.metering import UsageIngest
-from broker.metrics import BrokerMetrics
-from center_pool.guard import MemoryAuditStore
-from policies import AsyncAuditWriter
 from sluicegate import topics
 from sluicegate.app.cli import app
 from sluicegate.memory_transport import MemoryBroker, MemoryTransport
@@ -26,8 +21,7 @@ from sluicegate.metering.report import overall, settle
 from sluicegate.metering.verify import verify_export
 from sluicegate.metering.wire import encode_batch
 from sluicegate.transport import Message
-from tests.meter_kit import MINUTE, T0, day, meter_policy, write_policy
-from tests.policies.policy_testkit import key
+from tests.meter_kit import MINUTE, T0, day, meter_policy, new_intake, write_policy
 from tests.support import until
 
 pytestmark = pytest.mark.integration
@@ -41,19 +35,7 @@ async def intake(redis_url: str) -> AsyncIterator[tuple[MemoryBroker, UsageInges
     client = aioredis.Redis.from_url(redis_url.rsplit("/", 1)[0] + f"/{DB}")
     await client.flushdb()
     broker = MemoryBroker()
-    metrics = BrokerMetrics()
-    audit = DecisionAudit(AsyncAuditWriter(MemoryAuditStore(), key("broker-1")), clock=lambda: 1e9)
-    transport = MemoryTransport(broker)
-    ingest = UsageIngest(
-        "broker-1",
-        transport,
-        client,
-        key("broker-1"),
-        lambda: POLICY,
-        metrics,
-        Gatekeeper(lambda: POLICY, metrics, audit),
-        audit,
-    )
+    ingest, _metrics, transport = new_intake("broker-1", broker, client, POLICY)
     await transport.subscribe(topics.usage_all(), ingest.on_usage, qos=1)
     task = asyncio.create_task(ingest.run())
     try:
