@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import json
 import logging
 from collections.abc import Callable
 
@@ -55,6 +56,7 @@ class EdgeFleet:
         # Two intervals unread: the sample is older than the next one should already be.
         self.backlog = Backlog(shed_after_s=2.0 * interval_s)
         self.edges: dict[str, wire.EdgeTelemetry] = {}
+        self._raw: dict[str, bytes] = {}  # each edge's sample as it came (checked JSON)
         self._listed: tuple[bytes, dict[str, str]] = (b"", {})  # policy digest, edge -> zone
         self._wanted = asyncio.Event()
         self._counted = (0, 0)  # the backlog's coalesced and shed, as last counted
@@ -99,6 +101,7 @@ class EdgeFleet:
                 self._outcome["ignored"].inc()
                 continue
             self.edges[node] = tel
+            self._raw[node] = payload
             self._store.node_document(node, "telemetry", payload)
             kept += 1
         self._outcome["read"].inc(kept)
@@ -110,15 +113,18 @@ class EdgeFleet:
 
     def page(
         self, *, zone: str = "", after: str = "", limit: int
-    ) -> tuple[list[dict[str, object]], int, str | None]:
+    ) -> tuple[list[bytes], int, str | None]:
         """Edges in id order after ``after``, in zones under ``zone``: up to ``limit`` of
-        them (their telemetry and the policy's zone), how many match in all, and the id to
-        ask ``after`` for the next page (None: this is the last)."""
+        them, each a JSON object (its telemetry as the edge sent it, which was checked
+        against ``EdgeTelemetry`` and holds no other field, with the policy's zone as
+        ``policy_zone``), how many match in all, and the id to ask ``after`` for the next
+        page (None: this is the last). No sample is decoded or encoded again: a page of
+        1,000 edges took 80 ms of the loop that way (``model_dump`` and ``json.dumps``)."""
         listed = self._edges_listed()
         ids = sorted(n for n in self.edges if listed.get(n, "").startswith(zone))
         start = bisect.bisect_right(ids, after) if after else 0
         chosen = ids[start : start + limit]
-        rows = [{**self.edges[n].model_dump(), "policy_zone": listed[n]} for n in chosen]
+        rows = [_with_zone(self._raw[n], listed[n]) for n in chosen]
         more = start + limit < len(ids)
         return rows, len(ids), (chosen[-1] if more and chosen else None)
 
@@ -133,6 +139,7 @@ class EdgeFleet:
             self._listed = (policy.digest, listed)
             for gone in [n for n in self.edges if n not in listed]:
                 del self.edges[gone]
+                del self._raw[gone]
         return self._listed[1]
 
     def _count(self) -> None:
@@ -140,3 +147,9 @@ class EdgeFleet:
         self._outcome["coalesced"].inc(coalesced - self._counted[0])
         self._outcome["shed"].inc(shed - self._counted[1])
         self._counted = (coalesced, shed)
+
+
+def _with_zone(sample: bytes, zone: str) -> bytes:
+    """A checked sample's JSON object with ``"policy_zone"`` added as its last member."""
+    body = sample.rstrip()
+    return body[:-1] + b',"policy_zone":' + json.dumps(zone).encode() + b"}"
