@@ -118,7 +118,8 @@ def details(row: dict[str, Any]) -> list[str]:
     for label, g in row["get_fleet"].items():
         out.append(
             f"    GET /{label.replace('_limit_', '?limit=')}: {g['ms']:.1f} ms, "
-            f"{g['bytes'] / 1024:.0f} KiB, {g['edges']} edges (HTTP {g['status']})"
+            f"{g['bytes'] / 1024:.0f} KiB, {g['edges']} "
+            f"{'samples of edges' if label == 'metrics' else 'edges'} (HTTP {g['status']})"
         )
     cpu = row["cpu_pct"]
     out.append(

@@ -106,9 +106,10 @@ METRICS_DOC = (
     "sluicegate_stale_completions_total (completions of an attempt older than the job's "
     "current one, or after its dead letter: discarded and audited). Histograms: "
     "sluicegate_placement_decision_seconds, sluicegate_offloaded_job_seconds. Gauges: "
-    "sluicegate_queue_depth{node,kind}, sluicegate_placement_waiting, sluicegate_workers{state}, "
+    "sluicegate_queue_depth{node,kind} (pool workers), sluicegate_edge_queued_jobs{zone}, "
+    "sluicegate_placement_waiting, sluicegate_workers{state}, "
     "sluicegate_offload_ratio (of the jobs the edges answered ok, the share a pool ran), "
-    "sluicegate_edge_finished_jobs{edge,ran_on}, sluicegate_pool_predicted_demand{pool}, "
+    "sluicegate_edge_finished_jobs{zone,ran_on}, sluicegate_pool_predicted_demand{pool}, "
     "sluicegate_pool_desired_workers{pool}."
 )
 

@@ -1,7 +1,10 @@
 """The gauges ``/metrics`` refreshes at scrape time, from the running broker's fleet view,
-its edges' telemetry and the policy in force: workers by health state, queue depths, what
-the edges finished and the offload ratio, each pool's predicted demand with the age of the
-telemetry it rests on, when each worker last reported, and the policy's version and expiry.
+its edges' telemetry and the policy in force: workers by health state, the workers' queue
+depths, the edges' queued and finished jobs summed by policy zone (per edge they are on
+each edge's own ``/metrics``; thousands of edges would be thousands of series here, and a
+slow scrape on the event loop) and the offload ratio, each pool's predicted demand with the
+age of the telemetry it rests on, when each worker last reported, and the policy's version
+and expiry.
 
 Reads only; it sets gauges and changes nothing of the broker. ``signal_ages`` is plain
 arithmetic over the fleet view, kept apart so the tests and the docs can reason about a
@@ -61,14 +64,20 @@ def refresh(
             m.worker_last_seen.labels(state.worker_id).set(latest.received_at)
     for name in ("healthy", "subhealthy", "offline"):
         m.workers.labels(name).set(states[name])
-    offloaded = local = 0
+    listed = {e.edge_id: e.zone for e in policy.edges} if policy is not None else {}
+    queued: Counter[str] = Counter()
+    finished: Counter[tuple[str, str]] = Counter()
     for tel in edges.values():
-        m.queue_depth.labels(tel.node, "edge").set(tel.queue_depth)
-        here, there = tel.finished.get("edge", 0), tel.finished.get("pool", 0)
-        m.finished.labels(tel.node, "edge").set(here)
-        m.finished.labels(tel.node, "pool").set(there)
-        offloaded += there
-        local += here
+        zone = listed.get(tel.node, tel.zone)
+        queued[zone] += tel.queue_depth
+        finished[zone, "edge"] += tel.finished.get("edge", 0)
+        finished[zone, "pool"] += tel.finished.get("pool", 0)
+    for zone, depth in queued.items():
+        m.edge_queued.labels(zone).set(depth)
+    for (zone, ran_on), jobs in finished.items():
+        m.finished.labels(zone, ran_on).set(jobs)
+    local = sum(n for (_, ran_on), n in finished.items() if ran_on == "edge")
+    offloaded = sum(n for (_, ran_on), n in finished.items() if ran_on == "pool")
     m.offload_ratio.set(offloaded / (offloaded + local) if offloaded + local else 0.0)
     for pool in demand:
         m.demand.labels(pool.pool).set(pool.ratio)

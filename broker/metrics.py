@@ -66,18 +66,29 @@ class BrokerMetrics:
             "How long the oldest unread edge telemetry sample had waited at the last read",
             registry=r,
         )
+        # By zone, not by edge: 5,000 line PCs made 15,000 series and a 267 ms scrape on
+        # the event loop. Each edge's own figures are on its own /metrics.
         self.finished = Gauge(
             "sluicegate_edge_finished_jobs",
-            "Jobs an edge answered ok since it started, by where they ran (edge, pool), "
-            "from its telemetry",
-            ["edge", "ran_on"],
+            "Jobs the edges of a policy zone answered ok since they started, summed, by "
+            "where they ran (edge, pool), from their telemetry",
+            ["zone", "ran_on"],
+            registry=r,
+        )
+        self.edge_queued = Gauge(
+            "sluicegate_edge_queued_jobs",
+            "Jobs queued on the edges of a policy zone, summed, from their telemetry",
+            ["zone"],
             registry=r,
         )
         self.offload_ratio = Gauge(
             "sluicegate_offload_ratio", "Share of jobs offloaded by the edges", registry=r
         )
         self.queue_depth = Gauge(
-            "sluicegate_queue_depth", "Jobs queued per node", ["node", "kind"], registry=r
+            "sluicegate_queue_depth",
+            "Jobs queued per pool worker (kind pool), from its telemetry",
+            ["node", "kind"],
+            registry=r,
         )
         self.waiting = Gauge(
             "sluicegate_placement_waiting", "Placement requests waiting for room", registry=r

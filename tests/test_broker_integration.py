@@ -691,7 +691,7 @@ def test_the_edges_finished_jobs_and_the_offload_ratio_follow_their_telemetry(
         node=EDGE,
         zone=f"{FAB}/line-1",
         ts=time.time(),
-        queue_depth=0,
+        queue_depth=5,
         queue_capacity=64,
         in_flight=0,
         concurrency=1,
@@ -707,14 +707,17 @@ def test_the_edges_finished_jobs_and_the_offload_ratio_follow_their_telemetry(
     client = PlainClient(mosquitto.port)
     client.client.publish(topics.edge_telemetry(EDGE), wire.dump(tel), qos=1).wait_for_publish(10)
     client.close()
-    here = f'sluicegate_edge_finished_jobs{{edge="{EDGE}",ran_on="edge"}} 35.0'
+    zone = f"{FAB}/line-1"  # the edge's zone in the policy: the series are by zone
+    here = f'sluicegate_edge_finished_jobs{{ran_on="edge",zone="{zone}"}} 35.0'
 
     def reported() -> str | None:
         text: str = http(settings, "/metrics")[1]
         return text if here in text else None
 
     text = wait_until(reported)
-    assert f'sluicegate_edge_finished_jobs{{edge="{EDGE}",ran_on="pool"}} 7.0' in text
+    assert f'sluicegate_edge_finished_jobs{{ran_on="pool",zone="{zone}"}} 7.0' in text
+    assert f'sluicegate_edge_queued_jobs{{zone="{zone}"}} {float(tel.queue_depth)}' in text
+    assert f'edge="{EDGE}"' not in text  # no series per edge: each edge has its own
     ratio = re.search(r"^sluicegate_offload_ratio (\S+)$", text, re.MULTILINE)
     assert ratio is not None
     assert float(ratio.group(1)) == pytest.approx(7 / 42)
