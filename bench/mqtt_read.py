@@ -25,18 +25,18 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import socket
 import statistics
 import struct
 import subprocess
 import sys
 import time
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fleet_report import machine
 
 from sluicegate import topics
 from sluicegate.app.servers import running, start_mosquitto
@@ -271,11 +271,7 @@ def main() -> None:
         "messages": args.messages,
         "rate": args.rate,
         "rounds": args.rounds,
-        "machine": {
-            "nproc": os.cpu_count(),
-            "python": platform.python_version(),
-            "paho": version("paho-mqtt"),
-        },
+        "machine": machine(),
     }
     print("RESULT " + json.dumps(result))
 

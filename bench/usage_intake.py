@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -31,6 +29,8 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fleet_report import machine
 
 import broker.metering as metering
 from sluicegate import topics
@@ -126,7 +126,7 @@ def main() -> None:
         "ratio": {"late_max_sliced_over_whole": round(ratio, 3)},
         "target": {"late_max_ms": TARGET_MAX_MS},
         "met": summary["sliced"]["late_max_ms"] <= TARGET_MAX_MS,
-        "machine": {"nproc": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine(),
     }
     print("RESULT " + json.dumps(result))
 
