@@ -70,14 +70,14 @@ def refresh(
     for tel in edges.values():
         zone = listed.get(tel.node, tel.zone)
         queued[zone] += tel.queue_depth
-        finished[zone, "edge"] += tel.finished.get("edge", 0)
-        finished[zone, "pool"] += tel.finished.get("pool", 0)
+        for ran_on in ("edge", "pool"):
+            finished[zone, ran_on] += tel.finished.get(ran_on, 0)
     for zone, depth in queued.items():
         m.edge_queued.labels(zone).set(depth)
     for (zone, ran_on), jobs in finished.items():
         m.finished.labels(zone, ran_on).set(jobs)
-    local = sum(n for (_, ran_on), n in finished.items() if ran_on == "edge")
-    offloaded = sum(n for (_, ran_on), n in finished.items() if ran_on == "pool")
+    local = sum(finished[zone, "edge"] for zone in queued)
+    offloaded = sum(finished[zone, "pool"] for zone in queued)
     m.offload_ratio.set(offloaded / (offloaded + local) if offloaded + local else 0.0)
     for pool in demand:
         m.demand.labels(pool.pool).set(pool.ratio)

@@ -72,7 +72,8 @@ class HttpView:
     def fleet(self, *, zone: str = "", after: str = "", limit: int = FLEET_PAGE) -> dict[str, Any]:
         """Every worker, and a page of the edges: ``limit`` of them in id order after
         ``after``; both only in zones under ``zone`` (a prefix) when it is given. ``page``
-        says how many match and where the next page starts."""
+        says how many match and where the next page starts. Each edge is JSON already
+        (``EdgeFleet.page``: its sample as it came), for the HTTP layer to splice in."""
         fleet = self._broker.fleet
         workers = []
         zones: dict[str, list[str]] = defaultdict(list)

@@ -2,28 +2,16 @@
 
 paho runs on the event loop, through its external-loop interface: the loop watches the
 socket, a small task calls ``loop_misc`` for keepalive and paho writes (``loop_write``
-while it has packets to send). Reading is ours: when the socket is readable the transport
-reads what it holds in one large read, cuts the packets out (:mod:`sluicegate.mqtt.framing`),
-routes each QoS 0 and QoS 1 PUBLISH itself and hands paho the rest (acks, CONNACK, QoS 2,
-what does not decode), whole, to read as from its socket (``FedClient``). paho read a
-packet's first byte, each byte of its length and its body with a syscall each and built a
-``MQTTMessage`` (two locks and a condition) per message: taking in a 535-byte telemetry
-message cost 70 µs of CPU, 37 µs now (``bench/mqtt_read.py``). paho's callbacks run on the
-loop thread; a message is converted into our own :class:`~sluicegate.transport.Message`
-and handed to its handler at once. A publish made on the loop outside a read is written
-at once (the loop's next poll cost an offloaded job ~0.6 ms over its four such publishes);
-one made by a handler is written right after the read that ran it. There is no network
-thread: measured under load (the broker's placement path), a second thread cost about a
-third more CPU per message than the work itself, in GIL hand-offs and wake-ups
+while it has packets to send). Reading is :mod:`sluicegate.mqtt.reader`'s: at most
+``READ_BURST`` packets a turn of the loop, PUBLISH packets routed here and the rest handed
+to paho. paho's callbacks run on the loop thread; a message is converted into our own
+:class:`~sluicegate.transport.Message` and handed to its handler at once. A publish made on
+the loop outside a read is written at once; one made by a handler right after the read
+that ran it. There is no network thread: under load a second thread cost about a third
+more CPU per message than the work itself, in GIL hand-offs and wake-ups
 (docs/performance.md). Handlers must therefore be quick and must never wait on the
-transport themselves; at most ``READ_BURST`` packets are taken in per turn of the loop, and
-while handlers run nothing is read, so TCP pushes back on the sender instead of memory
-growing.
-
-PUBLISH packets are decoded in one pass (:func:`sluicegate.mqtt.framing.decode_publish`,
-also installed as paho's ``decode_publish`` for every paho client of the process: paho's
-own decoder took ~150 µs for a 100 KB work message; ours ~18 µs, checked against paho's in
-the tests).
+transport themselves; while they run nothing is read, so TCP pushes back on the sender
+instead of memory growing.
 
 Only the TCP (and TLS) connect, which blocks, runs on a worker thread; the transport
 connects, and reconnects whenever the connection is lost, with exponential backoff between
@@ -410,7 +398,7 @@ class MqttTransport:
     # -- paho's callbacks (on the loop, inside loop_read / loop_write) -------------------
 
     def _on_message(self, _client: paho.Client, _userdata: Any, msg: paho.MQTTMessage) -> None:
-        self._routing.deliver(from_paho(msg))  # QoS 2: the rest are taken in by _take
+        self._routing.deliver(from_paho(msg))  # QoS 2: the reader routes QoS 0 and 1
 
     def _convert(self, msg: Publish, subs: list[Subscription], generation: int) -> Message:
         """Our message, with an ack handle when a manual-ack subscription wants it; acked
