@@ -131,6 +131,7 @@ async def _serve(
         # and Mosquitto goes on handing a share of them to a persistent session whose
         # replica is down (each dropped, the edge waiting out its placement timeout).
         clean_start=True,
+        read_gap_s=cfg.read_gap_ms / 1000.0,
     )
     audit = AsyncAuditWriter(AsyncRedisStreamAuditStore(redis, audit_stream_key(cfg.id)), key)
     requirements = requirements_of(cfg.models_dir or default_models_dir())

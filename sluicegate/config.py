@@ -208,6 +208,10 @@ class BrokerSettings(_Section):
     # How long a placed job's in-flight record outlives its deadline (or its token, for a
     # job without one): the crash count must survive until the edge asks again.
     inflight_margin_s: float = Field(3600.0, ge=60.0, le=7 * 24 * 3600.0)
+    # After a read that drained the MQTT socket, wait this long before watching it again:
+    # thousands of edges' telemetry is read a few dozen messages to a wake-up rather than
+    # one (docs/performance.md); a placement request waits at most this much longer.
+    read_gap_ms: float = Field(2.0, ge=0.0, le=20.0)
 
 
 class ConsoleSettings(_Section):

@@ -129,6 +129,21 @@ def test_env_override_with_bad_value_is_named(monkeypatch: pytest.MonkeyPatch) -
         load_settings()
 
 
+@pytest.mark.parametrize(("value", "named"), [("-1", "greater than or equal"), ("50", "less")])
+def test_broker_read_gap_out_of_bounds_is_named(
+    monkeypatch: pytest.MonkeyPatch, value: str, named: str
+) -> None:
+    """A read gap is a few milliseconds: a negative one or one that would hold placements
+    for tens of milliseconds is refused, naming the variable."""
+    monkeypatch.setenv("SLUICEGATE_BROKER__READ_GAP_MS", value)
+    with pytest.raises(
+        ConfigError, match=rf"broker\.read_gap_ms.*{named}.*SLUICEGATE_BROKER__READ_GAP_MS"
+    ):
+        load_settings()
+    monkeypatch.setenv("SLUICEGATE_BROKER__READ_GAP_MS", "0")
+    assert load_settings().broker.read_gap_ms == 0.0  # off: every readable socket read
+
+
 def test_result_round_trips_and_raise_for_status() -> None:
     result = wire.JobResult(
         job_id="j1",

@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from sluicegate.app.servers import free_port, running, start_mosquitto
-from sluicegate.config import MqttSettings
+from sluicegate.config import BrokerSettings, MqttSettings
 from sluicegate.errors import TransportError
 from sluicegate.mqtt import Message, MqttTransport
 
@@ -109,6 +109,35 @@ async def test_messages_over_tls_arrive_whole_and_in_order(
         received = [await _next(got, 5.0) for _ in payloads]
     assert [m.payload for m in received] == payloads
     assert [m.correlation_data for m in received] == [p[:1] for p in payloads]
+
+
+async def test_with_the_longest_read_gap_a_tls_burst_is_read_whole_in_a_few_wake_ups(
+    tls: tuple[int, Path, Path], unique: str
+) -> None:
+    """Mosquitto writes a TLS record per packet, and a read of a TLS socket returns one
+    record: a wake-up reads on until the socket has nothing, not one record per read gap.
+    Read one record a gap, the 200 messages would take 200 x 20 ms = 4 s, past the wait."""
+    port, ca_file, _ = tls
+    settings = MqttSettings(port=port, tls_ca_file=ca_file)
+    longest = BrokerSettings.model_fields["read_gap_ms"].metadata
+    gap_s = next(m.le for m in longest if hasattr(m, "le")) / 1000.0
+    got: list[bytes] = []
+    done = asyncio.Event()
+
+    def take(msg: Message) -> None:
+        got.append(msg.payload)
+        if len(got) == 200:
+            done.set()
+
+    async with (
+        MqttTransport(settings, client_id=f"tls-g-{unique}", read_gap_s=gap_s) as reader,
+        MqttTransport(settings, client_id=f"tls-w-{unique}") as writer,
+    ):
+        await reader.subscribe(f"tlsg/{unique}", take)
+        for i in range(200):
+            writer.publish_nowait(Message(f"tlsg/{unique}", b"%d" % i))
+        await asyncio.wait_for(done.wait(), 2.5)
+    assert got == [b"%d" % i for i in range(200)]
 
 
 # paho leaves the socket of a failed TLS handshake to the garbage collector, which warns.

@@ -4,7 +4,9 @@ paho runs on the event loop, through its external-loop interface: the loop watch
 socket, a small task calls ``loop_misc`` for keepalive and paho writes (``loop_write``
 while it has packets to send). Reading is :mod:`sluicegate.mqtt.reader`'s: at most
 ``READ_BURST`` packets a turn of the loop, PUBLISH packets routed here and the rest handed
-to paho. paho's callbacks run on the loop thread; a message is converted into our own
+to paho. With a read gap (the broker's), a read that drained the socket stops the loop
+watching it for that long, so a steady stream of small messages is read dozens to a
+wake-up instead of one. paho's callbacks run on the loop thread; a message is converted into our own
 :class:`~sluicegate.transport.Message` and handed to its handler at once. A publish made on
 the loop outside a read is written at once; one made by a handler right after the read
 that ran it. There is no network thread: under load a second thread cost about a third
@@ -75,12 +77,17 @@ class MqttTransport:
         clean_start: bool = True,
         session_expiry_s: int = 0,
         max_pending: int = 1024,
+        read_gap_s: float = 0.0,
     ) -> None:
         self._settings = settings
         self._client_id = client_id
         self._clean_start = clean_start
         self._session_expiry_s = session_expiry_s
         self._max_pending = max_pending
+        # After a read that drained the socket, the loop stops watching it this long, so
+        # that a steady stream of small messages is read several to a wake-up.
+        self._read_gap_s = read_gap_s
+        self._gap: asyncio.TimerHandle | None = None
         self._routing: Subscriptions[Publish] = Subscriptions(max_pending, self._convert)
         self._resume = False  # a burst's continuation waits for the loop's next turn
         self._connect_hooks: list[Callable[[], None]] = []
@@ -270,6 +277,9 @@ class MqttTransport:
     def _unwatch(self) -> None:
         fd, self._fd = self._fd, None
         loop = self._loop
+        if self._gap is not None:
+            self._gap.cancel()
+            self._gap = None
         if fd is not None and loop is not None and not loop.is_closed():
             loop.remove_reader(fd)
             loop.remove_writer(fd)
@@ -292,10 +302,27 @@ class MqttTransport:
             # not for the socket (which may have nothing more to say).
             self._resume = True
             self._loop.call_soon(self._readable)
+        elif not full and self._read_gap_s > 0.0:
+            self._pause_reading()
         if self._handlers_published:
             self._handlers_published = False
             if self._fd is not None:
                 self._paho(self._client.loop_write)
+
+    def _pause_reading(self) -> None:
+        """The socket is drained: look at it again only after the read gap. What comes
+        meanwhile waits in the kernel, and the next wake-up reads all of it."""
+        loop = self._loop
+        if self._fd is None or loop is None or self._gap is not None:
+            return
+        loop.remove_reader(self._fd)
+        self._gap = loop.call_later(self._read_gap_s, self._watch_again)
+
+    def _watch_again(self) -> None:
+        """The read gap is over: the next byte (or those already waiting) wakes a read."""
+        self._gap = None
+        if self._fd is not None and self._loop is not None:
+            self._loop.add_reader(self._fd, self._readable)
 
     def _on_loop_thread(self) -> bool:
         return threading.get_ident() == self._loop_thread

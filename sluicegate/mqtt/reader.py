@@ -5,10 +5,12 @@ reads it as from its socket: acks, CONNACK, PINGRESP, DISCONNECT, QoS 2, and a P
 that does not decode (paho then finds it malformed and ends the connection, as it would
 have). Bytes that cannot be MQTT packets end the connection too; the transport reconnects.
 
-A read asks for 64 KB, or for all a large packet still lacks. A read that returned less
-than it asked for drained the socket (the selector says when more comes); over TLS,
-records already decrypted wait inside the SSL object, unseen by the selector, so the socket
-is drained only once that holds nothing either.
+A read asks for 64 KB, or for all a large packet still lacks. Over plain TCP a read that
+returned less than it asked for drained the socket (the selector says when more comes).
+Over TLS a read returns at most one TLS record, and Mosquitto writes a record for each
+packet: a short read says nothing of the records behind it, so the socket is read on
+until it has nothing (``SSLWantReadError``), one wake-up taking all that came rather than a
+packet each.
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ class SocketReader:
         return True
 
     def _receive(self) -> bool | None:
-        """Read what the socket holds into the frames: whether that drained it, or None
-        when there was nothing (or the connection ended)."""
+        """Read what the socket holds into the frames: whether that surely drained it, or
+        None when there was nothing (or the connection ended)."""
         sock = self._client.socket()
         if sock is None:
             return None
@@ -80,8 +82,7 @@ class SocketReader:
             self._end(None)
             return None
         self._frames.feed(data)
-        pending = isinstance(sock, ssl.SSLSocket) and sock.pending() > 0
-        return len(data) < size and not pending
+        return len(data) < size and not isinstance(sock, ssl.SSLSocket)
 
     def _take(self, header: int, body: bytes) -> None:
         if header & 0xF0 == framing.PUBLISH and header & 0x06 != 0x04:  # QoS 0 or 1
