@@ -48,8 +48,14 @@ def verdict(row: dict[str, Any]) -> dict[str, bool]:
     }
 
 
+def label(row: dict[str, Any]) -> str:
+    """The row's N, and its broker's read gap where the run set one: ``5000/g2``."""
+    gap = row.get("read_gap_ms")
+    return str(row["edges"]) + ("" if gap is None else f"/g{gap:g}")
+
+
 COLUMNS = (
-    ("edges", 6),
+    ("edges", 8),
     ("tel/s", 6),
     ("µs/msg pair|alone", 17),
     ("brk% fl|id", 11),
@@ -75,7 +81,7 @@ def _pair(a: float, b: float, fmt: str) -> str:
 def table_row(row: dict[str, Any]) -> str:
     on, off = row["placements"]["fleet"], row["placements"]["idle"]
     cells = [
-        str(row["edges"]),
+        label(row),
         f"{row['telemetry_per_s']:.0f}",
         _pair(row["broker_us_per_telemetry"], row["alone"]["us_per_telemetry"], ".1f")
         + ("*" if saturated(row) else ""),
@@ -92,7 +98,7 @@ def table_row(row: dict[str, Any]) -> str:
 
 
 def details(row: dict[str, Any]) -> list[str]:
-    out = [f"  N={row['edges']}: µs/msg by pair {[round(x, 1) for x in row['broker_us_rounds']]}"]
+    out = [f"  N={label(row)}: µs/msg by pair {[round(x, 1) for x in row['broker_us_rounds']]}"]
     if row["listed_edges"] < row["edges"]:
         out[0] += f"; played by the {row['listed_edges']} edges the policy can list"
     alone = row["alone"]
@@ -115,11 +121,11 @@ def details(row: dict[str, Any]) -> list[str]:
             f"{on['timeout']}|{off['timeout']}; idle round began {off['drained_s']:.1f} s "
             "after the fleet went quiet (the broker answering promptly again)"
         )
-    for label, g in row["get_fleet"].items():
+    for path, g in row["get_fleet"].items():
         out.append(
-            f"    GET /{label.replace('_limit_', '?limit=')}: {g['ms']:.1f} ms, "
+            f"    GET /{path.replace('_limit_', '?limit=')}: {g['ms']:.1f} ms, "
             f"{g['bytes'] / 1024:.0f} KiB, {g['edges']} "
-            f"{'samples of edges' if label == 'metrics' else 'edges'} (HTTP {g['status']})"
+            f"{'samples of edges' if path == 'metrics' else 'edges'} (HTTP {g['status']})"
         )
     cpu = row["cpu_pct"]
     out.append(
@@ -156,30 +162,56 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, setup: dict[str
     )
     for row in rows:
         print("\n".join(details(row)))
+    if args.read_gap_ms:
+        print("\n".join(gap_ab(rows)))
     last = rows[-1]
     met = verdict(last)
-    print(f"\ntargets at N={last['edges']} (the brief's are for 5,000 edges, one broker):")
+    print(f"\ntargets at N={label(last)} (the brief's are for 5,000 edges, one broker):")
     for key, ok in met.items():
         print(f"  {key:<26} target {TARGET[key]:<6g} {'met' if ok else 'NOT met'}")
     for row in rows[:-1]:
         print(
-            f"  N={row['edges']}: "
+            f"  N={label(row)}: "
             + ", ".join(f"{k} {'met' if v else 'not met'}" for k, v in verdict(row).items())
         )
     result = _finite(
         {
             "bench": "fleet_scale",
-            "subject": {str(r["edges"]): _plain(r, "fleet") for r in rows},
-            "baseline": {str(r["edges"]): _plain(r, "idle") for r in rows},
-            "ratio": {str(r["edges"]): {"p99_over_idle": r["p99_over_idle"]} for r in rows},
+            "subject": {label(r): _plain(r, "fleet") for r in rows},
+            "baseline": {label(r): _plain(r, "idle") for r in rows},
+            "ratio": {label(r): {"p99_over_idle": r["p99_over_idle"]} for r in rows},
             "target": TARGET,
             "met": all(met.values()),
-            "met_by_n": {str(r["edges"]): verdict(r) for r in rows},
+            "met_by_n": {label(r): verdict(r) for r in rows},
             "params": dict(vars(args)),
             "machine": machine(),
         }
     )
     print("RESULT " + json.dumps(result))
+
+
+def gap_ab(rows: list[dict[str, Any]]) -> list[str]:
+    """Each N's arms by read gap: the broker's µs per telemetry message (paired | alone),
+    and the fleet rounds' placement p50 and p99, one value per arm, in run order."""
+    out = ["\nread gap A/B (one value per arm, in run order):"]
+    for n in dict.fromkeys(r["edges"] for r in rows):
+        for gap in dict.fromkeys(r["read_gap_ms"] for r in rows if r["edges"] == n):
+            arms = [r for r in rows if r["edges"] == n and r["read_gap_ms"] == gap]
+            fl = [a["placements"]["fleet"] for a in arms]
+            out.append(
+                f"  N={n} gap {gap:g} ms: µs/msg "
+                + ", ".join(
+                    f"{a['broker_us_per_telemetry']:.1f}|{a['alone']['us_per_telemetry']:.1f}"
+                    for a in arms
+                )
+                + "; p50 ms "
+                + ", ".join(_ms(f["p50_ms"], ".2f") for f in fl)
+                + "; p99 ms "
+                + ", ".join(_ms(f["p99_ms"], ".2f") for f in fl)
+                + "; broker % "
+                + ", ".join(f"{a['broker_cpu_pct']['fleet']:.0f}" for a in arms)
+            )
+    return out
 
 
 def _finite(value: Any) -> Any:

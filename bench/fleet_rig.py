@@ -258,14 +258,20 @@ class Replica:
         return ""
 
 
-def start_replica(fleet: FleetCampus, broker_id: str, logs: Path) -> Replica:
+def start_replica(
+    fleet: FleetCampus, broker_id: str, logs: Path, env: dict[str, str] | None = None
+) -> Replica:
+    """``sluicegate broker run`` for ``broker_id``; ``env``: settings on top of the
+    environment (``SLUICEGATE_BROKER__...``, docs/configuration.md)."""
     log = logs / f"{broker_id}.log"
     argv = [sys.executable, "-m", "sluicegate.app.cli", "broker", "run", "--log-level"]
     argv += ["warning", "--config", str(fleet.broker_config(broker_id))]
     if profile := os.environ.get("SG_BENCH_PROFILE"):  # a cProfile of each replica, to read
         argv[1:1] = ["-m", "cProfile", "-o", f"{profile}.{broker_id}"]
     with log.open("ab") as out:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=child_env(), stdout=out, stderr=out)
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, env=child_env() | (env or {}), stdout=out, stderr=out
+        )
     return Replica(broker_id, fleet.brokers[broker_id], proc, log)
 
 

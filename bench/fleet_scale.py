@@ -32,12 +32,15 @@ core was not saturated: then the pair's difference is capped by the core, not th
 
 The policy format lists at most 4,096 edges (``policies.schema``); past that the edges it
 can list send N messages/s between them (4,094 edges at 1.22 Hz for N = 5,000), and the
-report says so. ``--replicas 1,2,3`` runs the replica checks instead
+report says so. ``--read-gap-ms 0,2,0,2`` runs, for each N, one broker per value of the
+broker's ``read_gap_ms`` setting in that order (arms of an A/B, alternated), each row
+labelled with its gap. ``--replicas 1,2,3`` runs the replica checks instead
 (``bench/fleet_replicas.py``).
 
     .venv/bin/python bench/fleet_scale.py                   # about 9 minutes on 2 cores
     .venv/bin/python bench/fleet_scale.py --edges 100,500   # about 4 minutes
     .venv/bin/python bench/fleet_scale.py --edges 2000 --seconds 5 --rounds 2   # ~1.5 min
+    .venv/bin/python bench/fleet_scale.py --edges 5000 --read-gap-ms 0,2,0,2  # ~9 minutes
     .venv/bin/python bench/fleet_scale.py --replicas 1,2,3  # about 6 minutes
 """
 
@@ -166,12 +169,14 @@ async def one_n(
     driver: Driver,
     sims: list[Sim],
     args: argparse.Namespace,
+    gap_ms: float | None,
 ) -> dict[str, Any]:
     assert servers.redis is not None
     assert servers.mosquitto is not None
     r = redis.Redis(port=servers.redis.port)
     r.flushall()
-    replica = start_replica(fleet, BROKER, servers.root)
+    env = {} if gap_ms is None else {"SLUICEGATE_BROKER__READ_GAP_MS": f"{gap_ms:g}"}
+    replica = start_replica(fleet, BROKER, servers.root, env)
     try:
         await asyncio.to_thread(wait_ready, fleet, replica)
         await driver.wait_brokers()
@@ -208,6 +213,7 @@ async def one_n(
         set_edges(sims, 0)
         stop_replica(replica)
     row = figures(n, fleet_rounds, idle_rounds, gets)
+    row["read_gap_ms"] = gap_ms
     row["listed_edges"] = load[0]
     row["redis_nodes"] = redis_nodes
     cpu_alone, cpu_nothing = alone["cpu"]["broker"], nothing["cpu"]["broker"]
@@ -303,8 +309,12 @@ async def sweep(
     rows = []
     try:
         for n in args.edges:
-            print(f"N={n} ...", flush=True)
-            rows.append(await one_n(n, fleet, servers, driver, sims, args))
+            for gap in args.read_gap_ms or [None]:
+                print(
+                    f"N={n}" + ("" if gap is None else f", read gap {gap:g} ms") + " ...",
+                    flush=True,
+                )
+                rows.append(await one_n(n, fleet, servers, driver, sims, args, gap))
     finally:
         await driver.close()
     return rows
@@ -323,6 +333,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--jitter-ms", type=float, default=5.0)
     ap.add_argument("--driver-edges", type=int, default=2, help="edge identities placing")
     ap.add_argument("--sim-procs", type=int, default=1, help="simulator processes")
+    ap.add_argument(
+        "--read-gap-ms",
+        default="",
+        help="e.g. 0,2,0,2: for each N, one broker per value of [broker] read_gap_ms, in "
+        "this order (A/B arms); default: the broker's own setting",
+    )
     ap.add_argument("--replicas", default="", help="e.g. 1,2,3: the replica checks instead")
     rep = ap.add_argument_group("--replicas mode (bench/fleet_replicas.py)")
     rep.add_argument("--small-capacity", type=int, default=4, help="each worker's capacity")
@@ -338,6 +354,7 @@ def parse_args() -> argparse.Namespace:
     rep.add_argument("--settle-timeout", type=float, default=60.0)
     args = ap.parse_args()
     args.edges = [int(x) for x in str(args.edges).split(",") if x]
+    args.read_gap_ms = [float(x) for x in str(args.read_gap_ms).split(",") if x]
     return args
 
 
