@@ -8,7 +8,10 @@ as a continuation of that head (``policies.audit.verify_chain(after=...)``); eve
 ``full_every_s`` a pass starts again from the first record, so an edit deep in the log is
 found too. Records are read and checked in chunks, each chunk's signatures checked on a
 worker thread, and after each chunk the pass rests in proportion to the time it took, so a
-long chain never stalls the event loop nor takes more than ``duty`` of a core. It never
+long chain never stalls the event loop nor takes more than ``duty`` of a core. Records this
+process's own writer stored are checked against the digests it kept of them instead of
+their signatures (``policies.audit``: the same bytes it signed), and forgotten by the writer
+once verified; a pass from the first record checks their signatures again. It never
 writes to the log and never repairs it: a broken chain is counted and named, and stays
 broken until an operator looks.
 """
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.metrics import BrokerMetrics
-from policies.audit import ChainSummary, decode_record, verify_chain
+from policies.audit import AsyncAuditWriter, ChainSummary, decode_record, verify_chain
 from policies.errors import AuditChainBroken, AuditError
 from policies.model import Policy
 from policies.redis_stores import AsyncRedisStreamAuditStore
@@ -61,7 +64,9 @@ class AuditStanding:
 class AuditChecker:
     """Verifies one audit stream now and then (every ``interval_s``, by default
     ``INTERVAL_S``). ``trusted()``: the keys its records may be signed by, asked at each
-    pass (the broker's own key, and the broker keys of the policy in force)."""
+    pass (the broker's own key, and the broker keys of the policy in force). ``writer``:
+    the process's own writer to this stream, whose records' digests stand for their
+    signatures."""
 
     def __init__(
         self,
@@ -74,6 +79,7 @@ class AuditChecker:
         chunk: int = CHUNK,
         duty: float = DUTY,
         clock: Callable[[], float] = time.time,
+        writer: AsyncAuditWriter | None = None,
     ) -> None:
         if chunk < 1 or not 0.0 < duty <= 1.0:
             raise ValueError(f"chunk = {chunk}, duty = {duty}; accepted: chunk >= 1, 0 < duty <= 1")
@@ -85,6 +91,7 @@ class AuditChecker:
         self._chunk = chunk
         self._rest = (1.0 - duty) / duty
         self._clock = clock
+        self._writer = writer
         self._summary: ChainSummary | None = None  # the chain verified so far
         self._full_at: float | None = None  # when the last pass from the first record began
         self.standing = AuditStanding(None, 0, None, False, "not verified yet")
@@ -118,6 +125,8 @@ class AuditChecker:
             return self.standing
         if full:
             self._full_at = started
+        if self._writer is not None:
+            self._writer.forget(summary.count)
         self._summary = summary
         at = self._clock()
         self._metrics.audit_verified_at.set(at)
@@ -134,6 +143,9 @@ class AuditChecker:
                     index=after.count - 1,
                     problem="truncated",
                 )
+        # A pass from the first record checks every signature, witnessed or not.
+        own = self._writer
+        witnessed = own.witnessed if own is not None and after is not None else None
         summary = after
         while True:
             seq = summary.count if summary is not None else 0
@@ -141,7 +153,9 @@ class AuditChecker:
             if not entries:
                 return summary or ChainSummary(0, bytes(32), frozenset())
             began = time.perf_counter()
-            summary = await asyncio.to_thread(verify_chain, entries, trusted, after=summary)
+            summary = await asyncio.to_thread(
+                verify_chain, entries, trusted, after=summary, witnessed=witnessed
+            )
             await asyncio.sleep((time.perf_counter() - began) * self._rest)
             if len(entries) < self._chunk:
                 return summary

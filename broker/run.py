@@ -177,6 +177,7 @@ async def _serve(
         AsyncRedisStreamAuditStore(redis, audit_stream_key(cfg.id)),
         lambda: trusted_keys(key.public, feed.current),
         broker.metrics,
+        writer=audit,
     )
     board = Console(broker, feed, transport, redis, settings.console, audit_state=checker.plain)
     await transport.subscribe(topics.edge_trace_all(), board.on_trace, qos=0)

@@ -11,6 +11,11 @@ covers ``DOMAIN`` + that hash. Deleting a record breaks the sequence at its posi
 reordering breaks it at the first moved record, editing breaks that record's signature.
 Cutting records off the end is only visible against a head hash kept elsewhere
 (``expected_head``).
+
+The asyncio writer remembers the digest of each record it stored (``entry_digest``, sha256 of the
+stored bytes, signature included; the last ``WITNESS_MOST``). A verifier given those
+(``witnessed``) skips the signature of a record whose stored bytes still have that digest:
+they are the bytes the writer signed. Every other check still runs on it.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from policies.keys import SigningKey, b64u_decode, b64u_encode, fingerprint, sig
 DOMAIN = b"sluicegate-audit-record/1\n"
 GENESIS = bytes(32)
 MAX_RECORD_BYTES = 16_384
+WITNESS_MOST = 200_000  # digests a writer keeps of the records it stored, newest
 Scalar = str | int | float | bool | None
 
 
@@ -105,6 +111,11 @@ def decode_record(entry: bytes) -> AuditRecord:
     )
 
 
+def entry_digest(entry: bytes) -> bytes:
+    """What a writer remembers of a record it stored: sha256 of the stored bytes."""
+    return hashlib.sha256(entry).digest()
+
+
 def next_record(
     head: AuditRecord | None,
     kind: str,
@@ -149,6 +160,7 @@ def verify_chain(
     *,
     expected_head: bytes | None = None,
     after: ChainSummary | None = None,
+    witnessed: Mapping[int, bytes] | None = None,
 ) -> ChainSummary:
     """Check every record; raise ``AuditChainBroken`` at the first bad one, or
     ``AuditUntrustedSigner`` at the first signed by a key outside ``trusted``.
@@ -156,7 +168,10 @@ def verify_chain(
     ``after``: a summary this verifier returned earlier for the same log; ``entries`` are
     then the records that follow it (from seq ``after.count``), checked as a continuation
     of its head, and the summary returned covers the whole log. That is how a long log is
-    verified in bounded steps, or only its new records."""
+    verified in bounded steps, or only its new records.
+
+    ``witnessed``: seq -> ``entry_digest`` of records the verifier's own writer stored; a
+    record whose bytes still have that digest is not signature-checked again."""
     prev = GENESIS if after is None else after.head
     signers: set[bytes] = set() if after is None else set(after.signers)
     count = 0 if after is None else after.count
@@ -173,7 +188,8 @@ def verify_chain(
                 signer=record.signer,
             )
         digest = record.hash
-        if not signature_valid(record.signer, record.signature, DOMAIN + digest):
+        own = witnessed is not None and witnessed.get(index) == entry_digest(entry)
+        if not own and not signature_valid(record.signer, record.signature, DOMAIN + digest):
             raise AuditChainBroken(
                 f"(seq {record.seq}) signature does not verify: the record was edited",
                 index=index,
@@ -263,12 +279,19 @@ class AuditWriter:
 
 
 class AsyncAuditWriter:
-    """``AuditWriter`` for asyncio callers and an ``AsyncAuditStore``."""
+    """``AuditWriter`` for asyncio callers and an ``AsyncAuditStore``; it keeps the digests
+    of the records it stored (``witnessed``) for the process's own verifier."""
 
     def __init__(self, store: AsyncAuditStore, key: SigningKey, *, retries: int = 3) -> None:
         self.store, self.key, self.retries = store, key, retries
         self._head: AuditRecord | None = None
         self._loaded = False
+        # seq -> entry_digest of what this writer stored, oldest first, for its verifier.
+        self.witnessed: dict[int, bytes] = {}
+
+    def forget(self, below: int) -> None:
+        """Drop the digests of records before seq ``below``: a verifier has checked them."""
+        self.witnessed = {seq: d for seq, d in self.witnessed.items() if seq >= below}
 
     async def append(self, kind: str, data: Mapping[str, Scalar], *, now: float) -> AuditRecord:
         attempt = 0
@@ -276,8 +299,9 @@ class AsyncAuditWriter:
             if not self._loaded:
                 self._head, self._loaded = _head(await self.store.last()), True
             record = next_record(self._head, kind, data, now=now, key=self.key)
+            entry = record.encode()
             try:
-                await self.store.append(record.seq, record.encode())
+                await self.store.append(record.seq, entry)
             except AuditConflict:
                 self._loaded = False
                 if attempt >= self.retries:
@@ -285,6 +309,9 @@ class AsyncAuditWriter:
                 attempt += 1
                 continue
             self._head = record
+            self.witnessed[record.seq] = entry_digest(entry)
+            if len(self.witnessed) > WITNESS_MOST:  # no verifier for a while: keep the newest half
+                self.forget(record.seq - WITNESS_MOST // 2)
             return record
 
 

@@ -1,7 +1,8 @@
 """Real Redis: the broker's periodic audit-chain check. Incremental passes cover new records
 only, the verified head is re-read each pass (a log cut back or rewritten fails), a pass
 from the first record finds an edit deep in the log, and an unreachable Redis makes the
-verification old without counting the chain as broken."""
+verification old without counting the chain as broken. Records the process's own writer
+stored are checked against the digests it kept, and an edit to one is still found."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import redis.asyncio
 
 from broker.audit_check import AuditChecker, trusted_keys
 from broker.metrics import BrokerMetrics
-from policies.audit import AuditRecord, next_record
+from policies.audit import AsyncAuditWriter, AuditRecord, decode_record, next_record
 from policies.keys import SigningKey
 from policies.redis_stores import AsyncRedisStreamAuditStore, RedisStreamAuditStore
 from sluicegate.app.servers import free_port
@@ -57,7 +58,12 @@ def sample(m: BrokerMetrics, name: str) -> float | None:
     return m.registry.get_sample_value(name)
 
 
-def checker(aclient: redis.asyncio.Redis, stream: str, **kw: float) -> AuditChecker:
+def checker(
+    aclient: redis.asyncio.Redis,
+    stream: str,
+    writer: AsyncAuditWriter | None = None,
+    **kw: float,
+) -> AuditChecker:
     store = AsyncRedisStreamAuditStore(aclient, stream)
     clock = iter(range(1_000_000, 2_000_000, 10))
     return AuditChecker(
@@ -66,6 +72,7 @@ def checker(aclient: redis.asyncio.Redis, stream: str, **kw: float) -> AuditChec
         BrokerMetrics(),
         chunk=1000,
         clock=lambda: float(next(clock)),
+        writer=writer,
         **kw,
     )
 
@@ -143,6 +150,35 @@ async def test_a_full_pass_finds_an_edit_deep_in_the_log(
     assert not found.ok
     assert found.error is not None
     assert "bad-signature" in found.error
+
+
+async def test_the_own_writers_records_are_checked_by_digest_and_an_edit_still_found(
+    client: redis.Redis, aclient: redis.asyncio.Redis, unique: str
+) -> None:
+    stream = f"{unique}:audit"
+    writer = AsyncAuditWriter(AsyncRedisStreamAuditStore(aclient, stream), BROKER)
+    c = checker(aclient, stream, writer)
+    for i in range(5):
+        await writer.append("decision", {"job": f"a-{i}"}, now=NOW + i)
+    assert (await c.check()).records == 5  # the first pass: every signature
+    assert writer.witnessed == {}  # verified: forgotten
+    for i in range(3):
+        await writer.append("decision", {"job": f"b-{i}"}, now=NOW + i)
+    assert sorted(writer.witnessed) == [5, 6, 7]
+    stored = [decode_record(e) for e in RedisStreamAuditStore(client, stream).entries()]
+    client.delete(stream)
+    edited = [*stored]
+    edited[6] = AuditRecord(**{**stored[6].__dict__, "data": {"job": "other"}})
+    write(client, stream, edited)
+    found = await c.check()
+    assert not found.ok
+    assert found.error is not None
+    assert "bad-signature" in found.error
+    assert found.records == 5
+    client.delete(stream)
+    write(client, stream, stored)  # as the writer stored it: verifies
+    assert (await c.check()).records == 8
+    assert writer.witnessed == {}
 
 
 async def test_a_record_signed_by_an_untrusted_key_fails(

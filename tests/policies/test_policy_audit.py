@@ -14,6 +14,7 @@ from policies.audit import (
     MAX_RECORD_BYTES,
     AuditWriter,
     decode_record,
+    entry_digest,
     next_record,
     refusal_data,
     verify_chain,
@@ -112,6 +113,44 @@ def test_a_re_signed_replacement_breaks_the_next_link(tmp_path: Path) -> None:
     lines[2] = forged.encode()
     err = _broken(lines)
     assert (err.index, err.problem) == (3, "broken-link")
+
+
+def test_a_witnessed_record_skips_only_its_signature_and_only_as_stored(tmp_path: Path) -> None:
+    """A record whose stored bytes have the digest its writer kept is not signature-checked
+    again; any other byte in it, or any other record, is checked as ever."""
+    lines = _lines(_log(tmp_path))
+    witnessed = {i: entry_digest(line) for i, line in enumerate(lines)}
+    assert verify_chain(lines, TRUSTED, witnessed=witnessed) == verify_chain(lines, TRUSTED)
+    # The signature is what is skipped: bytes stored with a bad one pass, if witnessed so.
+    doc = json.loads(lines[3])
+    doc["sig"] = doc["sig"][::-1]
+    bad_sig = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+    assert (
+        verify_chain(
+            [*lines[:3], bad_sig, *lines[4:]],
+            TRUSTED,
+            witnessed=witnessed | {3: entry_digest(bad_sig)},
+        ).count
+        == 6
+    )
+    # Stored bytes other than the witnessed ones: signature-checked, the edit found.
+    err = _broken_witnessed([*lines[:3], bad_sig, *lines[4:]], witnessed)
+    assert (err.index, err.problem) == (3, "bad-signature")
+    doc = json.loads(lines[4])
+    doc["data"]["worker"] = "cloud-gpu-1"
+    err = _broken_witnessed([*lines[:4], json.dumps(doc).encode(), lines[5]], witnessed)
+    assert (err.index, err.problem) == (4, "bad-signature")
+    # A witnessed digest at another position stands for nothing; nor is the signer trusted.
+    shifted = {i + 1: d for i, d in witnessed.items()}
+    assert _broken_witnessed([*lines[:3], bad_sig, *lines[4:]], shifted).problem == "bad-signature"
+    with pytest.raises(AuditUntrustedSigner):
+        verify_chain(lines, {key("other").public}, witnessed=witnessed)
+
+
+def _broken_witnessed(entries: list[bytes], witnessed: dict[int, bytes]) -> AuditChainBroken:
+    with pytest.raises(AuditChainBroken) as info:
+        verify_chain(entries, TRUSTED, witnessed=witnessed)
+    return info.value
 
 
 def test_a_log_checked_with_another_key_is_an_untrusted_signer_not_a_broken_chain(

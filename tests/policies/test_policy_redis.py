@@ -12,8 +12,8 @@ import redis.asyncio
 from policy_testkit import EXAMPLE, NOW, key
 from typer.testing import CliRunner
 
-from policies import redis_stores
-from policies.audit import AsyncAuditWriter, AuditWriter, verify_chain
+from policies import audit, redis_stores
+from policies.audit import AsyncAuditWriter, AuditWriter, entry_digest, verify_chain
 from policies.cli import app
 from policies.errors import AuditConflict, AuditError, TokenReplayed
 from policies.loader import load_policy
@@ -186,3 +186,24 @@ async def test_async_audit_stream_writer(
     client.set(f"{unique}:string", b"x")
     with pytest.raises(AuditError, match="Redis refused"):
         await AsyncRedisStreamAuditStore(aclient, f"{unique}:string").append(0, b"{}")
+
+
+@pytest.mark.asyncio
+async def test_async_writer_keeps_the_digests_of_what_it_stored(
+    aclient: redis.asyncio.Redis, unique: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each record it stored, as stored; only its own (not another writer's), forgotten
+    once verified, and never more than about ``WITNESS_MOST``, the newest kept."""
+    monkeypatch.setattr(audit, "WITNESS_MOST", 4)
+    store = AsyncRedisStreamAuditStore(aclient, f"{unique}:audit")
+    mine, other = AsyncAuditWriter(store, BROKER), AsyncAuditWriter(store, BROKER)
+    await mine.append("decision", {"job": "a"}, now=NOW)
+    await other.append("decision", {"job": "b"}, now=NOW)
+    await mine.append("decision", {"job": "c"}, now=NOW)
+    stored = await store.read(0, 10)
+    assert mine.witnessed == {0: entry_digest(stored[0]), 2: entry_digest(stored[2])}
+    mine.forget(1)
+    assert list(mine.witnessed) == [2]
+    for i in range(4):
+        await mine.append("decision", {"job": f"d{i}"}, now=NOW)
+    assert list(mine.witnessed) == [4, 5, 6]  # past 4: the newest half and the one after
