@@ -19,8 +19,9 @@ Three subscribers, alternated round by round (A, B, C, A, B, C ...), each in its
 
 ``--tls``: the subscribers read over TLS 1.3 (a listener of the same Mosquitto, its
 certificate from a campus CA made for the run), as a campus broker does; the publisher
-stays on the plain listener. ``--base DIR``: one more arm, ``transport@base``, the
-transport of another checkout (``git worktree add /tmp/base <commit>``), to A/B a change.
+stays on the plain listener. ``--base DIR``: more arms, ``transport@base`` (and those
+``--base-arms`` names), run from another checkout (``git worktree add /tmp/base <commit>``),
+to A/B a change.
 
     .venv/bin/python bench/mqtt_read.py [--messages 20000] [--rate 5000] [--rounds 3]
     .venv/bin/python bench/mqtt_read.py --tls --base /tmp/base
@@ -266,6 +267,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tls", action="store_true", help="the subscribers read over TLS 1.3")
     ap.add_argument("--base", default="", help="another checkout: a transport@base arm")
+    ap.add_argument(
+        "--base-arms",
+        default="transport",
+        help="the arms run from --base too, e.g. transport,gapped",
+    )
     ap.add_argument("--subscriber", choices=MODES, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--ca", default="", help=argparse.SUPPRESS)
@@ -279,7 +285,8 @@ def main() -> None:
             read = sub_transport(args.port, args.messages, idle_s=2.0, ca=args.ca, gapped=gapped)
             asyncio.run(read)
         return
-    modes = MODES + (("transport@base",) if args.base else ())
+    at_base = [f"{m}@base" for m in args.base_arms.split(",") if m] if args.base else []
+    modes = (*MODES, *at_base)
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory(prefix="sg-mqtt-read-") as tmp:
         tls_port = free_port()
@@ -319,8 +326,9 @@ def main() -> None:
         "gapped_over_paho": round(p50["gapped"] / p50["paho"], 2),
         "gapped_over_transport": round(p50["gapped"] / p50["transport"], 2),
     }
-    if args.base:
-        ratios["transport_over_base"] = round(p50["transport"] / p50["transport@base"], 2)
+    for arm in at_base:
+        mode = arm.removesuffix("@base")
+        ratios[f"{mode}_over_base"] = round(p50[mode] / p50[arm], 2)
     print(", ".join(f"{k.replace('_over_', ' / ')}: {v:.2f}x" for k, v in ratios.items()))
     result = {
         "bench": "mqtt_read",
