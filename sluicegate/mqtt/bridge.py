@@ -1,12 +1,10 @@
 """The bridge between paho-mqtt (MQTT v5) and asyncio: the transport every role uses.
 
 paho runs on the event loop, through its external-loop interface: the loop watches the
-socket, a small task calls ``loop_misc`` for keepalive and paho writes (``loop_write``
-while it has packets to send). Reading is :mod:`sluicegate.mqtt.reader`'s: at most
-``READ_BURST`` packets a turn of the loop, PUBLISH packets routed here and the rest handed
-to paho. With a read gap (the broker's), a read that drained the socket stops the loop
-watching it for that long, so a steady stream of small messages is read dozens to a
-wake-up instead of one. paho's callbacks run on the loop thread; a message is converted into our own
+socket (:mod:`sluicegate.mqtt.watch`: reads a burst at a time, paho's writes, the broker's
+read gap), and a small task calls ``loop_misc`` for keepalive. Reading is
+:mod:`sluicegate.mqtt.reader`'s: PUBLISH packets routed here and the rest handed to paho.
+paho's callbacks run on the loop thread; a message is converted into our own
 :class:`~sluicegate.transport.Message` and handed to its handler at once. A publish made on
 the loop outside a read is written at once; one made by a handler right after the read
 that ran it. There is no network thread: under load a second thread cost about a third
@@ -53,6 +51,7 @@ from sluicegate.mqtt.framing import Publish
 from sluicegate.mqtt.packets import from_paho, new_properties, publish_properties
 from sluicegate.mqtt.reader import SocketReader
 from sluicegate.mqtt.routing import AckTable, Subscription, Subscriptions
+from sluicegate.mqtt.watch import SocketWatch
 from sluicegate.transport import Handler, Message, Will
 
 __all__ = ["MqttTransport"]
@@ -62,7 +61,6 @@ log = logging.getLogger(__name__)
 _OK = (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN)
 MISC_INTERVAL_S = 1.0  # how often paho's keepalive bookkeeping runs
 CLOSE_TIMEOUT_S = 2.0  # how long close() waits for its DISCONNECT to go out
-READ_BURST = 64  # packets taken in per turn of the loop, at most
 
 
 class MqttTransport:
@@ -84,12 +82,7 @@ class MqttTransport:
         self._clean_start = clean_start
         self._session_expiry_s = session_expiry_s
         self._max_pending = max_pending
-        # After a read that drained the socket, the loop stops watching it this long, so
-        # that a steady stream of small messages is read several to a wake-up.
-        self._read_gap_s = read_gap_s
-        self._gap: asyncio.TimerHandle | None = None
         self._routing: Subscriptions[Publish] = Subscriptions(max_pending, self._convert)
-        self._resume = False  # a burst's continuation waits for the loop's next turn
         self._connect_hooks: list[Callable[[], None]] = []
         self._disconnect_hooks: list[Callable[[], None]] = []
         self._acks = AckTable()
@@ -99,16 +92,13 @@ class MqttTransport:
         self._connected = asyncio.Event()
         self._lost = asyncio.Event()  # the current connection (or attempt) is over
         self._tasks: list[asyncio.Task[None]] = []
-        self._fd: int | None = None  # paho's socket, while the loop watches it
         self._closing = False
         self._last_error: str | None = None
         self._connacks = 0  # connections that got as far as a CONNACK
-        # Inside a call into paho on the loop, whose callbacks may publish: paho's callback
-        # lock is not reentrant, so such a publish waits for the writer (see publish_nowait).
-        self._in_paho = False
-        self._handlers_published = False  # a handler published during this read
         self._client = new_client(settings, client_id, will)
-        self._reader = SocketReader(self._client, self._routing.deliver, settings.host)
+        # After a read that drained the socket, the loop stops watching it ``read_gap_s``.
+        reader = SocketReader(self._client, self._routing.deliver, settings.host)
+        self._socket = SocketWatch(self._client, reader, read_gap_s)
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
         self._client.on_publish = self._on_publish
@@ -178,7 +168,7 @@ class MqttTransport:
         """Send DISCONNECT (no Last Will), stop the connection's tasks and fail pending
         waits."""
         self._closing = True
-        if self._fd is not None and self.connected:
+        if self._socket.fd is not None and self.connected:
             self._lost.clear()
             self._client.disconnect()  # paho closes the socket once the packet is out
             with contextlib.suppress(TimeoutError):
@@ -188,7 +178,7 @@ class MqttTransport:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         sock = self._client.socket()
-        self._unwatch()
+        self._socket.unwatch()
         if sock is not None:  # a connection that never finished its goodbye
             with contextlib.suppress(OSError):
                 sock.close()
@@ -231,7 +221,7 @@ class MqttTransport:
             except (OSError, ValueError) as exc:
                 rc, self._last_error = None, f"cannot reach {where}: {exc}"
             if rc == MQTTErrorCode.MQTT_ERR_SUCCESS and not self._closing:
-                self._watch()
+                self._socket.watch(asyncio.get_running_loop())
                 await self._lost.wait()
                 if self._connacks > connacks:  # it was up: back to the shortest wait
                     delay = float(self._settings.reconnect_min_s)
@@ -247,82 +237,10 @@ class MqttTransport:
         """paho's periodic work: PINGREQ when idle, and noticing a broker gone silent."""
         while True:
             await asyncio.sleep(MISC_INTERVAL_S)
-            if self._fd is not None:
-                self._paho(self._client.loop_misc)
+            if self._socket.fd is not None:
+                self._socket.paho(self._client.loop_misc)
 
-    # -- the socket, watched by the loop ---------------------------------------------------
-
-    def _watch(self) -> None:
-        """Watch the socket paho has just connected: read when readable, and write what
-        paho queued meanwhile (the CONNECT at least)."""
-        sock = self._client.socket()
-        loop = self._loop
-        if sock is None or loop is None:
-            return
-        self._fd = sock.fileno()
-        self._reader.restart()
-        loop.add_reader(self._fd, self._readable)
-        loop.add_writer(self._fd, self._writable)
-
-    def _paho(self, call: Callable[[], object]) -> None:
-        self._in_paho = True
-        try:
-            call()
-        finally:
-            self._in_paho = False
-
-    def _writable(self) -> None:
-        self._paho(self._client.loop_write)
-
-    def _unwatch(self) -> None:
-        fd, self._fd = self._fd, None
-        loop = self._loop
-        if self._gap is not None:
-            self._gap.cancel()
-            self._gap = None
-        if fd is not None and loop is not None and not loop.is_closed():
-            loop.remove_reader(fd)
-            loop.remove_writer(fd)
-
-    def _readable(self) -> None:
-        """Take in what the socket holds, up to ``READ_BURST`` packets: a burst is handed to
-        its handlers in one go (one placement batch, one Redis round trip), not one
-        message per turn of the loop. What the handlers published meanwhile (replies, acks)
-        is written right after, not at the loop's next poll."""
-        self._resume = False
-        if self._fd is None:
-            return  # a continuation that outlived its connection
-        self._in_paho = True  # a handler's publish waits for the end of the burst
-        try:
-            full = self._reader.burst(READ_BURST)
-        finally:
-            self._in_paho = False
-        if full and not self._resume and self._loop is not None:
-            # A burst's worth taken: what was read already waits for the loop's next turn,
-            # not for the socket (which may have nothing more to say).
-            self._resume = True
-            self._loop.call_soon(self._readable)
-        elif not full and self._read_gap_s > 0.0:
-            self._pause_reading()
-        if self._handlers_published:
-            self._handlers_published = False
-            if self._fd is not None:
-                self._paho(self._client.loop_write)
-
-    def _pause_reading(self) -> None:
-        """The socket is drained: look at it again only after the read gap. What comes
-        meanwhile waits in the kernel, and the next wake-up reads all of it."""
-        loop = self._loop
-        if self._fd is None or loop is None or self._gap is not None:
-            return
-        loop.remove_reader(self._fd)
-        self._gap = loop.call_later(self._read_gap_s, self._watch_again)
-
-    def _watch_again(self) -> None:
-        """The read gap is over: the next byte (or those already waiting) wakes a read."""
-        self._gap = None
-        if self._fd is not None and self._loop is not None:
-            self._loop.add_reader(self._fd, self._readable)
+    # -- paho's socket callbacks (the watch itself: sluicegate.mqtt.watch) -------------------
 
     def _on_loop_thread(self) -> bool:
         return threading.get_ident() == self._loop_thread
@@ -333,16 +251,16 @@ class MqttTransport:
 
     def _on_socket_close(self, _client: paho.Client, _userdata: Any, _sock: Any) -> None:
         if self._on_loop_thread():
-            self._unwatch()
+            self._socket.unwatch()
 
     def _on_register_write(self, _client: paho.Client, _userdata: Any, _sock: Any) -> None:
-        # From the connecting thread (the CONNECT), _watch adds the writer afterwards.
-        if self._fd is not None and self._loop is not None and self._on_loop_thread():
-            self._loop.add_writer(self._fd, self._writable)
+        # From the connecting thread (the CONNECT), watch() adds the writer afterwards.
+        if self._on_loop_thread():
+            self._socket.want_write(True)
 
     def _on_unregister_write(self, _client: paho.Client, _userdata: Any, _sock: Any) -> None:
-        if self._fd is not None and self._loop is not None and self._on_loop_thread():
-            self._loop.remove_writer(self._fd)
+        if self._on_loop_thread():
+            self._socket.want_write(False)
 
     # -- publish / subscribe ----------------------------------------------------------------
 
@@ -366,10 +284,7 @@ class MqttTransport:
             raise TransportError(f"publish to {topic!r} refused: {exc}") from exc
         if info.rc not in _OK:
             raise TransportError(f"publish to {topic!r} refused: {paho.error_string(info.rc)}")
-        if self._in_paho:
-            self._handlers_published = True  # written right after the read (_readable)
-        elif self._fd is not None and self._on_loop_thread():
-            self._paho(self._client.loop_write)  # out now, not after the loop's next poll
+        self._socket.published(on_loop=self._on_loop_thread())
         return info.mid
 
     async def publish(self, message: Message, *, wait: bool = False) -> None:
@@ -472,7 +387,7 @@ class MqttTransport:
             self._loop.call_soon_threadsafe(self._lost_connection)
 
     def _lost_connection(self) -> None:
-        self._unwatch()
+        self._socket.unwatch()
         self._lost.set()
         self._set_connected(False)
 
