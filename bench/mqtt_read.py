@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -212,11 +213,15 @@ async def sub_transport(port: int, count: int, idle_s: float, ca: str, *, gapped
 # -- the run ------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
 class Rig:
-    """The Mosquitto of the run: where the publisher writes, where subscribers read."""
+    """The Mosquitto of the run: where the publisher writes, where subscribers read (over
+    TLS when ``ca``, our CA file, is set), and the other checkout of ``@base`` arms."""
 
-    def __init__(self, pub_port: int, sub_port: int, ca: str, base: str) -> None:
-        self.pub_port, self.sub_port, self.ca, self.base = pub_port, sub_port, ca, base
+    pub_port: int
+    sub_port: int
+    ca: str
+    base: str
 
 
 def tls_listener(folder: Path, port: int) -> tuple[str, ...]:
@@ -238,10 +243,10 @@ def tls_listener(folder: Path, port: int) -> tuple[str, ...]:
 
 
 def one_round(mode: str, rig: Rig, count: int, rate: float) -> dict[str, float]:
-    name, at_base = mode.removesuffix("@base"), mode.endswith("@base")
+    name = mode.removesuffix("@base")
     argv = [sys.executable, __file__, "--subscriber", name, "--port", str(rig.sub_port)]
     argv += ["--messages", str(count), "--ca", rig.ca]
-    if at_base:
+    if name != mode:
         argv += ["--code", rig.base]
     sub = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     assert sub.stdout is not None

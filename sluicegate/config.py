@@ -175,6 +175,9 @@ class PoolSettings(_Section):
     usage_synchronous: Literal["FULL", "NORMAL"] = "NORMAL"
 
 
+READ_GAP_MS_MOST = 20.0  # the longest read gap a broker may be given
+
+
 class BrokerSettings(_Section):
     """One campus broker replica."""
 
@@ -211,7 +214,7 @@ class BrokerSettings(_Section):
     # After a read that drained the MQTT socket, wait this long before watching it again:
     # thousands of edges' telemetry is read a few dozen messages to a wake-up rather than
     # one (docs/performance.md); a placement request waits at most this much longer.
-    read_gap_ms: float = Field(2.0, ge=0.0, le=20.0)
+    read_gap_ms: float = Field(2.0, ge=0.0, le=READ_GAP_MS_MOST)
 
 
 class ConsoleSettings(_Section):

@@ -38,6 +38,13 @@ def mosquitto() -> Iterator[ServerProcess]:
         yield server
 
 
+@pytest.fixture
+def own_mosquitto() -> Iterator[ServerProcess]:
+    """A Mosquitto only this test uses, so it may kill and restart it."""
+    with running(start_mosquitto()) as server:
+        yield server
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[ServerProcess]:
     """A real redis-server for the whole session."""

@@ -5,24 +5,16 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
-from collections.abc import Iterator
 
 import pytest
 
-from sluicegate.app.servers import ServerProcess, free_port, running, start_mosquitto
+from sluicegate.app.servers import ServerProcess, free_port
 from sluicegate.config import MqttSettings
 from sluicegate.errors import TransportError
 from sluicegate.mqtt import Message, MqttTransport, Will
 from tests.support import PlainClient
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def own_mosquitto() -> Iterator[ServerProcess]:
-    """A Mosquitto only this test uses, so it may restart it."""
-    with running(start_mosquitto()) as server:
-        yield server
 
 
 async def _next(queue: asyncio.Queue[Message], timeout: float = 10.0) -> Message:

@@ -8,11 +8,10 @@ import asyncio
 import contextlib
 import logging
 from collections import defaultdict
-from collections.abc import Iterator
 
 import pytest
 
-from sluicegate.app.servers import ServerProcess, running, start_mosquitto
+from sluicegate.app.servers import ServerProcess
 from sluicegate.config import MqttSettings
 from sluicegate.mqtt import Message, MqttTransport
 
@@ -20,13 +19,6 @@ pytestmark = pytest.mark.integration
 
 SIZES = (0, 1, 700, 65_535, 65_536, 200_000, 1_500_000)  # across the reads' size
 GAP_S = 0.005  # a read gap, a little longer than the broker's default
-
-
-@pytest.fixture
-def own_mosquitto() -> Iterator[ServerProcess]:
-    """A Mosquitto only this test uses, so it may kill and restart it."""
-    with running(start_mosquitto()) as server:
-        yield server
 
 
 @pytest.mark.parametrize("gap", [0.0, GAP_S])
