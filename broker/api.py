@@ -131,7 +131,10 @@ OPENAPI: dict[str, Any] = {
     "paths": {
         "/health": {
             "get": {
-                "summary": "Liveness and readiness: MQTT and Redis connected, policy held",
+                "summary": (
+                    "Liveness and readiness: MQTT and Redis connected, policy held,"
+                    " placement requests subscribed"
+                ),
                 "responses": {
                     "200": {"description": "ready"},
                     "503": {"description": "not ready; the body says what is missing"},

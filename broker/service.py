@@ -142,6 +142,7 @@ class Broker:
             policy, self.store, self.metrics, clock, interval_s=settings.telemetry_interval_s
         )
         self._reserve_ok = True
+        self.listening = False  # subscribed to placement requests (readiness)
         self.inflight = InflightStore(redis, self.store)
         self.reaper = Reaper(
             settings,
@@ -384,6 +385,7 @@ class Broker:
         # QoS 0, like the replies (see _reply); and a stale request redelivered to another
         # replica would only reserve for nobody.
         await t.subscribe(topics.placement_requests_shared(), self.on_request, qos=0)
+        self.listening = True  # requests published from now on reach a replica
 
         def announce() -> None:
             t.publish_nowait(

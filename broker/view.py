@@ -56,6 +56,8 @@ class HttpView:
             "mqtt": self._transport.connected,
             "redis": self._broker.redis_ok,
             "policy": self._feed.current is not None,
+            # A request sent before the (QoS 0) subscription is acked reaches no replica.
+            "placements": self._broker.listening,
         }
         missing = [name for name, ok in checks.items() if not ok]
         detail = {"policy": self._feed.why_none()} if not checks["policy"] else {}

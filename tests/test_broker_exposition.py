@@ -12,6 +12,7 @@ is why the documented autoscaler query holds the last fresh value (docs/observab
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import queue
@@ -188,7 +189,9 @@ def test_counters_equal_what_was_sent(
 def _counted(
     campus: Campus, settings: Settings, port: int, mosquitto: ServerProcess, workers: Workers
 ) -> None:
-    wait_until(lambda: _up(port), timeout=20)
+    # Ready, not merely up: the placement requests' subscription (QoS 0) is acked, so
+    # the first request cannot be published into nothing.
+    wait_until(lambda: _ready(port), timeout=20)
     before = time.time()
     workers.announce()
     after = time.time()
@@ -246,11 +249,14 @@ def _counted(
     assert verified >= before
 
 
-def _up(port: int) -> bool:
+def _ready(port: int) -> bool:
+    """Whether the broker's ``/health`` answers 200 (urllib raises on a 503)."""
     try:
-        scrape(port)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as resp:
+            checks = json.loads(resp.read())["checks"]
     except OSError:
         return False
+    assert checks["placements"] is True
     return True
 
 

@@ -268,6 +268,7 @@ def test_placement_within_policy_explained_reserved_and_audited(
     health_status, health = http(settings, "/health")
     assert health_status == 200
     assert health["ready"] is True
+    assert health["checks"]["placements"] is True
     assert http(settings, "/policy")[1]["campus"] == "demo-campus"
     assert set(http(settings, "/openapi.json")[1]["paths"]) >= {"/fleet", "/jobs/{job_id}"}
     metrics = http(settings, "/metrics")[1]
