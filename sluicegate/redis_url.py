@@ -312,7 +312,7 @@ def async_client(url: str, **kwargs: Any) -> redis.asyncio.Redis:
         except ValueError as exc:
             raise ConfigError(f"redis_url {redacted(url)!r}: {exc}") from exc
     parsed = parse_sentinel_url(url)
-    sentinel = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+    sentinel = redis.asyncio.sentinel.Sentinel(
         list(parsed.sentinels), sentinel_kwargs=parsed.sentinel_kwargs()
     )
     client = sentinel.master_for(
@@ -335,10 +335,10 @@ def sync_client(url: str, **kwargs: Any) -> redis.Redis:
         except ValueError as exc:
             raise ConfigError(f"redis_url {redacted(url)!r}: {exc}") from exc
     parsed = parse_sentinel_url(url)
-    sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+    sentinel = redis.sentinel.Sentinel(
         list(parsed.sentinels), sentinel_kwargs=parsed.sentinel_kwargs()
     )
-    client = sentinel.master_for(  # type: ignore[no-untyped-call]
+    client = sentinel.master_for(
         parsed.service, redis_class=SyncSentinelRedis, **(parsed.connection_kwargs() | kwargs)
     )
     assert isinstance(client, SyncSentinelRedis)
