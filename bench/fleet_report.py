@@ -49,9 +49,14 @@ def verdict(row: dict[str, Any]) -> dict[str, bool]:
 
 
 def label(row: dict[str, Any]) -> str:
-    """The row's N, and its broker's read gap where the run set one: ``5000/g2``."""
+    """The row's N and its arm: the broker's read gap where the run set one, ``pin`` where
+    the broker had a core to itself: ``5000``, ``5000/g2``, ``5000/pin``."""
+    return str(row["edges"]) + arm(row)
+
+
+def arm(row: dict[str, Any]) -> str:
     gap = row.get("read_gap_ms")
-    return str(row["edges"]) + ("" if gap is None else f"/g{gap:g}")
+    return ("" if gap is None else f"/g{gap:g}") + ("/pin" if row.get("pinned") else "")
 
 
 COLUMNS = (
@@ -162,8 +167,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, setup: dict[str
     )
     for row in rows:
         print("\n".join(details(row)))
-    if args.read_gap_ms:
-        print("\n".join(gap_ab(rows)))
+    if args.read_gap_ms or args.pin:
+        print("\n".join(arms_ab(rows)))
     last = rows[-1]
     met = verdict(last)
     print(f"\ntargets at N={label(last)} (the brief's are for 5,000 edges, one broker):")
@@ -190,16 +195,17 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, setup: dict[str
     print("RESULT " + json.dumps(result))
 
 
-def gap_ab(rows: list[dict[str, Any]]) -> list[str]:
-    """Each N's arms by read gap: the broker's µs per telemetry message (paired | alone),
-    and the fleet rounds' placement p50 and p99, one value per arm, in run order."""
-    out = ["\nread gap A/B (one value per arm, in run order):"]
+def arms_ab(rows: list[dict[str, Any]]) -> list[str]:
+    """Each N's arms (read gap, pinned): the broker's µs per telemetry message (paired |
+    alone), the fleet rounds' placement p50, p99 and share within 50 ms, one value per arm
+    run, in run order."""
+    out = ["\nA/B by arm (one value per arm run, in run order):"]
     for n in dict.fromkeys(r["edges"] for r in rows):
-        for gap in dict.fromkeys(r["read_gap_ms"] for r in rows if r["edges"] == n):
-            arms = [r for r in rows if r["edges"] == n and r["read_gap_ms"] == gap]
+        for name in dict.fromkeys(arm(r) for r in rows if r["edges"] == n):
+            arms = [r for r in rows if r["edges"] == n and arm(r) == name]
             fl = [a["placements"]["fleet"] for a in arms]
             out.append(
-                f"  N={n} gap {gap:g} ms: µs/msg "
+                f"  N={n}{name}: µs/msg "
                 + ", ".join(
                     f"{a['broker_us_per_telemetry']:.1f}|{a['alone']['us_per_telemetry']:.1f}"
                     for a in arms
@@ -208,6 +214,8 @@ def gap_ab(rows: list[dict[str, Any]]) -> list[str]:
                 + ", ".join(_ms(f["p50_ms"], ".2f") for f in fl)
                 + "; p99 ms "
                 + ", ".join(_ms(f["p99_ms"], ".2f") for f in fl)
+                + "; within 50 ms "
+                + ", ".join(f"{100 * f['within_timeout']:.2f} %" for f in fl)
                 + "; broker % "
                 + ", ".join(f"{a['broker_cpu_pct']['fleet']:.0f}" for a in arms)
             )

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -232,6 +233,15 @@ def machine_busy_s() -> float:
     """CPU seconds the whole machine spent busy so far, all cores (every user's)."""
     t = psutil.cpu_times()
     return float(sum(t) - t.idle - getattr(t, "iowait", 0.0))
+
+
+def confine(pid: int, cpus: AbstractSet[int]) -> None:
+    """Run every thread of process ``pid`` on ``cpus`` only (threads it starts later
+    inherit it); a process already gone is left alone."""
+    with contextlib.suppress(FileNotFoundError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(int(tid), cpus)
 
 
 def rss_mb(pid: int) -> float:

@@ -34,13 +34,18 @@ The policy format lists at most 4,096 edges (``policies.schema``); past that the
 can list send N messages/s between them (4,094 edges at 1.22 Hz for N = 5,000), and the
 report says so. ``--read-gap-ms 0,2,0,2`` runs, for each N, one broker per value of the
 broker's ``read_gap_ms`` setting in that order (arms of an A/B, alternated), each row
-labelled with its gap. ``--replicas 1,2,3`` runs the replica checks instead
+labelled with its gap; ``--pin 0,1,0,1`` likewise alternates brokers sharing the machine's
+cores with every other process of the run and brokers with CPU 0 to themselves (the rest
+confined to the other CPUs: the broker as on a campus, where the simulated fleet, the
+driver, Mosquitto and Redis run on other machines), rows labelled ``/pin``; with both,
+the values pair up. ``--replicas 1,2,3`` runs the replica checks instead
 (``bench/fleet_replicas.py``).
 
     .venv/bin/python bench/fleet_scale.py                   # about 9 minutes on 2 cores
     .venv/bin/python bench/fleet_scale.py --edges 100,500   # about 4 minutes
     .venv/bin/python bench/fleet_scale.py --edges 2000 --seconds 5 --rounds 2   # ~1.5 min
     .venv/bin/python bench/fleet_scale.py --edges 5000 --read-gap-ms 0,2,0,2  # ~9 minutes
+    .venv/bin/python bench/fleet_scale.py --edges 5000 --pin 0,1,0,1  # ~9 minutes
     .venv/bin/python bench/fleet_scale.py --replicas 1,2,3  # about 6 minutes
 """
 
@@ -68,6 +73,7 @@ from fleet_rig import (
     FleetCampus,
     Servers,
     Sim,
+    confine,
     cpu_s,
     edge_room,
     machine_busy_s,
@@ -83,6 +89,8 @@ from fleet_rig import (
 from broker import keys
 from sluicegate.app.broker_http import get
 from sluicegate.app.servers import free_port
+
+ALL_CPUS = frozenset(os.sched_getaffinity(0))  # what this run may use, pinned or not
 
 
 class Meter:
@@ -170,22 +178,26 @@ async def one_n(
     sims: list[Sim],
     args: argparse.Namespace,
     gap_ms: float | None,
+    pin: bool,
 ) -> dict[str, Any]:
     assert servers.redis is not None
     assert servers.mosquitto is not None
     r = redis.Redis(port=servers.redis.port)
     r.flushall()
     env = {} if gap_ms is None else {"SLUICEGATE_BROKER__READ_GAP_MS": f"{gap_ms:g}"}
+    everywhere = ALL_CPUS
+    rest = everywhere - {0} if pin else everywhere
+    others = {"mosquitto": servers.mosquitto.pid, "redis": servers.redis.pid}
+    others |= {s.name: s.pid for s in sims} | {"driver": os.getpid()}
+    for pid in others.values():
+        confine(pid, rest)
     replica = start_replica(fleet, BROKER, servers.root, env)
     try:
+        confine(replica.pid, {0} if pin else everywhere)
         await asyncio.to_thread(wait_ready, fleet, replica)
+        confine(replica.pid, {0} if pin else everywhere)  # and the threads it started
         await driver.wait_brokers()
-        pids = {
-            "broker": replica.pid,
-            "mosquitto": servers.mosquitto.pid,
-            "redis": servers.redis.pid,
-        }
-        pids |= {s.name: s.pid for s in sims} | {"driver": os.getpid()}
+        pids = {"broker": replica.pid} | others
         meter = Meter(pids)
         # Past the policy's room, the edges it lists send N messages/s between them.
         load, idle = (min(n, len(fleet.edges)), float(n)), (0, 0.0)
@@ -214,6 +226,7 @@ async def one_n(
         stop_replica(replica)
     row = figures(n, fleet_rounds, idle_rounds, gets)
     row["read_gap_ms"] = gap_ms
+    row["pinned"] = pin
     row["listed_edges"] = load[0]
     row["redis_nodes"] = redis_nodes
     cpu_alone, cpu_nothing = alone["cpu"]["broker"], nothing["cpu"]["broker"]
@@ -309,12 +322,15 @@ async def sweep(
     rows = []
     try:
         for n in args.edges:
-            for gap in args.read_gap_ms or [None]:
+            for gap, pin in arms(args):
                 print(
-                    f"N={n}" + ("" if gap is None else f", read gap {gap:g} ms") + " ...",
+                    f"N={n}"
+                    + ("" if gap is None else f", read gap {gap:g} ms")
+                    + (", broker pinned to CPU 0" if pin else "")
+                    + " ...",
                     flush=True,
                 )
-                rows.append(await one_n(n, fleet, servers, driver, sims, args, gap))
+                rows.append(await one_n(n, fleet, servers, driver, sims, args, gap, pin))
     finally:
         await driver.close()
     return rows
@@ -339,6 +355,14 @@ def parse_args() -> argparse.Namespace:
         help="e.g. 0,2,0,2: for each N, one broker per value of [broker] read_gap_ms, in "
         "this order (A/B arms); default: the broker's own setting",
     )
+    ap.add_argument(
+        "--pin",
+        default="",
+        help="e.g. 0,1,0,1: for each N, one broker per value, in this order (A/B arms): 1 "
+        "runs the broker alone on CPU 0 and every other process of the run on the other "
+        "CPUs (the broker with a core to itself), 0 lets all of them run anywhere; paired "
+        "with --read-gap-ms value by value when both are given",
+    )
     ap.add_argument("--replicas", default="", help="e.g. 1,2,3: the replica checks instead")
     rep = ap.add_argument_group("--replicas mode (bench/fleet_replicas.py)")
     rep.add_argument("--small-capacity", type=int, default=4, help="each worker's capacity")
@@ -355,7 +379,20 @@ def parse_args() -> argparse.Namespace:
     args = ap.parse_args()
     args.edges = [int(x) for x in str(args.edges).split(",") if x]
     args.read_gap_ms = [float(x) for x in str(args.read_gap_ms).split(",") if x]
+    args.pin = [x.strip() == "1" for x in str(args.pin).split(",") if x.strip()]
+    if args.read_gap_ms and args.pin and len(args.read_gap_ms) != len(args.pin):
+        ap.error("--read-gap-ms and --pin pair up value by value: give as many of each")
+    if any(args.pin) and len(os.sched_getaffinity(0)) < 2:
+        ap.error("--pin 1 needs at least two CPUs")
     return args
+
+
+def arms(args: argparse.Namespace) -> list[tuple[float | None, bool]]:
+    """Each N's brokers, in order: (read gap or the broker's own, pinned)."""
+    count = max(len(args.read_gap_ms), len(args.pin), 1)
+    gaps = args.read_gap_ms or [None] * count
+    pins = args.pin or [False] * count
+    return list(zip(gaps, pins, strict=True))
 
 
 def main() -> None:
