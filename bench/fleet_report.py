@@ -50,13 +50,19 @@ def verdict(row: dict[str, Any]) -> dict[str, bool]:
 
 def label(row: dict[str, Any]) -> str:
     """The row's N and its arm: the broker's read gap where the run set one, ``pin`` where
-    the broker had a core to itself: ``5000``, ``5000/g2``, ``5000/pin``."""
+    the broker had a core to itself, ``base`` where it ran from the baseline checkout:
+    ``5000``, ``5000/g2``, ``5000/pin``, ``5000/pin/base``."""
     return str(row["edges"]) + arm(row)
 
 
 def arm(row: dict[str, Any]) -> str:
     gap = row.get("read_gap_ms")
-    return ("" if gap is None else f"/g{gap:g}") + ("/pin" if row.get("pinned") else "")
+    pinned, base = row.get("pinned"), row.get("base")
+    return (
+        ("" if gap is None else f"/g{gap:g}")
+        + ("/pin" if pinned else "")
+        + ("/base" if base else "")
+    )
 
 
 COLUMNS = (
@@ -167,7 +173,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, setup: dict[str
     )
     for row in rows:
         print("\n".join(details(row)))
-    if args.read_gap_ms or args.pin:
+    if args.read_gap_ms or args.pin or args.code:
         print("\n".join(arms_ab(rows)))
     last = rows[-1]
     met = verdict(last)

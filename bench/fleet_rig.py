@@ -269,10 +269,15 @@ class Replica:
 
 
 def start_replica(
-    fleet: FleetCampus, broker_id: str, logs: Path, env: dict[str, str] | None = None
+    fleet: FleetCampus,
+    broker_id: str,
+    logs: Path,
+    env: dict[str, str] | None = None,
+    code: Path | None = None,
 ) -> Replica:
     """``sluicegate broker run`` for ``broker_id``; ``env``: settings on top of the
-    environment (``SLUICEGATE_BROKER__...``, docs/configuration.md)."""
+    environment (``SLUICEGATE_BROKER__...``, docs/configuration.md); ``code``: another
+    checkout to run it from (a baseline commit's, ``git worktree add``)."""
     log = logs / f"{broker_id}.log"
     argv = [sys.executable, "-m", "sluicegate.app.cli", "broker", "run", "--log-level"]
     argv += ["warning", "--config", str(fleet.broker_config(broker_id))]
@@ -280,7 +285,11 @@ def start_replica(
         argv[1:1] = ["-m", "cProfile", "-o", f"{profile}.{broker_id}"]
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            argv, cwd=ROOT, env=child_env() | (env or {}), stdout=out, stderr=out
+            argv,
+            cwd=code or ROOT,
+            env=child_env() | (env or {}) | ({"PYTHONPATH": str(code)} if code else {}),
+            stdout=out,
+            stderr=out,
         )
     return Replica(broker_id, fleet.brokers[broker_id], proc, log)
 

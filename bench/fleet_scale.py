@@ -37,8 +37,11 @@ broker's ``read_gap_ms`` setting in that order (arms of an A/B, alternated), eac
 labelled with its gap; ``--pin 0,1,0,1`` likewise alternates brokers sharing the machine's
 cores with every other process of the run and brokers with CPU 0 to themselves (the rest
 confined to the other CPUs: the broker as on a campus, where the simulated fleet, the
-driver, Mosquitto and Redis run on other machines), rows labelled ``/pin``; with both,
-the values pair up. ``--replicas 1,2,3`` runs the replica checks instead
+driver, Mosquitto and Redis run on other machines), rows labelled ``/pin``; ``--base DIR
+--code this,base,this,base`` alternates brokers run from this checkout and from another
+(a baseline commit: ``git worktree add /tmp/base COMMIT``), rows labelled ``/base``;
+given together, the arm lists pair up value by value. ``--replicas 1,2,3`` runs the
+replica checks instead
 (``bench/fleet_replicas.py``).
 
     .venv/bin/python bench/fleet_scale.py                   # about 9 minutes on 2 cores
@@ -179,6 +182,7 @@ async def one_n(
     args: argparse.Namespace,
     gap_ms: float | None,
     pin: bool,
+    code: Path | None,
 ) -> dict[str, Any]:
     assert servers.redis is not None
     assert servers.mosquitto is not None
@@ -191,7 +195,7 @@ async def one_n(
     others |= {s.name: s.pid for s in sims} | {"driver": os.getpid()}
     for pid in others.values():
         confine(pid, rest)
-    replica = start_replica(fleet, BROKER, servers.root, env)
+    replica = start_replica(fleet, BROKER, servers.root, env, code)
     try:
         confine(replica.pid, {0} if pin else everywhere)
         await asyncio.to_thread(wait_ready, fleet, replica)
@@ -227,6 +231,7 @@ async def one_n(
     row = figures(n, fleet_rounds, idle_rounds, gets)
     row["read_gap_ms"] = gap_ms
     row["pinned"] = pin
+    row["base"] = code is not None
     row["listed_edges"] = load[0]
     row["redis_nodes"] = redis_nodes
     cpu_alone, cpu_nothing = alone["cpu"]["broker"], nothing["cpu"]["broker"]
@@ -322,15 +327,17 @@ async def sweep(
     rows = []
     try:
         for n in args.edges:
-            for gap, pin in arms(args):
+            for gap, pin, base in arms(args):
                 print(
                     f"N={n}"
                     + ("" if gap is None else f", read gap {gap:g} ms")
                     + (", broker pinned to CPU 0" if pin else "")
+                    + (f", broker from {args.base}" if base else "")
                     + " ...",
                     flush=True,
                 )
-                rows.append(await one_n(n, fleet, servers, driver, sims, args, gap, pin))
+                code = Path(args.base) if base else None
+                rows.append(await one_n(n, fleet, servers, driver, sims, args, gap, pin, code))
     finally:
         await driver.close()
     return rows
@@ -363,6 +370,17 @@ def parse_args() -> argparse.Namespace:
         "CPUs (the broker with a core to itself), 0 lets all of them run anywhere; paired "
         "with --read-gap-ms value by value when both are given",
     )
+    ap.add_argument(
+        "--base",
+        default="",
+        help="another checkout (git worktree add /tmp/base COMMIT) for --code base arms",
+    )
+    ap.add_argument(
+        "--code",
+        default="",
+        help="e.g. this,base,this,base: for each N, one broker per value, run from this "
+        "checkout or from --base (A/B arms); paired with the other arm lists value by value",
+    )
     ap.add_argument("--replicas", default="", help="e.g. 1,2,3: the replica checks instead")
     rep = ap.add_argument_group("--replicas mode (bench/fleet_replicas.py)")
     rep.add_argument("--small-capacity", type=int, default=4, help="each worker's capacity")
@@ -380,19 +398,24 @@ def parse_args() -> argparse.Namespace:
     args.edges = [int(x) for x in str(args.edges).split(",") if x]
     args.read_gap_ms = [float(x) for x in str(args.read_gap_ms).split(",") if x]
     args.pin = [x.strip() == "1" for x in str(args.pin).split(",") if x.strip()]
-    if args.read_gap_ms and args.pin and len(args.read_gap_ms) != len(args.pin):
-        ap.error("--read-gap-ms and --pin pair up value by value: give as many of each")
+    args.code = [x.strip() == "base" for x in str(args.code).split(",") if x.strip()]
+    lengths = {len(a) for a in (args.read_gap_ms, args.pin, args.code) if a}
+    if len(lengths) > 1:
+        ap.error("--read-gap-ms, --pin and --code pair up value by value: give as many of each")
+    if any(args.code) and not (args.base and Path(args.base, "broker").is_dir()):
+        ap.error("--code base needs --base, a checkout of the project")
     if any(args.pin) and len(os.sched_getaffinity(0)) < 2:
         ap.error("--pin 1 needs at least two CPUs")
     return args
 
 
-def arms(args: argparse.Namespace) -> list[tuple[float | None, bool]]:
-    """Each N's brokers, in order: (read gap or the broker's own, pinned)."""
-    count = max(len(args.read_gap_ms), len(args.pin), 1)
+def arms(args: argparse.Namespace) -> list[tuple[float | None, bool, bool]]:
+    """Each N's brokers, in order: (read gap or the broker's own, pinned, from --base)."""
+    count = max(len(args.read_gap_ms), len(args.pin), len(args.code), 1)
     gaps = args.read_gap_ms or [None] * count
     pins = args.pin or [False] * count
-    return list(zip(gaps, pins, strict=True))
+    codes = args.code or [False] * count
+    return list(zip(gaps, pins, codes, strict=True))
 
 
 def main() -> None:
