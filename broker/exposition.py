@@ -18,9 +18,9 @@ from collections import Counter
 
 from broker.core.demand import PoolDemand
 from broker.core.fleet import Fleet
+from broker.edge_fleet import EdgeRow
 from broker.metrics import BrokerMetrics
 from policies.model import Policy
-from sluicegate.wire import EdgeTelemetry
 
 
 def signal_ages(fleet: Fleet, policy: Policy, now: float) -> dict[str, float]:
@@ -43,7 +43,7 @@ def signal_ages(fleet: Fleet, policy: Policy, now: float) -> dict[str, float]:
 def refresh(
     m: BrokerMetrics,
     fleet: Fleet,
-    edges: dict[str, EdgeTelemetry],
+    edges: dict[str, EdgeRow],
     demand: tuple[PoolDemand, ...],
     policy: Policy | None,
     now: float,
@@ -70,8 +70,8 @@ def refresh(
     for tel in edges.values():
         zone = listed.get(tel.node, tel.zone)
         queued[zone] += tel.queue_depth
-        for ran_on in ("edge", "pool"):
-            finished[zone, ran_on] += tel.finished.get(ran_on, 0)
+        finished[zone, "edge"] += tel.finished_edge
+        finished[zone, "pool"] += tel.finished_pool
     for zone, depth in queued.items():
         m.edge_queued.labels(zone).set(depth)
     for (zone, ran_on), jobs in finished.items():

@@ -40,7 +40,7 @@ from broker.core.placement import decide
 from broker.core.sealing import sealable_in
 from broker.core.shadow import Shadow
 from broker.decision_audit import DecisionAudit
-from broker.edge_fleet import EdgeFleet
+from broker.edge_fleet import EdgeFleet, EdgeRow
 from broker.gatekeeper import Gatekeeper
 from broker.inflight import InflightStore
 from broker.metrics import BrokerMetrics
@@ -246,7 +246,7 @@ class Broker:
             self.reaper.release(rel, self.waiting.freed)
 
     @property
-    def edges(self) -> dict[str, wire.EdgeTelemetry]:
+    def edges(self) -> dict[str, EdgeRow]:
         """The latest telemetry of each edge the policy lists, as this replica heard it."""
         return self.edge_fleet.edges
 
