@@ -189,17 +189,16 @@ async def one_n(
     r = redis.Redis(port=servers.redis.port)
     r.flushall()
     env = {} if gap_ms is None else {"SLUICEGATE_BROKER__READ_GAP_MS": f"{gap_ms:g}"}
-    everywhere = ALL_CPUS
-    rest = everywhere - {0} if pin else everywhere
+    broker_cpus, rest = ({0}, ALL_CPUS - {0}) if pin else (ALL_CPUS, ALL_CPUS)
     others = {"mosquitto": servers.mosquitto.pid, "redis": servers.redis.pid}
     others |= {s.name: s.pid for s in sims} | {"driver": os.getpid()}
     for pid in others.values():
         confine(pid, rest)
     replica = start_replica(fleet, BROKER, servers.root, env, code)
     try:
-        confine(replica.pid, {0} if pin else everywhere)
+        confine(replica.pid, broker_cpus)
         await asyncio.to_thread(wait_ready, fleet, replica)
-        confine(replica.pid, {0} if pin else everywhere)  # and the threads it started
+        confine(replica.pid, broker_cpus)  # and the threads it started meanwhile
         await driver.wait_brokers()
         pids = {"broker": replica.pid} | others
         meter = Meter(pids)

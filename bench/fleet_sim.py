@@ -9,11 +9,11 @@ send) with the changing fields filled in at each send: the timestamp, and load f
 drifting a little per node (queue, in flight, CPU, memory, service time, counters), as
 ``edge_agent/reporting.py`` and ``center_pool/reporting.py`` shape them. Edges and workers
 send at 1 Hz each, spread evenly over the second (the k-th of K nodes at k/K s, sent at a
-millisecond's grain), not in
-bursts. A worker publishes its retained capabilities (with the sealing key the policy
-lists for it) and online status once, its telemetry (``in_flight``: the jobs it holds
-now) every second, and a ``Completion`` (QoS 1, as ``center_pool/replies.py``) for each
-job the driver says was placed on it, after ``service_ms`` ± ``jitter_ms``.
+millisecond's grain), not in bursts. A worker publishes its retained capabilities (with
+the sealing key the policy lists for it) and online status once, its telemetry
+(``in_flight``: the jobs it holds now) every second, and a ``Completion`` (QoS 1, as
+``center_pool/replies.py``) for each job the driver says was placed on it, after
+``service_ms`` ± ``jitter_ms``.
 
 It reads no clock but its own and decides nothing; paho is driven from this process's one
 loop (no network thread: a publish is written at once) and keeps the connection, the
@@ -398,18 +398,18 @@ class Simulator:
 
     def _send_raw(self, packets: list[bytes]) -> None:
         """Write QoS 0 PUBLISH packets (their fixed header finished here) straight to the
-        socket, whole, once paho has nothing of its own half-written: a telemetry message
-        costs this process a template filled and its share of one write, not a paho
-        publish (the figures of the fleet's processes are the point of the bench)."""
-        sock = self.client.socket()
-        if self.client.want_write():
+        socket, whole, once paho has written what it queued: a telemetry message costs this
+        process a template filled and its share of one write, not a paho publish (the
+        figures of the fleet's processes are the point of the bench)."""
+        while self.client.want_write():  # paho's packets first, never cut into
             self.client.loop_write()
-        if sock is None or self.client.want_write():  # paho is still writing: after it
-            for packet in packets:
-                topic_len = int.from_bytes(packet[:2], "big")
-                body = packet[2 + topic_len + 1 :]
-                self.client.publish(packet[2 : 2 + topic_len].decode(), body, qos=0)
-            return
+            if (sock := self.client.socket()) is None:
+                raise SystemExit("fleet_sim: lost the MQTT connection")
+            if self.client.want_write():
+                select.select([], [sock], [], 1.0)
+        sock = self.client.socket()
+        if sock is None:
+            raise SystemExit("fleet_sim: lost the MQTT connection")
         data = memoryview(b"".join(_publish_header(len(p)) + p for p in packets))
         while data:
             try:

@@ -56,16 +56,17 @@ class EdgeRow(NamedTuple):
     in_flight: int
     cpu_percent: float
     memory_rss_mb: float
-    models: tuple[tuple[str, float], ...]  # (model, service ms)
     finished_edge: int  # jobs answered ok since start, run on the edge
     finished_pool: int  # ... run on a pool worker
     policy_version: int | None
+    models: tuple[tuple[str, float], ...]  # (model, service ms)
 
 
 def edge_row(tel: wire.EdgeTelemetry) -> tuple[tuple[object, ...], tuple[object, ...]]:
-    """``tel`` as the two flat tuples the view keeps: the row less its models, and the
-    models as (name, service ms, name, service ms...). Flat, because the collector stops
-    tracking a tuple of untracked items in one pass, one level of nesting a pass."""
+    """``tel`` as the two flat tuples the view keeps: the row less its models (its last
+    field), and the models as (name, service ms, name, service ms...). Flat, because the
+    collector stops tracking a tuple of untracked items in one pass, one level of nesting
+    a pass."""
     row = (
         tel.node,
         tel.zone,
@@ -85,7 +86,7 @@ def edge_row(tel: wire.EdgeTelemetry) -> tuple[tuple[object, ...], tuple[object,
 
 def _read_row(row: tuple[object, ...], models: tuple[object, ...]) -> EdgeRow:
     pairs = tuple(zip(models[::2], models[1::2], strict=True))
-    return EdgeRow._make((*row[:8], pairs, *row[8:]))
+    return EdgeRow._make((*row, pairs))  # the fields in the order edge_row wrote them
 
 
 class EdgeFleet:
