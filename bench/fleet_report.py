@@ -158,6 +158,11 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, setup: dict[str
         f"of {args.seconds:g} s rounds (+{args.settle:g} s settle); nproc {os.cpu_count()}, "
         f"load avg {os.getloadavg()[0]:.2f}; campus written in {setup['write_s']:.1f} s"
     )
+    first, last_speed = setup["speed_us"]
+    print(
+        f"machine speed: the broker's decode of one edge sample took {first:.1f} µs of CPU "
+        f"at the start, {last_speed:.1f} at the end (compare runs made at other hours by it)"
+    )
     print(" ".join(f"{h:>{w}}" for h, w in COLUMNS))
     for row in rows:
         print(table_row(row))
@@ -195,7 +200,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, setup: dict[str
             "met": all(met.values()),
             "met_by_n": {label(r): verdict(r) for r in rows},
             "params": dict(vars(args)),
-            "machine": machine(),
+            "machine": machine() | {"sample_decode_us": setup["speed_us"]},
         }
     )
     print("RESULT " + json.dumps(result))

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -47,7 +49,7 @@ from policies import Policy, SigningKey, load_signing_key, parse_policy
 from policies.edit import add_node
 from policies.schema import PolicyDocument
 from policies.signing import add_signature, dump_signatures, sign_policy
-from sluicegate import pki, topics
+from sluicegate import pki, topics, wire
 from sluicegate.acl import render_acl
 from sluicegate.app.broker_http import get_json
 from sluicegate.app.campus import BROKER as BROKER
@@ -242,6 +244,23 @@ def confine(pid: int, cpus: AbstractSet[int]) -> None:
         for tid in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(ProcessLookupError):
                 os.sched_setaffinity(int(tid), cpus)
+
+
+def speed_reference(runs: int = 5, decodes: int = 2000) -> float:
+    """This machine's speed now, for comparing runs made at other hours (a shared VM's
+    speed moves by 2x from one day to the next): µs of CPU for the broker's decode of one
+    simulated edge sample (``EdgeTelemetry.model_validate_json``), best of ``runs``."""
+    from fleet_sim import EdgeState, edge_template
+
+    edge = EdgeState("t", edge_template("sim-e00001", "campus/line-1", 1), 40.0, 400.0, 8.0)
+    sample = edge.payload(random.Random(1), time.time())
+    best = math.inf
+    for _ in range(runs):
+        t0 = time.thread_time()
+        for _ in range(decodes):
+            wire.EdgeTelemetry.model_validate_json(sample)
+        best = min(best, (time.thread_time() - t0) / decodes)
+    return best * 1e6
 
 
 def rss_mb(pid: int) -> float:

@@ -82,6 +82,7 @@ from fleet_rig import (
     machine_busy_s,
     rss_mb,
     set_edges,
+    speed_reference,
     start_replica,
     start_sims,
     stop_replica,
@@ -438,7 +439,7 @@ def main() -> None:
             driver_edges=args.driver_edges,
             sim_procs=args.sim_procs,
         )
-        setup = {"write_s": time.monotonic() - t0}
+        setup: dict[str, Any] = {"write_s": time.monotonic() - t0, "speed_us": [speed_reference()]}
         servers.start_mosquitto(fleet.campus)
         sims = start_sims(
             fleet,
@@ -448,6 +449,7 @@ def main() -> None:
             jitter_ms=args.jitter_ms,
         )
         rows = asyncio.run(sweep(fleet, servers, sims, args))
+        setup["speed_us"].append(speed_reference())
     finally:
         for sim in sims:
             sim.stop()

@@ -390,8 +390,11 @@ class Simulator:
                 attempt=attempt,
                 edge_id=edge_id,
             )
-            self.client.publish(topics.completion(worker), wire.dump(done), qos=1)
+            # Logged before the write: the broker may free the slot and grant it again
+            # before this process runs its next line, and the replica check's count of
+            # jobs held at once must not see the new grant before this completion.
             sent = time.monotonic()
+            self.client.publish(topics.completion(worker), wire.dump(done), qos=1)
             self.completion_log[job] = sent
             self.counts["completions"] += 1
             self.counts["late_ms_max"] = max(self.counts["late_ms_max"], (sent - at) * 1000.0)
