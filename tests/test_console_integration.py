@@ -272,8 +272,11 @@ def test_a_jobs_story_has_its_decision_candidates_and_audit_record(
     url = _url(held, f"/console/api/jobs/{reply.job_id}")
 
     def story() -> dict[str, Any] | None:
+        # The decision's record and its audit record are separate writes (the store's
+        # batch and the audit log's), in either order: wait for both.
         status, body = get_json(url, viewer)
-        return body if status == 200 and body["audit"] else None
+        whole = status == 200 and body["audit"] and "why" in (body["placement"] or {})
+        return body if whole else None
 
     found = wait_until(story)
     ranked = found["placement"]["why"]["candidates"]["ranked"]
