@@ -5,8 +5,9 @@ A campus may have thousands of line PCs, each reporting once a second; none of i
 placement (the edges' load is for people: ``/fleet``, the console, ``/metrics``). So the MQTT
 handler, :meth:`EdgeFleet.offer`, only keeps the raw payload as the node's latest unread
 sample (``broker.core.intake``: a newer one replaces it unread), and :meth:`EdgeFleet.run`
-reads the backlog a tick later in slices, yielding to the loop between slices so that a
-placement request, a release or a completion that arrives meanwhile is served first. Each
+reads the backlog a tick later in slices, each only once no placement request waits to be
+decided or answered (``broker.inbox``), yielding to the loop between slices so that a
+request, a release or a completion that arrives meanwhile is served first. Each
 sample is decoded once: checked against the policy (the policy must list its sender as an
 edge: a node it does not list is ignored), and against its topic, kept in :attr:`edges`,
 and handed to :class:`~broker.store.BrokerStore` as the node's document, which Redis gets
@@ -28,7 +29,7 @@ import asyncio
 import bisect
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
 from pydantic import ValidationError
@@ -100,8 +101,10 @@ class EdgeFleet:
         clock: Callable[[], float],
         *,
         interval_s: float,
+        idle: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._policy = policy
+        self._idle = idle  # returns once no placement request is being decided
         self._store = store
         self._clock = clock
         self.tick_s = min(0.1, interval_s / 10.0)  # how long samples gather before a read
@@ -131,6 +134,8 @@ class EdgeFleet:
             self._wanted.clear()
             self._backlog_age.set(self.backlog.oldest_age(self._clock()))
             while len(self.backlog):
+                if self._idle is not None:
+                    await self._idle()  # never between a request and its answer
                 self.read(SLICE)
                 await asyncio.sleep(0)  # urgent work that arrived meanwhile goes first
             self._count()

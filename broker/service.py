@@ -42,6 +42,7 @@ from broker.core.shadow import Shadow
 from broker.decision_audit import DecisionAudit
 from broker.edge_fleet import EdgeFleet, EdgeRow
 from broker.gatekeeper import Gatekeeper
+from broker.inbox import Inbox
 from broker.inflight import InflightStore
 from broker.metrics import BrokerMetrics
 from broker.reaper import Reaper
@@ -115,13 +116,13 @@ class Broker:
         self.paused: dict[str, str] = {}
         self.cordoned: frozenset[str] = frozenset()
         self.completion_listeners: list[Callable[[Completion, float], None]] = []
-        self._inbox: asyncio.Queue[Pending] = asyncio.Queue()
+        self._inbox = Inbox()
         self.audit = DecisionAudit(audit, clock)
         self.gate = Gatekeeper(policy, self.metrics, self.audit)
         self.waiting = WaitingRoom(
             settings.max_wait_ms,
             clock=clock,
-            again=self._inbox.put_nowait,
+            again=self._inbox.put,
             give_up=lambda item, reason: self.answers.refuse(item, None, "no_capacity", reason),
             gauge=self.metrics.waiting.set,
         )
@@ -139,7 +140,12 @@ class Broker:
             clock,
         )
         self.edge_fleet = EdgeFleet(
-            policy, self.store, self.metrics, clock, interval_s=settings.telemetry_interval_s
+            policy,
+            self.store,
+            self.metrics,
+            clock,
+            interval_s=settings.telemetry_interval_s,
+            idle=self._inbox.idle,
         )
         self._reserve_ok = True
         self.listening = False  # subscribed to placement requests (readiness)
@@ -185,7 +191,7 @@ class Broker:
         if edge_id in self.paused:
             self.answers.refuse(item, None, "offload_paused", self.paused[edge_id])
             return
-        self._inbox.put_nowait(item)
+        self._inbox.put(item)
 
     def on_capabilities(self, msg: Message) -> None:
         caps = _parse(WorkerCapabilities, msg)
@@ -255,9 +261,7 @@ class Broker:
     async def _placer(self) -> None:
         """Decide whatever has arrived, reserve in one Redis round trip, reply, repeat."""
         while True:
-            batch = [await self._inbox.get()]
-            while not self._inbox.empty():
-                batch.append(self._inbox.get_nowait())
+            batch = await self._inbox.batch()
             try:
                 await self._place_batch(batch)
             except Exception:  # a fault in deciding still answers every request held
@@ -266,6 +270,7 @@ class Broker:
                     self.answers.refuse(
                         item, None, "broker_error", "the broker failed; run locally"
                     )
+            self._inbox.done()
 
     async def _place_batch(self, batch: list[Pending]) -> None:
         policy = self._policy()
