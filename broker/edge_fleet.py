@@ -104,7 +104,8 @@ class EdgeFleet:
         idle: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._policy = policy
-        self._idle = idle  # returns once no placement request is being decided
+        # Returns once no placement request waits to be decided or answered (None: at once).
+        self._idle = idle or _at_once
         self._store = store
         self._clock = clock
         self.tick_s = min(0.1, interval_s / 10.0)  # how long samples gather before a read
@@ -134,8 +135,7 @@ class EdgeFleet:
             self._wanted.clear()
             self._backlog_age.set(self.backlog.oldest_age(self._clock()))
             while len(self.backlog):
-                if self._idle is not None:
-                    await self._idle()  # never between a request and its answer
+                await self._idle()  # never between a request and its answer
                 self.read(SLICE)
                 await asyncio.sleep(0)  # urgent work that arrived meanwhile goes first
             self._count()
@@ -213,6 +213,10 @@ class EdgeFleet:
         self._outcome["coalesced"].inc(coalesced - self._counted[0])
         self._outcome["shed"].inc(shed - self._counted[1])
         self._counted = (coalesced, shed)
+
+
+async def _at_once() -> None:
+    return None
 
 
 def _with_zone(sample: bytes, zone: str) -> bytes:

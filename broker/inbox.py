@@ -6,9 +6,9 @@ when it has answered it (:meth:`Inbox.done`); from the moment a request arrives 
 batch is answered, the inbox is *busy*. Background work that may wait, the edges' telemetry
 above all, awaits :meth:`Inbox.idle` before each slice, so the loop does not run a slice
 between a request's arrival, its reservation's round trip to Redis and its answer: each
-such slice was a millisecond added to the answer. Work that waits only while requests
-come faster than the placer answers them; then the telemetry backlog ages and is shed,
-counted (``broker.core.intake``). No decisions here.
+such slice was a millisecond added to the answer. That work waits long only while requests
+come without a pause; then the telemetry backlog ages and is shed, counted
+(``broker.core.intake``). No decisions here.
 """
 
 from __future__ import annotations
