@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import time
 
 import redis
 import redis.asyncio as aioredis
 
+from bench import stats
 from broker.audit_check import AuditChecker, trusted_keys
 from broker.metrics import BrokerMetrics
 from policies.audit import AsyncAuditWriter, AuditRecord, entry_digest, next_record, verify_chain
@@ -75,14 +75,13 @@ async def timed_pass(checker: AuditChecker) -> dict[str, float]:
     done.set()
     await tick
     assert standing.ok, standing
-    lateness.sort()
     return {
         "records": standing.records,
         "wall_s": round(took, 3),
         "cpu_s": round(cpu, 3),  # this process, all threads (the ticker's share included)
-        "loop_lag_p99_ms": round(lateness[int(len(lateness) * 0.99)], 2),
+        "loop_lag_p99_ms": round(stats.percentile(lateness, 99), 2),
         "loop_lag_max_ms": round(max(lateness), 2),
-        "loop_lag_median_ms": round(statistics.median(lateness), 3),
+        "loop_lag_median_ms": round(stats.median(lateness), 3),
     }
 
 
@@ -128,15 +127,15 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
             "new_records": args.more,
             "cpu_s_rounds": [p["cpu_s"] for p in passes],
             "cpu_us_per_record_p50": round(
-                statistics.median(p["cpu_s"] for p in passes) / args.more * 1e6, 1
+                stats.median(p["cpu_s"] for p in passes) / args.more * 1e6, 1
             ),
             "loop_lag_max_ms": max(p["loop_lag_max_ms"] for p in passes),
         }
         for name, passes in arms.items()
     }
-    ratio = (
-        incremental["witnessed"]["cpu_us_per_record_p50"]
-        / incremental["signatures"]["cpu_us_per_record_p50"]
+    ratio = stats.ratio(
+        incremental["witnessed"]["cpu_us_per_record_p50"],
+        incremental["signatures"]["cpu_us_per_record_p50"],
     )
     return {
         "records": args.records,
@@ -148,6 +147,14 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
         "subject": incremental["witnessed"],
         "baseline": incremental["signatures"],
         "ratio": {"witnessed_over_signatures": round(ratio, 3)},
+        "measured": stats.require(
+            {
+                "records in the full pass": full["records"],
+                "incremental passes, signatures": len(arms["signatures"]),
+                "incremental passes, witnessed": len(arms["witnessed"]),
+            }
+        ),
+        "machine": stats.machine("redis"),
     }
 
 
@@ -159,5 +166,5 @@ if __name__ == "__main__":
     parser.add_argument("--chunk", type=int, default=1000)
     parser.add_argument("--duty", type=float, default=0.5)
     result = {"bench": "audit_verify", **asyncio.run(main(parser.parse_args()))}
-    print(json.dumps(result, indent=2))
-    print("RESULT " + json.dumps(result))
+    print(json.dumps(result, indent=2, default=str))
+    print(stats.result_line(result))

@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -30,6 +28,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench import stats  # noqa: E402
 
 BACKENDS = {"onnxruntime": None, "openvino": ["OpenVINO/CPU"]}
 
@@ -67,8 +67,9 @@ def _child(model: str, backend: str, runs: int) -> dict[str, Any]:
             t0 = time.perf_counter()
             run(None, feed)
             times.append((time.perf_counter() - t0) * 1e3)
-        out[f"b{batch}_p50_ms"] = float(np.percentile(times, 50))
-        out[f"b{batch}_p99_ms"] = float(np.percentile(times, 99))
+        out[f"b{batch}_p50_ms"] = stats.percentile(times, 50)
+        out[f"b{batch}_p99_ms"] = stats.percentile(times, 99)
+        out[f"b{batch}_runs"] = len(times)
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     return out
 
@@ -102,7 +103,7 @@ def main() -> None:
     heads = ("b1 p50", "b1 p99", "b8 p50", "b8 p99", "RSS MB")
     print(f"{'model':<14} {'backend':<12} " + " ".join(f"{h:>8}" for h in heads))
     for (model, backend), runs in found.items():
-        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        med = {k: stats.median(r[k] for r in runs) for k in runs[0]}
         table.setdefault(model, {})[backend] = med
         print(
             f"{model:<14} {backend:<12} {med['b1_p50_ms']:8.2f} {med['b1_p99_ms']:8.2f} "
@@ -116,26 +117,28 @@ def main() -> None:
         }
         for m, v in table.items()
     }
-    import onnxruntime
-    import openvino
-
+    timed = {b: sum(int(r[f"b{b}_runs"]) for rs in found.values() for r in rs) for b in (1, 8)}
     result = {
         "bench": "backends",
         "subject": {m: v["openvino"] for m, v in table.items()},
         "baseline": {m: v["onnxruntime"] for m, v in table.items()},
         "ratio": ratio,
         "target": {},
-        "met": True,
-        "machine": {
-            "nproc": os.cpu_count(),
-            "python": platform.python_version(),
-            "onnxruntime": onnxruntime.__version__,
-            "openvino": openvino.__version__,
-        },
+        "met": True,  # no target: the figures are read, not judged
+        "measured": stats.require(
+            {
+                "models": len(table),
+                "models on openvino": sum(1 for _m, b in found if b == "openvino"),
+                "models on onnxruntime": sum(1 for _m, b in found if b == "onnxruntime"),
+                "timed batch-1 runs": timed[1],
+                "timed batch-8 runs": timed[8],
+            }
+        ),
+        "machine": stats.machine("openvino"),
         "runs": args.runs,
         "rounds": args.rounds,
     }
-    print("RESULT " + json.dumps(result))
+    print(stats.result_line(result))
 
 
 if __name__ == "__main__":

@@ -21,20 +21,17 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
-import json
 import os
-import platform
 import random
-import statistics
 import sys
 import time
 from collections.abc import Callable
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import stats
 from policies.evaluate import allowed, decide
 from policies.keys import SigningKey
 from policies.loader import parse_policy
@@ -104,11 +101,6 @@ def generated_policy(zones: int, broker: SigningKey, signers: list[SigningKey]) 
     return policy
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
-
-
 def interleave(
     a: Callable[[], object], b: Callable[[], object], samples: int, warmup: int, per_call: int = 1
 ) -> tuple[list[float], list[float]]:
@@ -130,14 +122,7 @@ def interleave(
 
 
 def summary(values: list[float]) -> dict[str, float]:
-    row = {
-        "p50_us": pct(values, 50),
-        "p99_us": pct(values, 99),
-        "mean_us": statistics.fmean(values),
-    }
-    if len(values) >= 10_000:
-        row["p99.9_us"] = pct(values, 99.9)
-    return row
+    return stats.summary(values, unit="us")
 
 
 def main() -> None:
@@ -277,7 +262,18 @@ def main() -> None:
             "eval_over_dict_p50": achieved["eval_p50_us"] / baseline["dict_lookup"]["p50_us"],
         },
         "target": TARGET,
-        "met": all(achieved[k] <= TARGET[k] for k in TARGET),
+        "met": stats.met(achieved, TARGET, most=TARGET),
+        "measured": stats.require(
+            {
+                "mint": len(mint_s),
+                "verify": len(verify_s),
+                "verify + replay": len(replay_s),
+                "evaluations": len(eval_s),
+                "baseline signatures": len(sign_b),
+                "baseline verifies": len(verify_b),
+                "baseline lookups": len(dict_b),
+            }
+        ),
         "params": {
             "samples": n,
             "warmup": w,
@@ -285,14 +281,9 @@ def main() -> None:
             "batch": args.batch,
             "eval_samples": eval_n,
         },
-        "machine": {
-            "nproc": os.cpu_count(),
-            "python": platform.python_version(),
-            "cryptography": version("cryptography"),
-            "pydantic": version("pydantic"),
-        },
+        "machine": stats.machine("cryptography", "pydantic"),
     }
-    print("RESULT " + json.dumps(result))
+    print(stats.result_line(result))
 
 
 if __name__ == "__main__":

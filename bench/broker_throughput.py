@@ -20,19 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from functools import partial
-from importlib.metadata import version
 from pathlib import Path
-from statistics import median_high
 
 import paho.mqtt.client as paho
-import psutil
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
@@ -40,6 +36,7 @@ from paho.mqtt.properties import Properties
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import stats  # noqa: E402
 from policies import SigningKey  # noqa: E402
 from sluicegate import topics, wire  # noqa: E402
 from sluicegate.app.campus import write_campus  # noqa: E402
@@ -128,9 +125,10 @@ class Driver:
         window: int,
         *,
         count: bool = False,
-        serving: psutil.Process | None = None,
+        serving: int | None = None,
     ) -> tuple[float, float]:
-        """Requests answered per second, and the answering process's CPU per request (µs)."""
+        """Requests answered per second, and the CPU per request (µs) of the answering
+        process (``serving``, a pid)."""
         cpu0 = _cpu(serving)
         with self.cond:
             self.replies = 0
@@ -158,12 +156,8 @@ class Driver:
         return self.replies > limit
 
 
-def _cpu(process: psutil.Process | None) -> float:
-    """CPU seconds (user + system, all threads) the process has used so far."""
-    if process is None:
-        return 0.0
-    times = process.cpu_times()
-    return float(times.user + times.system)
+def _cpu(pid: int | None) -> float:
+    return 0.0 if pid is None else stats.cpu_s(pid)
 
 
 def fleet_publisher(port: int, workers: list[str], stop: threading.Event) -> None:
@@ -262,18 +256,17 @@ def main() -> None:
         try:
             requests = topics.placement_request(EDGE)
             driver.round(requests, 2.0, args.window)  # warm-up
-            broker_proc, relay_proc = psutil.Process(broker.pid), psutil.Process(relay.pid)
             for _ in range(args.rounds):
                 rate, cpu = driver.round(
                     requests,
                     args.seconds,
                     args.window,
                     count=True,
-                    serving=broker_proc,
+                    serving=broker.pid,
                 )
                 subject.append(rate)
                 subject_cpu.append(cpu)
-                rate, cpu = driver.round(RELAY_TOPIC, args.seconds, args.window, serving=relay_proc)
+                rate, cpu = driver.round(RELAY_TOPIC, args.seconds, args.window, serving=relay.pid)
                 baseline.append(rate)
                 baseline_cpu.append(cpu)
         finally:
@@ -294,8 +287,8 @@ def report(
     subject_cpu: list[float],
     baseline_cpu: list[float],
 ) -> None:
-    med_s, med_b = median_high(subject), median_high(baseline)
-    cpu_s, cpu_b = median_high(subject_cpu), median_high(baseline_cpu)
+    med_s, med_b = stats.median(subject), stats.median(baseline)
+    cpu_s, cpu_b = stats.median(subject_cpu), stats.median(baseline_cpu)
     print(
         f"broker throughput: {args.workers} workers, window {args.window}, {args.rounds} rounds "
         f"of {args.seconds:g} s, nproc {os.cpu_count()}; replies by status {statuses}"
@@ -326,14 +319,9 @@ def report(
         "met": med_s >= TARGET["decisions_per_s"],
         "met_scaled": med_s >= scaled,
         "params": vars(args),
-        "machine": {
-            "nproc": os.cpu_count(),
-            "python": platform.python_version(),
-            "paho": version("paho-mqtt"),
-            "redis": version("redis"),
-        },
+        "machine": stats.machine("redis"),
     }
-    print("RESULT " + json.dumps(result))
+    print(stats.result_line(result))
 
 
 if __name__ == "__main__":

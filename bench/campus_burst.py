@@ -28,19 +28,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import stats  # noqa: E402
 from sluicegate.app.broker_http import get_json  # noqa: E402
 from sluicegate.app.campus import LINES  # noqa: E402
 from sluicegate.app.demo import EDGE_CPU  # noqa: E402
@@ -78,21 +75,15 @@ def cpu_ticks() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
-def cpu_s(pid: int) -> float:
-    """User and system CPU seconds process ``pid`` (all its threads) has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def cpu_by_role(campus: LocalCampus, servers: list[int]) -> dict[str, float]:
     """CPU seconds used so far by the campus's parts: its nodes by role, the vision apps
     (this process), and Mosquitto with Redis."""
     used: dict[str, float] = dict.fromkeys(("edge", "broker", "pool"), 0.0)
     for node, proc in campus.processes.items():
-        used[ROLE[node]] += cpu_s(proc.pid)
+        used[ROLE[node]] += stats.cpu_s(proc.pid)
     times = os.times()
     used["apps"] = times.user + times.system
-    used["servers"] = sum(cpu_s(pid) for pid in servers)
+    used["servers"] = sum(stats.cpu_s(pid) for pid in servers)
     return used
 
 
@@ -155,8 +146,8 @@ def summary(run: tuple[Tally, dict[str, Any], float, dict[str, float]]) -> dict[
             }
             for k in KINDS
         },
-        "p50_ms": float(np.percentile(lat, 50)) if lat else float("nan"),
-        "p99_ms": float(np.percentile(lat, 99)) if lat else float("nan"),
+        "p50_ms": stats.percentile(lat, 50),
+        "p99_ms": stats.percentile(lat, 99),
         "offloaded": t.kinds.get("pool", 0),
         "wafer_offsite": t.wafer_offsite,
         "statuses": dict(t.statuses),
@@ -232,8 +223,8 @@ def main() -> None:
                 + f" = {sum(cost.values()):.1f} ms; the burst's {burst_rate:g} jobs/s need "
                 f"{sum(cost.values()) * burst_rate / 1000:.2f} of the {os.cpu_count()} cores"
             )
-    att_s = float(np.median([s["attainment"] for s in subject]))
-    att_b = float(np.median([s["attainment"] for s in baseline]))
+    att_s = stats.median(s["attainment"] for s in subject)
+    att_b = stats.median(s["attainment"] for s in baseline)
     result = {
         "bench": "campus_burst",
         "subject": {"attainment": att_s, "runs": subject},
@@ -242,10 +233,16 @@ def main() -> None:
         "target": TARGET,
         "met": att_s >= TARGET["attainment"]
         and all(s["wafer_offsite"] == 0 and s["answered"] == s["submitted"] for s in subject),
+        "measured": stats.require(
+            {
+                "offload answers": sum(s["answered"] for s in subject),
+                "edge-only answers": sum(s["answered"] for s in baseline),
+            }
+        ),
         "params": vars(args),
-        "machine": {"nproc": os.cpu_count(), "python": platform.python_version()},
+        "machine": stats.machine(),
     }
-    print("RESULT " + json.dumps(result))
+    print(stats.result_line(result))
 
 
 if __name__ == "__main__":

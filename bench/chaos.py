@@ -36,9 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
-import platform
 import random
 import shutil
 import sys
@@ -46,10 +44,7 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from importlib.metadata import version
 from pathlib import Path
-
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -57,6 +52,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import meter_check  # noqa: E402
 
+from bench import stats  # noqa: E402
 from sluicegate.app.campus import BROKER, LINES, WORKERS  # noqa: E402
 from sluicegate.app.localcampus import ROLE  # noqa: E402
 from tests.faults.app import App, Observer, Timeline  # noqa: E402
@@ -107,10 +103,6 @@ class Run:
     @property
     def duplicate_executions(self) -> int:
         return sum((n - 1) * jobs for n, jobs in self.executions.items() if n > 1)
-
-
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
 
 
 def executions(ledger: Ledger, timeline: Timeline) -> Counter[int]:
@@ -256,7 +248,7 @@ async def one_run(rig: Rig, args: argparse.Namespace, name: str, n_jobs: int, n_
         kills=kills,
         seconds=seconds,
         submit_seconds=submit_seconds,
-        latency_ms={"p50": pct(latencies, 50), "p99": pct(latencies, 99)},
+        latency_ms={"p50": stats.percentile(latencies, 50), "p99": stats.percentile(latencies, 99)},
         rescued=sum(1 for j in app.ledger.jobs.values() if _rescued(j)),
         executions=executions(app.ledger, observer.timeline),
         peak_rss_mib={},
@@ -290,11 +282,11 @@ def summary(run: Run) -> dict[str, object]:
         "kills_by_target": dict(Counter(k.target for k in run.kills)),
         "not_recovered": len(rec) - len(recovered),
         "recovery_by_flow": sum(1 for k in run.kills if k.by_flow and k.recovered is not None),
-        "recovery_p50_s": pct(recovered, 50),
-        "recovery_p99_s": pct(recovered, 99),
-        "downtime_p50_s": pct([d for d in down if d is not None], 50),
+        "recovery_p50_s": stats.percentile(recovered, 50),
+        "recovery_p99_s": stats.percentile(recovered, 99),
+        "downtime_p50_s": stats.percentile([d for d in down if d is not None], 50),
         "recovery_p50_s_by_role": {
-            role: pct(
+            role: stats.percentile(
                 [
                     r
                     for k, r in zip(run.kills, rec, strict=True)
@@ -443,9 +435,14 @@ def main() -> None:
     ratio = {}
     if base is not None:
         ratio = {
-            "latency_p50": chaos.latency_ms["p50"] / base.latency_ms["p50"],
-            "latency_p99": chaos.latency_ms["p99"] / base.latency_ms["p99"],
+            "latency_p50": stats.ratio(chaos.latency_ms["p50"], base.latency_ms["p50"]),
+            "latency_p99": stats.ratio(chaos.latency_ms["p99"], base.latency_ms["p99"]),
         }
+    claims = {"chaos accepted": chaos.verdict.accepted, "chaos results": chaos.verdict.answered}
+    if base is not None:
+        claims |= {"baseline accepted": base.verdict.accepted}
+    if args.kills:
+        claims |= {"kills restarted": sum(k.back is not None for k in chaos.kills)}
     result = {
         "bench": "chaos",
         "subject": subject,
@@ -453,19 +450,15 @@ def main() -> None:
         "ratio": ratio,
         "target": TARGET,
         "met": met,
+        "measured": stats.require(claims),
         "params": {k: v for k, v in vars(args).items() if k != "keep"},
-        "machine": {
-            "nproc": os.cpu_count(),
-            "python": platform.python_version(),
-            "paho": version("paho-mqtt"),
-            "onnxruntime": version("onnxruntime"),
-        },
+        "machine": stats.machine(),
     }
     if args.keep:
         print(f"run directory kept: {root}")
     else:
         shutil.rmtree(root, ignore_errors=True)
-    print("RESULT " + json.dumps(result))
+    print(stats.result_line(result))
 
 
 if __name__ == "__main__":

@@ -25,10 +25,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from statistics import median_high
 
 import paho.mqtt.client as paho
-import psutil
 from paho.mqtt.enums import CallbackAPIVersion
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +35,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from broker_throughput import EDGE, ZONE, Driver, fleet_publisher  # noqa: E402
 
+from bench import stats  # noqa: E402
 from policies import SigningKey  # noqa: E402
 from sluicegate import topics, wire  # noqa: E402
 from sluicegate.app.campus import write_campus  # noqa: E402
@@ -160,7 +159,6 @@ def main() -> None:
         try:
             requests = topics.placement_request(EDGE)
             driver.round(requests, 3.0, args.window)  # warm-up; the window fills
-            proc = psutil.Process(broker.pid)
             for _ in range(args.rounds):
                 for arm in ("none", "dashboards"):
                     boards: list[Dashboard] = []
@@ -174,7 +172,7 @@ def main() -> None:
                             time.sleep(0.05)  # until every dashboard has its first snapshot
                     got = [b.snapshots for b in boards]
                     rate, us = driver.round(
-                        requests, args.seconds, args.window, count=True, serving=proc
+                        requests, args.seconds, args.window, count=True, serving=broker.pid
                     )
                     arms[arm].append(rate)
                     cpu[arm].append(us)
@@ -206,8 +204,8 @@ def report(
     built: list[float],
     snapshot_bytes: list[float],
 ) -> None:
-    none, boards = median_high(arms["none"]), median_high(arms["dashboards"])
-    drop = 1.0 - boards / none
+    none, boards = stats.median(arms["none"]), stats.median(arms["dashboards"])
+    drop = 1.0 - stats.ratio(boards, none)
     print(
         f"console cost: {args.workers} workers, {args.records} job records/s, window "
         f"{args.window}, {args.rounds} rounds of {args.seconds:g} s per arm, alternating, "
@@ -221,15 +219,15 @@ def report(
         f"{[round(x) for x in arms['dashboards']]}"
     )
     print(
-        f"  broker CPU per decision        {median_high(cpu['none']):5.0f} / "
-        f"{median_high(cpu['dashboards']):5.0f} µs"
+        f"  broker CPU per decision        {stats.median(cpu['none']):5.0f} / "
+        f"{stats.median(cpu['dashboards']):5.0f} µs"
     )
-    print(f"  snapshots per dashboard per s  {median_high(pushed) if pushed else 0:8.2f}")
-    build = sorted(built) or [0.0]
+    per_s = stats.median(pushed)
+    print(f"  snapshots per dashboard per s  {per_s:8.2f}")
     print(
-        f"  snapshot build + encode        {median_high(build):8.2f} ms p50, "
-        f"{build[int(0.99 * (len(build) - 1))]:.2f} ms p99, "
-        f"{median_high(snapshot_bytes or [0.0]) / 1024:.0f} KiB each"
+        f"  snapshot build + encode        {stats.median(built):8.2f} ms p50, "
+        f"{stats.percentile(built, 99):.2f} ms p99, "
+        f"{stats.median(snapshot_bytes) / 1024:.0f} KiB each"
     )
     print(
         f"  drop                           {100 * drop:7.1f} %   "
@@ -239,15 +237,16 @@ def report(
         "bench": "console_cost",
         "subject": {"decisions_per_s": boards, "rounds": arms["dashboards"]},
         "baseline": {"decisions_per_s": none, "rounds": arms["none"]},
-        "ratio": {"dashboards_over_none": boards / none},
-        "cpu_us_per_decision": {k: median_high(v) for k, v in cpu.items()},
-        "snapshots_per_s": median_high(pushed) if pushed else 0.0,
-        "snapshot_build_ms_p50": median_high(build),
+        "ratio": {"dashboards_over_none": stats.ratio(boards, none)},
+        "cpu_us_per_decision": {k: stats.median(v) for k, v in cpu.items()},
+        "snapshots_per_s": per_s,
+        "snapshot_build_ms_p50": stats.median(built),
         "target": TARGET,
-        "met": drop <= TARGET["max_drop"],
+        "met": stats.met({"max_drop": drop}, TARGET, most=TARGET),
         "params": vars(args),
+        "machine": stats.machine("redis"),
     }
-    print("RESULT " + json.dumps(result))
+    print(stats.result_line(result))
 
 
 if __name__ == "__main__":

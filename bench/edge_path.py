@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -34,10 +33,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from importlib.metadata import version
 from pathlib import Path
 
-import cv2
 import numpy as np
 import paho.mqtt.client as paho
 import psutil
@@ -48,6 +45,7 @@ from paho.mqtt.properties import Properties
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import stats  # noqa: E402
 from sluicegate import topics  # noqa: E402
 from sluicegate.app.servers import running, start_mosquitto  # noqa: E402
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir  # noqa: E402
@@ -57,10 +55,6 @@ from tests.pool_kit import write_policy_file  # noqa: E402
 MODEL = "defect-v1"
 AGENT, RELAY = "bench-edge", "bench-relay"
 TARGET = {"overhead_p50_ms": 1.0, "overhead_p99_ms": 3.0, "throughput_ratio": 0.8}
-
-
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
 
 
 def make_image(payload_kb: int) -> bytes:
@@ -334,9 +328,12 @@ def report(
 ) -> None:
     e2e, base, relay, comp = lat["e2e"], lat["bare"], lat["relay"], lat["agent_compute"]
     own = [e - c - r for e, c, r in zip(e2e, comp, relay, strict=True)]
-    ov50, ov99 = pct(e2e, 50) - pct(base, 50), pct(e2e, 99) - pct(base, 99)
-    med = {k: float(np.median(v)) for k, v in thr.items()}
-    ratio = med["agent"] / med["bare"]
+    ov50, ov99 = (
+        stats.percentile(e2e, 50) - stats.percentile(base, 50),
+        stats.percentile(e2e, 99) - stats.percentile(base, 99),
+    )
+    med = {k: stats.median(v) for k, v in thr.items()}
+    ratio = stats.ratio(med["agent"], med["bare"])
     # Best a relay plus compute could do on these cores: their per-job costs add up.
     floor = 1.0 / (1.0 / med["bare"] + 1.0 / med["relay"])
     print(
@@ -352,7 +349,7 @@ def report(
         ("agent - its compute - relay (per job)", own),
     ]
     for name, values in rows:
-        print(f"{name:40}{pct(values, 50):10.3f}{pct(values, 99):10.3f}")
+        print(f"{name:40}{stats.percentile(values, 50):10.3f}{stats.percentile(values, 99):10.3f}")
     print(f"{'overhead = subject - bare compute':40}{ov50:10.3f}{ov99:10.3f}")
     print(f"{'throughput, jobs/s (median of rounds)':40}")
     print(f"  agent {med['agent']:.0f}  bare compute {med['bare']:.0f}  relay {med['relay']:.0f}")
@@ -376,25 +373,33 @@ def report(
     result = {
         "bench": "edge_path",
         "subject": {
-            "e2e_p50_ms": pct(e2e, 50),
-            "e2e_p99_ms": pct(e2e, 99),
-            "own_p50_ms": pct(own, 50),
-            "own_p99_ms": pct(own, 99),
+            "e2e_p50_ms": stats.percentile(e2e, 50),
+            "e2e_p99_ms": stats.percentile(e2e, 99),
+            "own_p50_ms": stats.percentile(own, 50),
+            "own_p99_ms": stats.percentile(own, 99),
             "throughput_jps": med["agent"],
             "agent_rss_mb": rss_mb,
             "answered_from_cache": cached,
         },
         "baseline": {
-            "bare_p50_ms": pct(base, 50),
-            "bare_p99_ms": pct(base, 99),
-            "relay_p50_ms": pct(relay, 50),
-            "relay_p99_ms": pct(relay, 99),
+            "bare_p50_ms": stats.percentile(base, 50),
+            "bare_p99_ms": stats.percentile(base, 99),
+            "relay_p50_ms": stats.percentile(relay, 50),
+            "relay_p99_ms": stats.percentile(relay, 99),
             "bare_throughput_jps": med["bare"],
             "relay_throughput_jps": med["relay"],
         },
         "ratio": ratios,
         "target": TARGET,
         "met": met,
+        "measured": stats.require(
+            {
+                "agent jobs": len(e2e),
+                "bare computes": len(base),
+                "relay round trips": len(relay),
+                "throughput rounds": len(thr["agent"]),
+            }
+        ),
         "params": {
             "jobs": args.jobs,
             "rate": args.rate,
@@ -403,15 +408,9 @@ def report(
             "rounds": args.rounds,
             "seconds": args.seconds,
         },
-        "machine": {
-            "nproc": os.cpu_count(),
-            "python": platform.python_version(),
-            "onnxruntime": version("onnxruntime"),
-            "opencv": cv2.__version__,
-            "paho": version("paho-mqtt"),
-        },
+        "machine": stats.machine(),
     }
-    print("RESULT " + json.dumps(result))
+    print(stats.result_line(result))
 
 
 if __name__ == "__main__":

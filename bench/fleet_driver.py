@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench import stats
 from edge_agent.admission import Job
 from edge_agent.offload import PlacementClient
 from edge_agent.rules import Placement
@@ -268,17 +269,9 @@ def summary(
         "refused": kinds.get("refused", 0),
         "timeout": kinds.get("timeout", 0),
         "codes": codes,
-        "p50_ms": pct(every, 50),
-        "p99_ms": pct(every, 99),
+        "p50_ms": stats.percentile(every, 50),
+        "p99_ms": stats.percentile(every, 99),
         "max_ms": every[-1] if every else float("nan"),
-        "answered_p99_ms": pct(answered, 99),
+        "answered_p99_ms": stats.percentile(answered, 99),
         "within_timeout": (in_time / n) if n else float("nan"),
     }
-
-
-def pct(values: list[float], q: float) -> float:
-    """The q-th percentile of sorted ``values`` (nearest rank); NaN when empty."""
-    if not values:
-        return float("nan")
-    rank = max(0, min(len(values) - 1, round(q / 100.0 * len(values) + 0.5) - 1))
-    return values[rank]

@@ -46,7 +46,6 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -61,7 +60,6 @@ from fleet_rig import (
     Replica,
     Servers,
     Sim,
-    cpu_s,
     edge_room,
     machine_busy_s,
     set_edges,
@@ -72,6 +70,7 @@ from fleet_rig import (
     write_fleet,
 )
 
+from bench import stats
 from broker import keys
 from sluicegate.app.broker_http import get_json
 from sluicegate.app.servers import free_port
@@ -147,7 +146,7 @@ async def start_replicas(fleet: FleetCampus, servers: Servers, count: int) -> li
 
 def cpu_of(replicas: list[Replica]) -> dict[str, float]:
     """Each replica's CPU seconds so far, and the whole machine's (``machine``, all cores)."""
-    return {r.broker_id: cpu_s(r.pid) for r in replicas} | {"machine": machine_busy_s()}
+    return {r.broker_id: stats.cpu_s(r.pid) for r in replicas} | {"machine": machine_busy_s()}
 
 
 def answered(asks: list[Ask]) -> int:
@@ -204,7 +203,7 @@ async def telemetry(
         if mode == "fleet":
             sent.append(int((sims[0].stats()["telemetry"] - n0) / dt))
     set_edges(sims, 0)
-    med = statistics.median
+    med = stats.median
     per_replica = {}
     busy = {m: med(x["machine"] for x in rounds[m]) / (os.cpu_count() or 1) for m in rounds}
     for r in replicas:

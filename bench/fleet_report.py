@@ -6,24 +6,12 @@
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
-import platform
-from importlib.metadata import version
 from typing import Any
 
+from bench import stats
+
 TARGET = {"within_50ms": 1.0, "p99_over_idle": 2.0, "broker_us_per_telemetry": 50.0}
-
-
-def machine() -> dict[str, Any]:
-    return {
-        "nproc": os.cpu_count(),
-        "python": platform.python_version(),
-        "paho": version("paho-mqtt"),
-        "redis": version("redis"),
-        "load_avg": os.getloadavg(),
-    }
 
 
 SATURATED = 0.9  # of a core: past it, the paired CPU difference no longer measures cost
@@ -190,20 +178,25 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, setup: dict[str
             f"  N={label(row)}: "
             + ", ".join(f"{k} {'met' if v else 'not met'}" for k, v in verdict(row).items())
         )
-    result = _finite(
-        {
-            "bench": "fleet_scale",
-            "subject": {label(r): _plain(r, "fleet") for r in rows},
-            "baseline": {label(r): _plain(r, "idle") for r in rows},
-            "ratio": {label(r): {"p99_over_idle": r["p99_over_idle"]} for r in rows},
-            "target": TARGET,
-            "met": all(met.values()),
-            "met_by_n": {label(r): verdict(r) for r in rows},
-            "params": dict(vars(args)),
-            "machine": machine() | {"sample_decode_us": setup["speed_us"]},
-        }
-    )
-    print("RESULT " + json.dumps(result))
+    result = {
+        "bench": "fleet_scale",
+        "subject": {label(r): _plain(r, "fleet") for r in rows},
+        "baseline": {label(r): _plain(r, "idle") for r in rows},
+        "ratio": {label(r): {"p99_over_idle": r["p99_over_idle"]} for r in rows},
+        "target": TARGET,
+        "met": all(met.values()),
+        "met_by_n": {label(r): verdict(r) for r in rows},
+        "measured": stats.require(
+            {
+                "placed with fleet load": sum(r["placements"]["fleet"]["placed"] for r in rows),
+                "placed without fleet load": sum(r["placements"]["idle"]["placed"] for r in rows),
+                "telemetry messages/s": sum(r["telemetry_per_s"] for r in rows),
+            }
+        ),
+        "params": dict(vars(args)),
+        "machine": stats.machine("redis") | {"sample_decode_us": setup["speed_us"]},
+    }
+    print(stats.result_line(result))
 
 
 def arms_ab(rows: list[dict[str, Any]]) -> list[str]:
@@ -231,17 +224,6 @@ def arms_ab(rows: list[dict[str, Any]]) -> list[str]:
                 + ", ".join(f"{a['broker_cpu_pct']['fleet']:.0f}" for a in arms)
             )
     return out
-
-
-def _finite(value: Any) -> Any:
-    """``value`` with every infinite or NaN float as None (strict JSON has neither)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
 
 
 def _plain(row: dict[str, Any], mode: str) -> dict[str, Any]:
@@ -359,12 +341,16 @@ def replicas_report(out: dict[str, Any], args: argparse.Namespace) -> None:
         checks["no_reservation_left"] = k["reservations_left"] == 0
     for name, ok in checks.items():
         print(f"  {name:<22} {'met' if ok else 'NOT met'}")
+    claims = {"decisions": out["decisions"]}
+    if "kill" in out:
+        claims["grants in the kill run"] = out["kill"]["granted"]
     result = {
         "bench": "fleet_replicas",
         "subject": out,
         "checks": checks,
         "met": all(checks.values()),
+        "measured": stats.require(claims),
         "params": dict(vars(args)),
-        "machine": machine(),
+        "machine": stats.machine("redis"),
     }
-    print("RESULT " + json.dumps(_finite(result), default=str))
+    print(stats.result_line(result))

@@ -222,15 +222,6 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
-def cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, all threads) process ``pid`` used so far; 0 if gone."""
-    try:
-        t = psutil.Process(pid).cpu_times()
-    except psutil.NoSuchProcess:
-        return 0.0
-    return float(t.user + t.system)
-
-
 def machine_busy_s() -> float:
     """CPU seconds the whole machine spent busy so far, all cores (every user's)."""
     t = psutil.cpu_times()

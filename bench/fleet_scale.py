@@ -58,7 +58,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -77,7 +76,6 @@ from fleet_rig import (
     Servers,
     Sim,
     confine,
-    cpu_s,
     edge_room,
     machine_busy_s,
     rss_mb,
@@ -90,6 +88,7 @@ from fleet_rig import (
     write_fleet,
 )
 
+from bench import stats
 from broker import keys
 from sluicegate.app.broker_http import get
 from sluicegate.app.servers import free_port
@@ -105,7 +104,7 @@ class Meter:
         self.pids = pids
 
     def read(self) -> dict[str, float]:
-        out = {name: cpu_s(pid) for name, pid in self.pids.items()}
+        out = {name: stats.cpu_s(pid) for name, pid in self.pids.items()}
         machine = machine_busy_s()
         return out | {"machine": machine, "others": machine - sum(out.values())}
 
@@ -130,7 +129,7 @@ def time_fleet(fleet: FleetCampus, port: int) -> dict[str, Any]:
             doc = json.loads(body)
             edges = len(doc.get("edges", []))
         out[label] = {
-            "ms": statistics.median(times),
+            "ms": stats.median(times),
             "bytes": size,
             "edges": edges,
             "status": status,
@@ -251,7 +250,7 @@ def node_documents(r: redis.Redis, fleet: FleetCampus) -> dict[str, Any]:
     count = sum(1 for _ in r.scan_iter(match=keys.node("*"), count=2000))
     sample = [keys.node(e) for e, _z in fleet.edges[:20]]
     sizes = [int(r.memory_usage(k) or 0) for k in sample]
-    return {"keys": count, "edge_doc_bytes": statistics.median(sizes) if sizes else 0}
+    return {"keys": count, "edge_doc_bytes": stats.median(sizes) if sizes else 0}
 
 
 def figures(
@@ -267,7 +266,7 @@ def figures(
     fleet_asks: list[Ask] = [a for rnd in fleet_rounds for a in rnd["asks"]]
     idle_asks: list[Ask] = [a for rnd in idle_rounds for a in rnd["asks"]]
     s_on, s_off = summary(fleet_asks), summary(idle_asks)
-    med = statistics.median
+    med = stats.median
     procs = sorted(fleet_rounds[0]["cpu"])
     return {
         "edges": n,

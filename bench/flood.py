@@ -23,17 +23,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import sys
 import tempfile
-from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import stats  # noqa: E402
 from tests.faults.flooding import FloodReport, flood_while_serving  # noqa: E402
 from tests.faults.malformed import KINDS  # noqa: E402
 from tests.faults.rig import Rig  # noqa: E402
@@ -142,9 +140,9 @@ def main() -> None:
             "edge_rss_mib": report.rss_mib["before"],
         },
         "ratio": {
-            "p50": during["p50"] / before["p50"],
-            "p99": during["p99"] / before["p99"],
-            "rss_peak_over_before": report.rss_mib["peak"] / report.rss_mib["before"],
+            "p50": stats.ratio(during["p50"], before["p50"]),
+            "p99": stats.ratio(during["p99"], before["p99"]),
+            "rss_peak_over_before": stats.ratio(report.rss_mib["peak"], report.rss_mib["before"]),
         },
         "real": {
             "submitted": v.submitted,
@@ -160,14 +158,19 @@ def main() -> None:
         and not v.lost
         and v.answered == v.submitted
         and growth <= TARGET["edge_peak_rss_growth_mib"],
+        "measured": stats.require(
+            {
+                "malformed requests sent": sum(report.flood_sent.values()),
+                "refusals received": sum(report.refusals.values()),
+                "real jobs before the flood": report.real_by_phase.get("before", 0),
+                "real jobs during the flood": report.real_by_phase.get("flood", 0),
+                "real jobs completed": v.answered,
+            }
+        ),
         "params": vars(args),
-        "machine": {
-            "nproc": os.cpu_count(),
-            "python": platform.python_version(),
-            "paho": version("paho-mqtt"),
-        },
+        "machine": stats.machine(),
     }
-    print("RESULT " + json.dumps(result))
+    print(stats.result_line(result))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ import asyncio
 import json
 import os
 import socket
-import statistics
 import struct
 import subprocess
 import sys
@@ -54,8 +53,7 @@ sys.path.insert(
     else str(Path(__file__).resolve().parents[1]),
 )
 
-from fleet_report import machine
-
+from bench import stats
 from sluicegate import pki, topics
 from sluicegate.app.servers import free_port, running, start_mosquitto
 
@@ -313,16 +311,16 @@ def main() -> None:
     for mode in modes:
         us = [r["us_per_msg"] for r in runs[mode]]
         got = min(int(r["received"]) for r in runs[mode])
-        share = statistics.median(r["cpu_share"] for r in runs[mode])
+        share = stats.median(r["cpu_share"] for r in runs[mode])
         summary[mode] = {
-            "us_per_msg_p50": round(statistics.median(us), 1),
+            "us_per_msg_p50": round(stats.median(us), 1),
             "us_min": round(min(us), 1),
             "us_max": round(max(us), 1),
             "received_min": got,
             "cpu_share": round(share, 3),
         }
         print(
-            f"{mode:<12}{statistics.median(us):>16.1f}{min(us):>8.1f}{max(us):>8.1f}"
+            f"{mode:<12}{stats.median(us):>16.1f}{min(us):>8.1f}{max(us):>8.1f}"
             f"{got:>10}{share:>11.2f}"
         )
     p50 = {mode: summary[mode]["us_per_msg_p50"] for mode in modes}
@@ -348,9 +346,12 @@ def main() -> None:
         "rounds": args.rounds,
         "tls": args.tls,
         "base": args.base,
-        "machine": machine(),
+        "measured": stats.require(
+            {f"messages received by {mode}": summary[mode]["received_min"] for mode in modes}
+        ),
+        "machine": stats.machine("redis"),
     }
-    print("RESULT " + json.dumps(result))
+    print(stats.result_line(result))
 
 
 if __name__ == "__main__":

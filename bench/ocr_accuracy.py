@@ -17,9 +17,6 @@ same input, recogniser on the same crops), so the rest is what the pipeline's ow
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -29,15 +26,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import stats  # noqa: E402
 from sluicegate.vision import label_synth, synth  # noqa: E402
 from sluicegate.vision.ocr import crop, recogniser_batch, text_boxes  # noqa: E402
 from sluicegate.vision.runtime import ModelRegistry, OcrModel, default_models_dir  # noqa: E402
 
 TARGET = {"exact_spaces_ignored": 0.95}
-
-
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
 
 
 def main() -> None:
@@ -78,13 +72,16 @@ def main() -> None:
         )
     n = len(served)
     subject = {
-        "exact": exact / n,
-        "exact_spaces_ignored": loose / n,
+        "exact": stats.ratio(exact, n),
+        "exact_spaces_ignored": stats.ratio(loose, n),
         "char_error_rate": chars_wrong / max(1, chars_total),
-        "p50_ms": _pct(served, 50),
-        "p99_ms": _pct(served, 99),
+        "p50_ms": stats.percentile(served, 50),
+        "p99_ms": stats.percentile(served, 99),
     }
-    baseline = {"sessions_p50_ms": _pct(bare, 50), "sessions_p99_ms": _pct(bare, 99)}
+    baseline = {
+        "sessions_p50_ms": stats.percentile(bare, 50),
+        "sessions_p99_ms": stats.percentile(bare, 99),
+    }
     print(f"OCR on {n} synthetic serial-number labels (320x160 JPEG), one thread")
     print(f"  exact, as printed          {subject['exact']:.3f}")
     print(f"  exact, spaces ignored      {subject['exact_spaces_ignored']:.3f}   (target >= 0.95)")
@@ -98,14 +95,19 @@ def main() -> None:
         "bench": "ocr_accuracy",
         "subject": subject,
         "baseline": baseline,
-        "ratio": {"served_over_sessions_p50": subject["p50_ms"] / baseline["sessions_p50_ms"]},
+        "ratio": {
+            "served_over_sessions_p50": stats.ratio(subject["p50_ms"], baseline["sessions_p50_ms"])
+        },
         "target": TARGET,
-        "met": subject["exact_spaces_ignored"] >= TARGET["exact_spaces_ignored"],
-        "machine": {"nproc": os.cpu_count(), "python": platform.python_version()},
+        "met": stats.met(subject, TARGET, most=()),
+        "measured": stats.require(
+            {"labels read": n, "labels read by the bare sessions": len(bare)}
+        ),
+        "machine": stats.machine(),
         "images": n,
         "seed": args.seed,
     }
-    print("RESULT " + json.dumps(result))
+    print(stats.result_line(result))
 
 
 def _sessions_only(model: OcrModel, data: bytes) -> float:

@@ -41,24 +41,22 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from importlib.metadata import version
 from pathlib import Path
 
-import numpy as np
 import redis as redis_sync
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from edge_path import Driver, make_image, pct  # noqa: E402
+from edge_path import Driver, make_image  # noqa: E402
 
+from bench import stats  # noqa: E402
 from policies import load_policy, load_signing_key, mint  # noqa: E402
 from policies.keys import SigningKey, signature_valid  # noqa: E402
 from sluicegate import topics  # noqa: E402
@@ -96,13 +94,13 @@ def essentials_ms(image: bytes, key: SigningKey, redis_rtt: list[float]) -> dict
             start = time.perf_counter()
             action()
             times.append((time.perf_counter() - start) * 1000.0)
-        return pct(times, 50)
+        return stats.percentile(times, 50)
 
     return {
         "sha256": p50(lambda: hashlib.sha256(image).digest()),
         "sign": p50(lambda: key.sign(body)),
         "verify": p50(lambda: signature_valid(public, signature, body)),
-        "redis_rtt": pct(redis_rtt, 50),
+        "redis_rtt": stats.percentile(redis_rtt, 50),
     }
 
 
@@ -253,10 +251,12 @@ def report(
     where: dict[str, int],
     essentials: dict[str, float],
 ) -> None:
-    ov50 = pct(subject, 50) - pct(baseline, 50)
-    ov99 = pct(subject, 99) - pct(baseline, 99)
+    ov50 = stats.percentile(subject, 50) - stats.percentile(baseline, 50)
+    ov99 = stats.percentile(subject, 99) - stats.percentile(baseline, 99)
     paired = [a - b for a, b in zip(subject, baseline, strict=True)]
-    legs = extra_legs_ms(pct(floors["image"], 50), pct(floors["small"], 50))
+    legs = extra_legs_ms(
+        stats.percentile(floors["image"], 50), stats.percentile(floors["small"], 50)
+    )
     design_legs = extra_legs_ms(DESIGN_RTT_MS["image"], DESIGN_RTT_MS["small"])
     scaled_p50 = TARGET["overhead_p50_ms"] - design_legs + legs
     print(
@@ -272,7 +272,7 @@ def report(
         ("bare relay round trip, 1 KB", floors["small"]),
     ]
     for name, values in rows:
-        print(f"{name:44}{pct(values, 50):10.3f}{pct(values, 99):10.3f}")
+        print(f"{name:44}{stats.percentile(values, 50):10.3f}{stats.percentile(values, 99):10.3f}")
     print(f"{'overhead = subject - baseline':44}{ov50:10.3f}{ov99:10.3f}")
     print(f"{'messaging floor of the extra legs':44}{legs:10.3f}")
     print(f"{'overhead above that floor':44}{ov50 - legs:10.3f}")
@@ -287,18 +287,22 @@ def report(
     met = ov50 <= TARGET["overhead_p50_ms"] and ov99 <= TARGET["overhead_p99_ms"]
     result = {
         "bench": "offload_path",
-        "subject": {"p50_ms": pct(subject, 50), "p99_ms": pct(subject, 99), "ran_on": where},
+        "subject": {
+            "p50_ms": stats.percentile(subject, 50),
+            "p99_ms": stats.percentile(subject, 99),
+            "ran_on": where,
+        },
         "baseline": {
-            "p50_ms": pct(baseline, 50),
-            "p99_ms": pct(baseline, 99),
-            "relay_image_p50_ms": pct(floors["image"], 50),
-            "relay_1kb_p50_ms": pct(floors["small"], 50),
+            "p50_ms": stats.percentile(baseline, 50),
+            "p99_ms": stats.percentile(baseline, 99),
+            "relay_image_p50_ms": stats.percentile(floors["image"], 50),
+            "relay_1kb_p50_ms": stats.percentile(floors["small"], 50),
         },
         "ratio": {
             "overhead_p50_ms": ov50,
             "overhead_p99_ms": ov99,
-            "paired_p50_ms": pct(paired, 50),
-            "paired_p99_ms": pct(paired, 99),
+            "paired_p50_ms": stats.percentile(paired, 50),
+            "paired_p99_ms": stats.percentile(paired, 99),
             "extra_legs_floor_ms": legs,
             "overhead_above_floor_p50_ms": ov50 - legs,
             "essentials_p50_ms": essentials,
@@ -309,14 +313,9 @@ def report(
         "met_scaled": ov50 <= scaled_p50,
         "target_below_lower_bound": TARGET["overhead_p50_ms"] < bound,
         "params": {"jobs": args.jobs, "rate": args.rate, "payload_bytes": len(image)},
-        "machine": {
-            "nproc": os.cpu_count(),
-            "python": platform.python_version(),
-            "paho": version("paho-mqtt"),
-            "numpy": np.__version__,
-        },
+        "machine": stats.machine("numpy", "redis"),
     }
-    print("RESULT " + json.dumps(result))
+    print(stats.result_line(result))
 
 
 if __name__ == "__main__":

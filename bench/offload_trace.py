@@ -16,7 +16,6 @@ The stamps cost a few µs each, on every process of the path: read the steps, no
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -24,9 +23,10 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import stats  # noqa: E402
 
 # (stamp, stamp): one step of a subject job, in order (role.kind.what the topic carries).
 SUBJECT_STEPS = [
@@ -85,12 +85,7 @@ def steps_ms(
         values = between_ms(jobs, prefix, start, end, skip)
         if values:
             rows.append(
-                (
-                    name,
-                    float(np.percentile(values, 50)),
-                    float(np.percentile(values, 90)),
-                    len(values),
-                )
+                (name, stats.percentile(values, 50), stats.percentile(values, 90), len(values))
             )
     return rows
 
@@ -116,7 +111,7 @@ def main() -> None:
     baseline = steps_ms(jobs, "dir-", BASELINE_STEPS, args.warmup)
     side = steps_ms(jobs, "off-", SIDE_STEPS, args.warmup)
     gaps = between_ms(jobs, "off-", "edge.in.placement", "edge.outbox.accepted", args.warmup)
-    waited = sum(gap > 0 for gap in gaps) / len(gaps) if gaps else float("nan")
+    waited = stats.ratio(sum(gap > 0 for gap in gaps), len(gaps))
     print(f"\n{'step of an offloaded job (traced)':46}{'p50 ms':>9}{'p90 ms':>9}{'jobs':>7}")
     for name, p50, p90, n in subject:
         print(f"{name:46}{p50:9.3f}{p90:9.3f}{n:7d}")
@@ -131,9 +126,19 @@ def main() -> None:
         "baseline_steps_ms": {name: {"p50": p50, "p90": p90} for name, p50, p90, _ in baseline},
         "side_steps_ms": {name: {"p50": p50, "p90": p90} for name, p50, p90, _ in side},
         "reply_beat_commit_share": waited,
+        "measured": stats.require(
+            {
+                f"{prefix}* jobs through '{name}'": len(
+                    between_ms(jobs, prefix, start, end, args.warmup)
+                )
+                for prefix, steps in (("off-", SUBJECT_STEPS), ("dir-", BASELINE_STEPS))
+                for start, end, name in steps
+            }
+        ),
         "params": {"jobs": args.jobs, "warmup": args.warmup},
+        "machine": stats.machine(),
     }
-    print("RESULT " + json.dumps(result))
+    print(stats.result_line(result))
 
 
 if __name__ == "__main__":

@@ -28,21 +28,18 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
 import random
 import resource
-import statistics
 import sys
 import time
 from collections import deque
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import stats
 from broker.core.decision import Decision, Placed
 from broker.core.fleet import Fleet
 from broker.core.params import FleetParams, PlacementParams
@@ -297,20 +294,8 @@ def scan(
     return best
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
-
-
 def summary(values: list[float]) -> dict[str, float]:
-    row = {
-        "p50_us": pct(values, 50),
-        "p99_us": pct(values, 99),
-        "mean_us": statistics.fmean(values),
-    }
-    if len(values) >= 10_000:
-        row["p99.9_us"] = pct(values, 99.9)
-    return row
+    return stats.summary(values, unit="us")
 
 
 class Clock:
@@ -412,8 +397,8 @@ def verify(world: World, args: argparse.Namespace, params: PlacementParams) -> d
             fleet.release(outstanding.popleft())
     return {
         "reference_us": ref_times,
-        "agree_reference": agree_reference / compared,
-        "agree_scan": agree_scan / args.verify,
+        "agree_reference": stats.ratio(agree_reference, compared),
+        "agree_scan": stats.ratio(agree_scan, args.verify),
         "compared": compared,
     }
 
@@ -501,9 +486,9 @@ def main() -> None:
     s, b = summary(lat["subject"]), summary(lat["baseline"])
     r = summary(check["reference_us"])
     ingest = summary(lat["ingest"])
-    plain = statistics.median(rounds["plain"])
-    mixed = statistics.median(rounds["with_telemetry"])
-    tel_rate = statistics.median(rounds["telemetry_per_s"])
+    plain = stats.median(rounds["plain"])
+    mixed = stats.median(rounds["with_telemetry"])
+    tel_rate = stats.median(rounds["telemetry_per_s"])
     n_zones = len({c.zone for c in world.caps})
     print(
         f"placement bench: {args.workers} workers in {n_zones} zones, 3 device classes, "
@@ -562,8 +547,16 @@ def main() -> None:
             "decide_rate_over_scan_rate": mixed / scan_rate,
         },
         "target": TARGET,
-        "met": achieved["decide_p50_us"] <= TARGET["decide_p50_us"]
-        and achieved["decisions_per_s"] >= TARGET["decisions_per_s"],
+        "met": stats.met(achieved, TARGET, most=["decide_p50_us"]),
+        "measured": stats.require(
+            {
+                "decisions": len(lat["subject"]),
+                "placed": lat["codes"].get("placed", 0),
+                "scans": len(lat["baseline"]),
+                "reference decisions": check["compared"],
+                "throughput rounds": len(rounds["plain"]),
+            }
+        ),
         "params": {
             "workers": args.workers,
             "zones": n_zones,
@@ -577,14 +570,9 @@ def main() -> None:
             "seed": args.seed,
             "top_k": args.top_k,
         },
-        "machine": {
-            "nproc": os.cpu_count(),
-            "python": platform.python_version(),
-            "pydantic": version("pydantic"),
-            "peak_rss_mb": round(rss_mb),
-        },
+        "machine": stats.machine("pydantic") | {"peak_rss_mb": round(rss_mb)},
     }
-    print("RESULT " + json.dumps(result))
+    print(stats.result_line(result))
 
 
 if __name__ == "__main__":

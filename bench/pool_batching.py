@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -39,7 +38,6 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +49,7 @@ from paho.mqtt.properties import Properties
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import stats  # noqa: E402
 from policies import mint, payload_digest  # noqa: E402
 from sluicegate import topics  # noqa: E402
 from sluicegate.app.servers import running, start_mosquitto  # noqa: E402
@@ -69,10 +68,6 @@ MODEL = "defect-v1"
 BATCHED = ("north-gpu-1", "campus/fab-north/dc")  # workers the test policy knows
 PLAIN = ("south-npu-1", "campus/fab-south/dc")
 TARGET = {"throughput_ratio_vs_plain": 1.0}
-
-
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
 
 
 @dataclass
@@ -298,7 +293,7 @@ def report(
     lat: dict[str, list[float]],
     batches: dict[str, Counter[int]],
 ) -> None:
-    med = {k: float(np.median(v)) for k, v in thr.items()}
+    med = {k: stats.median(v) for k, v in thr.items()}
     print(
         f"pool batching: {len(image) / 1024:.0f} KB JPEG, max batch {args.max_batch}, window "
         f"{args.window_ms:g} ms, {args.outstanding} in flight, nproc {os.cpu_count()}"
@@ -313,41 +308,46 @@ def report(
         print(f"{label:44}{med[name]:10.0f}")
     print(f"{f'burst of {args.burst}, first send to last result':44}{'p50 ms':>10}{'p99 ms':>10}")
     for name in ("batched", "plain"):
-        print(f"{'  ' + name:44}{pct(lat[name], 50):10.2f}{pct(lat[name], 99):10.2f}")
+        p50, p99 = stats.percentile(lat[name], 50), stats.percentile(lat[name], 99)
+        print(f"{'  ' + name:44}{p50:10.2f}{p99:10.2f}")
     sizes = {w: dict(sorted(c.items())) for w, c in batches.items()}
     print(f"batch sizes in the throughput rounds (size: jobs): {json.dumps(sizes)}")
-    ratio = med["batched"] / med["plain"]
+    ratio = stats.ratio(med["batched"], med["plain"])
     result = {
         "bench": "pool_batching",
         "subject": {
             "throughput_jps": med["batched"],
-            "burst_p50_ms": pct(lat["batched"], 50),
-            "burst_p99_ms": pct(lat["batched"], 99),
+            "burst_p50_ms": stats.percentile(lat["batched"], 50),
+            "burst_p99_ms": stats.percentile(lat["batched"], 99),
             "batch_sizes": sizes.get(BATCHED[0], {}),
         },
         "baseline": {
             "plain_throughput_jps": med["plain"],
-            "plain_burst_p50_ms": pct(lat["plain"], 50),
-            "plain_burst_p99_ms": pct(lat["plain"], 99),
+            "plain_burst_p50_ms": stats.percentile(lat["plain"], 50),
+            "plain_burst_p99_ms": stats.percentile(lat["plain"], 99),
             "bare_jps": med["bare"],
             "bare_batched_jps": med["bare_batched"],
         },
         "ratio": {
             "throughput_vs_plain": ratio,
-            "throughput_vs_bare": med["batched"] / med["bare"],
-            "bare_batched_vs_bare": med["bare_batched"] / med["bare"],
+            "throughput_vs_bare": stats.ratio(med["batched"], med["bare"]),
+            "bare_batched_vs_bare": stats.ratio(med["bare_batched"], med["bare"]),
         },
         "target": TARGET,
-        "met": ratio >= TARGET["throughput_ratio_vs_plain"],
+        "met": stats.met({"throughput_ratio_vs_plain": ratio}, TARGET, most=()),
+        "measured": stats.require(
+            {
+                "batched worker jobs": sum(batches.get(BATCHED[0], Counter()).values()),
+                "plain worker jobs": sum(batches.get(PLAIN[0], Counter()).values()),
+                "batched bursts": len(lat["batched"]),
+                "plain bursts": len(lat["plain"]),
+                "bare compute rounds": len(thr["bare"]),
+            }
+        ),
         "params": vars(args),
-        "machine": {
-            "nproc": os.cpu_count(),
-            "python": platform.python_version(),
-            "onnxruntime": version("onnxruntime"),
-            "paho": version("paho-mqtt"),
-        },
+        "machine": stats.machine(),
     }
-    print("RESULT " + json.dumps(result))
+    print(stats.result_line(result))
 
 
 if __name__ == "__main__":

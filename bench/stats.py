@@ -103,12 +103,14 @@ def machine(*packages: str) -> dict[str, Any]:
     }
 
 
-def require(claims: Mapping[str, float]) -> None:
+def require(claims: Mapping[str, float]) -> dict[str, float]:
     """Raise :class:`NothingMeasured` naming each claim whose count is zero or missing:
-    ``require({"grants": n_granted, "baseline replies": n_floor})``."""
+    ``require({"grants": n_granted, "baseline replies": n_floor})``. Returns the claims, for
+    the RESULT line's ``measured`` (what the smoke tier checks a bench counted)."""
     missing = [name for name, count in claims.items() if not count or not math.isfinite(count)]
     if missing:
         raise NothingMeasured("measured nothing for: " + ", ".join(missing))
+    return dict(claims)
 
 
 def met(measured: Mapping[str, float], target: Mapping[str, float], *, most: Iterable[str]) -> bool:

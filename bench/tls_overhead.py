@@ -42,19 +42,15 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
-import platform
 import ssl
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from importlib.metadata import version
 from pathlib import Path
 
-import cv2
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,9 +58,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from campus_rig import LOCAL_EDGE, SECURITY, WORKER, CampusRig  # noqa: E402
-from edge_path import make_image, pct  # noqa: E402
+from edge_path import make_image  # noqa: E402
 from offload_path import SMALL, extra_legs_ms  # noqa: E402
 
+from bench import stats  # noqa: E402
 from sluicegate.app.servers import find_binary  # noqa: E402
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir  # noqa: E402
 
@@ -150,14 +147,18 @@ def figures(s: dict[str, list[float]]) -> dict[str, float]:
     """One campus's figures (ms) from its samples."""
     f = {}
     for key in SERIES:
-        f[f"{key}_p50_ms"] = pct(s[key], 50)
-        f[f"{key}_p99_ms"] = pct(s[key], 99)
+        f[f"{key}_p50_ms"] = stats.percentile(s[key], 50)
+        f[f"{key}_p99_ms"] = stats.percentile(s[key], 99)
     for q in (50, 99):
-        f[f"edge_overhead_p{q}_ms"] = pct(s["edge"], q) - pct(s["bare"], q)
-        f[f"offload_overhead_p{q}_ms"] = pct(s["offload"], q) - pct(s["direct"], q)
+        f[f"edge_overhead_p{q}_ms"] = stats.percentile(s["edge"], q) - stats.percentile(
+            s["bare"], q
+        )
+        f[f"offload_overhead_p{q}_ms"] = stats.percentile(s["offload"], q) - stats.percentile(
+            s["direct"], q
+        )
     paired = [a - b for a, b in zip(s["offload"], s["direct"], strict=True)]
-    f["offload_paired_p50_ms"] = pct(paired, 50)
-    f["offload_paired_p99_ms"] = pct(paired, 99)
+    f["offload_paired_p50_ms"] = stats.percentile(paired, 50)
+    f["offload_paired_p99_ms"] = stats.percentile(paired, 99)
     f["extra_legs_floor_ms"] = extra_legs_ms(f["relay_image_p50_ms"], f["relay_1kb_p50_ms"])
     f["offload_above_floor_p50_ms"] = f["offload_overhead_p50_ms"] - f["extra_legs_floor_ms"]
     return f
@@ -212,7 +213,9 @@ def main() -> None:
                     meters[name].stop()
                     for key, values in got.items():
                         samples[name][key] += values
-                    per_round[name].append(pct(got["offload"], 50) - pct(got["direct"], 50))
+                    per_round[name].append(
+                        stats.percentile(got["offload"], 50) - stats.percentile(got["direct"], 50)
+                    )
         finally:
             for rig in rigs.values():
                 rig.stop()
@@ -310,6 +313,13 @@ def report(
         "cpu_per_slot_ms": cpu,
         "target": TARGET,
         "met": met,
+        "measured": stats.require(
+            {
+                f"{series} on the {name} campus": len(samples[name][series])
+                for name in SECURITY
+                for series in SERIES
+            }
+        ),
         "params": {
             "jobs": args.jobs,
             "rounds": args.rounds,
@@ -319,17 +329,10 @@ def report(
             "elapsed_s": round(elapsed_s, 1),
         },
         "tls": tls,
-        "machine": {
-            "nproc": os.cpu_count(),
-            "python": platform.python_version(),
-            "openssl": ssl.OPENSSL_VERSION,
-            "mosquitto": mosquitto_version(),
-            "paho": version("paho-mqtt"),
-            "onnxruntime": version("onnxruntime"),
-            "opencv": cv2.__version__,
-        },
+        "machine": stats.machine()
+        | {"openssl": ssl.OPENSSL_VERSION, "mosquitto": mosquitto_version()},
     }
-    print("RESULT " + json.dumps(result))
+    print(stats.result_line(result))
 
 
 if __name__ == "__main__":

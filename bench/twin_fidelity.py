@@ -20,19 +20,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import stats
 from sluicegate.app.campus import OBSERVER
 from sluicegate.app.demo import EDGE_CPU
 from sluicegate.app.localcampus import LocalCampus, cpu_cap_available, start_campus_mosquitto
@@ -93,7 +90,7 @@ def one_round(redis_port: int, db: int, args: argparse.Namespace) -> dict[str, A
         "jobs": tally.answered,
         "attainment": tally.in_time / max(tally.answered, 1),
         "offload_ratio": tally.kinds.get("pool", 0) / max(tally.answered, 1),
-        "p99_ms": float(np.percentile(lat, 99)) if lat else float("nan"),
+        "p99_ms": stats.percentile(lat, 99),
     }
     recorded_in_time = sum(
         j.status == "ok" and (j.deadline_ms is None or j.latency_ms <= j.deadline_ms)
@@ -101,7 +98,7 @@ def one_round(redis_port: int, db: int, args: argparse.Namespace) -> dict[str, A
     )
     observed["recorded_attainment"] = recorded_in_time / max(len(trace.jobs), 1)
     edge_lat = [j.latency_ms for j in trace.jobs if j.status == "ok"]
-    observed["recorded_p99_ms"] = float(np.percentile(edge_lat, 99)) if edge_lat else float("nan")
+    observed["recorded_p99_ms"] = stats.percentile(edge_lat, 99)
     s = summarise(replay(trace))
     predicted = {
         "jobs": s.jobs,
@@ -132,12 +129,12 @@ def _errors(pairs: list[tuple[float, float]]) -> dict[str, float]:
     """Actual against predicted completion, ms after arrival: |error| p50, p90, mean signed."""
     if not pairs:
         return {"n": 0, "p50_abs_ms": nan, "p90_abs_ms": nan, "bias_ms": nan}
-    errors = np.array([a - p for a, p in pairs])
+    errors = [a - p for a, p in pairs]
     return {
         "n": len(pairs),
-        "p50_abs_ms": float(np.percentile(np.abs(errors), 50)),
-        "p90_abs_ms": float(np.percentile(np.abs(errors), 90)),
-        "bias_ms": float(errors.mean()),
+        "p50_abs_ms": stats.percentile(map(abs, errors), 50),
+        "p90_abs_ms": stats.percentile(map(abs, errors), 90),
+        "bias_ms": sum(errors) / len(errors),
     }
 
 
@@ -203,10 +200,17 @@ def main() -> None:
         "pool_prediction": [r["pool_prediction"] for r in rounds],
         "target": BOUNDS,
         "met": all(all(within(r).values()) for r in rounds),
+        "measured": stats.require(
+            {
+                "jobs answered": sum(r["observed"]["jobs"] for r in rounds),
+                "jobs recorded": sum(r["trace_jobs"] for r in rounds),
+                "jobs replayed": sum(r["predicted"]["jobs"] for r in rounds),
+            }
+        ),
         "params": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "machine": {"nproc": os.cpu_count(), "python": platform.python_version()},
+        "machine": stats.machine(),
     }
-    print("RESULT " + json.dumps(result))
+    print(stats.result_line(result))
 
 
 if __name__ == "__main__":

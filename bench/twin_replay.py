@@ -16,17 +16,14 @@ off-site worker ten times slower (where the strategies part).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import stats
 from sluicegate.app.twin_demo import demo_trace
 from sluicegate.twin.nodes import STRATEGIES, Change, Result
 from sluicegate.twin.report import strategy_table, summarise
@@ -49,7 +46,7 @@ def main() -> None:
         t = time.perf_counter()
         result = replay(trace)
         walls.append(time.perf_counter() - t)
-    wall = float(np.median(walls))
+    wall = stats.median(walls)
     jobs = len(trace.jobs)
     target = TARGET_S * args.minutes / 10.0
     print(
@@ -91,9 +88,16 @@ def main() -> None:
         },
         "target": {"wall_s": target},
         "met": wall <= target and summarise(result).jobs == jobs,
-        "machine": {"nproc": os.cpu_count(), "python": platform.python_version()},
+        "measured": stats.require(
+            {
+                "trace jobs": jobs,
+                "timed replays": len(walls),
+                "jobs replayed": summarise(result).jobs,
+            }
+        ),
+        "machine": stats.machine(),
     }
-    print("RESULT " + json.dumps(result))
+    print(stats.result_line(result))
 
 
 if __name__ == "__main__":

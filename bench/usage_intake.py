@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,9 +28,8 @@ import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fleet_report import machine
-
 import broker.metering as metering
+from bench import stats
 from sluicegate import topics
 from sluicegate.app.servers import running, start_redis
 from sluicegate.memory_transport import MemoryBroker, MemoryTransport
@@ -82,12 +79,13 @@ async def one_round(url: str, db: int, payloads: list[bytes], sliced: bool) -> d
     seconds = time.perf_counter() - start
     task.cancel()
     await client.aclose()
-    late.sort()
     return {
-        "late_p50_ms": statistics.median(late),
-        "late_p99_ms": late[int(0.99 * (len(late) - 1))],
-        "late_max_ms": late[-1],
+        "late_p50_ms": stats.median(late),
+        "late_p99_ms": stats.percentile(late, 99),
+        "late_max_ms": max(late, default=float("nan")),
         "records_per_s": total / seconds,
+        "records": total,
+        "ticks": len(late),
     }
 
 
@@ -111,7 +109,7 @@ def main() -> None:
     print(f"{'intake':<8}{'late p50 ms':>12}{'p99 ms':>9}{'max ms':>9}{'records/s':>11}")
     summary = {}
     for arm in ARMS:
-        fig = {k: statistics.median(r[k] for r in runs[arm]) for k in runs[arm][0]}
+        fig = {k: stats.median(r[k] for r in runs[arm]) for k in runs[arm][0]}
         fig["late_max_ms_worst"] = max(r["late_max_ms"] for r in runs[arm])
         summary[arm] = {k: round(v, 2) for k, v in fig.items()}
         print(
@@ -126,9 +124,13 @@ def main() -> None:
         "ratio": {"late_max_sliced_over_whole": round(ratio, 3)},
         "target": {"late_max_ms": TARGET_MAX_MS},
         "met": summary["sliced"]["late_max_ms"] <= TARGET_MAX_MS,
-        "machine": machine(),
+        "measured": stats.require(
+            {f"{arm} records acknowledged": sum(r["records"] for r in runs[arm]) for arm in ARMS}
+            | {f"{arm} ticks": sum(r["ticks"] for r in runs[arm]) for arm in ARMS}
+        ),
+        "machine": stats.machine("redis"),
     }
-    print("RESULT " + json.dumps(result))
+    print(stats.result_line(result))
 
 
 if __name__ == "__main__":
