@@ -15,13 +15,14 @@ the client id, so one identity is one connection):
 * app-line-1 submits to line-1-pc and app-line-2 to line-2-pc, as the apps the policy
   lists, results under their own prefixes (``app/line-1/...``, ``app/line-2/...``);
 * ``bench-direct`` plays an edge for the bare-worker baseline: it publishes the image with
-  a token it minted with the campus broker key straight to north-cpu-1's work topic and
-  reads the result on its returns topic. A worker runs only work from an edge its policy
-  lists, so before anything starts the bench adds ``bench-direct`` to the policy as an
-  edge in line 1's zone (``policies.edit.add_node``, re-signed as the campus officer) and,
-  secured, issues it a certificate from the campus CA and regenerates the ACL from the
-  amended policy (``render_acl``, what ``sluicegate policy acl`` writes): the rights of
-  any edge in that zone, nothing more;
+  a token it minted with the campus broker key (sealed to the worker's key, as wafer images
+  travel) straight to north-cpu-1's work topic and reads the result on its returns topic.
+  A worker runs only work from an edge its policy lists, so before anything starts the
+  bench adds ``bench-direct`` to the policy as an edge in line 1's zone
+  (``policies.edit.add_node``, re-signed as the campus officer) and, secured, issues it a
+  certificate from the campus CA and regenerates the ACL from the amended policy
+  (``render_acl``, what ``sluicegate policy acl`` writes): the rights of any edge in that
+  zone, nothing more;
 * ``bench-floor`` and ``bench-relay``, the messaging floor's driver and ``bench/relay.py``
   on ``bench/...`` topics. No campus identity may touch those, so a secured campus gets
   certificates for both and an ACL block appended for them, as tests/faults/rig.py does
@@ -45,15 +46,21 @@ from typing import Any
 
 import paho.mqtt.client as paho
 from edge_path import Driver
-from offload_path import CLASS, RELAY_TOPIC, relay_ready
+from offload_path import (
+    CLASS,
+    RELAY_TOPIC,
+    direct_work,
+    relay_ready,
+    send_work,
+    wait_workers_online,
+)
 from paho.mqtt.enums import CallbackAPIVersion
 
-from policies import Policy, SigningKey, load_signing_key, mint
+from policies import Policy, SigningKey, load_signing_key
 from policies.edit import add_node
 from policies.signing import add_signature, dump_signatures, sign_policy
 from sluicegate import pki, topics
 from sluicegate.acl import render_acl
-from sluicegate.app.broker_http import get_json
 from sluicegate.app.campus import APPS, LINES, OBSERVER, OFFICER, WORKERS, Campus
 from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
 from sluicegate.app.servers import ServerProcess, free_port, start_redis
@@ -215,7 +222,7 @@ class CampusRig:
             add_floor_identities(campus)
         self.mosquitto = start_campus_mosquitto(campus, workdir=self.root / "mosquitto")
         self.local.start()
-        self._wait_fleet_online()
+        wait_workers_online(self.local, WORKERS)
         self.broker_key = load_signing_key(campus.key_files["broker-1"])
         self.relay = subprocess.Popen(self._relay_argv())
         self.drivers = {
@@ -275,22 +282,6 @@ class CampusRig:
         tls = campus.client_context(identity) if campus.secure else None
         return CampusDriver(campus.mqtt_port, tls=tls, results=results)
 
-    def _wait_fleet_online(self, timeout: float = 30.0) -> None:
-        """Until the broker counts both workers online (it needs their first telemetry)."""
-        assert self.local is not None
-        url = f"http://127.0.0.1:{self.local.http_port}/fleet"
-        token = self.local.campus.console_token("viewer")
-        deadline = time.monotonic() + timeout
-        online: set[str] = set()
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError, ValueError, KeyError):
-                fleet = get_json(url, token, timeout=2)[1]["workers"]
-                online = {w["id"] for w in fleet if w.get("online")}
-                if set(WORKERS) <= online:
-                    return
-            time.sleep(0.1)  # the next look at the broker's fleet
-        raise SystemExit(f"{self.security} campus: broker sees {sorted(online)} workers online")
-
     def stop(self) -> None:
         for driver in self.drivers.values():
             driver.close()
@@ -309,9 +300,12 @@ class CampusRig:
     # One timed request each, in ms from publish to result; the result's JSON beside it.
 
     def _job(self, who: str, job_id: str, image: bytes, **kw: Any) -> tuple[float, dict[str, Any]]:
+        self.drivers[who].submit(who, job_id.encode(), image, **kw)
+        return self._result(who, job_id)
+
+    def _result(self, who: str, job_id: str) -> tuple[float, dict[str, Any]]:
         driver = self.drivers[who]
         corr = job_id.encode()
-        driver.submit(who, corr, image, **kw)
         ms = driver.wait(corr)
         doc: dict[str, Any] = json.loads(driver.done.pop(corr)[1])
         driver.sent.pop(corr, None)
@@ -332,28 +326,22 @@ class CampusRig:
         return self._job(OFFLOAD_EDGE, job_id, image, user=user)
 
     def direct_job(self, job_id: str, image: bytes, digest: bytes) -> tuple[float, dict[str, Any]]:
-        """The same image straight to north-cpu-1, as ``bench-direct`` with its own token."""
-        token = mint(
+        """The same image straight to north-cpu-1, as ``bench-direct`` with its own token
+        (and sealed to the worker, as wafer images travel: ``offload_path.direct_work``)."""
+        work = direct_work(
             self.policy,
             self.broker_key,
             job_id=job_id,
-            payload_sha256=digest,
-            data_class=CLASS,
+            image=image,
+            digest=digest,
+            edge=DIRECT_EDGE,
             origin_zone=DIRECT_ZONE,
-            target_worker=WORKER,
+            worker=WORKER,
             now=time.time(),
         )
-        user = [
-            (topics.PROP_JOB_ID, job_id),
-            (topics.PROP_MODEL, MODEL),
-            (topics.PROP_TOKEN, token),
-            (topics.PROP_DATA_CLASS, CLASS),
-            (topics.PROP_ORIGIN_ZONE, DIRECT_ZONE),
-            (topics.PROP_EDGE, DIRECT_EDGE),
-            (topics.PROP_ATTEMPT, "1"),
-        ]
         topic = topics.pool_work(ZONE, WORKER, DIRECT_EDGE)
-        return self._job(DIRECT_EDGE, job_id, image, user=user, topic=topic)
+        send_work(self.drivers[DIRECT_EDGE], job_id.encode(), work, topic)
+        return self._result(DIRECT_EDGE, job_id)
 
     def floor(self, corr: str, payload: bytes) -> float:
         """A QoS 1 round trip of ``payload`` through the bare relay."""

@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from edge_path import Driver, make_image  # noqa: E402
+from offload_path import wait_workers_online  # noqa: E402
 
 from bench import stats  # noqa: E402
 from policies.keys import SigningKey  # noqa: E402
@@ -152,6 +153,7 @@ def _campus(name: str, tmp: Path) -> Iterator[tuple[LocalCampus, int]]:
         )
         campus.start()
         try:
+            wait_workers_online(campus, [WORKER])
             yield campus, mqtt.port
         finally:
             campus.stop()
