@@ -58,17 +58,18 @@ def _install(role: str, lines: list[str]) -> None:
     import edge_agent.dispatch as dispatch
     import edge_agent.events as ev
     import sluicegate.mqtt as mqtt
+    import sluicegate.mqtt.routing as routing
 
     pid = os.getpid()
 
     def stamp(kind: str, topic: str, job: str) -> None:
         lines.append(f"{time.time():.6f} {pid} {role} {kind} {_what(topic)} {job}\n")
 
-    handed = mqtt.MqttTransport._call
+    handed = routing.call  # where the transport hands each message to its handler
 
-    def call(self: Any, handler: Any, message: Any) -> None:
+    def call(handler: Any, message: Any) -> None:
         stamp("in", message.topic, _job(message.payload, message.user_properties))
-        handed(self, handler, message)
+        handed(handler, message)
 
     published = mqtt.MqttTransport.publish_nowait
 
@@ -95,7 +96,7 @@ def _install(role: str, lines: list[str]) -> None:
         dispatched(self, entry, event, msg)
 
     dispatch.Dispatcher.dispatch = on_event  # type: ignore[method-assign]
-    mqtt.MqttTransport._call = call  # type: ignore[method-assign]
+    routing.call = call
     mqtt.MqttTransport.publish_nowait = publish_nowait  # type: ignore[method-assign]
     reservations.Reservations.reserve_many = reserve_many  # type: ignore[method-assign]
 
