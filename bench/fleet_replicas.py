@@ -75,8 +75,6 @@ from broker import keys
 from sluicegate.app.broker_http import get_json
 from sluicegate.app.servers import free_port
 
-CHUNK_S = 10.0  # closed-loop stretches of the capacity phase
-
 
 class Sampler:
     """Every worker's live reservations in Redis (ZCOUNT of unexpired entries), sampled."""
@@ -156,13 +154,13 @@ def answered(asks: list[Ask]) -> int:
 async def capacity(
     driver: Driver, replicas: list[Replica], args: argparse.Namespace, share: int
 ) -> dict[str, Any]:
-    await driver.closed_loop(args.window, 3.0)  # warm-up, discarded
+    await driver.closed_loop(args.window, args.replica_warmup)  # warm-up, discarded
     asks: list[Ask] = []
     c0, d0, t0 = cpu_of(replicas), time.process_time(), time.monotonic()
     active = 0.0  # seconds with the window kept full (each chunk ends waiting its last out)
     while True:
-        asks += await driver.closed_loop(args.window, CHUNK_S)
-        active += CHUNK_S
+        asks += await driver.closed_loop(args.window, args.chunk_seconds)
+        active += args.chunk_seconds
         if active >= args.seconds and answered(asks) >= share:
             break
     dt = time.monotonic() - t0
@@ -192,7 +190,7 @@ async def telemetry(
     lat: dict[str, list[Ask]] = {"fleet": [], "idle": []}
     for mode in ("fleet", "idle", "fleet", "idle"):
         set_edges(sims, 0)
-        await driver.drain()  # what queued up in the fleet round is worked off first
+        await driver.drain(args.drain_seconds)  # what queued up in the fleet round first
         set_edges(sims, listed if mode == "fleet" else 0, args.tel_rate if mode == "fleet" else 0)
         await asyncio.sleep(args.settle)
         n0, c0, t0 = sims[0].stats()["telemetry"], cpu_of(replicas), time.monotonic()
@@ -387,7 +385,7 @@ async def phases(
             replicas = await start_replicas(fleet, servers, max(counts))
             await driver.wait_brokers()
             try:
-                await driver.closed_loop(args.window, 3.0)  # warm-up
+                await driver.closed_loop(args.window, args.replica_warmup)  # warm-up
                 out["kill"] = await kill_run(driver, replicas, sims, servers, fleet, args)
             finally:
                 for r in replicas:

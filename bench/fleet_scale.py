@@ -386,6 +386,15 @@ def parse_args() -> argparse.Namespace:
     rep.add_argument("--replica-service-ms", type=float, default=150.0)
     rep.add_argument("--replica-jitter-ms", type=float, default=20.0)
     rep.add_argument("--window", type=int, default=8, help="closed loop: requests outstanding")
+    rep.add_argument(
+        "--chunk-seconds", type=float, default=10.0, help="closed loop: a capacity stretch"
+    )
+    rep.add_argument(
+        "--replica-warmup", type=float, default=3.0, help="closed loop: uncounted seconds first"
+    )
+    rep.add_argument(
+        "--drain-seconds", type=float, default=15.0, help="telemetry: most s to wait out a backlog"
+    )
     rep.add_argument("--decisions", type=int, default=100_000, help="answers checked, at least")
     rep.add_argument("--tel-edges", type=int, default=5000, help="edges for telemetry capacity")
     rep.add_argument("--tel-rate", type=float, default=5000.0, help="their messages/s in all")
