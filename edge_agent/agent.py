@@ -338,6 +338,6 @@ class EdgeAgent:
             )
         self._jobs.mode = "stopped"  # offers still waiting: their jobs replay after a restart
         self._compute.shutdown()
-        await self.outbox.close()
-        if self.metering is not None:
+        if self.metering is not None:  # first: its records may ride the outbox's last commit
             await self.metering.meter.stop()
+        await self.outbox.close()

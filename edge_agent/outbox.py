@@ -14,8 +14,8 @@ recognised. It must never hold an unfinished job only in memory, nor let a faile
 pass for a committed one: a write that fails is an :class:`OutboxError` naming the file.
 (The path ``:memory:`` gives a database in memory, for tests: it survives nothing.)
 
-Writes never run on the event loop: ``edge_agent.outbox_writer`` commits them on a thread of
-its own, grouped (``docs/performance.md`` has the commit figures). ``FULL`` (the default)
+Writes never run on the event loop: a :class:`~sluicegate.sqlite_writer.Writer` commits them on a
+thread of its own, grouped (``docs/performance.md`` has the commit figures). ``FULL`` (the default)
 survives power loss; ``NORMAL`` in WAL mode survives a killed process but may lose the last
 commits on power loss. The file is opened in exclusive locking mode: a second agent on the
 same outbox fails to start instead of sharing its jobs.
@@ -30,13 +30,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Literal, TypeVar
 
 from edge_agent.admission import Job
 from edge_agent.errors import OutboxError
-from edge_agent.outbox_file import COLUMNS, connect, stored_row
+from edge_agent.outbox_file import COLUMNS, connect, explain, stored_row
 from edge_agent.outbox_file import Stored as Stored
-from edge_agent.outbox_writer import Batch, CommitStats, Gate, Writer
+from sluicegate.sqlite_writer import CommitStats, Gate, Writer
 
 T = TypeVar("T")
 Synchronous = Literal["FULL", "NORMAL"]
@@ -53,7 +53,7 @@ class Accepted:
 
 class Outbox:
     """The jobs of one edge agent, on disk. Open with ``await open()``; submit from the loop.
-    ``gate`` stands between the loop and the writer thread (``outbox_writer.Gate``)."""
+    ``gate`` stands between the loop and the writer thread (``sluicegate.sqlite_writer.Gate``)."""
 
     def __init__(
         self,
@@ -77,9 +77,7 @@ class Outbox:
         self.dead_letter_keep_s = dead_letter_keep_s
         self._clock = clock
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._writer = Writer(f"outbox {self.path}", gate)
-        self._batch = Batch()
-        self._killed = False
+        self._writer = Writer(f"outbox {self.path}", explain, OutboxError, gate)
         self._closed = False
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -93,16 +91,13 @@ class Outbox:
         """Commit what was submitted, then close the file."""
         if self._closed:
             return
-        self.flush()
         self._closed = True
         await self._writer.stop()
 
     def kill(self) -> None:
         """Stop as a killed process would: a batch being committed completes, nothing queued
         after it is written, and no submitted operation ever reports back."""
-        self._killed = True
         self._closed = True
-        self._batch = Batch()
         self._writer.kill()
 
     @property
@@ -122,10 +117,15 @@ class Outbox:
         are queued for the loop (tests stage crashes with it); False on timeout."""
         return self._writer.wait_written(timeout)
 
+    @property
+    def writer(self) -> Writer:
+        """The file's writer: other owners' operations (the usage ledger's) submitted to it
+        ride the outbox's commits."""
+        return self._writer
+
     def flush(self) -> None:
         """Hand what was submitted during this tick to the writer now (through the gate)."""
-        batch, self._batch = self._batch, Batch()
-        self._writer.hand(batch)
+        self._writer.flush()
 
     # -- operations (loop thread) ----------------------------------------------------------------
 
@@ -301,17 +301,4 @@ class Outbox:
         return self._submit(op)
 
     def _submit(self, op: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
-        loop = self._loop
-        if loop is None:
-            raise OutboxError(f"outbox {self.path} is not open")
-        fut: asyncio.Future[T] = loop.create_future()
-        if self._closed:
-            if not self._killed:
-                fut.set_exception(OutboxError(f"outbox {self.path} is closed"))
-            return fut  # a killed outbox never reports back
-        if not self._batch.ops:
-            loop.call_soon(self.flush)
-        self._batch.ops.append((op, cast("asyncio.Future[Any]", fut)))
-        return fut
-
-    # -- the writer thread -------------------------------------------------------------------------
+        return self._writer.submit(op, OutboxError)

@@ -12,7 +12,6 @@ from typing import Any, Literal
 
 from edge_agent.admission import Job
 from edge_agent.errors import OutboxError
-from edge_agent.outbox_writer import explain
 from sluicegate.vision.image import ImageInfo
 
 State = Literal["queued", "offloaded", "done", "delivered"]
@@ -150,3 +149,14 @@ def _migrate(db: sqlite3.Connection, version: int) -> list[Any]:
     ).fetchall()
     db.execute("COMMIT")
     return rows
+
+
+def explain(where: str, exc: BaseException) -> str:
+    text = str(exc)
+    if "not a database" in text or "malformed" in text:
+        return f"{where} is not a usable SQLite file ({text}); move it away to start afresh"
+    if "locked" in text or "busy" in text:
+        return f"{where} is in use by another process ({text}); is another agent running?"
+    if "readonly" in text or "unable to open" in text or "disk I/O" in text:
+        return f"{where} cannot be written ({text}); check permissions and free space"
+    return f"{where}: {type(exc).__name__}: {text}"

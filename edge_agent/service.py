@@ -72,10 +72,11 @@ def open_outbox(settings: Settings) -> Outbox:
     )
 
 
-def edge_meter(settings: Settings, transport: Transport) -> Meter | None:
-    """The edge's usage metering (not started): its ledger beside the outbox, signed with
-    the edge's own key; None with ``[edge] metering`` off, or with no readable ``key_file``
-    (a record nobody can check bills nothing: said in the log)."""
+def edge_meter(settings: Settings, transport: Transport, outbox: Outbox) -> Meter | None:
+    """The edge's usage metering (not started): its ledger in the outbox's file, its
+    records committed with the results they meter, signed with the edge's own key; None
+    with ``[edge] metering`` off, or with no readable ``key_file`` (a record nobody can
+    check bills nothing: said in the log)."""
     edge = settings.edge
     if not edge.metering:
         return None
@@ -87,8 +88,24 @@ def edge_meter(settings: Settings, transport: Transport) -> Meter | None:
     except KeyFileError as exc:  # not enrolled yet (plaintext debugging): serve unmetered
         log.error("edge %s: its jobs are not metered: [edge] key_file: %s", edge.id, exc)
         return None
-    path = outbox_path(settings).with_name(f"edge-{edge.id}.usage.sqlite")
-    return node_meter(path, key, transport, node=edge.id, kind="edge", settings=edge)
+    if edge.usage_synchronous != edge.outbox_synchronous:
+        log.warning(
+            "[edge] usage_synchronous = %s is not used: usage records are committed with the "
+            "results in the outbox (outbox_synchronous = %s)",
+            edge.usage_synchronous,
+            edge.outbox_synchronous,
+        )
+    return node_meter(
+        outbox.path,
+        key,
+        transport,
+        node=edge.id,
+        kind="edge",
+        settings=edge,
+        log=outbox.writer,
+        synchronous=outbox.synchronous,
+        legacy=outbox.path.with_name(f"edge-{edge.id}.usage.sqlite"),
+    )
 
 
 async def serve(
@@ -157,16 +174,17 @@ async def _serve(
     if feed is not None and client is not None:
         await feed.start(transport)
         await client.start()
+    outbox = open_outbox(settings)
     agent = EdgeAgent(
         edge,
         transport,
         registry,
         offload=client,
         offload_settings=offload,
-        outbox=open_outbox(settings),
+        outbox=outbox,
         feed=feed,
         models_dir=watched,
-        meter=edge_meter(settings, transport),
+        meter=edge_meter(settings, transport, outbox),
     )
     if watched is not None:
         for name, prior in priors_for(registry, read_priors(watched / PRIORS_FILE)).items():

@@ -102,12 +102,15 @@ class EdgeSettings(_Section):
     # What this line PC's device is called in usage records and bills (as [pool]'s).
     device_class: str = Field("x86-cpu", min_length=1, max_length=64)
     # A signed usage record for each job run here, and for each offloaded job delivered
-    # (which worker's attempt), on disk (edge-<id>.usage.sqlite beside the outbox)
-    # beside its result before the result leaves, shipped to the broker; false: none.
+    # (which worker's attempt), in the outbox's file, committed with its result before the
+    # result leaves, shipped to the broker; false: none.
     metering: bool = True
     usage_resend_s: float = Field(30.0, gt=0.0, le=3600.0)  # unacknowledged: sent again
     usage_retention_s: float = Field(7 * 86_400.0, ge=0.0)  # acknowledged: kept this long
-    usage_synchronous: Literal["FULL", "NORMAL"] = "FULL"  # as outbox_synchronous
+    # Unused by an edge (its records ride the outbox's commits, outbox_synchronous): still
+    # read so older configuration files load; a value other than outbox_synchronous is
+    # logged at start.
+    usage_synchronous: Literal["FULL", "NORMAL"] = "FULL"
 
 
 class OffloadSettings(_Section):

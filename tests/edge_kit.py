@@ -27,11 +27,11 @@ from typing import Any
 from edge_agent.admission import Job
 from edge_agent.agent import EdgeAgent
 from edge_agent.outbox import Accepted, Outbox, Stored
-from edge_agent.outbox_writer import Batch
 from edge_agent.rules import Declined, Placement
 from sluicegate import topics, wire
 from sluicegate.config import load_settings
 from sluicegate.memory_transport import MemoryBroker, MemoryTransport
+from sluicegate.sqlite_writer import Batch
 from sluicegate.transport import Message
 from sluicegate.vision.image import ImageInfo
 from sluicegate.vision.postprocess import Outputs

@@ -181,26 +181,29 @@ def test_a_real_edge_writes_signs_and_ships_a_record_per_job_it_ran(
         assert record.device_class == "line-pc-x86"
         assert record.device_us == pytest.approx(result["timings_ms"]["device_ms"] * 1000, abs=2)
         assert record.device_us > 0
-    # The ledger sits beside the outbox, named after the edge.
-    assert (Path(agent.settings.offload.state_dir or ".") / f"edge-{edge_id}.usage.sqlite").exists()
+    # The records live in the outbox's file: no ledger file of their own.
+    state = Path(agent.settings.offload.state_dir or ".")
+    assert (state / f"edge-{edge_id}.outbox.db").exists()
+    assert not (state / f"edge-{edge_id}.usage.sqlite").exists()
 
 
 def test_an_edge_with_no_readable_key_serves_unmetered_and_says_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from edge_agent.service import edge_meter
+    from edge_agent.service import edge_meter, open_outbox
     from sluicegate.memory_transport import MemoryBroker, MemoryTransport
 
     base = {"mqtt": {"plaintext": True}, "offload": {"state_dir": str(tmp_path)}}
     off = load_settings(**base, edge={"id": "e1", "metering": False})
-    assert edge_meter(off, MemoryTransport(MemoryBroker())) is None  # type: ignore[arg-type]
+    outbox = open_outbox(off)
+    assert edge_meter(off, MemoryTransport(MemoryBroker()), outbox) is None
     missing = load_settings(**base, edge={"id": "e1", "key_file": str(tmp_path / "none.key")})
-    assert edge_meter(missing, MemoryTransport(MemoryBroker())) is None  # type: ignore[arg-type]
+    assert edge_meter(missing, MemoryTransport(MemoryBroker()), outbox) is None
     assert "not metered" in caplog.text
     assert "cannot read key file" in caplog.text
     key_file = tmp_path / "e1.key"
     key_file.write_bytes(SigningKey.generate().to_pem())
     keyed = load_settings(**base, edge={"id": "e1", "key_file": str(key_file)})
-    meter = edge_meter(keyed, MemoryTransport(MemoryBroker()))
+    meter = edge_meter(keyed, MemoryTransport(MemoryBroker()), outbox)
     assert meter is not None
-    assert meter.ledger.path == tmp_path / "edge-e1.usage.sqlite"
+    assert meter.ledger.path == outbox.path == tmp_path / "edge-e1.outbox.db"

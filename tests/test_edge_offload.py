@@ -27,13 +27,13 @@ from edge_agent.agent import EdgeAgent
 from edge_agent.errors import OutboxError
 from edge_agent.offload import PlacementClient
 from edge_agent.outbox import Outbox, Stored
-from edge_agent.outbox_writer import Batch
 from edge_agent.rules import Declined, Placement
 from policies import PlacementClaims, Policy, mint
 from policies.tokens import seal
 from sluicegate import topics, wire
 from sluicegate.config import load_settings
 from sluicegate.memory_transport import MemoryBroker, MemoryTransport
+from sluicegate.sqlite_writer import Batch
 from sluicegate.transport import Message
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir
 from sluicegate.wire_pool import JobNotice, PlacementRelease, PlacementReply, PlacementRequest

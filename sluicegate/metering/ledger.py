@@ -2,22 +2,26 @@
 chained, on disk before the result it meters leaves the node, until a broker replica has
 acknowledged it (and for ``retention_s`` after).
 
-One SQLite file (WAL, exclusive lock: a second process on it fails to start) in the
-node's state folder; ``sluicegate.metering.ledger_file`` holds its schema and operations.
-The loop never touches the file: a writer thread of this module's owns the connection and
-commits whatever the loop handed it meanwhile in one transaction (group commit), so a batch
-of records costs one commit. The chain's head (last seq, last digest) is the thread's:
-:meth:`Ledger.append` assigns seq and prev and signs on the thread, inside the
-transaction, so a commit that fails leaves the head where the file has it and no seq is
-ever skipped or used twice. An append's future resolves only after its commit: with
-``synchronous = "FULL"`` (the default) that survives power loss, with ``"NORMAL"`` a killed
-process, and a second thread then syncs the log to the disk, grouped, after which
+Its tables (``sluicegate.metering.ledger_file`` holds the schema and operations) live in
+a SQLite file (WAL, exclusive lock: a second process on it fails to start) whose
+:class:`~sluicegate.sqlite_writer.Writer` thread commits whatever the loop handed it
+meanwhile in one transaction (group commit). A pool worker's ledger is a file of its own
+with a writer of its own; an edge's shares its outbox's file and writer (``log``), so a
+job's result and its usage record are made durable by the same commit. The chain's head
+(last seq, last digest) is the writer thread's: :meth:`Ledger.append` assigns seq and
+prev and signs on the thread, inside the transaction, and a transaction that rolls back
+puts the head back where the file has it, so no seq is ever skipped or used twice.
+An append's future resolves only after its commit: with
+``synchronous = "FULL"`` (the default) that survives power loss, with ``"NORMAL"`` a
+killed process, and a second thread then syncs the log to the disk, grouped, after which
 :meth:`Ledger.durable` says the records survive power loss too. A node ships a record only
 once it is durable that way, so a power loss can take records no broker has seen, never
 one it holds (their seqs, written again, are no conflict).
 A failure is a :class:`~sluicegate.errors.LedgerError` naming the file; nothing
 here pretends a record is written when it is not. The edge agent uses the same ledger for
-its own records (``kind = "edge"``).
+its own records (``kind = "edge"``); an edge that kept them in a file of their own
+(``legacy``) has them moved into the shared file at its first start, unacked ones
+included.
 """
 
 from __future__ import annotations
@@ -28,33 +32,31 @@ import heapq
 import itertools
 import logging
 import os
-import queue
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future as ThreadFuture
-from functools import partial
 from pathlib import Path
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Literal, TypeVar
 
 from policies.keys import SigningKey
 from sluicegate.errors import LedgerError
 from sluicegate.metering import ledger_file
 from sluicegate.metering.ledger_file import Head
 from sluicegate.metering.record import GENESIS, NodeKind, SignedUsage, Usage
+from sluicegate.sqlite_writer import Writer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 Synchronous = Literal["FULL", "NORMAL"]
 FILE_NAME = "usage.sqlite"
 SYNC_EVERY_S = 0.005  # at most one sync of the log this often: commits in between share it
-_Op = Callable[[sqlite3.Connection], Any]
 
 
 class Ledger:
     """The usage records of node ``node``, on disk. ``await open()``, then submit from the
-    loop; ``await close()`` commits what was submitted."""
+    loop; ``await close()`` commits what was submitted. With ``log`` (another owner's
+    writer, already started) the records live in that writer's file, at ``path``."""
 
     def __init__(
         self,
@@ -66,6 +68,8 @@ class Ledger:
         retention_s: float = 7 * 86_400.0,
         synchronous: Synchronous = "FULL",
         clock: Callable[[], float] = time.time,
+        log: Writer | None = None,
+        legacy: Path | None = None,
     ) -> None:
         if synchronous not in ("FULL", "NORMAL"):
             raise ValueError(f"synchronous must be 'FULL' or 'NORMAL', got {synchronous!r}")
@@ -77,43 +81,74 @@ class Ledger:
         self._synchronous = synchronous
         self._clock = clock
         self._where = f"usage ledger {self.path}"
-        self._queue: queue.SimpleQueue[tuple[_Op, asyncio.Future[Any]] | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._shared = log is not None
+        self._legacy = legacy
+        self._writer = log or Writer(self._where, ledger_file.explain, LedgerError)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._head = Head(0, GENESIS)  # the writer thread's
         self._closed = False
-        self.commits = 0
-        # Durable (synced) up to which seq: the sync thread's figure, and the loop's with
-        # the futures waiting on it.
-        self._committed = 0  # (writer thread) the head once committed
-        self._synced = 0  # (sync thread)
+        # Durable (synced) up to which seq: the writer thread's figure (committed), the
+        # sync thread's, and the loop's with the futures waiting on it.
+        self._committed = 0
+        self._synced = 0
         self._sync_wanted = threading.Condition()
         self._sync_stop = False
+        self._syncer: threading.Thread | None = None
         self._durable_seq = 0  # (loop)
         self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
         self._order = itertools.count()
         self.syncs = 0
 
+    @property
+    def commits(self) -> int:
+        return self._writer.commits
+
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def open(self) -> Head:
-        """Open (or create) the file; the chain's head as the file has it."""
+        """Open (or create) the tables; the chain's head as the file has it."""
         self._loop = asyncio.get_running_loop()
-        opened: ThreadFuture[Head] = ThreadFuture()
-        self._thread = threading.Thread(
-            target=self._serve, args=(opened,), name="sg-usage-ledger", daemon=True
-        )
-        self._thread.start()
-        return await asyncio.wrap_future(opened)
+        self._writer.after_commit(self._ended)
+        if self._shared:
+            head = await self._writer.submit(self._attach, LedgerError)
+            if self._legacy is not None:
+                await asyncio.to_thread(ledger_file.retire, self._legacy)
+        else:
+            head = await self._writer.start(self._connect)
+        if str(self.path) != ":memory:":
+            # What a killed process committed may still sit in the page cache only.
+            await asyncio.to_thread(_fsync_file, self.path, self._where)
+        self._committed = self._synced = head.seq
+        self._durable_to(head.seq)
+        if self._synchronous == "NORMAL" and str(self.path) != ":memory:":
+            self._syncer = threading.Thread(target=self._sync, name="sg-usage-sync", daemon=True)
+            self._syncer.start()
+        return head
+
+    def _connect(self) -> tuple[sqlite3.Connection, Head]:
+        db, self._head = ledger_file.connect(self.path, self._synchronous, self.node, self.kind)
+        return db, self._head
+
+    def _attach(self, db: sqlite3.Connection) -> Head:
+        head = ledger_file.attach(db, self.node, self.kind, self._where)
+        if self._legacy is not None:
+            head = ledger_file.adopt(db, head, self._legacy, self.node, self.kind)
+        self._head = head
+        return head
 
     async def close(self) -> None:
-        """Commit what was submitted, then close the file."""
+        """Commit what was submitted, then close the file (a shared writer is its owner's
+        to close)."""
         if self._closed:
             return
         self._closed = True
-        self._queue.put(None)
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
+        if not self._shared:
+            await self._writer.stop()
+        if self._syncer is not None:
+            with self._sync_wanted:
+                self._sync_stop = True
+                self._sync_wanted.notify()
+            await asyncio.to_thread(self._syncer.join)
 
     # -- operations (loop thread) -----------------------------------------------------------------
 
@@ -127,7 +162,7 @@ class Ledger:
     def append(self, drafts: Sequence[Usage]) -> asyncio.Future[list[SignedUsage]]:
         """Sign ``drafts`` with the node's key, each the next seq chained to the one before,
         and commit them in one transaction; the future holds the signed records once they
-        are durable (or a ``LedgerError``). A draft of another node is a ``ValueError``,
+        are committed (or a ``LedgerError``). A draft of another node is a ``ValueError``,
         raised here before anything is written."""
         for d in drafts:
             if (d.node, d.kind) != (self.node, self.kind):
@@ -188,64 +223,31 @@ class Ledger:
         loop = self._loop
         if loop is None:
             raise LedgerError(f"{self._where} is not open")
-        fut: asyncio.Future[T] = loop.create_future()
         if self._closed:
+            fut: asyncio.Future[T] = loop.create_future()
             fut.set_exception(LedgerError(f"{self._where} is closed"))
             return fut
-        self._queue.put((op, cast("asyncio.Future[Any]", fut)))
-        return fut
+        return self._writer.submit(op, LedgerError)
 
     # -- the writer thread ----------------------------------------------------------------------
 
-    def _serve(self, opened: ThreadFuture[Head]) -> None:
-        try:
-            db, head = ledger_file.connect(self.path, self._synchronous, self.node, self.kind)
-        except LedgerError as exc:
-            opened.set_exception(exc)
+    def _ended(self, db: sqlite3.Connection, committed: bool) -> None:
+        """After each transaction of the writer (its own or shared): a rolled-back one puts
+        the head back where the file has it; a committed one that moved the head makes its
+        records durable (``FULL``: synced already) or asks the sync thread (``NORMAL``)."""
+        if not committed:
+            self._head = ledger_file.head_of(db, self._head)
             return
-        self._head = head
-        syncs = self._synchronous == "NORMAL" and str(self.path) != ":memory:"
-        if str(self.path) != ":memory:":
-            # What a killed process committed may still sit in the page cache only.
-            for name in (str(self.path), f"{self.path}-wal"):
-                _fsync(Path(name), self._where)
-        self._committed = self._synced = head.seq
-        self._report_durable(head.seq)
-        syncer = None
-        if syncs:
-            syncer = threading.Thread(target=self._sync, name="sg-usage-sync", daemon=True)
-            syncer.start()
-        opened.set_result(head)
-        try:
-            stop = False
-            while not stop:
-                first = self._queue.get()
-                if first is None:
-                    break
-                batch = [first]
-                while True:  # group commit: whatever else queued meanwhile
-                    try:
-                        more = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if more is None:
-                        stop = True
-                        break
-                    batch.append(more)
-                self._report(batch, self._commit(db, batch))
-                if syncs:
-                    with self._sync_wanted:
-                        self._committed = self._head.seq
-                        self._sync_wanted.notify()
-                else:  # every commit synced already (FULL), or nothing to sync (memory)
-                    self._report_durable(self._head.seq)
-        finally:
-            if syncer is not None:
-                with self._sync_wanted:
-                    self._sync_stop = True
-                    self._sync_wanted.notify()
-                syncer.join()
-            db.close()
+        seq = self._head.seq
+        if seq <= self._committed:
+            return
+        if self._syncer is None:
+            self._committed = seq
+            self._report_durable(seq)
+            return
+        with self._sync_wanted:
+            self._committed = seq
+            self._sync_wanted.notify()
 
     def _sync(self) -> None:
         """The sync thread: the log file to the disk, as often as commits come, grouped."""
@@ -285,38 +287,11 @@ class Ledger:
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(self._durable_to, seq)
 
-    def _commit(
-        self, db: sqlite3.Connection, batch: list[tuple[_Op, asyncio.Future[Any]]]
-    ) -> list[Any]:
-        before = self._head
-        results: list[Any] = []
-        try:
-            db.execute("BEGIN IMMEDIATE")
-            for op, _fut in batch:
-                mark = self._head
-                db.execute("SAVEPOINT op")
-                try:
-                    results.append(op(db))
-                except Exception as exc:  # sqlite3's or the operation's own: it fails alone
-                    db.execute("ROLLBACK TO op")
-                    self._head = mark
-                    results.append(LedgerError(ledger_file.explain(self._where, exc)))
-                db.execute("RELEASE op")
-            db.execute("COMMIT")
-        except sqlite3.Error as exc:
-            with contextlib.suppress(sqlite3.Error):
-                db.execute("ROLLBACK")
-            self._head = before
-            return [LedgerError(ledger_file.explain(self._where, exc))] * len(batch)
-        self.commits += 1
-        return results
 
-    def _report(self, batch: list[tuple[_Op, asyncio.Future[Any]]], results: list[Any]) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        with contextlib.suppress(RuntimeError):  # the loop closed under us
-            loop.call_soon_threadsafe(partial(_resolve, batch, results))
+def _fsync_file(path: Path, where: str) -> None:
+    """The file and its log to the disk."""
+    for name in (str(path), f"{path}-wal"):
+        _fsync(Path(name), where)
 
 
 def _fsync(path: Path, where: str) -> None:
@@ -333,16 +308,6 @@ def _fsync(path: Path, where: str) -> None:
         log.error("%s: %s could not be synced: %s", where, path.name, exc)
     finally:
         os.close(fd)
-
-
-def _resolve(batch: list[tuple[_Op, asyncio.Future[Any]]], results: list[Any]) -> None:
-    for (_op, fut), result in zip(batch, results, strict=True):
-        if fut.done():
-            continue
-        if isinstance(result, LedgerError):
-            fut.set_exception(result)
-        else:
-            fut.set_result(result)
 
 
 def ledger_path(state_dir: Path | None) -> Path:

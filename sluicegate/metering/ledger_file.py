@@ -98,10 +98,19 @@ def _prepare(
             f"{SCHEMA_VERSION}); upgrade this node"
         )
     db.execute("BEGIN IMMEDIATE")
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    head = attach(db, node, kind, where)
+    db.execute("COMMIT")
+    return head
+
+
+def attach(db: sqlite3.Connection, node: str, kind: str, where: str) -> Head:
+    """The ledger's tables in ``db`` (made if missing) and the chain's head, inside the
+    caller's transaction: in a file of its own, or in a file another owner shares (an
+    edge's outbox). A file that holds another node's chain is a :class:`LedgerError`."""
     for statement in _SCHEMA.split(";"):
         if statement.strip():
             db.execute(statement)
-    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
     row = db.execute("SELECT node, kind, seq, digest FROM head").fetchone()
     if row is None:
         db.execute(
@@ -109,14 +118,62 @@ def _prepare(
             (node, kind, GENESIS),
         )
         row = (node, kind, 0, GENESIS)
-    unacked = int(db.execute("SELECT COUNT(*) FROM records WHERE acked_ms IS NULL").fetchone()[0])
-    db.execute("COMMIT")
     if (row[0], row[1]) != (node, kind):
         raise LedgerError(
             f"{where} is the ledger of {row[1]} {row[0]!r}, not of {kind} {node!r}: each "
             "node keeps its own (set this node's state folder)"
         )
-    return Head(int(row[2]), bytes(row[3]), unacked)
+    return Head(int(row[2]), bytes(row[3]), count_unacked(db))
+
+
+def head_of(db: sqlite3.Connection, fallback: Head) -> Head:
+    """The head as the file has it (after a rolled-back transaction); ``fallback`` when
+    the file cannot be read."""
+    try:
+        row = db.execute("SELECT seq, digest FROM head").fetchone()
+    except sqlite3.Error:
+        return fallback
+    if row is None:
+        return Head(0, GENESIS)
+    return Head(int(row[0]), bytes(row[1]), fallback.unacked)
+
+
+def adopt(db: sqlite3.Connection, head: Head, legacy: Path, node: str, kind: str) -> Head:
+    """Move the chain an edge kept in a file of its own (``legacy``) into ``db``, inside the
+    caller's transaction: its records, acknowledged or not, and its head, so the chain goes
+    on from there. Only into a chain that is still empty (a second start finds ``db``
+    holding it already); the legacy file is left as it is for :func:`retire`."""
+    if head.seq != 0 or not legacy.exists():
+        return head
+    where = f"usage ledger {legacy}"
+    try:
+        old = sqlite3.connect(legacy, timeout=1.0, isolation_level=None)
+    except sqlite3.Error as exc:
+        raise LedgerError(f"{where} cannot be opened: {exc}") from exc
+    try:
+        found = old.execute("SELECT node, kind, seq, digest FROM head").fetchone()
+        rows = old.execute("SELECT seq, at_ms, line, acked_ms FROM records").fetchall()
+    except sqlite3.Error as exc:
+        raise LedgerError(explain(where, exc)) from exc
+    finally:
+        old.close()
+    if found is None:
+        return head
+    if (found[0], found[1]) != (node, kind):
+        raise LedgerError(
+            f"{where} is the ledger of {found[1]} {found[0]!r}, not of {kind} {node!r}"
+        )
+    db.executemany("INSERT INTO records (seq, at_ms, line, acked_ms) VALUES (?, ?, ?, ?)", rows)
+    db.execute("UPDATE head SET seq = ?, digest = ? WHERE one = 1", (found[2], found[3]))
+    return Head(int(found[2]), bytes(found[3]), count_unacked(db))
+
+
+def retire(legacy: Path) -> None:
+    """Rename a legacy ledger file (and its log) to ``<name>.merged`` once its chain is
+    in the shared file: kept for an operator to look at, never read again."""
+    for name in (legacy, Path(f"{legacy}-wal"), Path(f"{legacy}-shm")):
+        if name.exists():
+            name.replace(name.with_name(name.name + ".merged"))
 
 
 def append(

@@ -18,6 +18,7 @@ from policies.keys import SigningKey
 from sluicegate.metering.ledger import Ledger
 from sluicegate.metering.record import NodeKind, SignedUsage, Usage
 from sluicegate.metering.shipper import Shipper
+from sluicegate.sqlite_writer import Writer
 from sluicegate.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -42,15 +43,22 @@ def node_meter(
     node: str,
     kind: NodeKind,
     settings: UsageSettings,
+    log: Writer | None = None,
+    synchronous: Literal["FULL", "NORMAL"] | None = None,
+    legacy: Path | None = None,
 ) -> Meter:
-    """A node's meter (not started): its ledger at ``path``, signed with ``key``."""
+    """A node's meter (not started): its ledger at ``path``, signed with ``key``; with
+    ``log``, in that writer's file and commits (an edge's outbox: ``synchronous`` is the
+    file's), taking over the chain of a ``legacy`` file of its own."""
     ledger = Ledger(
         path,
         key,
         node=node,
         kind=kind,
         retention_s=settings.usage_retention_s,
-        synchronous=settings.usage_synchronous,
+        synchronous=synchronous or settings.usage_synchronous,
+        log=log,
+        legacy=legacy,
     )
     return Meter(ledger, transport, resend_s=settings.usage_resend_s)
 

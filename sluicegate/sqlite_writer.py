@@ -1,13 +1,20 @@
-"""The outbox's writer: one thread that owns the SQLite connection and commits, in one
-transaction each, the batches of operations the loop hands it.
+"""A node's one durable log: one SQLite connection owned by a thread of its own, which
+commits, in one transaction each, the operations the event loop hands it.
 
 Operations submitted during one loop tick travel as one :class:`Batch`; the thread also
 merges batches that queued up while it was busy (group commit), and runs each operation in
 a savepoint of its own, so one failing operation fails alone. Results go back to the loop
-with ``call_soon_threadsafe``. Between the loop and the thread sits a :class:`Gate`: by
-default it passes every batch on at once; a test's gate may hold batches (a slow disk),
-drop them (a crash before their commit) or fail them (a broken disk). It never runs SQLite
-on the event loop and never reports a result for a batch it did not commit.
+with ``call_soon_threadsafe``. Several owners may share one writer: on an edge the outbox's
+jobs and the usage ledger's records ride the same commits (a job's result and its usage
+record are made durable by one fsync). An owner that keeps state mirroring the file (the
+ledger's chain head) learns of each transaction's end, committed or rolled back, on the
+thread through :meth:`Writer.after_commit`.
+
+Between the loop and the thread sits a :class:`Gate`: by default it passes every batch on at
+once; a test's gate may hold batches (a slow disk), drop them (a crash before their commit)
+or fail them (a broken disk). It never runs SQLite on the event loop and never reports a
+result for a batch it did not commit. A failure is the error type the operation was
+submitted with (``OutboxError``, ``LedgerError``), its text from the writer's ``explain``.
 """
 
 from __future__ import annotations
@@ -24,24 +31,25 @@ from concurrent.futures import Future as ThreadFuture
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from edge_agent.errors import OutboxError
-
 T = TypeVar("T")
 Op = Callable[[sqlite3.Connection], Any]
+Explain = Callable[[str, BaseException], str]
+Hook = Callable[[sqlite3.Connection, bool], None]
 
 
 @dataclass(eq=False)
 class Batch:
-    """Operations submitted in one loop tick, each with the future of its result."""
+    """Operations submitted in one loop tick, each with the future of its result and the
+    error type its failure is reported as."""
 
-    ops: list[tuple[Op, asyncio.Future[Any]]] = field(default_factory=list)
+    ops: list[tuple[Op, asyncio.Future[Any], type[Exception]]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.ops)
 
-    def fail(self, error: OutboxError) -> None:
+    def fail(self, error: Exception) -> None:
         """Report ``error`` for every operation (loop thread), as a failed commit would."""
-        for _op, fut in self.ops:
+        for _op, fut, _kind in self.ops:
             if not fut.done():
                 fut.set_exception(error)
 
@@ -68,16 +76,24 @@ class CommitStats:
 
 
 class Writer:
-    """The thread and its queue; ``connect`` opens the file and returns what opening read."""
+    """The thread, its queue and the batch of this tick; ``start`` opens the file with the
+    owner's ``connect`` and returns what opening read. ``where`` names the file in errors."""
 
-    def __init__(self, where: str, gate: Gate | None = None) -> None:
-        self._where = where
+    def __init__(
+        self, where: str, explain: Explain, error: type[Exception], gate: Gate | None = None
+    ) -> None:
+        self.where = where
+        self._explain = explain
+        self._error = error
         self.gate: Gate = gate or OpenGate()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._conn: sqlite3.Connection | None = None
-        self._killed = False
+        self._batch = Batch()
+        self._hooks: list[Hook] = []
+        self._killed = False  # stopped as a killed process would be: nothing reports back
+        self._closed = False
         self._commit_s: deque[float] = deque(maxlen=4096)
         self._handed = 0  # batches given to the thread (loop thread) ...
         self._written = 0  # ... and committed, their results on the way to the loop
@@ -91,13 +107,40 @@ class Writer:
         with self._progress:
             self._handed += 1  # opening is the thread's first task
         self._thread = threading.Thread(
-            target=self._serve, args=(connect, opened), name="sg-outbox", daemon=True
+            target=self._serve, args=(connect, opened), name="sg-writer", daemon=True
         )
         self._thread.start()
         return await asyncio.wrap_future(opened)
 
-    def hand(self, batch: Batch) -> None:
-        """Through the gate to the thread (loop thread)."""
+    @property
+    def started(self) -> bool:
+        return self._loop is not None
+
+    def after_commit(self, hook: Hook) -> None:
+        """Call ``hook(db, committed)`` on the thread after each transaction ends."""
+        self._hooks.append(hook)
+
+    def submit(
+        self, op: Callable[[sqlite3.Connection], T], error: type[Exception]
+    ) -> asyncio.Future[T]:
+        """Run ``op`` in this tick's transaction (loop thread); its future resolves after
+        the commit, or fails with ``error``. Once killed, it never resolves."""
+        loop = self._loop
+        if loop is None:
+            raise error(f"{self.where} is not open")
+        fut: asyncio.Future[T] = loop.create_future()
+        if self._closed:
+            if not self._killed:
+                fut.set_exception(error(f"{self.where} is closed"))
+            return fut
+        if not self._batch.ops:
+            loop.call_soon(self.flush)
+        self._batch.ops.append((op, fut, error))
+        return fut
+
+    def flush(self) -> None:
+        """Hand what was submitted during this tick to the thread now (through the gate)."""
+        batch, self._batch = self._batch, Batch()
         if not self._killed and batch.ops:
             self.gate.admit(batch, self._pass_on)
 
@@ -109,7 +152,11 @@ class Writer:
         self._queue.put(batch)
 
     async def stop(self) -> None:
-        """Commit what was handed over, then close the file."""
+        """Commit what was submitted, then close the file."""
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
         self._queue.put(None)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
@@ -117,7 +164,8 @@ class Writer:
     def kill(self) -> None:
         """A batch being committed completes, nothing queued after it is written, and no
         operation reports back."""
-        self._killed = True
+        self._killed = self._closed = True
+        self._batch = Batch()
         self._queue.put(None)
         with self._progress:
             self._progress.notify_all()
@@ -144,7 +192,7 @@ class Writer:
     def _serve(self, connect: Callable[[], tuple[sqlite3.Connection, T]], opened: Any) -> None:
         try:
             self._conn, read = connect()
-        except OutboxError as exc:
+        except Exception as exc:  # the owner's connect raises its own error type
             opened.set_exception(exc)
             self._wrote(1)
             return
@@ -188,11 +236,11 @@ class Writer:
     def _resolve(self, batch: Batch, results: list[Any]) -> None:
         if self._killed:
             return
-        for (_op, fut), result in zip(batch.ops, results, strict=True):
+        for (_op, fut, _kind), result in zip(batch.ops, results, strict=True):
             if fut.done():
                 continue
-            if isinstance(result, OutboxError):
-                fut.set_exception(result)
+            if isinstance(result, _Failed):
+                fut.set_exception(result.error)
             else:
                 fut.set_result(result)
 
@@ -203,31 +251,32 @@ class Writer:
         results: list[Any] = []
         try:
             db.execute("BEGIN IMMEDIATE")
-            for op, _fut in batch.ops:
+            for op, _fut, kind in batch.ops:
                 db.execute("SAVEPOINT op")
                 try:
                     results.append(op(db))
                 except Exception as exc:  # sqlite3's or the operation's own: it fails alone
                     db.execute("ROLLBACK TO op")
-                    results.append(OutboxError(explain(self._where, exc)))
+                    results.append(_Failed(kind(self._explain(self.where, exc))))
                 db.execute("RELEASE op")
             db.execute("COMMIT")
         except sqlite3.Error as exc:
             with contextlib.suppress(sqlite3.Error):
                 db.execute("ROLLBACK")
-            return [OutboxError(explain(self._where, exc))] * len(batch)
+            self._ended(db, committed=False)
+            text = self._explain(self.where, exc)
+            return [_Failed(kind(text)) for _op, _fut, kind in batch.ops]
         self._commit_s.append(time.perf_counter() - started)
         self.commits += 1
         self.operations += len(batch)
+        self._ended(db, committed=True)
         return results
 
+    def _ended(self, db: sqlite3.Connection, *, committed: bool) -> None:
+        for hook in self._hooks:
+            hook(db, committed)
 
-def explain(where: str, exc: BaseException) -> str:
-    text = str(exc)
-    if "not a database" in text or "malformed" in text:
-        return f"{where} is not a usable SQLite file ({text}); move it away to start afresh"
-    if "locked" in text or "busy" in text:
-        return f"{where} is in use by another process ({text}); is another agent running?"
-    if "readonly" in text or "unable to open" in text or "disk I/O" in text:
-        return f"{where} cannot be written ({text}); check permissions and free space"
-    return f"{where}: {type(exc).__name__}: {text}"
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    error: Exception
