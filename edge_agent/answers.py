@@ -54,8 +54,11 @@ def local_result(
     placed_on: str | None = None,
 ) -> wire.JobResult:
     """The result document of a job concluded on this edge (``declined``: why it did not
-    leave, or came back from ``placed_on``)."""
+    leave, or came back from ``placed_on``, with its time waiting for placements and on
+    workers when the lifecycle stamped it)."""
     queue_ms = ((started or now) - job.received_at) * 1000.0
+    asked_ms = declined.asked_ms if declined is not None else None
+    away_ms = declined.away_ms if declined is not None and placed_on is not None else None
     timings = wire.Timings(
         queue_ms=round(queue_ms, 3),
         decode_ms=round(times.decode_ms, 3) if times else 0.0,
@@ -65,6 +68,8 @@ def local_result(
         device_ms=round(times.decode_ms + times.preprocess_ms + times.inference_ms, 3)
         if times
         else 0.0,
+        placement_ms=asked_ms,
+        offloaded_ms=away_ms,
     )
     return wire.JobResult(
         job_id=job.job_id,

@@ -64,6 +64,10 @@ class Life(NamedTuple):
     predicted: float | None = None  # when it would finish here, as first predicted
     ack_return: bool = False  # finishing a worker's return: ack it once committed
     forwarded: bool = False  # finishing a return published before its commit
+    # Where its time went while it was not this edge's to run (the result's timings say):
+    since: float = 0.0  # when its current wait on the broker's answer or on a worker began
+    asked_s: float = 0.0  # waiting for the broker's placement answers, all attempts
+    away_s: float = 0.0  # its work out on workers, sent until returned, lost or expired
 
     def due(self, now: float) -> bool:
         """Offloaded, and its return waited for until a moment the rules act on."""

@@ -21,6 +21,10 @@ A pair with no row raises :class:`~edge_agent.events.IllegalMove`: the shell nev
 it, so it is a bug. Events that come for an attempt no longer current, for a job already
 concluded, or in a phase that cannot take them have rows that discard them (fencing): stale
 messages are expected, counted, and never move a job.
+
+Whatever the rule, :func:`transition` keeps the job's clocks: how long it waited for the
+broker's answers and how long its work was out on workers (:func:`waiting_on`), stamped on
+its ``declined`` reason when it concludes here, so its result says where its time went.
 """
 
 from __future__ import annotations
@@ -47,7 +51,44 @@ def transition(life: Life, event: Event, now: float, outlook: Outlook) -> Move:
     rule = TABLE.get((life.phase, type(event)))
     if rule is None:
         raise IllegalMove(life, event)
-    return rule(life, event, now, outlook)
+    after, effects = rule(life, event, now, outlook)
+    return _clocked(life, after, now), effects
+
+
+ASKING, AWAY = 1, 2  # what a job waits on, when neither this edge's queue nor its run
+
+
+def waiting_on(life: Life) -> int:
+    """``ASKING``: the broker's answer (offering, or admitting with its answer to come);
+    ``AWAY``: a worker (offloaded, or admitting with its work sent early); 0: neither."""
+    phase = life.phase
+    if phase == "offering":
+        return ASKING
+    if phase == "offloaded":
+        return AWAY
+    if phase == "admitting" and life.asking:
+        if life.ahead is None:
+            return ASKING
+        return AWAY if life.early else 0
+    return 0
+
+
+def _clocked(before: Life, after: Life, now: float) -> Life:
+    """``after`` with the time since ``before.since`` added to the wait it ended, its clock
+    restarted if a wait began, and, as it concludes here, both totals on its reason."""
+    was, waits = waiting_on(before), waiting_on(after)
+    if was != waits:
+        spent = now - before.since
+        if was == ASKING:
+            after = after._replace(asked_s=before.asked_s + spent)
+        elif was == AWAY:
+            after = after._replace(away_s=before.away_s + spent)
+        if waits:
+            after = after._replace(since=now)
+    concludes = after.phase == "finishing" and before.phase != "finishing"
+    if concludes and after.declined is not None:
+        after = after._replace(declined=after.declined.timed(after.asked_s, after.away_s))
+    return after
 
 
 def _stay(life: Life, *effects: Effect) -> Move:

@@ -13,7 +13,7 @@ an argument.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple
 
 from policies import PlacementClaims
@@ -42,6 +42,14 @@ class Declined:
 
     code: str
     reason: str
+    # Stamped as the job concludes here: its time waiting for the broker's answers and
+    # out on workers, in ms (the result's ``timings_ms.placement_ms``, ``offloaded_ms``).
+    asked_ms: float | None = None
+    away_ms: float | None = None
+
+    def timed(self, asked_s: float, away_s: float) -> Declined:
+        """This reason, with the job's time waiting for placements and on workers."""
+        return replace(self, asked_ms=round(asked_s * 1000.0, 3), away_ms=round(away_s * 1000.0, 3))
 
     def as_wire(self, worker: str | None = None) -> wire.Offload:
         """The result's ``offload`` field; ``worker``: the job was placed there, and came

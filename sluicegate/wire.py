@@ -48,6 +48,12 @@ class Timings(_Wire):
     # The job's own time on the device: its decode and preprocess plus its share of its
     # batch's inference (the batch's time over its size). What a usage record bills.
     device_ms: float = 0.0
+    # A job its edge concluded after asking the broker: the part of its queue_ms spent
+    # waiting for the broker's placement answers (all attempts), and, when it was placed,
+    # the part its work was out on workers (sent until returned unrun, lost or expired).
+    # Absent otherwise, and from a worker's result, which the edge forwards as it came.
+    placement_ms: float | None = None
+    offloaded_ms: float | None = None
 
 
 class Detection(_Wire):

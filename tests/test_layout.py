@@ -30,6 +30,7 @@ PURE = [
     "policies/evaluate.py",
     "policies/subhealth.py",
     "policies/tokens.py",
+    "sluicegate/app/missed.py",
     "sluicegate/buckets.py",
     "sluicegate/metering/plot.py",
     "sluicegate/metering/prices.py",

@@ -14,8 +14,9 @@ images to the defect detector (``surface-det``, campus only) and label crops to 
 pipeline (``ocr-ppocrv4``, may leave), and, part-way through, a 10x burst on line 1. The
 line PCs are calibrated first, as a plant engineer does at install: ``sluicegate models
 bench`` under the same CPU cap, its figures the edges' service-time priors. The live view
-shows, per kind of job, deadline attainment and how many ran locally or were offloaded; the
-latest answers (the defects found, the text read, where each ran); latency percentiles,
+shows, per kind of job, deadline attainment and how many ran locally or were offloaded, and
+where the time of the jobs that missed their deadline went (:mod:`sluicegate.app.missed`);
+the latest answers (the defects found, the text read, where each ran); latency percentiles,
 where jobs ran, why jobs were not offloaded, and the count of wafer images that reached the
 off-site worker (it must stay 0). Ctrl-C stops the stream, waits for every outstanding
 result, then stops the campus, Redis and Mosquitto.
@@ -38,6 +39,7 @@ from rich.table import Table
 from sluicegate.app.campus import OBSERVER
 from sluicegate.app.demo_cleanup import clear_mqtt, empty_database, flush_database
 from sluicegate.app.localcampus import LocalCampus, cpu_cap_available, start_campus_mosquitto
+from sluicegate.app.missed import shares, summary
 from sluicegate.app.servers import ServerProcess, free_port, running, start_redis
 from sluicegate.app.traffic import KINDS, Tally, stream
 from sluicegate.errors import SluicegateError
@@ -84,6 +86,12 @@ def render(t: Tally) -> Group:
             str(k.local),
             str(k.offloaded),
         )
+    missed = Table.grid(padding=(0, 1))
+    for kind in KINDS:
+        k = t.by_kind[kind.name]
+        missed.add_row(f"[b]{kind.name}[/]", summary(k.misses, k.answered))
+        if k.misses.total:
+            missed.add_row("", shares(k.misses))
     latest = Table("line", "job", "ran on", "found", "ms", box=None)
     for a in (a for kind in KINDS for a in t.recent[kind.name]):
         ran = f"{a.ran_on} (local)" if a.local else f"[cyan]{a.ran_on} (offloaded)[/]"
@@ -105,6 +113,7 @@ def render(t: Tally) -> Group:
     return Group(
         Panel(jobs, title="Sluicegate campus demo: jobs"),
         Panel(kinds, title="by kind of job"),
+        Panel(missed, title="where the missed jobs' time went"),
         Panel(latest, title="latest answers"),
         Panel(where, title="where jobs ran"),
         Panel(compliance, title="offload and compliance"),

@@ -9,7 +9,8 @@ class ``ocr-crop`` (may go off-site), within 1 s. :func:`stream` sends them at a
 steady rate per line and, part-way through, a 10x burst on line 1 in volleys, as a camera
 station fires; :class:`Tally` keeps what came back: statuses, where each job ran, deadline
 attainment per kind, whether the answer was right (the kinds of defect found are those
-drawn; every printed line read, spaces ignored), and the last answers for the live view.
+drawn; every printed line read, spaces ignored), where the time of each job that missed
+its deadline went (:mod:`sluicegate.app.missed`), and the last answers for the live view.
 The demo, ``bench/campus_burst.py`` and the campus tests all drive this one stream.
 """
 
@@ -27,6 +28,7 @@ import numpy as np
 
 from sluicegate import wire
 from sluicegate.app.campus import APP_OF_LINE, APPS, LINES, Campus
+from sluicegate.app.missed import Misses, missed
 from sluicegate.client import AsyncClient
 from sluicegate.errors import SluicegateError
 from sluicegate.vision.label_synth import generate_label
@@ -110,7 +112,8 @@ class Answer:
 
 @dataclass
 class PerKind:
-    """One kind of job's results: answered, in time, ok and right, where they ran."""
+    """One kind of job's results: answered, in time, ok and right, where they ran, and
+    where the missed ones' time went."""
 
     answered: int = 0
     in_time: int = 0
@@ -118,6 +121,7 @@ class PerKind:
     right: int = 0
     local: int = 0
     offloaded: int = 0
+    misses: Misses = field(default_factory=Misses)
 
 
 @dataclass
@@ -157,6 +161,9 @@ class Tally:
         kind.in_time += in_time
         kind.local += local
         kind.offloaded += not local
+        miss = missed(result, ms, sample.kind.deadline_ms)
+        if miss is not None:
+            kind.misses.add(miss)
         if sample.kind.data_class == "wafer-image" and result.ran_on.zone.startswith("offsite/"):
             self.wafer_offsite += 1
         if result.offload is not None and not result.offload.placed:
