@@ -34,7 +34,9 @@ WORDS: dict[Part, str] = {
     "worker": "on the worker",  # in transit to it, queued there, or lost there
     "compute": "computing",  # on the edge or on the worker: whichever answered
     "around": "getting to the worker and back",  # a worker's answer: not split further
-    "transit": "in transit",  # between the app and its edge, and the result's commit
+    # What the app waited beyond the edge's own span: Mosquitto both ways, the app's side,
+    # the result's commit, and the edge's intake before it stamps the job's arrival.
+    "transit": "in transit",
 }
 KEPT = 20000  # times kept per part, for the percentiles
 
