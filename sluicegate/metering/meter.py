@@ -2,7 +2,9 @@
 :class:`~sluicegate.metering.shipper.Shipper`, started and stopped with the node, and the
 one call a node's shell makes per batch of attempts (:meth:`Meter.record`): the records on
 disk (what the caller waits for before it sends the results), then, once they would survive
-a power loss too, on their way.
+a power loss too, on their way: the records made durable within :data:`SHIP_EVERY_S` share
+one message (and one acknowledgement, one commit of it), so a busy node sends a few usage
+messages a second, not one per job.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from sluicegate.sqlite_writer import Writer
 from sluicegate.transport import Transport
 
 log = logging.getLogger(__name__)
+
+SHIP_EVERY_S = 0.05  # a durable record waits at most this long for others to share its message
 
 
 class UsageSettings(Protocol):
@@ -68,6 +72,8 @@ class Meter:
         self.ledger = ledger
         self.shipper = Shipper(ledger, transport, resend_s=resend_s)
         self._task: asyncio.Task[None] | None = None
+        self._due: list[SignedUsage] = []  # durable, to go out in the next message
+        self._shipping: asyncio.TimerHandle | None = None
         self.written = 0  # records committed by this process
         self.failed = 0  # appends (batches) whose commit failed
 
@@ -102,9 +108,24 @@ class Meter:
         self.written += len(signed)
         if signed:  # shipped once it would survive power loss (ledger.durable)
             durable = self.ledger.durable(signed[-1].record.seq)
-            durable.add_done_callback(lambda _done: self.shipper.ship(signed))
+            durable.add_done_callback(lambda _done: self._ship_soon(signed))
+
+    def _ship_soon(self, signed: list[SignedUsage]) -> None:
+        self._due.extend(signed)
+        if self._shipping is None:
+            loop = asyncio.get_running_loop()
+            self._shipping = loop.call_later(SHIP_EVERY_S, self._ship_due)
+
+    def _ship_due(self) -> None:
+        self._shipping = None
+        due, self._due = self._due, []
+        self.shipper.ship(due)
 
     async def stop(self) -> None:
+        """Stop shipping (what was due goes out again after the next start: it is in the
+        ledger, unacknowledged) and close the ledger."""
+        if self._shipping is not None:
+            self._shipping.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
