@@ -26,10 +26,11 @@ read against.
   three legs the baseline does not: the image from the app to the edge (half a 100 KB round
   trip), the placement request and reply (a 1 KB round trip) and the result's extra leg
   through the edge (half a 1 KB round trip). Their sum, measured here, is what this machine's
-  messaging alone adds. DESIGN.md's QoS 1 floors (0.43 ms / 0.17 ms round trips) put it at
-  0.47 ms, which leaves the +1.0 ms target 0.53 ms for Redis, the signatures and our code;
-  the scaled target keeps that slack above the floor measured here. (The placement leg is
-  QoS 0 in fact, a little cheaper than the QoS 1 relay: the floor errs generous by that.)
+  messaging alone adds. With the work no code can skip (the image's hash, a Redis round
+  trip, the token's signature and its check, the seal), timed here too, it is the path's
+  floor; the target (issue 35) is an overhead at most 1.3x that floor, at p50. (The
+  placement leg is QoS 0 in fact, a little cheaper than the QoS 1 relay: the floor errs
+  generous by that.)
 
 Open-loop at ``--rate`` jobs/s, A, B, then the floors in each slot. Prints a table, then the
 ``RESULT {...}`` line (BENCHMARKS.md).
@@ -76,9 +77,10 @@ from sluicegate.app.servers import running, start_mosquitto, start_redis  # noqa
 EDGE, WORKER, ZONE = "line-1-pc", "north-cpu-1", "campus/fab-north/dc"
 CLASS, MODEL = "wafer-image", "defect-v1"
 DIRECT_EDGE = "line-2-pc"  # the edge the baseline's work comes from: the driver plays it
-TARGET = {"overhead_p50_ms": 1.0, "overhead_p99_ms": 3.0}
+# Issue 35: the offload path's overhead over the direct send at most 1.3x its floor measured
+# in the same run: the extra legs' messaging plus the work no code can skip (the lower bound).
+TARGET = {"overhead_over_floor_p50": 1.3}
 RELAY_TOPIC = "bench/relay/offload"
-DESIGN_RTT_MS = {"image": 0.43, "small": 0.17}  # DESIGN.md's QoS 1 round trips, p50
 SMALL = b"x" * 1024
 
 
@@ -366,8 +368,6 @@ def report(
     legs = extra_legs_ms(
         stats.percentile(floors["image"], 50), stats.percentile(floors["small"], 50)
     )
-    design_legs = extra_legs_ms(DESIGN_RTT_MS["image"], DESIGN_RTT_MS["small"])
-    scaled_p50 = TARGET["overhead_p50_ms"] - design_legs + legs
     print(
         f"offload path: {len(image) / 1024:.0f} KB JPEG, {args.jobs} slots at {args.rate:g}/s, "
         f"nproc {os.cpu_count()}; subject jobs ran on {where}"
@@ -388,12 +388,12 @@ def report(
     bound = legs + sum(essentials.values())
     parts = ", ".join(f"{name} {value:.3f}" for name, value in essentials.items())
     print(f"{'lower bound: floor + unavoidable work':44}{bound:10.3f}   ({parts})")
+    over_floor = stats.ratio(ov50, bound)
     print(
-        f"target +{TARGET['overhead_p50_ms']:g} / +{TARGET['overhead_p99_ms']:g} ms absolute; "
-        f"scaled by this machine's messaging ({legs:.2f} vs DESIGN's {design_legs:.2f} ms): "
-        f"p50 <= +{scaled_p50:.2f} ms"
+        f"{'overhead / lower bound (p50)':44}{over_floor:10.2f}   "
+        f"target <= {TARGET['overhead_over_floor_p50']:g}x"
     )
-    met = ov50 <= TARGET["overhead_p50_ms"] and ov99 <= TARGET["overhead_p99_ms"]
+    met = stats.met({"overhead_over_floor_p50": over_floor}, TARGET, most=TARGET)
     result = {
         "bench": "offload_path",
         "subject": {
@@ -416,8 +416,9 @@ def report(
             "overhead_above_floor_p50_ms": ov50 - legs,
             "essentials_p50_ms": essentials,
             "lower_bound_p50_ms": bound,
+            "overhead_over_floor_p50": over_floor,
         },
-        "target": {**TARGET, "overhead_p50_ms_scaled": scaled_p50},
+        "target": TARGET,
         "met": met,
         "measured": stats.require(
             {
@@ -427,8 +428,6 @@ def report(
                 "relay round trips, 1 KB": len(floors["small"]),
             }
         ),
-        "met_scaled": ov50 <= scaled_p50,
-        "target_below_lower_bound": TARGET["overhead_p50_ms"] < bound,
         "params": {"jobs": args.jobs, "rate": args.rate, "payload_bytes": len(image)},
         "machine": stats.machine("numpy", "redis"),
     }
