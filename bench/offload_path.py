@@ -42,7 +42,6 @@ Open-loop at ``--rate`` jobs/s, A, B, then the floors in each slot. Prints a tab
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import os
@@ -69,10 +68,10 @@ from policies import Policy, load_policy, load_signing_key, mint, verify  # noqa
 from policies.keys import SigningKey, signature_valid  # noqa: E402
 from policies.sealing import NO_KEY, seal  # noqa: E402
 from sluicegate import topics  # noqa: E402
-from sluicegate.app.broker_http import get_json  # noqa: E402
 from sluicegate.app.campus import APP_OF_LINE, APPS  # noqa: E402
 from sluicegate.app.localcampus import ROLE, LocalCampus  # noqa: E402
 from sluicegate.app.servers import running, start_mosquitto, start_redis  # noqa: E402
+from sluicegate.errors import SluicegateError  # noqa: E402
 
 EDGE, WORKER, ZONE = "line-1-pc", "north-cpu-1", "campus/fab-north/dc"
 CLASS, MODEL = "wafer-image", "defect-v1"
@@ -201,23 +200,11 @@ def send_work(driver: Driver, corr: bytes, work: DirectWork, topic: str) -> None
 
 
 def wait_workers_online(local: LocalCampus, workers: Iterable[str], timeout: float = 30.0) -> None:
-    """Until the broker counts ``workers`` online (it needs their first telemetry): a job
-    offered before then is refused (``no_worker``) and runs on the edge, and a warm-up
-    shorter than that wait would leave the first counted jobs there."""
-    url = f"http://127.0.0.1:{local.http_port}/fleet"
-    assert local.campus is not None, "not written"
-    token = local.campus.console_token("viewer")
-    wanted = set(workers)
-    deadline = time.monotonic() + timeout
-    online: set[str] = set()
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            fleet = get_json(url, token, timeout=2)[1]["workers"]
-            online = {w["id"] for w in fleet if w.get("online")}
-            if wanted <= online:
-                return
-        time.sleep(0.1)  # the next look at the broker's fleet
-    raise SystemExit(f"the broker sees {sorted(online)} online, not all of {sorted(wanted)}")
+    """Until the broker counts ``workers`` online; a bench that cannot have them ends."""
+    try:
+        local.wait_workers_online(list(workers), timeout)
+    except SluicegateError as exc:
+        raise SystemExit(str(exc)) from exc
 
 
 def relay_ready(driver: Driver) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from policies import SigningKey
 from sluicegate import topics, wire
+from sluicegate.app.broker_http import get_json
 from sluicegate.app.calibration import calibrate, cap_cpu, cpu_cap_available, named_threads
 from sluicegate.app.campus import BROKER, LINES, OBSERVER, WORKERS, AppSpec, Campus, write_campus
 from sluicegate.app.servers import ServerProcess, free_port, start_mosquitto
@@ -195,6 +196,25 @@ class LocalCampus:
 
     def alive(self, name: str) -> bool:
         return self.pid(name) is not None
+
+    def wait_workers_online(self, workers: Collection[str], timeout: float = 30.0) -> None:
+        """Until the broker's ``/fleet`` counts ``workers`` online (it needs their first
+        telemetry): a job offered before then is refused (``no_worker``) and runs on its
+        edge, so a bench's warm-up or a burst would not meet the fleet the campus has."""
+        assert self.campus is not None, "not written"
+        url = f"http://127.0.0.1:{self.http_port}/fleet"
+        token = self.campus.console_token("viewer")
+        wanted = set(workers)
+        deadline = time.monotonic() + timeout
+        online: set[str] = set()
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                fleet = get_json(url, token, timeout=2)[1]["workers"]
+                online = {w["id"] for w in fleet if w.get("online")}
+                if wanted <= online:
+                    return
+            time.sleep(0.1)  # the next look at the broker's fleet
+        raise SluicegateError(f"the broker sees {sorted(online)} online, not {sorted(wanted)}")
 
     def kill(self, name: str) -> None:
         """SIGKILL one node (its Last Will fires) or server, as a crash would."""

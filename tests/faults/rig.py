@@ -24,12 +24,10 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from sluicegate import topics
-from sluicegate.app.broker_http import get_json
 from sluicegate.app.campus import APPS, LINES, Campus
 from sluicegate.app.localcampus import ROLE, LocalCampus, cpu_cap_available, start_campus_mosquitto
 from sluicegate.app.servers import ServerProcess, free_port, start_redis
 from sluicegate.config import MqttSettings
-from sluicegate.errors import SluicegateError
 from tests.faults.app import App
 from tests.faults.proxy import LinkProxy
 from tests.image_bytes import sample_jpeg
@@ -146,18 +144,7 @@ class Rig:
         workers = {n for n in campus.nodes if ROLE[n] == "pool" and campus.alive(n)}
         if not broker or not workers:
             return
-        url = f"http://127.0.0.1:{campus.http_port}/fleet"
-        token = campus.campus.console_token("viewer")
-        deadline = time.monotonic() + timeout
-        online: set[str] = set()
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError, ValueError, KeyError):
-                fleet = get_json(url, token, timeout=2)[1]["workers"]
-                online = {w["id"] for w in fleet if w.get("online")}
-                if workers <= online:
-                    return
-            time.sleep(0.1)  # the next look at the broker's fleet
-        raise SluicegateError(f"broker sees {sorted(online)} online, not {sorted(workers)}")
+        campus.wait_workers_online(workers, timeout)
 
     def stop(self) -> None:
         if self._campus is not None:
