@@ -195,8 +195,8 @@ class EdgeAgent:
         census = self._jobs.table.census
         return Load(
             now=self._clock(),
-            queue_depth=census["queued"],
-            in_flight=self._jobs.table.slots,
+            queue_depth=self._jobs.waiting,
+            in_flight=self._jobs.in_flight,
             models=self.service_times.snapshot(),
             cpu_percent=self._cpu_percent,
             memory_rss_bytes=self._process.memory_info().rss,

@@ -7,7 +7,10 @@ A job's path, from the request to its answer: :meth:`on_message` admits it (pure
 ``admission``, capacity and the offer decision in ``rules``) and dispatches ``Admit``; the
 acceptance commit comes back as ``Accepted`` (or the id proves known: the request is then a
 repeat, answered by :meth:`_answer_repeat`); from there the table routes it to the local
-queue (``Start`` when a slot is free, ``RunCounted``, ``RunDone``) or to the broker
+queue (``Start`` when a slot is free, ``RunCounted``, ``RunDone``; a slot for each compute
+thread and one behind it, so the next job's run is counted while the threads compute, and
+the slots behind are given once a turn of the loop has taken in all its events, so a
+burst's most urgent jobs get them, not its first) or to the broker
 (``Answered`` for its attempt, then a worker's ``Returned``, a broker's ``WorkerLost`` or
 ``DeadLettered``, or ``Overdue``), and every road ends in ``ResultCommitted``. Effects are
 carried out in the order the table lists them; each completion that comes back later is an
@@ -102,7 +105,11 @@ class Dispatcher:
             settings.max_payload_bytes, settings.max_pixels, settings.max_side
         )
         self._results_gate = ResultsGate(settings.id)
-        self._concurrency = settings.concurrency
+        self._concurrency = settings.concurrency  # compute threads
+        self._ahead_due = False  # the slots behind the threads are to be given this turn
+        # Jobs read back at start whose run was counted: they held a slot when the agent
+        # died. While one is here, a job is started only with a thread free for it.
+        self._suspects: set[str] = set()
         o = offload_settings  # the outlook's fixed part
         self._limits_tail = (
             o.queue_bound,
@@ -275,6 +282,8 @@ class Dispatcher:
                 continue
             if self.table.get(job.job_id) is not None:
                 continue
+            if stored.local_runs:
+                self._suspects.add(job.job_id)
             entry = Entry(job, Life(job.job_id, job.deadline))
             self.table.add(entry)
             replayed = ev.Replayed(plan, stored.attempt, stored.local_runs, stored.worker)
@@ -315,9 +324,26 @@ class Dispatcher:
                 work = max(0.0, work - (service_s if kind == SURE else share * service_s))
         done = rules.predict_completion(now, work, self._concurrency, service_s)
         offload = client is not None and self._offload.enabled and client.broker_available
-        return rules.Outlook(
-            self.settings.id, offload, done, table.census["queued"], *self._limits_tail
+        return rules.Outlook(self.settings.id, offload, done, self.waiting, *self._limits_tail)
+
+    def _run_slots(self) -> int:
+        if self._suspects:  # forget those concluded since
+            self._suspects = {j for j in self._suspects if self.table.get(j) is not None}
+        return rules.run_slots(
+            self._concurrency,
+            max_local_runs=self.settings.max_local_runs,
+            suspects=len(self._suspects),
         )
+
+    @property
+    def waiting(self) -> int:
+        """Jobs waiting for a compute thread: queued, or started behind the threads."""
+        return self.table.census["queued"] + max(0, self.table.slots - self._concurrency)
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs on the compute threads, or being started with a thread free for them."""
+        return min(self.table.slots, self._concurrency)
 
     # -- the one place a job moves -------------------------------------------------------------
 
@@ -359,12 +385,30 @@ class Dispatcher:
         self._transport.ack(msg)
 
     def _pump(self) -> None:
-        """Start queued jobs while a compute slot is free (its dispatches count as nested:
-        they neither pump nor settle themselves)."""
+        """Start queued jobs, the most urgent first, while a compute thread is free; the
+        slots behind the threads are given later in this turn of the loop (its dispatches
+        count as nested: they neither pump nor settle themselves)."""
+        self._start_while(self._concurrency)
+        if self._ahead_due or not len(self._compute.queue):
+            return
+        if self.table.slots < self._run_slots():
+            self._ahead_due = True
+            asyncio.get_running_loop().call_soon(self._start_ahead)
+
+    def _start_ahead(self) -> None:
+        """Start jobs into the slots behind the compute threads, the most urgent first, once
+        the events that came with this turn of the loop are in the queue."""
+        self._ahead_due = False
+        if self.mode in GONE:
+            return
+        self._start_while(self._run_slots())
+        self._settle()
+
+    def _start_while(self, slots: int) -> None:
         queue, table = self._compute.queue, self.table
         self._depth += 1
         try:
-            while table.slots < self._concurrency and len(queue):
+            while table.slots < slots and len(queue):
                 entry = queue.pop()
                 if entry.life.phase == "queued" and table.get(entry.job.job_id) is entry:
                     self.dispatch(entry, ev.Start())

@@ -70,7 +70,7 @@ class Outlook(NamedTuple):
     edge_id: str
     offload: bool  # offloading enabled and a campus broker online
     predicted_done: float  # when the job would finish here if it joined the queue now
-    waiting: int  # jobs waiting for a local compute slot
+    waiting: int  # jobs waiting for a compute thread here (queued, or started behind one)
     queue_bound: int  # [offload] queue_bound
     max_attempts: int  # [offload] max_attempts
     max_local_runs: int  # [edge] max_local_runs
@@ -80,6 +80,19 @@ class Outlook(NamedTuple):
 def has_room(held: int, *, queue_size: int, concurrency: int) -> bool:
     """Whether a new job may be accepted while ``held`` jobs wait, run or commit."""
     return held < queue_size + concurrency
+
+
+def run_slots(concurrency: int, *, max_local_runs: int, suspects: int) -> int:
+    """How many jobs may be started here at once, each run counted on disk before it runs:
+    one on each of the ``concurrency`` compute threads and one behind each, whose count is
+    committed while the threads compute, so a thread that finishes a job takes the next at
+    once instead of idling through that job's commit. Only one per thread while a job
+    counted behind a thread could be dead-lettered for a crash it did not cause: while jobs
+    that held a slot when the agent last died are still here (``suspects``), or when one
+    counted run is enough to dead-letter a job (``max_local_runs`` 1)."""
+    if suspects or max_local_runs <= 1:
+        return concurrency
+    return 2 * concurrency
 
 
 def work_ahead(models: Mapping[str, int], service_s: Callable[[str], float]) -> float:

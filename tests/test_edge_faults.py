@@ -97,12 +97,13 @@ def test_a_silent_workers_late_return_is_still_taken_before_the_run_here_starts(
     agent, placement = rig.agent, rig.placement
     assert agent is not None
     assert placement is not None
-    placement.decline.update({"busy-1", "busy-2"})  # these run here
+    busy = [f"busy-{n}" for n in range(1, 5)]
+    placement.decline.update(busy)  # these run here
     start = rig.clock.now
     rig.submit("s2", correlation=b"s2", deadline_ms=2000)
     rig.settle(compute=False)
-    rig.submit("busy-1", correlation=b"b1")  # both slots taken: the rescued job waits
-    rig.submit("busy-2", correlation=b"b2")
+    for job_id in busy:  # every slot taken (two running, two started behind them): s2 waits
+        rig.submit(job_id, correlation=job_id.encode())
     rig.settle(compute=False)
     rig.clock.now = start + 2.0 - SERVICE_S + 0.05  # rescued: into the (busy) local queue
     rig.call(agent.check_offloaded)

@@ -70,6 +70,18 @@ def test_has_room(held: int, room: bool) -> None:
 
 
 @pytest.mark.parametrize(
+    ("max_local_runs", "suspects", "slots"),
+    [
+        (3, 0, 4),  # a job counted behind each of the two threads
+        (3, 1, 2),  # a job that held a slot when the agent died is back: threads only
+        (1, 0, 2),  # one counted run dead-letters a job: count only what a thread takes
+    ],
+)
+def test_run_slots(max_local_runs: int, suspects: int, slots: int) -> None:
+    assert rules.run_slots(2, max_local_runs=max_local_runs, suspects=suspects) == slots
+
+
+@pytest.mark.parametrize(
     ("stored", "dup", "plan"),
     [
         ("queued", False, "retarget"),
