@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from edge_agent.admission import Job
 from edge_agent.errors import OutboxError
+from sluicegate.sqlite_writer import explain_sqlite
 from sluicegate.vision.image import ImageInfo
 
 State = Literal["queued", "offloaded", "done", "delivered"]
@@ -152,11 +153,4 @@ def _migrate(db: sqlite3.Connection, version: int) -> list[Any]:
 
 
 def explain(where: str, exc: BaseException) -> str:
-    text = str(exc)
-    if "not a database" in text or "malformed" in text:
-        return f"{where} is not a usable SQLite file ({text}); move it away to start afresh"
-    if "locked" in text or "busy" in text:
-        return f"{where} is in use by another process ({text}); is another agent running?"
-    if "readonly" in text or "unable to open" in text or "disk I/O" in text:
-        return f"{where} cannot be written ({text}); check permissions and free space"
-    return f"{where}: {type(exc).__name__}: {text}"
+    return explain_sqlite(where, exc, damaged="move it away to start afresh", owner="agent")

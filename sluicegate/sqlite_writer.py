@@ -280,3 +280,16 @@ class Writer:
 @dataclass(frozen=True, slots=True)
 class _Failed:
     error: Exception
+
+
+def explain_sqlite(where: str, exc: BaseException, *, damaged: str, owner: str) -> str:
+    """What a SQLite failure on ``where`` means to whoever reads it: ``damaged`` says what
+    to do with a file that is not one, ``owner`` who else may hold it."""
+    text = str(exc)
+    if "not a database" in text or "malformed" in text:
+        return f"{where} is not a usable SQLite file ({text}); {damaged}"
+    if "locked" in text or "busy" in text:
+        return f"{where} is in use by another process ({text}); is another {owner} running?"
+    if "readonly" in text or "unable to open" in text or "disk I/O" in text:
+        return f"{where} cannot be written ({text}); check permissions and free space"
+    return f"{where}: {type(exc).__name__}: {text}"

@@ -99,10 +99,6 @@ class Ledger:
         self._order = itertools.count()
         self.syncs = 0
 
-    @property
-    def commits(self) -> int:
-        return self._writer.commits
-
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def open(self) -> Head:

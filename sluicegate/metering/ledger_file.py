@@ -17,6 +17,7 @@ from pathlib import Path
 from policies.keys import SigningKey
 from sluicegate.errors import LedgerError
 from sluicegate.metering.record import GENESIS, SignedUsage, Usage, from_line, sign_chained, to_line
+from sluicegate.sqlite_writer import explain_sqlite
 
 SCHEMA_VERSION = 1
 
@@ -50,14 +51,7 @@ class Head:
 
 
 def explain(where: str, exc: BaseException) -> str:
-    text = str(exc)
-    if "not a database" in text or "malformed" in text:
-        return f"{where} is not a usable SQLite file ({text}); move it away (its records are lost)"
-    if "locked" in text or "busy" in text:
-        return f"{where} is in use by another process ({text}); is another node running?"
-    if "readonly" in text or "unable to open" in text or "disk I/O" in text:
-        return f"{where} cannot be written ({text}); check permissions and free space"
-    return f"{where}: {type(exc).__name__}: {text}"
+    return explain_sqlite(where, exc, damaged="move it away (its records are lost)", owner="node")
 
 
 def connect(path: Path, synchronous: str, node: str, kind: str) -> tuple[sqlite3.Connection, Head]:
