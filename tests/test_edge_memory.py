@@ -70,11 +70,13 @@ async def test_full_queue_rejects_the_overflow_and_answers_the_rest() -> None:
 
 
 async def test_higher_priority_runs_first() -> None:
-    # "first" takes the only compute slot; the others wait and are started by priority.
+    # One compute thread: the jobs that wait for it are started by priority, not arrival.
+    # "first" is the most urgent too, so whether it reaches the thread before "high" has
+    # been counted behind it (a race with the commit) cannot change the order.
     msgs = [
-        _job(job_id="first"),
+        _job(9, job_id="first"),
         _job(1, job_id="low"),
-        _job(9, job_id="high"),
+        _job(8, job_id="high"),
         _job(5, job_id="mid"),
     ]
     results, _ = await _run_agent(10, 1, msgs)
