@@ -58,6 +58,7 @@ from sluicegate import topics  # noqa: E402
 from sluicegate.app.campus import APPS, BROKER, LINES, Campus, write_campus  # noqa: E402
 from sluicegate.app.localcampus import start_campus_mosquitto  # noqa: E402
 from sluicegate.app.servers import free_port, running, start_mosquitto  # noqa: E402
+from sluicegate.threads import EDGE_COMPUTE, WRITER  # noqa: E402
 
 Arm = MqttArm | HttpArm
 ARMS = ("bare", "durable", "aiohttp", "agent-tls", "agent-open")
@@ -69,6 +70,9 @@ TARGET = {
 CEILINGS = ("cpu_per_job", "p50", "p99")
 PAIRS = (*TARGET, "agent-open/bare", "agent-tls/agent-open", "agent-tls/aiohttp")
 WORKERS = ROOT / "bench" / "peers_workers.py"
+# The agent's CPU by thread: the event loop (MQTT, TLS, the job table, telemetry), the
+# SQLite writer (commits, the usage ledger's signatures), the model threads, the rest.
+THREAD_GROUPS = {"main": "event loop", WRITER: "writer", EDGE_COMPUTE: "model threads"}
 
 
 @dataclass
@@ -97,6 +101,7 @@ class Tally:
     jobs: int = 0
     cpu_s: float = 0.0
     broker_cpu_s: float = 0.0
+    thread_cpu_s: dict[str, float] = field(default_factory=dict)  # by OS thread name
 
     def figures(self) -> dict[str, Any]:
         fig: dict[str, Any] = stats.summary(self.latencies_ms)
@@ -104,6 +109,10 @@ class Tally:
         fig["jobs_per_s_rounds"] = [round(x, 1) for x in self.jobs_per_s]
         fig["cpu_ms_per_job"] = 1000.0 * stats.ratio(self.cpu_s, self.jobs)
         fig["broker_cpu_ms_per_job"] = 1000.0 * stats.ratio(self.broker_cpu_s, self.jobs)
+        fig["cpu_ms_per_job_by_thread"] = {
+            name: round(1000.0 * stats.ratio(sec, self.jobs), 3)
+            for name, sec in sorted(self.thread_cpu_s.items())
+        }
         return fig
 
 
@@ -231,12 +240,17 @@ def measure(serving: Serving, model: str, tag: str, args: argparse.Namespace, ta
     try:
         closed_loop(serving.arm, model, f"{tag}-warm", args.warmup, args.inflight)
         cpu0 = stats.cpu_tree_s(serving.proc.pid)
+        threads0 = stats.cpu_by_thread_s(serving.proc.pid)
         broker0 = stats.cpu_s(serving.broker_pid) if serving.broker_pid else 0.0
         lat, wall = closed_loop(serving.arm, model, tag, args.jobs, args.inflight)
     except (TimeoutError, OSError, http.client.HTTPException) as exc:
         serving.alive()  # a process that died says so, with its log
         raise BenchError(f"{serving.name}, {model}: {type(exc).__name__} {exc}") from exc
     tally.cpu_s += stats.cpu_tree_s(serving.proc.pid) - cpu0
+    for name, sec in stats.cpu_by_thread_s(serving.proc.pid).items():
+        group = name if name in THREAD_GROUPS else "other"
+        used = sec - threads0.get(name, 0.0)
+        tally.thread_cpu_s[group] = tally.thread_cpu_s.get(group, 0.0) + used
     if serving.broker_pid:
         tally.broker_cpu_s += stats.cpu_s(serving.broker_pid) - broker0
     serving.alive()
@@ -279,6 +293,11 @@ def print_model(
             f"{f['jobs_per_s']:9.0f}{f['cpu_ms_per_job']:12.2f}{f['broker_cpu_ms_per_job']:13.2f}"
             f"   {rounds}"
         )
+    for arm in AGENTS:
+        split = fig[arm]["cpu_ms_per_job_by_thread"]
+        groups = [*THREAD_GROUPS.items(), ("other", "other")]
+        cells = [f"{label} {split.get(name, 0.0):.2f}" for name, label in groups]
+        print(f"  {arm} CPU ms/job by thread: " + ", ".join(cells))
     for pair in PAIRS:
         r, goal = ratio[pair], TARGET.get(pair, {})
         cells = []

@@ -85,6 +85,27 @@ def cpu_tree_s(pid: int) -> float:
     return sum(cpu_s(p.pid) for p in procs)
 
 
+def cpu_by_thread_s(pid: int) -> dict[str, float]:
+    """CPU seconds process ``pid``'s live threads have used, summed by their OS name
+    (``/proc/<pid>/task/*/comm``); its main thread is ``"main"``. Empty once it is gone."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = "main" if tid == str(pid) else f.read().strip()
+        except OSError:  # the thread ended between the listing and the read
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def _version(name: str) -> str | None:
     try:
         return version(name)

@@ -31,6 +31,8 @@ from concurrent.futures import Future as ThreadFuture
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from sluicegate.threads import WRITER, name_os_thread
+
 T = TypeVar("T")
 Op = Callable[[sqlite3.Connection], Any]
 Explain = Callable[[str, BaseException], str]
@@ -107,7 +109,7 @@ class Writer:
         with self._progress:
             self._handed += 1  # opening is the thread's first task
         self._thread = threading.Thread(
-            target=self._serve, args=(connect, opened), name="sg-writer", daemon=True
+            target=self._serve, args=(connect, opened), name=WRITER, daemon=True
         )
         self._thread.start()
         return await asyncio.wrap_future(opened)
@@ -190,6 +192,7 @@ class Writer:
     # -- the thread ------------------------------------------------------------------------------
 
     def _serve(self, connect: Callable[[], tuple[sqlite3.Connection, T]], opened: Any) -> None:
+        name_os_thread(WRITER)
         try:
             self._conn, read = connect()
         except Exception as exc:  # the owner's connect raises its own error type
