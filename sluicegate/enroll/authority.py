@@ -156,7 +156,27 @@ class Authority:
 
     def record(self, issued: Issued, *, now: float | None = None) -> None:
         """Append the enrolled node to the registry the officers read."""
-        line: dict[str, object] = dict(issued.record())
+        self._append(dict(issued.record()), now)
+
+    def record_issued_here(
+        self, node: str, role: str, cert: x509.Certificate, key_text: str, *, now: float
+    ) -> None:
+        """Append a node whose key was made on this machine (``ca issue``: the first
+        broker replica, an observer) to the same registry; it has no zone and no token."""
+        serial = format(cert.serial_number, "x")
+        self._append(
+            {
+                "node": node,
+                "role": role,
+                "zone": "",
+                "key": key_text,
+                "serial": serial,
+                "token": "",
+            },
+            now,
+        )
+
+    def _append(self, line: dict[str, object], now: float | None) -> None:
         line["at"] = round(now if now is not None else time.time(), 3)
         with (self.folder / REGISTRY).open("a") as handle:
             handle.write(json.dumps(line, sort_keys=True) + "\n")

@@ -73,26 +73,39 @@ def ca_server_cert(
     typer.echo(f"wrote {out_dir}/server.pem, server.key and ca.pem for {', '.join(host)}")
 
 
+LOCAL_ROLES = ("broker", "observer")  # who 'ca issue' makes identities for
+
+
 @ca_app.command("issue")
 def ca_issue(
     ca_dir: CaDir,
     node: Annotated[str, typer.Option(help="The node id (its certificate's CN).")],
     state_dir: Annotated[Path, typer.Option(help="The node's state folder.")],
+    role: Annotated[str, typer.Option(help="broker or observer (a twin recorder).")] = "broker",
 ) -> None:
     """A key made here and its certificate, for a node on this very machine (the first
-    broker replica, which holds the CA): node.key, node.pem and ca.pem in STATE_DIR."""
+    broker replica, which holds the CA, or an observer): node.key, node.pem and ca.pem in
+    STATE_DIR, and the node in the registry 'enroll list' reads."""
     from policies import SigningKey
     from sluicegate import pki
+    from sluicegate.enroll.authority import Authority
 
+    if role not in LOCAL_ROLES:
+        _fail(
+            f"--role {role!r}: 'ca issue' makes {' or '.join(LOCAL_ROLES)} identities; "
+            "edges, pool workers and apps enroll with a join token ('enroll token')"
+        )
     try:
-        ca = pki.load_authority(ca_dir)
+        authority = Authority(ca_dir)
         key = SigningKey.generate()
+        now = time.time()
         cert = pki.issue(
-            ca, key.private.public_key(), node, purpose="client", now=time.time(), days=365
+            authority.ca, key.private.public_key(), node, purpose="client", now=now, days=365
         )
         pki.write_private(state_dir / "node.key", key.to_pem())
         (state_dir / "node.pem").write_bytes(pki.cert_pem(cert))
-        (state_dir / "ca.pem").write_bytes(pki.cert_pem(ca.cert))
+        (state_dir / "ca.pem").write_bytes(pki.cert_pem(authority.ca.cert))
+        authority.record_issued_here(node, role, cert, key.public_text, now=now)
     except (SluicegateError, OSError) as exc:
         _fail(str(exc))
         return
@@ -103,7 +116,7 @@ def ca_issue(
 def enroll_token(
     ca_dir: CaDir,
     node: Annotated[str, typer.Option(help="The new node's id.")],
-    role: Annotated[str, typer.Option(help="edge, pool or broker.")],
+    role: Annotated[str, typer.Option(help="edge, pool, broker or app.")],
     zone: Annotated[str, typer.Option(help="The zone it sits in.")],
     url: Annotated[str, typer.Option(help="The enrollment endpoint, http://broker:8780/v1/enroll")],
     mqtt: Annotated[str, typer.Option(help="The campus Mosquitto, host:port (TLS).")],
@@ -143,6 +156,7 @@ def enroll_list(
     """Every enrolled node and its key, with the line that adds it to the policy."""
     from policies import load_policy
     from sluicegate.enroll.authority import Authority
+    from sluicegate.enroll.listing import Listing
 
     try:
         authority = Authority(ca_dir)
@@ -151,17 +165,8 @@ def enroll_list(
         _fail(str(exc))
         return
     for entry in authority.enrolled():
-        node, role, key, zone = (str(entry[k]) for k in ("node", "role", "key", "zone"))
-        known = listed is not None and listed.node_key(node) is not None
-        flag = "in policy" if known else "NOT in policy"
-        typer.echo(f"{role} {node} zone {zone} key {key} ({flag})")
-        if not known:
-            where = "--zone " + zone if role == "edge" else "--pool <pool>"
-            kind = {"edge": "edge", "pool": "worker", "broker": "broker"}[role]
-            typer.echo(
-                f"  sluicegate policy add-node <policy.toml> --{kind} {node} {where} "
-                f"--key {key} --sign <officer key>"
-            )
+        for line in Listing.of(entry, listed).lines():
+            typer.echo(line)
 
 
 @enroll_app.command("app")
