@@ -305,9 +305,7 @@ def audit_verify(
     with _reported():
         trusted = {parse_public_key(k) for k in key or []}
         if policy_file is not None:
-            policy = load_policy(policy_file)
-            trusted |= {r.public for r in (*policy.signers, *policy.brokers)}
-            trusted |= {e.key for e in policy.edges}
+            trusted |= load_policy(policy_file).listed_keys()
         if not trusted:
             raise PolicyParseError("give --policy or at least one --key", source="audit-verify")
         head = _hex32(expected_head) if expected_head else None

@@ -274,6 +274,14 @@ class Policy:
             return worker.key
         return self.broker_key(node_id)
 
+    def listed_keys(self) -> set[bytes]:
+        """Every key this policy lists: its signers, brokers, edges and pool workers (whose
+        audit records an auditor holding the policy trusts)."""
+        keys = {ref.public for ref in (*self.signers, *self.brokers)}
+        keys |= {edge.key for edge in self.edges}
+        keys |= {worker.key for worker in self.workers.values()}
+        return keys
+
     def role_of(self, public: bytes) -> str | None:
         """Which role ``public`` has in this policy, in words, or None."""
         for role, refs in (("policy signer", self.signers), ("broker", self.brokers)):

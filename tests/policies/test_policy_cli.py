@@ -242,6 +242,22 @@ def test_audit_verify_file(tmp_path: Path) -> None:
     assert "error [audit.chain_broken]: record 1: has seq 2, expected 1" in out
 
 
+def test_audit_verify_trusts_every_node_the_policy_lists(tmp_path: Path) -> None:
+    # A pool worker's own audit log verifies against the policy that lists its key, as a
+    # broker's and an edge's do; a key the policy does not list still does not.
+    for signer in ("north-gpu-1", "cloud-gpu-1", "north-l1-pc", "broker-1"):
+        log = tmp_path / f"{signer}.log"
+        writer = AuditWriter(FileAuditStore(log), key(signer))
+        for i in range(2):
+            writer.append("decision", {"job": f"j{i}"}, now=NOW)
+        code, out = run("audit-verify", "--file", log, "--policy", EXAMPLE)
+        assert (code, out.split(" records")[0]) == (0, "OK 2"), (signer, out)
+    stranger = tmp_path / "stranger.log"
+    AuditWriter(FileAuditStore(stranger), key("north-gpu-9")).append("x", {}, now=NOW)
+    code, out = run("audit-verify", "--file", stranger, "--policy", EXAMPLE)
+    assert code == 1 and "audit.untrusted_signer" in out
+
+
 def test_audit_verify_with_another_nodes_key_names_both_keys(tmp_path: Path) -> None:
     log = tmp_path / "audit.log"
     AuditWriter(FileAuditStore(log), key("broker-1")).append("decision", {"job": "j0"}, now=NOW)
