@@ -33,6 +33,7 @@ from edge_agent.metrics import EdgeFigures
 from edge_agent.offload import PlacementClient
 from edge_agent.outbox import Outbox
 from edge_agent.reporting import Load, status_message, telemetry
+from edge_agent.tally import Tally
 from sluicegate import topics, wire
 from sluicegate.config import EdgeSettings, OffloadSettings
 from sluicegate.errors import TransportError
@@ -206,7 +207,7 @@ class EdgeAgent:
             dropped_no_response_topic=self._answers.dropped_no_response_topic,
             offloaded=self.offloaded,
             offload_pending=census["offering"],
-            events=self.counters,
+            events={**self.counters, Tally.RESULTS_REFUSED.value: self._answers.refused},
             policy_version=self._feed.held.version if self._feed and self._feed.held else None,
             policy_refused=self._feed.refused if self._feed is not None else {},
             prediction=self._jobs.prediction.snapshot(),

@@ -7,7 +7,11 @@ job is committed to the outbox first (the dispatcher asks for that and hears how
 then published QoS 1 to the job's response topic with its correlation data, then marked
 delivered once the broker's PUBACK is back. A crash anywhere in that sequence leaves the job
 pending (it runs, or is awaited, again) or done but undelivered (published again after the
-restart).
+restart). A publish the broker *refuses* (a PUBACK with a failure reason code: the ACL does
+not let this edge write the job's response topic) would be refused every time: the job
+ends there, its result kept on disk marked undeliverable with the broker's reason, logged
+as an error and counted (``results_refused``), never published again; a refused refusal
+acks its request, which could never be answered either.
 
 A worker's return for an attempt already recorded on disk may be *forwarded*: published
 first, committed meanwhile; its message is acked only once the commit lands, so a crash in
@@ -23,6 +27,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from edge_agent.admission import Job, RequestRefusal
@@ -30,7 +35,7 @@ from edge_agent.errors import OutboxError
 from edge_agent.outbox import Outbox
 from edge_agent.rules import Declined
 from sluicegate import wire
-from sluicegate.errors import TransportError
+from sluicegate.errors import PublishRefused, TransportError
 from sluicegate.transport import Message, Transport
 from sluicegate.vision.postprocess import Outputs as VisionOutputs
 from sluicegate.vision.runtime import StageTimes
@@ -84,6 +89,23 @@ def local_result(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How an answer's publish went: acked, lost (no ack: sent again after a restart), or
+    refused by the broker (``refused``: its reason code), which would refuse it again."""
+
+    acked: bool
+    refused: str | None = None
+
+    @property
+    def final(self) -> bool:
+        """The broker answered: this publish is over, for good or ill."""
+        return self.acked or self.refused is not None
+
+
+ACKED, LOST = Outcome(acked=True), Outcome(acked=False)
+
+
 class Answers:
     """Refusals, results and republished results of one edge agent."""
 
@@ -95,6 +117,7 @@ class Answers:
         self.finished: Counter[str] = Counter()  # ok results by where they ran: edge, pool
         self.dropped_no_response_topic = 0
         self.undelivered = 0  # publishes the broker never acked (published again on restart)
+        self.refused = 0  # answers the broker refused (each logged; results kept on disk)
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def refuse(self, refusal: RequestRefusal, msg: Message | None = None) -> None:
@@ -122,15 +145,15 @@ class Answers:
     async def _refuse(self, refusal: RequestRefusal, payload: bytes, msg: Message | None) -> None:
         assert refusal.response_topic is not None
         topic, corr = refusal.response_topic, refusal.correlation_data
-        if not await self._out(topic, corr, payload, refusal.job_id, "refusal"):
+        if not (await self._out(topic, corr, payload, refusal.job_id, "refusal")).final:
             return  # unacked: the request comes again, and is refused again
         if msg is not None:
             self._transport.ack(msg)
 
     async def _out(
         self, topic: str, corr: bytes | None, payload: bytes, job_id: str, what: str
-    ) -> bool:
-        """Publish an answer QoS 1; True once the broker acked it."""
+    ) -> Outcome:
+        """Publish an answer QoS 1: acked, refused by the broker (for good), or lost."""
         try:
             await self._transport.publish(
                 Message(
@@ -142,17 +165,29 @@ class Answers:
                 ),
                 wait=True,
             )
+        except PublishRefused as exc:
+            self.refused += 1
+            log.error(
+                "the broker refused the %s of job %s on %r (%s): this edge may not publish "
+                "there (the ACL); it is not sent again. The app should use a response topic "
+                "under its [apps] results prefixes",
+                what,
+                job_id,
+                topic,
+                exc.reason,
+            )
+            return Outcome(acked=False, refused=exc.reason)
         except TransportError as exc:
             log.warning("the %s of job %s was not acked by the broker: %s", what, job_id, exc)
-            return False
-        return True
+            return LOST
+        return ACKED
 
-    def forward(self, job: Job, payload: bytes) -> asyncio.Task[bool]:
-        """Publish a worker's result before its commit; the task says whether it was acked."""
+    def forward(self, job: Job, payload: bytes) -> asyncio.Task[Outcome]:
+        """Publish a worker's result before its commit; the task says how that went."""
         return self._track(self._send(job, payload))
 
     def publish(
-        self, job: Job, payload: bytes, *, record: bool, sent: asyncio.Task[bool] | None = None
+        self, job: Job, payload: bytes, *, record: bool, sent: asyncio.Task[Outcome] | None = None
     ) -> None:
         """Publish a committed result to the job's (latest) destination, in a task (or, with
         ``sent``, wait for the forward already publishing it); with ``record``, mark it
@@ -160,23 +195,24 @@ class Answers:
         self._track(self._deliver(job, payload, record=record, sent=sent))
 
     async def _deliver(
-        self, job: Job, payload: bytes, *, record: bool, sent: asyncio.Task[bool] | None
+        self, job: Job, payload: bytes, *, record: bool, sent: asyncio.Task[Outcome] | None
     ) -> None:
-        acked = await sent if sent is not None else await self._send(job, payload)
-        if acked and record:
-            try:
-                await self._outbox.delivered(job.job_id)
-            except OutboxError as exc:
-                log.warning("could not record the delivery of job %s: %s", job.job_id, exc)
+        outcome = await sent if sent is not None else await self._send(job, payload)
+        if not (outcome.final and record):
+            return
+        try:
+            await self._outbox.delivered(job.job_id, undeliverable=outcome.refused)
+        except OutboxError as exc:
+            log.warning("could not record the delivery of job %s: %s", job.job_id, exc)
 
-    async def _send(self, job: Job, payload: bytes) -> bool:
-        """Publish a result QoS 1; True once the broker acked it (else it stays undelivered
-        on disk, and is published again after a restart)."""
-        acked = await self._out(
+    async def _send(self, job: Job, payload: bytes) -> Outcome:
+        """Publish a result QoS 1 (if lost, it stays undelivered on disk, and is published
+        again after a restart)."""
+        outcome = await self._out(
             job.response_topic, job.correlation_data, payload, job.job_id, "result"
         )
-        self.undelivered += not acked
-        return acked
+        self.undelivered += not outcome.final
+        return outcome
 
     @property
     def delivering(self) -> int:

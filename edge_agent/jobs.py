@@ -23,6 +23,8 @@ from sluicegate.transport import Message
 if TYPE_CHECKING:  # the handles' types only: nothing here runs asyncio
     import asyncio
 
+    from edge_agent.answers import Outcome
+
 AHEAD: frozenset[Phase] = frozenset({"admitting", "queued", "starting", "running"})
 NOT, SURE, ASKED = 0, 1, 2  # how a job counts as work ahead (ahead_kind)
 
@@ -56,7 +58,7 @@ class Entry:
     returned: tuple[bytes, wire.JobResult] | None = None
     result: tuple[bytes, wire.JobResult] | None = None
     ack_later: Message | None = None  # acked once the result is committed
-    forwarding: asyncio.Task[bool] | None = None  # publishing a result before its commit
+    forwarding: asyncio.Task[Outcome] | None = None  # publishing a result before its commit
     forwarded_at: float | None = None  # when that publish began: the result left then
     started: float | None = None  # when its run here started, if it ran here
     accepted_at: float | None = None  # when its acceptance was committed

@@ -243,15 +243,17 @@ class Outbox:
 
         return self._submit(op)
 
-    def delivered(self, job_id: str) -> asyncio.Future[bool]:
-        """Record that the broker acked the result's publish."""
+    def delivered(self, job_id: str, *, undeliverable: str | None = None) -> asyncio.Future[bool]:
+        """Record that the broker acked the result's publish, or (``undeliverable``, why)
+        that it refused it and always will: either way the result is not published again,
+        and the job is forgotten as delivered jobs are; the row keeps the refusal."""
         now = self._clock()
 
         def op(db: sqlite3.Connection) -> bool:
             cur = db.execute(
-                "UPDATE jobs SET state = 'delivered', delivered_at = ?, updated_at = ?"
-                " WHERE job_id = ? AND state = 'done'",
-                (now, now, job_id),
+                "UPDATE jobs SET state = 'delivered', delivered_at = ?, updated_at = ?,"
+                " undeliverable = ? WHERE job_id = ? AND state = 'done'",
+                (now, now, undeliverable, job_id),
             )
             return cur.rowcount == 1
 

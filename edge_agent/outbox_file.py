@@ -16,7 +16,7 @@ from sluicegate.sqlite_writer import explain_sqlite
 from sluicegate.vision.image import ImageInfo
 
 State = Literal["queued", "offloaded", "done", "delivered"]
-SCHEMA_VERSION = 2  # 2: the worker each attempt went to
+SCHEMA_VERSION = 3  # 2: the worker each attempt went to; 3: why a result was undeliverable
 PENDING: tuple[State, ...] = ("queued", "offloaded")
 
 _SCHEMA = """
@@ -40,7 +40,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     result BLOB,
     created_at REAL NOT NULL,
     updated_at REAL NOT NULL,
-    delivered_at REAL
+    delivered_at REAL,
+    undeliverable TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_delivered ON jobs (delivered_at) WHERE state = 'delivered';
 CREATE TABLE IF NOT EXISTS tombstones (job_id TEXT PRIMARY KEY, delivered_at REAL NOT NULL);
@@ -142,8 +143,10 @@ def _migrate(db: sqlite3.Connection, version: int) -> list[Any]:
     for statement in _SCHEMA.split(";"):
         if statement.strip():
             db.execute(statement)
-    if version == 1:  # written before attempts named their worker
+    if 0 < version < 2:  # written before attempts named their worker
         db.execute("ALTER TABLE jobs ADD COLUMN worker TEXT")
+    if 0 < version < 3:  # written before a broker's refusal of a result ended its job
+        db.execute("ALTER TABLE jobs ADD COLUMN undeliverable TEXT")
     db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
     rows = db.execute(
         f"SELECT {COLUMNS} FROM jobs WHERE state != 'delivered' ORDER BY rowid"

@@ -122,6 +122,40 @@ async def serve(
         return await _serve(settings, stop, registry, connect_timeout)
 
 
+def policy_feed(settings: Settings) -> PolicyFeed | None:
+    """The policy this edge follows, loaded, its anchor pinned. It says where the edge may
+    answer, offload or not (a job whose result the ACL would refuse is refused before it
+    is accepted): only an edge given no policy at all (offload off, no ``policy_file``, no
+    enrolled ``state_dir``) serves without one."""
+    offload = settings.offload
+    if not (offload.enabled or offload.policy_file or offload.state_dir):
+        return None
+    feed = PolicyFeed(
+        node=settings.edge.id, policy_file=offload.policy_file, state_dir=offload.state_dir
+    )
+    feed.load()
+    feed.require_anchor()
+    return feed
+
+
+def placement_client(
+    settings: Settings, transport: Transport, feed: PolicyFeed | None, registry: ModelRegistry
+) -> PlacementClient | None:
+    """What asks the broker for placements, when this edge offloads."""
+    edge, offload = settings.edge, settings.offload
+    if not offload.enabled:
+        return None
+    return PlacementClient(
+        transport,
+        edge_id=edge.id,
+        zone=edge.zone,
+        policy=lambda: feed.current if feed is not None else None,
+        timeout_s=offload.placement_timeout_ms / 1000.0,
+        clock=time.time,
+        model_sha256=lambda name: registry.get(name).manifest.sha256 if name in registry else None,
+    )
+
+
 async def _serve(
     settings: Settings,
     stop: asyncio.Event,
@@ -140,25 +174,8 @@ async def _serve(
         clean_start=False,
         session_expiry_s=settings.mqtt.session_expiry_s,
     )
-    client = None
-    feed = None
-    if offload.enabled:
-        feed = PolicyFeed(
-            node=edge.id, policy_file=offload.policy_file, state_dir=offload.state_dir
-        )
-        feed.load()
-        feed.require_anchor()
-        client = PlacementClient(
-            transport,
-            edge_id=edge.id,
-            zone=edge.zone,
-            policy=lambda: feed.current if feed is not None else None,
-            timeout_s=offload.placement_timeout_ms / 1000.0,
-            clock=time.time,
-            model_sha256=lambda name: (
-                registry.get(name).manifest.sha256 if name in registry else None
-            ),
-        )
+    feed = policy_feed(settings)
+    client = placement_client(settings, transport, feed, registry)
     await transport.connect(timeout=connect_timeout)
     try:
         guard = await identity.claim(
@@ -171,8 +188,9 @@ async def _serve(
     except BaseException:
         await transport.close()
         raise
-    if feed is not None and client is not None:
+    if feed is not None:
         await feed.start(transport)
+    if client is not None:
         await client.start()
     outbox = open_outbox(settings)
     agent = EdgeAgent(

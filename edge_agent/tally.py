@@ -19,6 +19,7 @@ class Tally(StrEnum):
     RESPONSE_TOPIC_NOT_ALLOWED = "response_topic_not_allowed"  # refused: the ACL would drop it
     OUTBOX_ERRORS = "outbox_errors"  # a write the outbox could not make
     LATE_RESULTS = "late_results"  # a result the outbox refused: the job was concluded already
+    RESULTS_REFUSED = "results_refused"  # answers the MQTT broker refused (its ACL): not resent
     DEAD_LETTERS = "dead_letters"  # jobs concluded failed/dead_letter
     FENCED_RETURNS = "fenced_returns"  # a worker's return not for the job's current attempt
     BAD_RETURNS = "bad_returns"  # a return that could not be read

@@ -6,6 +6,7 @@ log line or a ``rejected`` result can act on it without reading the code.
     SluicegateError
     ├── ConfigError             bad configuration file or environment override
     ├── TransportError          the MQTT connection failed or was lost
+    │   ├── PublishRefused      the broker refused a publish (its reason code)
     │   └── RequestTimeout      no answer arrived in time
     ├── ModelError
     │   ├── UnknownModelError   a job named a model this node does not have
@@ -43,6 +44,15 @@ class ConfigError(SluicegateError):
 
 class TransportError(SluicegateError):
     """The MQTT transport failed: not connected, connection lost, publish refused."""
+
+
+class PublishRefused(TransportError):
+    """The MQTT broker answered a publish with a failure reason code (``reason``: not
+    authorized, topic name invalid, ...): it will refuse that message every time."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class RequestTimeout(TransportError):

@@ -168,6 +168,8 @@ class TlsClient:
     def get(self, timeout: float = 10.0) -> Got:
         return self.inbox.get(timeout=timeout)
 
+    next = get  # what tests.support.AgentThread.start waits with
+
     def close(self) -> None:
         self.client.disconnect()
         self.client.loop_stop()

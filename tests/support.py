@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
@@ -127,6 +127,14 @@ class PlainClient:
         self.client.loop_stop()
 
 
+class Watcher(Protocol):
+    """A test's MQTT client that can wait for what it subscribed to (plain or TLS)."""
+
+    def subscribe(self, topic_filter: str) -> Any: ...
+
+    def next(self, timeout: float = ...) -> Any: ...
+
+
 class AgentThread:
     """A real edge agent (real MQTT transport, real ONNX Runtime) on its own thread."""
 
@@ -155,7 +163,7 @@ class AgentThread:
             self.error = exc
             self._started.set()
 
-    def start(self, watcher: PlainClient) -> None:
+    def start(self, watcher: Watcher) -> None:
         """Start and wait until the agent's retained status says online."""
         watcher.subscribe(topics.edge_status(self.settings.edge.id))
         self._thread.start()

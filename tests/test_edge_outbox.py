@@ -296,8 +296,8 @@ async def test_an_outbox_of_schema_1_is_migrated_with_its_jobs(tmp_path: Path) -
     assert await box.offloaded("old", 3, "gpu-1")
     await box.close()
     with sqlite3.connect(path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == 2
-        assert db.execute("SELECT worker FROM jobs").fetchone()[0] == "gpu-1"
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 3
+        assert db.execute("SELECT worker, undeliverable FROM jobs").fetchone() == ("gpu-1", None)
 
 
 def test_synchronous_is_checked() -> None:

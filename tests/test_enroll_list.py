@@ -100,10 +100,12 @@ def test_every_enrolled_role_is_listed_with_the_line_that_adds_it(tmp_path: Path
     listing = _cli("enroll", "list", "--ca-dir", ca_dir, "--policy", EXAMPLE)
 
     line, after = _line(listing, "app north-inspect")
-    assert line.endswith("(in policy)") and "add-node" not in after
+    assert line.endswith("(in policy)")
+    assert "add-node" not in after
     line, after = _line(listing, "app new-app")
     assert line.endswith("(NOT in policy)")
-    assert "add-node <policy.toml> --app new-app --app-edge" in after and "--key" not in after
+    assert "add-node <policy.toml> --app new-app --app-edge" in after
+    assert "--key" not in after
     line, after = _line(listing, "edge line-9-pc")
     assert f"key {new_pc} (NOT in policy)" in line
     assert f"--edge line-9-pc --zone campus/fab-north/line-9 --key {new_pc}" in after
@@ -112,11 +114,14 @@ def test_every_enrolled_role_is_listed_with_the_line_that_adds_it(tmp_path: Path
     line, after = _line(listing, "broker broker-2")
     broker_key = issued.rsplit("its key ", 1)[1].strip()
     assert f"key {broker_key} (NOT in policy)" in line
-    assert f"--broker broker-2 --key {broker_key} --sign" in after and "--pool" not in after
+    assert f"--broker broker-2 --key {broker_key} --sign" in after
+    assert "--pool" not in after
     line, _ = _line(listing, "observer recorder")
-    assert "not a policy entry" in line and "--observer recorder" in line
+    assert "not a policy entry" in line
+    assert "--observer recorder" in line
     line, after = _line(listing, "edge north-l1-pc")  # the policy lists another key
-    assert f"key {rekeyed} (in policy with another key" in line and "add-node" not in after
+    assert f"key {rekeyed} (in policy with another key" in line
+    assert "add-node" not in after
 
 
 def test_without_a_policy_each_node_is_listed_plainly(tmp_path: Path) -> None:
@@ -146,6 +151,7 @@ def test_ca_issue_makes_only_identities_that_do_not_enroll(tmp_path: Path) -> No
         ],
     )
     assert done.exit_code == 2
-    assert "--role 'edge'" in done.output and "enroll token" in done.output
+    assert "--role 'edge'" in done.output
+    assert "enroll token" in done.output
     assert not (tmp_path / "pc" / "node.key").exists()
     assert Authority(ca_dir).enrolled() == []

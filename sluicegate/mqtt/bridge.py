@@ -45,7 +45,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
 from sluicegate.config import MqttSettings
-from sluicegate.errors import TransportError
+from sluicegate.errors import PublishRefused, TransportError
 from sluicegate.mqtt.client import new_client
 from sluicegate.mqtt.framing import Publish
 from sluicegate.mqtt.packets import from_paho, new_properties, publish_properties
@@ -415,7 +415,9 @@ class MqttTransport:
     ) -> None:
         error = None
         if reason_code.is_failure:
-            error = TransportError(f"broker refused publish (mid {mid}): {reason_code}")
+            error = PublishRefused(
+                f"broker refused publish (mid {mid}): {reason_code}", str(reason_code)
+            )
         self._acks.acked(mid, error)
 
     def _set_connected(self, up: bool) -> None:
