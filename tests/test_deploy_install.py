@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -30,6 +31,8 @@ from sluicegate.config_show import MASK, effective, render
 from sluicegate.deploy.configs import NodeValues
 from sluicegate.deploy.installer import install, prepare_state_dir, uninstall
 from sluicegate.deploy.layout import ROLES, Role, node_paths
+from sluicegate.enroll.authority import Authority, init_folder
+from sluicegate.enroll.token import claims_for, make_token
 from sluicegate.errors import ConfigError
 from tests.image_bytes import sample_jpeg
 from tests.support import PlainClient, sluicegate_cmd
@@ -211,6 +214,36 @@ def test_cli_install_uninstall_and_one_line_errors(tmp_path: Path) -> None:
     assert f"kept      {tmp_path}/var/lib/sluicegate/edge" in gone.stdout
     purged = cli("edge", "uninstall", "--root", root, "--purge")
     assert f"removed   {tmp_path}/var/lib/sluicegate/edge" in purged.stdout
+
+
+@pytest.mark.parametrize(
+    ("flag", "given"), [("--id", "line-8-pc"), ("--zone", "campus/fab-north/line-8")]
+)
+def test_a_join_token_for_another_node_is_refused_by_code_before_it_is_spent(
+    flag: str, given: str, tmp_path: Path
+) -> None:
+    ca_dir = tmp_path / "ca"
+    init_folder(ca_dir, "fab-north", now=time.time())
+    authority = Authority(ca_dir)
+    claims = claims_for(
+        node="line-9-pc",
+        role="edge",
+        zone="campus/fab-north/line-9",
+        ttl_s=600,
+        now=time.time(),
+        url="http://127.0.0.1:9/v1/enroll",  # nothing listens: the token must not be sent
+        mqtt="127.0.0.1:8883",
+        ca=authority.ca_fingerprint,
+        anchor="sha256:" + "00" * 32,
+    )
+    token = make_token(authority.token_key, claims)
+    root = tmp_path / "pc"
+    done = cli("edge", "install", "--join", token, "--root", str(root), flag, given)
+    assert done.returncode == 2
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("error: enrollment refused [join.wrong_scope]: ")
+    assert f"{flag} {given!r} disagrees with the join token's" in line
+    assert not (root / "var/lib/sluicegate/edge/node.key").exists()  # nothing made, nothing sent
 
 
 def test_version() -> None:

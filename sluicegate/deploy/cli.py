@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from sluicegate.deploy.layout import Role
-from sluicegate.errors import SluicegateError
+from sluicegate.errors import EnrollmentRefused, SluicegateError
 
 if TYPE_CHECKING:
     from sluicegate.deploy.configs import NodeValues
@@ -90,6 +90,10 @@ def _install(
         if join is not None:
             values = _enroll(role, _root(root), values, join)
         report = install(role, _root(root), values, executable=exec_path, devices=devices or ())
+    except EnrollmentRefused as exc:  # every refusal of enrollment says its code
+        text = str(exc)
+        _fail(text if f"[{exc.code}]" in text else f"enrollment refused [{exc.code}]: {text}")
+        return
     except SluicegateError as exc:
         _fail(str(exc))
         return
@@ -104,15 +108,24 @@ def _enroll(role: Role, root: Path, values: NodeValues, token: str) -> NodeValue
 
     from sluicegate.deploy.installer import prepare_state_dir
     from sluicegate.enroll.client import enroll
-    from sluicegate.errors import ConfigError
+    from sluicegate.enroll.token import parse_token
 
-    state = prepare_state_dir(role, root)
-    done = enroll(token, state, role=role, now=time.time())
-    for given, name, what in ((values.id, done.node, "--id"), (values.zone, done.zone, "--zone")):
+    claims, _secret = parse_token(token)  # checked before the token is spent
+    for given, name, what in (
+        (values.id, claims.node, "--id"),
+        (values.zone, claims.zone, "--zone"),
+    ):
         if role == "broker" and what == "--zone":
             continue
         if given is not None and given != name:
-            raise ConfigError(f"{what} {given!r} disagrees with the join token's {name!r}")
+            raise EnrollmentRefused(
+                "join.wrong_scope",
+                f"{what} {given!r} disagrees with the join token's {name!r}: the token is for "
+                f"{claims.role} {claims.node} in {claims.zone}; use the token made for this "
+                f"node, or leave {what} out (it comes from the token)",
+            )
+    state = prepare_state_dir(role, root)
+    done = enroll(token, state, role=role, now=time.time())
     how = "enrolled" if done.fresh else "already enrolled"
     typer.echo(f"{how} as {role} {done.node} in {done.zone}; its key {done.key}")
     return dataclasses.replace(
