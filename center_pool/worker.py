@@ -46,6 +46,7 @@ from sluicegate.errors import TransportError
 from sluicegate.metering.meter import Meter
 from sluicegate.node_metrics import MetricsServer
 from sluicegate.policy_feed import PolicyFeed
+from sluicegate.policy_standing import StandingLog, standing
 from sluicegate.supervise import until_stopped
 from sluicegate.transport import Message, Transport
 from sluicegate.vision.image import PayloadLimits as Limits
@@ -86,6 +87,7 @@ class PoolWorker:
         self._registry = registry
         self._feed = feed
         self.audit = audit
+        self._standing = StandingLog(f"worker {settings.id}")
         self._probe = probe
         self._clock = clock
         self._limits = Limits(settings.max_payload_bytes, settings.max_pixels, settings.max_side)
@@ -205,16 +207,10 @@ class PoolWorker:
     # -- policy, telemetry and status --------------------------------------------------------
 
     def _policy_changed(self, policy: Policy) -> None:
-        zone = policy.worker_zone(self.settings.id)
-        if zone != self.settings.zone:
-            log.warning(
-                "policy v%d puts worker %s in zone %r, its configuration says %r: tokens for "
-                "it name the policy's zone, and its work topic is the configured one",
-                policy.version,
-                self.settings.id,
-                zone,
-                self.settings.zone,
-            )
+        settings = self.settings
+        self._standing.heard(
+            policy, standing(policy, "pool", settings.id, settings.zone, self.audit.public_key)
+        )
         self.audit.submit(
             POLICY_ACCEPTED,
             {"worker": self.settings.id, "version": policy.version, "digest": policy.digest.hex()},

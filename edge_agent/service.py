@@ -21,14 +21,16 @@ from edge_agent.metrics import edge_registry
 from edge_agent.offload import PlacementClient
 from edge_agent.outbox import Outbox
 from edge_agent.reporting import last_will, status_message
-from policies import load_signing_key
+from policies import Policy, load_signing_key
 from policies.errors import KeyFileError
+from policies.keys import public_key_of
 from sluicegate import identity, topics
 from sluicegate.config import EdgeSettings, Settings
 from sluicegate.metering.meter import Meter, node_meter
 from sluicegate.mqtt import MqttTransport
 from sluicegate.node_metrics import MetricsServer
 from sluicegate.policy_feed import PolicyFeed
+from sluicegate.policy_standing import StandingLog, standing
 from sluicegate.transport import Transport
 from sluicegate.vision.priors import PRIORS_FILE, priors_for, read_priors
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir
@@ -135,6 +137,16 @@ def policy_feed(settings: Settings) -> PolicyFeed | None:
     )
     feed.load()
     feed.require_anchor()
+    edge = settings.edge
+    key = public_key_of(edge.key_file)
+    said = StandingLog(f"edge {edge.id}")
+
+    def check(policy: Policy) -> None:
+        said.heard(policy, standing(policy, "edge", edge.id, edge.zone, key))
+
+    feed.on_change(check)  # each version it takes; the one it holds now, at once
+    if feed.current is not None:
+        check(feed.current)
     return feed
 
 

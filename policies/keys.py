@@ -154,6 +154,17 @@ def load_signing_key(path: Path) -> SigningKey:
     return signing_key_from_pem(data, source=str(path))
 
 
+def public_key_of(path: Path | None) -> bytes | None:
+    """The public half of the key in ``path``, or None when there is none to read (a check
+    that compares it then has nothing to compare)."""
+    if path is None:
+        return None
+    try:
+        return load_signing_key(path).public
+    except KeyFileError:
+        return None
+
+
 def write_key_pair(directory: Path, name: str) -> tuple[Path, Path, SigningKey]:
     """Create ``name.key`` (PEM, mode 0600) and ``name.pub`` in ``directory``; never overwrite.
 

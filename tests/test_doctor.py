@@ -523,6 +523,25 @@ def test_an_unreachable_broker_is_named_with_its_fix(campus: Campus, tmp_path: P
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize(
+    ("edge", "words"),
+    [
+        ({"zone": "campus/elsewhere"}, "its configuration says 'campus/elsewhere'"),
+        ({"id": "line-9-pc"}, "does not list edge line-9-pc: the broker places none"),
+    ],
+)
+def test_an_edge_the_policy_places_elsewhere_or_not_at_all_is_warned(
+    campus: Campus, tmp_path: Path, edge: dict[str, str], words: str
+) -> None:
+    report = diagnose(node_config(campus, tmp_path, edge=edge), "edge")
+    finding = report.finding("policy")
+    assert finding.status == "OK", show(report)  # the policy is fine; the node's place is not
+    (warning,) = finding.warnings
+    assert words in warning.text
+    assert "policy" in warning.fix
+
+
+@pytest.mark.integration
 def test_a_policy_from_an_unknown_signer_is_refused_by_its_code(
     campus: Campus, tmp_path: Path
 ) -> None:

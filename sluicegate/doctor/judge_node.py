@@ -25,6 +25,7 @@ from sluicegate.doctor.facts import (
     skip,
 )
 from sluicegate.doctor.judge import date_text
+from sluicegate.policy_standing import Standing
 
 POLICY_WARN_DAYS = 7.0
 DISK_WARN_BYTES = 1024**3
@@ -52,9 +53,12 @@ _UNTRUSTED_FIX = (
 )
 
 
-def judge_policy(state: PolicyState, role: str, setting: str, *, now: float) -> Finding:
+def judge_policy(
+    state: PolicyState, role: str, setting: str, *, now: float, found: Standing | None = None
+) -> Finding:
     """The policy the node would hold: verified against its pinned anchor, current, and no
-    candidate refused for its signatures."""
+    candidate refused for its signatures; ``found``: what it says of this node that wants
+    fixing (not listed, another zone, another key), a warning."""
     what = "policy"
 
     def fix(code: str) -> str:
@@ -80,7 +84,7 @@ def judge_policy(state: PolicyState, role: str, setting: str, *, now: float) -> 
             f"policy v{policy.version} expired at {date_text(policy.expires)}",
             fix("policy.expired"),
         )
-    warnings = []
+    warnings = [Warn(found.text, found.fix)] if found is not None else []
     days = (policy.expires - now) / 86400.0
     if days < POLICY_WARN_DAYS:
         warnings.append(

@@ -16,12 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from policies.keys import public_key_of
 from sluicegate.config import Settings, load_settings
 from sluicegate.deploy.layout import ROLES, Role
 from sluicegate.doctor import gather, judge, judge_node
 from sluicegate.doctor.facts import Connect, Finding, PolicyState, RoundTrip, Running, skip
 from sluicegate.errors import ConfigError
 from sluicegate.identity import certificate_name
+from sluicegate.policy_standing import standing
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,8 @@ class Node:
     uses_policy: bool
     models_dir: Path | None
     models_setting: str
+    zone: str | None = None  # where its configuration puts it (an edge, a pool worker)
+    key_file: Path | None = None  # its own key, the one its policy entry should list
 
 
 def node_of(settings: Settings, role: Role) -> Node:
@@ -84,9 +88,12 @@ def node_of(settings: Settings, role: Role) -> Node:
             lock_dir=outbox,
             policy_file=offload.policy_file,
             policy_setting="[offload] policy_file",
-            uses_policy=offload.enabled,
+            # As the agent: it follows any policy it is given, offload on or off.
+            uses_policy=bool(offload.enabled or offload.policy_file or offload.state_dir),
             models_dir=edge.models_dir or default_models_dir(),
             models_setting="[edge] models_dir",
+            zone=edge.zone,
+            key_file=edge.key_file,
         )
     if role == "pool":
         pool = settings.pool
@@ -101,6 +108,8 @@ def node_of(settings: Settings, role: Role) -> Node:
             uses_policy=True,
             models_dir=pool.models_dir or default_models_dir(),
             models_setting="[pool] models_dir",
+            zone=pool.zone,
+            key_file=pool.key_file,
         )
     broker = settings.broker
     return Node(  # a replica holds a lease in Redis, not a lock file
@@ -160,9 +169,17 @@ def diagnose(
         policy = gather.policy_state(node.id, node.policy_file, node.state_dir, now=clock())
     out.append(_clock(settings, node, broker_url, policy, clock))
     if policy is not None:
-        out.append(judge_node.judge_policy(policy, role, node.policy_setting, now=clock()))
+        found = None
+        if policy.policy is not None:
+            key = public_key_of(node.key_file)
+            found = standing(policy.policy, role, node.id, node.zone, key)
+        out.append(
+            judge_node.judge_policy(policy, role, node.policy_setting, now=clock(), found=found)
+        )
     else:
-        out.append(skip("policy", "offload is off ([offload] enabled = false): no policy used"))
+        out.append(
+            skip("policy", "none given (offload off, no policy_file, no enrolled state_dir)")
+        )
     if node.models_dir is not None:
         out.append(judge_node.judge_models(gather.models(node.models_dir, node.models_setting)))
     else:
