@@ -15,8 +15,12 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from typer.testing import CliRunner
 
+from center_pool.execution import run_batch
 from sluicegate.app.cli import app
 from sluicegate.vision import synth
+from sluicegate.vision.image import PayloadLimits as Limits
+from sluicegate.vision.image import probe
+from sluicegate.vision.priors import PRIORS_FILE
 from sluicegate.vision.runtime import ModelRegistry
 
 SIZE = 64
@@ -129,6 +133,49 @@ def test_a_detector_of_each_layout_is_added_and_served(
     ((label, score, box),) = [(d.label, d.score, d.box) for d in outputs.detections]
     assert (label, round(score, 4)) == expected[:2]
     assert box == pytest.approx(expected[2], abs=1e-6)
+
+
+def test_a_model_with_its_batch_fixed_at_one_is_benched_and_served_an_image_at_a_time(
+    tmp_path: Path,
+) -> None:
+    # A third-party export whose graph says batch 1: timed by 'models bench' and served by
+    # a pool worker's batches one image per run (ONNX Runtime refuses 2 where 1 is fixed).
+    source = graph(
+        tmp_path / "fixed.onnx",
+        (4,),
+        np.array([0.1, 0.2, 0.6, 0.1]),
+        input_shape=[1, 3, SIZE, SIZE],
+        names=None,
+    )
+    models = tmp_path / "models"
+    labels = tmp_path / "labels.txt"
+    labels.write_text("ok\nscratch\npit\nstain\n")
+    code, out = add(
+        str(source),
+        "--kind",
+        "classification",
+        "--labels",
+        str(labels),
+        "--models-dir",
+        str(models),
+    )
+    assert code == 0, out
+    benched = CliRunner().invoke(
+        app, ["models", "bench", "--models-dir", str(models), "--runs", "3", "--batch", "4"]
+    )
+    assert benched.exit_code == 0, (benched.output, benched.exception)
+    priors = json.loads((models / PRIORS_FILE).read_text())["priors"]
+    assert {(p["model"], p["batch"]) for p in priors} == {("fixed", 1)}
+    model = ModelRegistry.from_dir(models).get("fixed")
+    assert (model.fixed_batch, model.batchable) == (1, False)
+    images = [jpeg(96, 64), jpeg(64, 64), jpeg(128, 96)]
+    limits = Limits(max_payload_bytes=1 << 20, max_pixels=1 << 20, max_side=4096)
+    run = run_batch(model, [(i, probe(i)) for i in images], limits=limits)
+    assert [(item.ok, item.outputs.label if item.outputs else None) for item in run.items] == [
+        (True, "pit")
+    ] * 3
+    tensors = [model.prepare(i)[0] for i in images]  # a batch handed over whole: run apart
+    assert [o.label for o in model.run(np.concatenate(tensors))] == ["pit"] * 3
 
 
 def test_a_classifier_with_labels_from_a_file(tmp_path: Path) -> None:

@@ -59,7 +59,9 @@ class StageTimes:
 
 
 class LoadedModel:
-    """A verified model: its manifest and an ONNX Runtime session (safe to share across threads)."""
+    """A verified model: its manifest and an ONNX Runtime session (safe to share across
+    threads). A graph whose batch dimension is fixed (a third-party export with batch 1)
+    is not batchable: a batch handed to :meth:`run` is run that many images at a time."""
 
     batchable = True  # images of one batch share the input size
 
@@ -68,6 +70,9 @@ class LoadedModel:
         self.session = session
         self._input_name = manifest.input.name
         self._output_names = manifest.output_names
+        self.fixed_batch = fixed_batch(session, self._input_name)
+        if self.fixed_batch is not None:
+            self.batchable = False
 
     def __repr__(self) -> str:
         return f"LoadedModel({self.manifest.name!r}, version={self.manifest.version!r})"
@@ -77,6 +82,15 @@ class LoadedModel:
     ) -> list[Outputs]:
         """Run a float32 NCHW batch (any batch size) and read one Outputs per item, each
         mapped back to its image through its frame (see :meth:`prepare`)."""
+        step = self.fixed_batch
+        if step is not None and len(batch) > step:
+            return [
+                out
+                for at in range(0, len(batch), step)
+                for out in self.run(
+                    batch[at : at + step], None if frames is None else frames[at : at + step]
+                )
+            ]
         raw = self.session.run(self._output_names, {self._input_name: batch})
         return self.stamped(postprocess(list(raw), self.manifest, frames))
 
@@ -135,6 +149,20 @@ class LoadedModel:
         (outputs,) = self.run(batch, (frame,))
         inference_ms = (time.perf_counter() - t0) * 1e3
         return outputs, StageTimes(decode_ms, preprocess_ms, inference_ms)
+
+
+def fixed_batch(session: Any, input_name: str) -> int | None:
+    """The batch size the graph's input ``input_name`` is fixed at, or None when its batch
+    dimension is dynamic (or the session cannot say)."""
+    try:
+        inputs = session.get_inputs()
+    except AttributeError:
+        return None
+    for arg in inputs:
+        if arg.name == input_name and arg.shape:
+            first = arg.shape[0]
+            return first if isinstance(first, int) and first > 0 else None
+    return None
 
 
 class OcrModel(LoadedModel):
