@@ -166,6 +166,12 @@ def test_the_dashboard_follows_a_burst_explains_a_job_and_drains_a_worker(
     if "north-cpu-1" in offloaded_to:
         by_worker = page.text_content("[data-testid=pool-by-worker-campus-fab-north-dc]") or ""
         assert "north-cpu-1" in by_worker
+        # The worker failed none of what it ran or refused: the failed column says 0.
+        failed = "[data-testid^=pool-failed-campus-fab-north-dc-]"
+        cells = page.locator(failed)
+        assert [cells.nth(i).text_content() for i in range(cells.count())] == ["0"] * max(
+            1, cells.count()
+        )
     assert page.locator("td.forbidden").count() == 0  # no wafer image left the campus
     wafer_cells = page.locator("[data-testid^=cell-wafer-image-]")
     zones = [wafer_cells.nth(i).get_attribute("data-testid") for i in range(wafer_cells.count())]

@@ -219,6 +219,33 @@ def test_a_pools_figures_come_from_its_completions() -> None:
     assert model["batch_size"]["p50"] == 4.0
 
 
+def test_jobs_a_worker_refused_unrun_are_not_failures_and_take_no_service_time() -> None:
+    # 1 answered, 5 refused as expired, 64 rejected: the worker failed none of them.
+    window = Window(10.0)
+    ends = [("ok", 20.0)] + [("expired", 0.0)] * 5 + [("rejected", 0.0)] * 64
+    ends += [("expired", 0.0)] * 3  # ocr-v1: nothing ran at all
+    for i, (status, ms) in enumerate(ends):
+        done = Completion(
+            job_id=f"j{i}",
+            worker_id="north-a",
+            status=status,  # type: ignore[arg-type]
+            model="defect-v1" if i < 70 else "ocr-v1",
+            service_ms=ms,
+            queue_ms=3.0,
+            batch_size=1,
+            ts=0.0,
+        )
+        window.add_completion(done, now=5.0)
+    models = window.pools(5.0, lambda w: "north")["north"]["models"]
+    defect, ocr = models["defect-v1"], models["ocr-v1"]
+    counts = {k: defect[k] for k in ("jobs", "ok", "expired", "rejected", "failed")}
+    assert counts == {"jobs": 70, "ok": 1, "expired": 5, "rejected": 64, "failed": 0}
+    assert 20.0 <= defect["service_ms"]["p50"] <= 21.0  # the one that ran, not 0.0
+    assert defect["queue_ms"]["p50"] is not None  # every job waited
+    assert ocr["service_ms"] == {"p50": None, "p99": None}  # shown as "–"
+    assert (ocr["expired"], ocr["failed"]) == (3, 0)
+
+
 def test_a_campus_only_class_off_site_is_a_forbidden_cell() -> None:
     window = Window(60.0)
     records = [

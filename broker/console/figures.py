@@ -30,6 +30,7 @@ RECENT = 10_000  # job records kept for a lookup by id
 BIN_RATIO = 1.05  # latency bins: each 5 % wider than the one below
 FLOOR_MS = 0.1
 PARTS = ("total", "queue", "inference", "other")
+RAN = ("ok", "failed")  # completion statuses of jobs that went into the model
 Key = tuple[Any, ...]  # ("jobs",), ("to", worker), ("h", part, bin), ...
 JOBS, LOCAL, OFFLOADED, DEADLINE, MET = (
     ("jobs",),
@@ -201,13 +202,13 @@ class Window:
         counts: Counter[Key] = Counter(
             {
                 ("jobs", m): 1,
-                ("h", "service", m, bin_of(done.service_ms)): 1,
+                ("status", m, done.status): 1,
                 ("h", "queue", m, bin_of(done.queue_ms)): 1,
-                ("batch", m, done.batch_size): 1,
             }
         )
-        if done.status != "ok":
-            counts[("failed", m)] = 1
+        if done.status in RAN:  # a job refused unrun (expired, rejected) took no service
+            counts[("h", "service", m, bin_of(done.service_ms))] = 1
+            counts[("batch", m, done.batch_size)] = 1
         self._workers.setdefault(done.worker_id, Rolling()).add(now, counts)
 
     def find(self, job_id: str) -> Seen | None:
@@ -299,6 +300,12 @@ class Window:
         return out
 
 
+def _model_figures() -> dict[str, Any]:
+    """A model's jobs on a pool, by how each ended: ``ok`` and ``failed`` (the model or the
+    worker failed it) ran; ``expired`` and ``rejected`` were refused unrun."""
+    return {"jobs": 0, "ok": 0, "failed": 0, "expired": 0, "rejected": 0}
+
+
 def _pool(t: Counter[Key], workers: Counter[str], window_s: float) -> dict[str, Any]:
     models: dict[str, dict[str, Any]] = {}
     service: dict[str, Counter[int]] = {}
@@ -309,9 +316,9 @@ def _pool(t: Counter[Key], workers: Counter[str], window_s: float) -> dict[str, 
             continue
         kind = key[0]
         if kind == "jobs":
-            models.setdefault(key[1], {"jobs": 0, "failed": 0})["jobs"] += n
-        elif kind == "failed":
-            models.setdefault(key[1], {"jobs": 0, "failed": 0})["failed"] += n
+            models.setdefault(key[1], _model_figures())["jobs"] += n
+        elif kind == "status":
+            models.setdefault(key[1], _model_figures())[key[2]] += n
         elif kind == "h":
             which = service if key[1] == "service" else queue
             which.setdefault(key[2], Counter())[key[3]] += n

@@ -124,7 +124,9 @@ function renderPools(s) {
   $("pool-list").innerHTML = Object.entries(s.pools).map(([name, p]) => {
     const models = Object.entries(p.models || {}).map(([m, f]) => `<tr><td>${esc(m)}</td><td class="num">${esc(f.jobs)}</td>
       <td class="num">${num(f.service_ms.p50)} / ${num(f.service_ms.p99)}</td><td class="num">${num(f.queue_ms.p50)} / ${num(f.queue_ms.p99)}</td>
-      <td class="num">${num(f.batch_size.p50, 0)} / ${num(f.batch_size.p99, 0)}</td><td class="num">${esc(f.failed)}</td></tr>`).join("");
+      <td class="num">${num(f.batch_size.p50, 0)} / ${num(f.batch_size.p99, 0)}</td>
+      <td class="num">${esc(f.ok)}</td><td class="num">${esc(f.expired)}</td><td class="num">${esc(f.rejected)}</td>
+      <td class="num" data-testid="pool-failed-${esc(name)}-${esc(m)}">${esc(f.failed)}</td></tr>`).join("");
     const by = Object.entries(p.by_worker || {}).map(([w, n]) => `${esc(w)} ${esc(n)}`).join(", ") || "–";
     const d = p.demand;
     return `<div class="line" data-testid="pool-${esc(name)}"><h3>${esc(name)}</h3>
@@ -132,7 +134,7 @@ function renderPools(s) {
       queue ${esc(p.queue_depth)} · running ${esc(p.in_flight)} · ${num(p.jobs_per_s, 2)} jobs/s
       ${d ? ` · demand ${num(d.ratio, 2)} of capacity, wants ${esc(d.desired_workers)} workers` : ""}</p>
       <p>jobs by worker: <span data-testid="pool-by-worker-${esc(name)}">${by}</span></p>
-      ${models ? `<table><tr><th>model</th><th>jobs</th><th>service p50/p99 ms</th><th>queue p50/p99 ms</th><th>batch p50/p99</th><th>failed</th></tr>${models}</table>` : ""}</div>`;
+      ${models ? `<table><tr><th>model</th><th>jobs</th><th>service p50/p99 ms</th><th>queue p50/p99 ms</th><th>batch p50/p99</th><th title="answered by the model">ok</th><th title="refused unrun: its deadline had passed">expired</th><th title="refused unrun: bad image, token or policy">rejected</th><th title="the model or the worker failed it">failed</th></tr>${models}</table>` : ""}</div>`;
   }).join("") || "<p>No pool in the policy.</p>";
 }
 
