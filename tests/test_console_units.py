@@ -242,7 +242,7 @@ def test_jobs_a_worker_refused_unrun_are_not_failures_and_take_no_service_time()
     assert counts == {"jobs": 70, "ok": 1, "expired": 5, "rejected": 64, "failed": 0}
     assert 20.0 <= defect["service_ms"]["p50"] <= 21.0  # the one that ran, not 0.0
     assert defect["queue_ms"]["p50"] is not None  # every job waited
-    assert ocr["service_ms"] == {"p50": None, "p99": None}  # shown as "–"
+    assert ocr["service_ms"] == {"p50": None, "p99": None}  # the page shows a dash
     assert (ocr["expired"], ocr["failed"]) == (3, 0)
 
 
