@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from policies import Policy, TrustAnchor, load_policy, open_envelope, signed_envelope
-from policies.errors import PolicyError, PolicyParseError
+from policies.errors import PolicyError, PolicyParseError, PolicyRollback
 from policies.loader import read_bytes
 from policies.signing import dump_anchor, parse_anchor, parse_signatures
 from policies.verdict import read_verdict
@@ -194,7 +194,13 @@ class PolicyFeed:
         if isinstance(verdict, Refused):
             self.refused[verdict.reason] += 1
             self.last_refusal = verdict
-            log.warning("%s refused a policy [%s]: %s", self.node, verdict.reason, verdict.message)
+            # An older version than the one held (the broker's own retained one, just
+            # replaced) is expected and harmless: counted, told at INFO. The rest may be
+            # tampering or a wrong signer: a warning.
+            level = logging.INFO if verdict.reason == PolicyRollback.reason else logging.WARNING
+            log.log(
+                level, "%s refused a policy [%s]: %s", self.node, verdict.reason, verdict.message
+            )
             return verdict
         if verdict.changed or verdict.anchor != self._anchor:
             self._persist(data, verdict.anchor)

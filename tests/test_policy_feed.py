@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -133,6 +134,22 @@ async def test_feed_follows_the_retained_topic_and_never_goes_back(tmp_path: Pat
     assert isinstance(verdict, Refused)
     assert verdict.reason == "policy.rollback"
     assert again.current.version == 2
+
+
+def test_an_older_version_is_refused_quietly_and_a_forged_one_loudly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The broker that has just taken v2 hears its own retained v1: expected, so INFO.
+    _pin(tmp_path, V2)
+    feed = _feed(tmp_path)
+    feed.load()
+    assert feed.offer(envelope(V2), source="file").changed  # type: ignore[union-attr]
+    caplog.set_level(logging.INFO, logger="sluicegate.policy_feed")
+    caplog.clear()
+    feed.offer(envelope(V1), source="retained")
+    feed.offer(tampered(V2), source="retained")
+    said = [(r.levelname, r.getMessage().split("]")[0].split("[")[-1]) for r in caplog.records]
+    assert said == [("INFO", "policy.rollback"), ("WARNING", "policy.digest_mismatch")]
 
 
 def _write_policy(folder: Path, version: int) -> Path:

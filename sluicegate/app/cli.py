@@ -38,6 +38,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Help is plain text: "[meter]" or "[line]" in a help string is a word, not markup.
+    rich_markup_mode=None,
 )
 edge_app = typer.Typer(help="The edge agent that runs on a line PC.", no_args_is_help=True)
 models_app = typer.Typer(help="The ONNX models shipped in models/.", no_args_is_help=True)
