@@ -322,3 +322,87 @@ def test_an_anomaly_model_is_added_and_its_regions_come_back(tmp_path: Path) -> 
     ((box, area),) = [(r.box, r.area) for r in outputs.regions]
     assert box == pytest.approx((0.5, 0.25, 1.0, 0.5))
     assert area == pytest.approx(8 / 64)
+
+
+def _with_metadata(path: Path, props: dict[str, str]) -> Path:
+    model = onnx.load(path)
+    helper.set_model_props(model, props)
+    onnx.save(model, path)
+    return path
+
+
+def test_a_bgr_model_gets_the_default_mean_and_std_in_its_own_channel_order(
+    tmp_path: Path,
+) -> None:
+    source = graph(tmp_path / "cls.onnx", (4,), np.array([0.1, 0.2, 0.6, 0.1]), names=None)
+    labels = tmp_path / "labels.txt"
+    labels.write_text("ok\nscratch\npit\nstain\n")
+    models = tmp_path / "models"
+    code, out = add(
+        str(source), "--kind", "classification", "--labels", str(labels), "--bgr",
+        "--models-dir", str(models),
+    )  # fmt: skip
+    assert code == 0, out
+    doc = json.loads((models / "cls.json").read_text())
+    assert doc["input"]["color_order"] == "BGR"
+    assert doc["preprocess"]["mean"] == [0.406, 0.456, 0.485]  # ImageNet's, B G R
+    assert doc["preprocess"]["std"] == [0.225, 0.224, 0.229]
+
+
+def test_raw_pixels_a_score_threshold_and_a_replacement_that_keeps_them(tmp_path: Path) -> None:
+    # A detector trained on raw 0-255 pixels with a low threshold (ddddocr's kind): given
+    # once, edited by hand, kept by the next version installed with --replace.
+    models = tmp_path / "models"
+    empty = np.zeros((7, 30), np.float32)  # finds nothing on any image
+    source = graph(tmp_path / "det.onnx", (7, 30), empty)
+    code, out = add(
+        str(source), "--kind", "yolov8", "--name", "det", "--scale", "1", "--mean", "10,20,30",
+        "--score-threshold", "0.05", "--models-dir", str(models),
+    )  # fmt: skip
+    assert code == 0, out
+    assert "sample image: 0 detection(s)" in out  # not "label None"
+    manifest = models / "det.json"
+    doc = json.loads(manifest.read_text())
+    assert (doc["preprocess"]["scale"], doc["preprocess"]["mean"]) == (1.0, [10.0, 20.0, 30.0])
+    assert doc["postprocess"]["score_threshold"] == 0.05
+    doc["preprocess"]["resize"]["pad_value"] = 0  # the operator's own edit
+    manifest.write_text(json.dumps(doc))
+    newer = graph(tmp_path / "det2.onnx", (7, 30), yolov8_bias())
+    code, out = add(
+        str(newer), "--kind", "yolov8", "--name", "det", "--version", "1.1.0", "--replace",
+        "--std", "2,2,2", "--models-dir", str(models),
+    )  # fmt: skip
+    assert code == 0, out
+    kept = out.split("kept from the manifest it replaced: ")[1].split()
+    assert {k.strip(",") for k in kept} >= {"scale", "mean", "pad_value", "score_threshold"}
+    again = json.loads(manifest.read_text())
+    assert again["version"] == "1.1.0"
+    assert again["preprocess"]["scale"] == 1.0
+    assert again["preprocess"]["mean"] == [10.0, 20.0, 30.0]
+    assert again["preprocess"]["std"] == [2.0, 2.0, 2.0]  # given again: the new value
+    assert again["preprocess"]["resize"]["pad_value"] == 0
+    assert again["postprocess"]["score_threshold"] == 0.05
+    code, out = add(str(newer), "--kind", "yolov8", "--mean", "1,2", "--models-dir", str(models))
+    assert code == 2
+    assert "--mean '1,2': give three numbers" in out
+
+
+@pytest.mark.parametrize(
+    ("props", "labels"),
+    [
+        ({"classes": '["ok", "scratch", "pit", "stain"]'}, ["ok", "scratch", "pit", "stain"]),
+        ({"labels": "ok, scratch, pit, stain"}, ["ok", "scratch", "pit", "stain"]),
+        ({"class_names": '{"0": "ok", "1": "scratch", "2": "pit", "3": "stain"}'},
+         ["ok", "scratch", "pit", "stain"]),
+    ],
+)  # fmt: skip
+def test_class_names_are_read_from_the_metadata_keys_exporters_use(
+    tmp_path: Path, props: dict[str, str], labels: list[str]
+) -> None:
+    source = graph(tmp_path / "cls.onnx", (4,), np.array([0.1, 0.2, 0.6, 0.1]), names=None)
+    _with_metadata(source, props)
+    models = tmp_path / "models"
+    code, out = add(str(source), "--kind", "classification", "--models-dir", str(models))
+    assert code == 0, out
+    assert json.loads((models / "cls.json").read_text())["labels"] == labels
+    assert "sample image: label pit" in out

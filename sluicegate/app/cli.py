@@ -26,7 +26,7 @@ from sluicegate.app.twin_cli import register as register_twin_demo
 from sluicegate.deploy.cli import register as register_deploy
 from sluicegate.doctor.cli import register as register_doctor
 from sluicegate.enroll.cli import ca_app, enroll_app
-from sluicegate.errors import EXPECTED
+from sluicegate.errors import EXPECTED, ConfigError
 from sluicegate.metering.cli import meter_app
 from sluicegate.twin.cli import twin_app
 
@@ -281,6 +281,19 @@ def models_list(
         )
 
 
+def _triple(text: str | None, flag: str) -> tuple[float, float, float] | None:
+    """Three numbers given as ``a,b,c``; a ConfigError naming ``flag`` otherwise."""
+    if text is None:
+        return None
+    try:
+        a, b, c = (float(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(
+            f"{flag} {text!r}: give three numbers, one per channel: 0.5,0.5,0.5"
+        ) from None
+    return a, b, c
+
+
 @models_app.command("add")
 def models_add(
     model: Annotated[Path, typer.Argument(help="The .onnx file to serve.")],
@@ -296,13 +309,37 @@ def models_add(
     size: Annotated[
         str | None, typer.Option(help="WIDTHxHEIGHT, for a graph whose input size is open.")
     ] = None,
-    bgr: Annotated[bool, typer.Option(help="The model takes BGR, not RGB.")] = False,
+    bgr: Annotated[
+        bool | None,
+        typer.Option(
+            "--bgr/--rgb",
+            help="The colour order the model takes (default RGB, or the replaced manifest's); "
+            "the default mean and std follow it.",
+        ),
+    ] = None,
+    scale: Annotated[
+        float | None,
+        typer.Option(help="Pixel scale before mean and std: 1 for raw 0-255 (default 1/255)."),
+    ] = None,
+    mean: Annotated[
+        str | None, typer.Option(help="Per-channel mean, in the input's order: 0.5,0.5,0.5.")
+    ] = None,
+    std: Annotated[
+        str | None, typer.Option(help="Per-channel std, in the input's order: 0.5,0.5,0.5.")
+    ] = None,
+    score_threshold: Annotated[
+        float | None, typer.Option(help="A detector's lowest score reported (default 0.25).")
+    ] = None,
     sample: Annotated[
         Path | None, typer.Option(help="An image to run it on once (default: a synthetic one).")
     ] = None,
     models_dir: ModelsDirOpt = None,
     replace: Annotated[
-        bool, typer.Option(help="Serve it in place of a model of that name.")
+        bool,
+        typer.Option(
+            help="Serve it in place of a model of that name, keeping what its manifest was "
+            "given (preprocessing, colour order, score threshold) unless given again."
+        ),
     ] = False,
 ) -> None:
     """Check a model you bring, write its manifest (with its sha256), run it once, and
@@ -323,7 +360,11 @@ def models_add(
             kind=kind,  # type: ignore[arg-type]
             labels=read_labels(labels) if labels is not None else (),
             size=wanted,
-            color_order="BGR" if bgr else "RGB",
+            color_order=None if bgr is None else "BGR" if bgr else "RGB",
+            scale=scale,
+            mean=_triple(mean, "--mean"),
+            std=_triple(std, "--std"),
+            score_threshold=score_threshold,
         )
         image = sample.read_bytes() if sample is not None else None
         added = add_model(
@@ -333,12 +374,19 @@ def models_add(
         _fail(_said(exc))
         return
     m, out = added.manifest, added.outputs
-    found = f"{len(out.detections)} detection(s)" if out.detections else f"label {out.label}"
+    if kind == "classification":
+        found = f"label {out.label}"
+    elif kind == "anomaly":
+        found = f"label {out.label}, {len(out.regions)} region(s)"
+    else:
+        found = f"{len(out.detections)} detection(s)"
     typer.echo(
         f"added {m.name} v{m.version} ({kind}, input {m.input.width}x{m.input.height}, "
         f"{len(m.labels)} labels, sha256 {m.sha256[:16]}…) as {added.manifest_path}; "
         f"sample image: {found} in {added.run_ms:.1f} ms"
     )
+    if added.kept:
+        typer.echo(f"kept from the manifest it replaced: {', '.join(added.kept)}")
 
 
 @models_app.command("bench")
@@ -402,8 +450,6 @@ def _size(text: str | None) -> tuple[int, int] | None:
         return None
     width, sep, height = text.lower().partition("x")
     if not (sep and width.isdigit() and height.isdigit() and int(width) > 0 and int(height) > 0):
-        from sluicegate.errors import ConfigError
-
         raise ConfigError(f"--size {text!r}: expected WIDTHxHEIGHT, e.g. 640x640")
     return int(width), int(height)
 

@@ -7,6 +7,12 @@ anything lands in the folder, the model is loaded the way every node loads it (v
 against that manifest, by ONNX Runtime) and run once on a sample image, so a model that
 does not load, or whose answer cannot be read, is refused with the reason and leaves the
 folder as it was. Then the file and its manifest are written atomically.
+
+With ``replace_existing`` a new version takes the place of a model of that name and keeps
+what its manifest was given that the graph does not say (often edited by hand for a
+third-party model): the preprocessing (scale, mean, std, resize mode, interpolation, pad,
+JPEG DCT scaling), the colour order and the score threshold, unless given again; the labels
+come from ``--labels``, else the new export's metadata, else the replaced manifest.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from pydantic import ValidationError
@@ -39,6 +46,7 @@ class Added:
     manifest_path: Path
     outputs: Outputs  # its answer to the sample image
     run_ms: float  # decode, preprocess, inference and postprocess of the sample
+    kept: tuple[str, ...] = ()  # what it kept from the manifest it replaced
 
 
 def read_labels(path: Path) -> tuple[str, ...]:
@@ -65,22 +73,25 @@ def add_model(
     except OSError as exc:
         raise ModelRefused(f"model file {source} cannot be read: {exc.strerror}") from exc
     facts = read_graph(source)
-    if not how.labels:
-        how = replace(how, labels=labels_in_metadata(facts.metadata) or ())
-    how = replace(how, file=f"{how.name}.onnx", sha256=hashlib.sha256(blob).hexdigest())
-    document = manifest_for(facts, how)
-    try:
-        manifest = ModelManifest.model_validate(document)
-    except ValidationError as exc:
-        raise ModelRefused(
-            f"the manifest written for {source} is not valid: {problems(exc)}"
-        ) from exc
     target = models_dir / f"{how.name}.json"
     if target.exists() and not replace_existing:
         raise ModelRefused(
             f"{target} exists already; give another --name, or --replace to serve this file "
             "in its place"
         )
+    old = _replaced(target) if replace_existing else None
+    if not how.labels:
+        labels = labels_in_metadata(facts.metadata) or (tuple(old["labels"]) if old else ())
+        how = replace(how, labels=labels)
+    how = replace(how, file=f"{how.name}.onnx", sha256=hashlib.sha256(blob).hexdigest())
+    document = manifest_for(facts, how)
+    kept = _keep(document, old, how) if old is not None else ()
+    try:
+        manifest = ModelManifest.model_validate(document)
+    except ValidationError as exc:
+        raise ModelRefused(
+            f"the manifest written for {source} is not valid: {problems(exc)}"
+        ) from exc
     text = json.dumps(document, indent=2) + "\n"
     with tempfile.TemporaryDirectory(prefix="sg-model-") as scratch:
         folder = Path(scratch)
@@ -90,7 +101,51 @@ def add_model(
     models_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(models_dir / how.file, blob)
     write_atomic(target, text.encode())
-    return Added(manifest, target, outputs, run_ms)
+    return Added(manifest, target, outputs, run_ms, kept)
+
+
+def _replaced(target: Path) -> dict[str, Any] | None:
+    """The manifest a replacement takes the place of, as written (None: there is none)."""
+    try:
+        doc = json.loads(target.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise ModelRefused(f"{target} cannot be read to replace it: {exc}") from exc
+    return doc if isinstance(doc, dict) else None
+
+
+def _keep(document: dict[str, Any], old: dict[str, Any], how: Authoring) -> tuple[str, ...]:
+    """Carry into ``document`` what the replaced manifest ``old`` was given and ``how``
+    does not say again; the names of what was kept."""
+    kept: list[str] = []
+
+    def carry(into: dict[str, Any], source: dict[str, Any], key: str, name: str) -> None:
+        # Only a key the new manifest has (or, for resize, may have: its defaults are left
+        # out), so a replacement of another kind takes nothing it could not hold.
+        if (
+            key in source
+            and (key in into or into is pre["resize"])
+            and source[key] != into.get(key)
+        ):
+            into[key] = source[key]
+            kept.append(name)
+
+    pre, was = document["preprocess"], old.get("preprocess") or {}
+    for key, said in (("scale", how.scale), ("mean", how.mean), ("std", how.std)):
+        if said is None:
+            carry(pre, was, key, key)
+    for key in ("mode", "interpolation", "pad_value"):
+        carry(pre["resize"], was.get("resize") or {}, key, key)
+    if was.get("jpeg_dct_scaling") and not pre.get("jpeg_dct_scaling"):
+        pre["jpeg_dct_scaling"] = True
+        kept.append("jpeg_dct_scaling")
+    if how.color_order is None:
+        carry(document["input"], old.get("input") or {}, "color_order", "color_order")
+    if how.score_threshold is None:
+        post = document["postprocess"]
+        carry(post, old.get("postprocess") or {}, "score_threshold", "score_threshold")
+    return tuple(kept)
 
 
 def _try(folder: Path, manifest: ModelManifest, sample: bytes | None) -> tuple[Outputs, float]:

@@ -6,7 +6,8 @@ the user names and the labels, and returns the manifest as a document, or raises
 :class:`ModelRefused` saying which tensor does not fit and why. Pure: no file, no runtime.
 Defaults follow the exporters: YOLO graphs take an RGB letterbox scaled to ``[0, 1]``
 (pad 114), classification and anomaly graphs a stretched RGB image with ImageNet's mean and
-standard deviation, unless the user says otherwise.
+standard deviation (in BGR order for a BGR model: they follow the input's channels), unless
+the user says otherwise.
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ class Authoring:
     kind: Kind
     labels: tuple[str, ...]
     size: tuple[int, int] | None = None  # width, height, for an input the graph leaves open
-    color_order: Literal["RGB", "BGR"] = "RGB"
+    # None: not said (the kind's default, or the replaced manifest's with --replace).
+    color_order: Literal["RGB", "BGR"] | None = None
     scale: float | None = None
     mean: tuple[float, float, float] | None = None
     std: tuple[float, float, float] | None = None
-    score_threshold: float = 0.25
+    score_threshold: float | None = None
 
 
 def manifest_for(facts: GraphFacts, how: Authoring) -> dict[str, Any]:
@@ -65,7 +67,10 @@ def manifest_for(facts: GraphFacts, how: Authoring) -> dict[str, Any]:
         raise ModelRefused(f"labels repeat a name: {list(how.labels)}")
     post = _postprocess(facts.outputs, how)
     yolo = how.kind in ("yolov8", "yolov5", "yolox", "nms")
+    order = how.color_order or "RGB"
     mean, std = ((0.0,) * 3, (1.0,) * 3) if yolo else IMAGENET
+    if order == "BGR":  # per channel, in the order the model takes them
+        mean, std = mean[::-1], std[::-1]
     return {
         "name": how.name,
         "version": how.version,
@@ -77,7 +82,7 @@ def manifest_for(facts: GraphFacts, how: Authoring) -> dict[str, Any]:
             "shape": [1, 3, height, width],
             "dtype": "float32",
             "layout": "NCHW",
-            "color_order": how.color_order,
+            "color_order": order,
         },
         "preprocess": {
             "resize": {
@@ -160,7 +165,7 @@ def _postprocess(outputs: tuple[Tensor, ...], how: Authoring) -> dict[str, Any]:
         "kind": "detection",
         "layout": how.kind,
         "outputs": [out.name],
-        "score_threshold": how.score_threshold,
+        "score_threshold": 0.25 if how.score_threshold is None else how.score_threshold,
     }
 
 

@@ -9,6 +9,7 @@ a model never does. :func:`read_graph` is the only function here that touches ``
 from __future__ import annotations
 
 import ast
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,18 +64,36 @@ def read_graph(path: Path) -> GraphFacts:
     )
 
 
+# Where exporters keep class names: Ultralytics ``names``, others ``classes``, ``labels``
+# or ``class_names``, first found wins.
+LABEL_KEYS = ("names", "classes", "labels", "class_names")
+
+
 def labels_in_metadata(metadata: dict[str, str]) -> tuple[str, ...] | None:
-    """Class names an exporter stored (Ultralytics: ``names``, ``{0: 'scratch', ...}``)."""
-    text = metadata.get("names")
-    if not text:
-        return None
+    """Class names an exporter stored: ``{0: 'scratch', ...}`` (Ultralytics), a list as
+    Python or JSON (``["ok", "ng"]``), or plain comma-separated text (``ok, ng``)."""
+    for key in LABEL_KEYS:
+        text = metadata.get(key, "").strip()
+        if text:
+            return _names(text)
+    return None
+
+
+def _names(text: str) -> tuple[str, ...] | None:
     try:
         names = ast.literal_eval(text)
     except (ValueError, SyntaxError):
-        return None
-    if isinstance(names, dict) and all(isinstance(k, int) for k in names):
-        return tuple(str(names[k]) for k in sorted(names))
-    if isinstance(names, list | tuple):
+        try:
+            names = json.loads(text)
+        except ValueError:
+            names = [n.strip() for n in text.split(",")] if "," in text else None
+    if isinstance(names, dict) and all(isinstance(k, int | str) for k in names):
+        try:
+            order = sorted(names, key=int)
+        except ValueError:
+            return None
+        return tuple(str(names[k]) for k in order)
+    if isinstance(names, list | tuple) and all(str(n).strip() for n in names):
         return tuple(str(n) for n in names)
     return None
 
