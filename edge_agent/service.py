@@ -29,7 +29,7 @@ from sluicegate.config import EdgeSettings, Settings
 from sluicegate.metering.meter import Meter, node_meter
 from sluicegate.mqtt import MqttTransport
 from sluicegate.node_metrics import MetricsServer
-from sluicegate.policy_feed import PolicyFeed
+from sluicegate.policy_feed import ANCHOR_FILE, PolicyFeed
 from sluicegate.policy_standing import StandingLog, standing
 from sluicegate.transport import Transport
 from sluicegate.vision.priors import PRIORS_FILE, priors_for, read_priors
@@ -128,9 +128,16 @@ def policy_feed(settings: Settings) -> PolicyFeed | None:
     """The policy this edge follows, loaded, its anchor pinned. It says where the edge may
     answer, offload or not (a job whose result the ACL would refuse is refused before it
     is accepted): only an edge given no policy at all (offload off, no ``policy_file``, no
-    enrolled ``state_dir``) serves without one."""
+    anchor pinned in its ``state_dir`` by enrollment) serves without one."""
     offload = settings.offload
-    if not (offload.enabled or offload.policy_file or offload.state_dir):
+    enrolled = offload.state_dir is not None and (offload.state_dir / ANCHOR_FILE).exists()
+    if not (offload.enabled or offload.policy_file or enrolled):
+        log.warning(
+            "edge %s follows no policy (offload off, no policy_file, no pinned anchor in its "
+            "state_dir): it accepts a job whose Response Topic its ACL may refuse, and such "
+            "a result ends undelivered (results_refused)",
+            settings.edge.id,
+        )
         return None
     feed = PolicyFeed(
         node=settings.edge.id, policy_file=offload.policy_file, state_dir=offload.state_dir

@@ -7,14 +7,22 @@ tests never see each other's traffic.
 
 from __future__ import annotations
 
+import itertools
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
-from sluicegate.app.servers import ServerProcess, running, start_mosquitto, start_redis
+from sluicegate.app.servers import (
+    REDIS_DATABASES,
+    ServerProcess,
+    running,
+    start_mosquitto,
+    start_redis,
+)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -52,8 +60,32 @@ def redis_server() -> Iterator[ServerProcess]:
         yield server
 
 
+@pytest.fixture(scope="session")
+def fresh_redis_db(redis_server: ServerProcess) -> Callable[[], str]:
+    """Hands out the URL of a database of the session's Redis that no other test of this
+    process has had, flushed: a module's campus (its broker's keys, its audit streams, its
+    usage records) never meets another's. Never a number written into a test file."""
+    numbers = itertools.count(1)  # 0 is the redis_url fixture's, shared by namespaces
+
+    def fresh() -> str:
+        number = next(numbers)
+        if number >= REDIS_DATABASES:
+            raise RuntimeError(f"more than {REDIS_DATABASES - 1} Redis databases asked for")
+        url = f"redis://{redis_server.host}:{redis_server.port}/{number}"
+        client = redis.Redis.from_url(url)
+        try:
+            client.flushdb()
+        finally:
+            client.close()
+        return url
+
+    return fresh
+
+
 @pytest.fixture
 def redis_url(redis_server: ServerProcess) -> str:
+    """Database 0 of the session's Redis: for tests that keep to a key namespace of their
+    own (``unique``); one that needs a database to itself takes ``fresh_redis_db()``."""
     return f"redis://{redis_server.host}:{redis_server.port}/0"
 
 

@@ -38,7 +38,7 @@ from policies.verdict import Body, Candidate, Figures, Thresholds, Verdict, judg
 from sluicegate import topics
 from sluicegate.app.campus import OFFICER, Campus
 from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
-from sluicegate.app.servers import ServerProcess, free_port, running
+from sluicegate.app.servers import free_port, running
 from sluicegate.config import Settings
 from sluicegate.vision.runtime import ModelRegistry
 from sluicegate.wire_pool import PlacementRequest
@@ -346,17 +346,16 @@ def list_brokers(campus: Campus, ids: tuple[str, ...]) -> dict[str, Path]:
 
 
 @contextlib.contextmanager
-def local_campus(
-    root: Path, redis_server: ServerProcess, db: int, **kw: Any
-) -> Iterator[LocalCampus]:
+def local_campus(root: Path, redis_url: str, **kw: Any) -> Iterator[LocalCampus]:
     """A whole secured campus as processes (:class:`LocalCampus`: its own Mosquitto with TLS
-    and the generated ACL, on database ``db`` of ``redis_server``), started; stopped after."""
+    and the generated ACL, on the Redis database at ``redis_url``, a ``fresh_redis_db()``),
+    started; stopped after."""
     from tests.policies.policy_testkit import key
 
     lc = LocalCampus(
         root,
         mqtt_port=free_port(),
-        redis_url=f"redis://127.0.0.1:{redis_server.port}/{db}",
+        redis_url=redis_url,
         key_for=key,
         **kw,
     )

@@ -21,7 +21,7 @@ import subprocess
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
@@ -72,13 +72,15 @@ def scrape(port: int) -> dict[tuple[str, str], float]:
 
 @pytest.fixture(scope="module")
 def campus(
-    tmp_path_factory: pytest.TempPathFactory, mosquitto: ServerProcess, redis_server: ServerProcess
+    tmp_path_factory: pytest.TempPathFactory,
+    mosquitto: ServerProcess,
+    fresh_redis_db: Callable[[], str],
 ) -> Campus:
     return write_campus(
         tmp_path_factory.mktemp("exposition"),
         key,
         mqtt_port=mosquitto.port,
-        redis_url=f"redis://127.0.0.1:{redis_server.port}/6",
+        redis_url=fresh_redis_db(),
         workers=WORKERS,
         secure=False,
         confidential=False,  # its workers are played by hand and hold no sealing key

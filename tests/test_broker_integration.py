@@ -17,7 +17,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -61,11 +61,17 @@ EDGE = "line-1-pc"  # one of the campus's two edges, in f"{FAB}/line-1"
 
 
 @pytest.fixture(scope="module")
+def campus_redis(fresh_redis_db: Callable[[], str]) -> str:
+    """The module campus's Redis database, its own."""
+    return fresh_redis_db()
+
+
+@pytest.fixture(scope="module")
 def campus(
-    tmp_path_factory: pytest.TempPathFactory, mosquitto: ServerProcess, redis_server: ServerProcess
+    tmp_path_factory: pytest.TempPathFactory, mosquitto: ServerProcess, campus_redis: str
 ) -> Campus:
     root = tmp_path_factory.mktemp("campus")
-    redis_url = f"redis://127.0.0.1:{redis_server.port}/0"
+    redis_url = campus_redis
     made = write_campus(
         root, key, mqtt_port=mosquitto.port, redis_url=redis_url, workers=WORKERS, secure=False
     )
@@ -231,7 +237,7 @@ def test_placement_within_policy_explained_reserved_and_audited(
     fleet: Fleet,
     campus: Campus,
     mosquitto: ServerProcess,
-    redis_server: ServerProcess,
+    campus_redis: str,
 ) -> None:
     _thread, settings = broker
     for worker in WORKERS:
@@ -256,7 +262,7 @@ def test_placement_within_policy_explained_reserved_and_audited(
     )
     assert claims.data_class == "wafer-image"
     assert claims.origin_zone == f"{FAB}/line-1"  # the edge's zone in the policy
-    r = redis.Redis(port=redis_server.port)
+    r = redis.Redis.from_url(campus_redis)
     assert r.zscore(broker_keys.reservations(reply.worker_id), reply.job_id) is not None
     # The decision's record is written right after the reply (the in-flight part before it).
     _status, job = wait_until(
@@ -462,7 +468,7 @@ def test_a_placement_handed_back_unused_frees_its_slot_at_once(
     broker: tuple[ServiceThread, Settings],
     fleet: Fleet,
     mosquitto: ServerProcess,
-    redis_server: ServerProcess,
+    campus_redis: str,
 ) -> None:
     _thread, settings = broker
     for worker in WORKERS:
@@ -483,7 +489,7 @@ def test_a_placement_handed_back_unused_frees_its_slot_at_once(
     assert placed
     assert {p.worker_id for p in placed} == {"north-b"}
     first = placed[-1]
-    r = redis.Redis(port=redis_server.port)
+    r = redis.Redis.from_url(campus_redis)
     slots = broker_keys.reservations("north-b")
     assert r.zscore(slots, first.job_id) is not None
     edge = PlainClient(mosquitto.port)
@@ -622,7 +628,7 @@ def test_workers_count_only_as_the_policy_and_their_topics_say_and_are_audited_o
     broker: tuple[ServiceThread, Settings],
     fleet: Fleet,
     mosquitto: ServerProcess,
-    redis_server: ServerProcess,
+    campus_redis: str,
 ) -> None:
     _thread, settings = broker
     _everyone_free(settings, fleet)
@@ -666,7 +672,7 @@ def test_workers_count_only_as_the_policy_and_their_topics_say_and_are_audited_o
     assert "ghost-gpu" not in workers
     assert workers["cloud-1"]["zone"] == "offsite/cloud-east"
     assert workers["north-b"]["capabilities"]["memory_total_mb"] == 16000
-    r = redis.Redis(port=redis_server.port)
+    r = redis.Redis.from_url(campus_redis)
     store = RedisStreamAuditStore(r, audit_stream_key("broker-1"))
 
     def refused_ghost() -> list[dict[str, Any]]:

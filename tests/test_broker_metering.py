@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -35,7 +35,6 @@ pytestmark = pytest.mark.integration
 
 POLICY = policy_of(base_doc())
 NODE = "north-gpu-1"
-DB = 9
 
 
 def _chain(
@@ -60,10 +59,9 @@ class Replica:
 
 @pytest.fixture
 async def campus(
-    redis_url: str,
+    fresh_redis_db: Callable[[], str],
 ) -> AsyncIterator[tuple[MemoryBroker, list[Replica], aioredis.Redis]]:
-    client = aioredis.Redis.from_url(redis_url.rsplit("/", 1)[0] + f"/{DB}")
-    await client.flushdb()
+    client = aioredis.Redis.from_url(fresh_redis_db())
     broker = MemoryBroker()
     replicas = [Replica("broker-1", broker, client), Replica("broker-2", broker, client)]
     for replica in replicas:

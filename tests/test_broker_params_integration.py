@@ -8,6 +8,7 @@ compared over HTTP, never acted on."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,12 +55,10 @@ def _run_broker(settings: Settings) -> ServiceThread:
 
 
 def _campus(
-    root: Path, mosquitto: ServerProcess, redis_server: ServerProcess, **kw: Any
+    root: Path, mosquitto: ServerProcess, url: str, **kw: Any
 ) -> tuple[redis.Redis, Campus]:
-    """A plaintext demo campus on the test's Mosquitto and an emptied Redis."""
-    r = redis.Redis(port=redis_server.port)
-    r.flushdb()
-    url = f"redis://127.0.0.1:{redis_server.port}/0"
+    """A plaintext demo campus on the test's Mosquitto and a Redis database of its own."""
+    r = redis.Redis.from_url(url)
     made = write_campus(
         root, key, mqtt_port=mosquitto.port, redis_url=url, secure=False, confidential=False, **kw
     )
@@ -67,9 +66,9 @@ def _campus(
 
 
 def test_a_gated_broker_runs_a_placement_file_only_with_its_verdict(
-    tmp_path: Path, mosquitto: ServerProcess, redis_server: ServerProcess
+    tmp_path: Path, mosquitto: ServerProcess, fresh_redis_db: Callable[[], str]
 ) -> None:
-    r, campus = _campus(tmp_path, mosquitto, redis_server, rollout=ROLLOUT)
+    r, campus = _campus(tmp_path, mosquitto, fresh_redis_db(), rollout=ROLLOUT)
     placement = tmp_path / "placement.toml"
     placement.write_text(SLOW_CAMPUS)
     settings = load_settings(
@@ -111,9 +110,9 @@ def test_a_gated_broker_runs_a_placement_file_only_with_its_verdict(
 
 
 def test_a_shadow_candidate_decides_beside_production_and_never_acts(
-    tmp_path: Path, mosquitto: ServerProcess, redis_server: ServerProcess
+    tmp_path: Path, mosquitto: ServerProcess, fresh_redis_db: Callable[[], str]
 ) -> None:
-    _, campus = _campus(tmp_path, mosquitto, redis_server, workers=WORKERS)
+    _, campus = _campus(tmp_path, mosquitto, fresh_redis_db(), workers=WORKERS)
     # The candidate: a policy letting wafer images leave (unsigned: it never acts), and
     # parameters that make the off-site link free and the campus one slow.
     leaky = campus.policy_file.read_text().replace(

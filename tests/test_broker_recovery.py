@@ -254,7 +254,6 @@ async def test_scripts_are_loaded_again_after_redis_forgets_them(
 EDGE = "line-1-pc"
 ZONE = f"{FAB}/dc"
 INTERVAL_S = 0.5  # the brokers' telemetry interval in these tests; workers report twice as often
-REDIS_DB = 7  # no other test module uses it
 # The replicas every test's campus lists (besides broker-1), each with its own key: a test
 # runs at most two. Always the same ones, so every test's policy has the same version.
 REPLICAS = ("broker-a", "broker-b")
@@ -268,16 +267,10 @@ def mqtt() -> Iterator[ServerProcess]:
 
 
 @pytest.fixture
-def broker_redis(redis_server: ServerProcess) -> str:
-    """A Redis database of this module's own, emptied for each test: the brokers here see
-    every worker with jobs in flight campus-wide, and must see only this test's."""
-    url = f"redis://{redis_server.host}:{redis_server.port}/{REDIS_DB}"
-    client = redis.Redis.from_url(url)
-    try:
-        client.flushdb()
-    finally:
-        client.close()
-    return url
+def broker_redis(fresh_redis_db: Callable[[], str]) -> str:
+    """A Redis database of this test's own: the brokers here see every worker with jobs
+    in flight campus-wide, and must see only this test's."""
+    return fresh_redis_db()
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from sluicegate import AsyncClient, topics, wire
 from sluicegate.app.broker_http import get
 from sluicegate.app.campus import APP_OF_LINE, APPS
 from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
-from sluicegate.app.servers import ServerProcess, free_port, running
+from sluicegate.app.servers import free_port, running
 from sluicegate.identity import EXIT_IN_USE
 from sluicegate.wire_pool import WorkerCapabilities, WorkerTelemetry
 from tests.image_bytes import sample_jpeg
@@ -35,7 +35,6 @@ from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-DB = 7
 ROGUE_WORKER = "rogue-gpu-1"  # enrolled (a campus certificate), in no pool of the policy
 ROGUE_PUBLISHER = "rogue-publisher"  # a misconfigured ACL lets it write the policy topic
 LEGIT = {"line-1-pc", "line-2-pc", "north-cpu-1", "cloud-cpu-1"}
@@ -43,12 +42,12 @@ LEGIT = {"line-1-pc", "line-2-pc", "north-cpu-1", "cloud-cpu-1"}
 
 @pytest.fixture(scope="module")
 def campus(
-    tmp_path_factory: pytest.TempPathFactory, redis_server: ServerProcess
+    tmp_path_factory: pytest.TempPathFactory, fresh_redis_db: Callable[[], str]
 ) -> Iterator[LocalCampus]:
     lc = LocalCampus(
         tmp_path_factory.mktemp("attacked"),
         mqtt_port=free_port(),
-        redis_url=f"redis://127.0.0.1:{redis_server.port}/{DB}",
+        redis_url=fresh_redis_db(),
         key_for=key,
     )
     files = lc.write()

@@ -27,7 +27,7 @@ from sluicegate import AsyncClient
 from sluicegate.app.broker_http import get, get_json
 from sluicegate.app.campus import APP_OF_LINE, APPS
 from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
-from sluicegate.app.servers import ServerProcess, free_port, running
+from sluicegate.app.servers import free_port, running
 from sluicegate.app.traffic import Tally, stream
 from tests.image_bytes import sample_jpeg
 from tests.policies.policy_testkit import key
@@ -38,11 +38,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def campus(
-    tmp_path_factory: pytest.TempPathFactory, redis_server: ServerProcess
+    tmp_path_factory: pytest.TempPathFactory, fresh_redis_db: Callable[[], str]
 ) -> Iterator[LocalCampus]:
     # Each campus gets its own Redis database, so reservations of other tests never count.
     with local_campus(
-        tmp_path_factory.mktemp("local-campus"), redis_server, 3, log_level="info"
+        tmp_path_factory.mktemp("local-campus"), fresh_redis_db(), log_level="info"
     ) as lc:
         yield lc
 
@@ -96,17 +96,17 @@ def test_campus_only_class_with_only_offsite_capacity_runs_locally_and_says_why(
 
 
 def test_placements_answered_after_the_edge_gave_up_free_their_slots_at_once(
-    tmp_path: Path, redis_server: ServerProcess
+    tmp_path: Path, fresh_redis_db: Callable[[], str]
 ) -> None:
     # An edge that waits 1 ms for the broker: its requests time out and the jobs run
     # locally, while the broker places them all the same. The edge hands each late
     # placement back, and its slot is free long before its reservation would expire.
     # A campus and Mosquitto of its own: the module's campus uses the same node ids.
-    db = 4
+    db_url = fresh_redis_db()
     impatient = LocalCampus(
         tmp_path,
         mqtt_port=free_port(),
-        redis_url=f"redis://127.0.0.1:{redis_server.port}/{db}",
+        redis_url=db_url,
         key_for=key,
         nodes=("broker-1", "line-1-pc", "north-cpu-1"),
         node_env={"line-1-pc": {"SLUICEGATE_OFFLOAD__PLACEMENT_TIMEOUT_MS": "1"}},
@@ -133,7 +133,7 @@ def test_placements_answered_after_the_edge_gave_up_free_their_slots_at_once(
             states = wait_until(settled, timeout=15)
             released = [job for job, state in states.items() if state == "released"]
             assert released, states  # a free campus worker: the broker placed them
-            held = redis.Redis(port=redis_server.port, db=db).zrange(
+            held = redis.Redis.from_url(db_url).zrange(
                 broker_keys.reservations("north-cpu-1"), 0, -1
             )
             assert not {j.decode() for j in held} & set(released)
@@ -219,7 +219,7 @@ def _older_defect_model(folder: Path) -> str:
 
 
 def test_a_worker_holding_another_version_never_gets_a_job_for_the_edges(
-    tmp_path: Path, redis_server: ServerProcess
+    tmp_path: Path, fresh_redis_db: Callable[[], str]
 ) -> None:
     # north-cpu-1 serves an earlier build of defect-v1; the edge and cloud-cpu-1 the current
     # one. A volley the edge cannot keep up with is offloaded (ocr-crop may go off-site),
@@ -228,7 +228,7 @@ def test_a_worker_holding_another_version_never_gets_a_job_for_the_edges(
     mixed = LocalCampus(
         tmp_path / "campus",
         mqtt_port=free_port(),
-        redis_url=f"redis://127.0.0.1:{redis_server.port}/5",
+        redis_url=fresh_redis_db(),
         key_for=key,
         nodes=("broker-1", "line-1-pc", "north-cpu-1", "cloud-cpu-1"),
         node_env={

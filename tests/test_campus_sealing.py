@@ -13,7 +13,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -30,7 +30,7 @@ from sluicegate import AsyncClient, topics, wire
 from sluicegate.app.broker_http import get
 from sluicegate.app.campus import APP_OF_LINE, APPS, WORKERS
 from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
-from sluicegate.app.servers import ServerProcess, free_port, running
+from sluicegate.app.servers import free_port, running
 from sluicegate.mqtt import MqttTransport
 from sluicegate.transport import Message
 from sluicegate.wire_pool import WorkerCapabilities
@@ -41,7 +41,6 @@ from tests.support import until, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-DB = 9
 WIRETAP = "wiretap"  # a widened ACL lets it read every work topic
 DESK = "officer-desk"  # publishes the officers' signed policy (retained)
 # Writes work topics by hand, as the edge they name (a widened ACL: never a real edge's own
@@ -77,12 +76,12 @@ class Tap:
 
 @pytest.fixture(scope="module")
 def campus(
-    tmp_path_factory: pytest.TempPathFactory, redis_server: ServerProcess
+    tmp_path_factory: pytest.TempPathFactory, fresh_redis_db: Callable[[], str]
 ) -> Iterator[LocalCampus]:
     lc = LocalCampus(
         tmp_path_factory.mktemp("sealed"),
         mqtt_port=free_port(),
-        redis_url=f"redis://127.0.0.1:{redis_server.port}/{DB}",
+        redis_url=fresh_redis_db(),
         key_for=key,
     )
     files = lc.write()

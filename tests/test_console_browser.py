@@ -17,13 +17,12 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from sluicegate.app.localcampus import LocalCampus
-from sluicegate.app.servers import ServerProcess
 from sluicegate.app.traffic import Tally, stream
 from tests.support import local_campus
 from tests.test_node_metrics_integration import scrape, total
@@ -40,9 +39,9 @@ TIMEOUT_MS = 30_000
 
 @pytest.fixture(scope="module")
 def campus(
-    tmp_path_factory: pytest.TempPathFactory, redis_server: ServerProcess
+    tmp_path_factory: pytest.TempPathFactory, fresh_redis_db: Callable[[], str]
 ) -> Iterator[LocalCampus]:
-    with local_campus(tmp_path_factory.mktemp("console-campus"), redis_server, 6) as lc:
+    with local_campus(tmp_path_factory.mktemp("console-campus"), fresh_redis_db()) as lc:
         yield lc
 
 

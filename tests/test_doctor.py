@@ -15,7 +15,7 @@ import getpass
 import shutil
 import time
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from sluicegate import identity, pki, topics
 from sluicegate.app.campus import Campus, write_campus
 from sluicegate.app.cli import app
 from sluicegate.app.localcampus import LocalCampus
-from sluicegate.app.servers import ServerProcess, free_port, running, start_mosquitto_conf
+from sluicegate.app.servers import free_port, running, start_mosquitto_conf
 from sluicegate.config import MqttSettings
 from sluicegate.doctor import Report, diagnose
 from sluicegate.doctor import judge as j
@@ -57,7 +57,6 @@ from tests.secure_kit import TlsClient, refused_login
 
 NOW = 1_780_000_000.0
 EDGE = "line-1-pc"
-DB = 9
 GIB = 1024**3
 
 
@@ -399,14 +398,14 @@ def test_the_role_comes_from_the_configs_sections(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def local(
-    tmp_path_factory: pytest.TempPathFactory, redis_server: ServerProcess
+    tmp_path_factory: pytest.TempPathFactory, fresh_redis_db: Callable[[], str]
 ) -> Iterator[LocalCampus]:
     """A secured campus (CA, certificates, ACL, Mosquitto); only the broker runs, and only
     once a test asks for it."""
     lc = LocalCampus(
         tmp_path_factory.mktemp("doctor-campus"),
         mqtt_port=free_port(),
-        redis_url=f"redis://127.0.0.1:{redis_server.port}/{DB}",
+        redis_url=fresh_redis_db(),
         key_for=key,
         nodes=["broker-1"],
     )

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,18 +36,17 @@ from tests.support import wait_until
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 NEW_PC, NEW_ZONE, NEW_APP = "line-3-pc", "campus/fab-north/line-2", "app-line-3"
-DB = 6
 
 
 @pytest.fixture(scope="module")
 def plant(
-    tmp_path_factory: pytest.TempPathFactory, redis_server: ServerProcess
+    tmp_path_factory: pytest.TempPathFactory, fresh_redis_db: Callable[[], str]
 ) -> Iterator[tuple[LocalCampus, ServerProcess]]:
     root = tmp_path_factory.mktemp("enroll-campus")
     campus = LocalCampus(
         root,
         mqtt_port=free_port(),
-        redis_url=f"redis://127.0.0.1:{redis_server.port}/{DB}",
+        redis_url=fresh_redis_db(),
         key_for=key,
         nodes=("broker-1", "north-cpu-1"),
     )

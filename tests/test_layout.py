@@ -1,4 +1,4 @@
-"""The code's shape that STYLE.md promises: one package owns paho, the decision cores
+"""The code's shape that docs/architecture.md promises: one package owns paho, the decision cores
 import no I/O library (asyncio, paho, redis, aiohttp), not even through the project's
 modules they import, so the twin and the tables test the very code production runs, and
 ``policies/`` stands on its own. Read from the sources, imports inside functions included."""

@@ -6,7 +6,7 @@ a record removed by hand does not."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -27,13 +27,13 @@ from tests.support import until
 pytestmark = pytest.mark.integration
 
 POLICY = meter_policy()
-DB = 11
 
 
 @pytest.fixture
-async def intake(redis_url: str) -> AsyncIterator[tuple[MemoryBroker, UsageIngest]]:
-    client = aioredis.Redis.from_url(redis_url.rsplit("/", 1)[0] + f"/{DB}")
-    await client.flushdb()
+async def intake(
+    fresh_redis_db: Callable[[], str],
+) -> AsyncIterator[tuple[MemoryBroker, UsageIngest]]:
+    client = aioredis.Redis.from_url(fresh_redis_db())
     broker = MemoryBroker()
     ingest, _metrics, transport = new_intake("broker-1", broker, client, POLICY)
     await transport.subscribe(topics.usage_all(), ingest.on_usage, qos=1)

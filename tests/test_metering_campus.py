@@ -13,7 +13,7 @@ import itertools
 import json
 import sqlite3
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -25,7 +25,6 @@ from sluicegate import AsyncClient, topics
 from sluicegate.app.broker_http import get
 from sluicegate.app.campus import APP_OF_LINE, APPS
 from sluicegate.app.localcampus import LocalCampus
-from sluicegate.app.servers import ServerProcess
 from sluicegate.metering.fetch import ExportError, fetch_export
 from sluicegate.metering.ledger import FILE_NAME, Ledger
 from sluicegate.metering.record import ManifestLine, SignedUsage, from_line, sign_usage
@@ -44,14 +43,13 @@ OTHER_LINE = "line-2-pc"  # not started here: its identity is free for the test 
 
 @pytest.fixture(scope="module")
 def campus(
-    tmp_path_factory: pytest.TempPathFactory, redis_server: ServerProcess
+    tmp_path_factory: pytest.TempPathFactory, fresh_redis_db: Callable[[], str]
 ) -> Iterator[LocalCampus]:
     with local_campus(
         tmp_path_factory.mktemp("metering-campus"),
-        redis_server,
         # A database of its own: another campus of the session (same ids, same published
         # keys) would have left records under the same (node, seq), refused here as conflicts.
-        12,
+        fresh_redis_db(),
         nodes=("broker-1", LINE, WORKER),
         node_env={LINE: {"SLUICEGATE_OFFLOAD__QUEUE_BOUND": "1"}},
     ) as lc:

@@ -15,7 +15,7 @@ import socket
 import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -210,12 +210,11 @@ def test_a_taken_metrics_port_leaves_the_worker_serving(
 
 @pytest.fixture(scope="module")
 def campus(
-    tmp_path_factory: pytest.TempPathFactory, redis_server: ServerProcess
+    tmp_path_factory: pytest.TempPathFactory, fresh_redis_db: Callable[[], str]
 ) -> Iterator[LocalCampus]:
     with local_campus(
         tmp_path_factory.mktemp("metrics-campus"),
-        redis_server,
-        11,
+        fresh_redis_db(),
         nodes=("broker-1", "line-1-pc", "north-cpu-1"),
         # An offloaded job waits for its worker's return however loaded this machine is:
         # none is offered again or run here meanwhile, so each ran exactly once.

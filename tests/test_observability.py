@@ -15,13 +15,12 @@ import re
 import shutil
 import subprocess
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from sluicegate.app.localcampus import LocalCampus
-from sluicegate.app.servers import ServerProcess
 from sluicegate.app.traffic import Tally, stream
 from tests.support import local_campus
 
@@ -122,9 +121,9 @@ def scrape(url: str) -> str:
 
 @pytest.fixture(scope="module")
 def campus(
-    tmp_path_factory: pytest.TempPathFactory, redis_server: ServerProcess
+    tmp_path_factory: pytest.TempPathFactory, fresh_redis_db: Callable[[], str]
 ) -> Iterator[LocalCampus]:
-    with local_campus(tmp_path_factory.mktemp("observed-campus"), redis_server, 7) as lc:
+    with local_campus(tmp_path_factory.mktemp("observed-campus"), fresh_redis_db()) as lc:
         yield lc
 
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 import uuid
+from pathlib import Path
 
 import pytest
 
 from policies import SigningKey
+from policies.keys import public_key_of
 from sluicegate.app.servers import ServerProcess
 from sluicegate.config import load_settings
 from sluicegate.policy_standing import StandingLog, standing
@@ -24,6 +26,15 @@ from tests.support import AgentThread, PlainClient, installed_policy
 POLICY = policy_of(base_doc())
 EDGE = next(iter(POLICY.edges))
 WORKER = next(iter(POLICY.workers.values()))
+
+
+def test_a_nodes_own_key_is_read_when_there_is_one(tmp_path: Path) -> None:
+    own = key("reader")
+    path = tmp_path / "node.key"
+    path.write_bytes(own.to_pem())
+    assert public_key_of(path) == own.public
+    assert public_key_of(None) is None
+    assert public_key_of(tmp_path / "missing.key") is None  # nothing to compare with
 
 
 def test_a_listed_node_as_configured_has_nothing_said() -> None:

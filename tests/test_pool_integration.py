@@ -16,7 +16,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -132,9 +132,15 @@ def worker_key(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, SigningK
 
 
 @pytest.fixture(scope="module")
+def pool_redis(fresh_redis_db: Callable[[], str]) -> str:
+    """The module worker's Redis database: its audit stream holds only its records."""
+    return fresh_redis_db()
+
+
+@pytest.fixture(scope="module")
 def pool(
     broker: ServerProcess,
-    redis_server: ServerProcess,
+    pool_redis: str,
     worker_key: tuple[Path, SigningKey],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[WorkerThread]:
@@ -144,7 +150,7 @@ def pool(
         pool={
             "id": WORKER,
             "zone": WORKER_ZONE,
-            "redis_url": f"redis://{redis_server.host}:{redis_server.port}/0",
+            "redis_url": pool_redis,
             "key_file": worker_key[0],
             "policy_file": write_policy_file(folder),
             "state_dir": folder / "state",
@@ -249,7 +255,7 @@ def test_placed_job_gets_its_result_and_the_broker_a_completion(
 
 
 def test_refused_before_decoding_audited_and_the_worker_keeps_serving(
-    app: App, pool: WorkerThread, redis_url: str, worker_key: tuple[Path, SigningKey]
+    app: App, pool: WorkerThread, pool_redis: str, worker_key: tuple[Path, SigningKey]
 ) -> None:
     not_an_image = b"GIF89a? no: not even that"
     first = app.send(WorkSpec(job_id=f"twice-{uuid.uuid4().hex[:6]}"))
@@ -291,7 +297,7 @@ def test_refused_before_decoding_audited_and_the_worker_keeps_serving(
     after = app.send(WorkSpec())
     assert app.result(after)["status"] == "ok"
 
-    client = redis.Redis.from_url(redis_url)
+    client = redis.Redis.from_url(pool_redis)
     try:
         store = RedisStreamAuditStore(client, audit_stream_key(WORKER))
         deadline = time.monotonic() + 10

@@ -13,7 +13,7 @@ import json
 import queue
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import paho.mqtt.client as paho
@@ -38,7 +38,6 @@ pytestmark = pytest.mark.integration
 
 APP_TOPIC = "tests/app/results"  # what an app asked for: the worker must not use it
 COMPLETIONS = topics.completion(WORKER)
-REDIS_DB = 8  # this module's own: its worker's audit stream holds only its records
 _next_edge = iter(SPARE_EDGES)  # each test sends as an edge of its own
 
 
@@ -120,16 +119,17 @@ def mqtt() -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
+def worker_redis(fresh_redis_db: Callable[[], str]) -> str:
+    """This module's own database: its worker's audit stream holds only its records."""
+    return fresh_redis_db()
+
+
+@pytest.fixture(scope="module")
 def worker(
-    mqtt: ServerProcess, redis_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
+    mqtt: ServerProcess, worker_redis: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServiceThread]:
     folder = tmp_path_factory.mktemp("returns")
-    url = f"redis://{redis_server.host}:{redis_server.port}/{REDIS_DB}"
-    client = redis.Redis.from_url(url)
-    try:
-        client.flushdb()
-    finally:
-        client.close()
+    url = worker_redis
     settings = load_settings(
         mqtt={"port": mqtt.port, "plaintext": True},  # one role on a plain Mosquitto
         pool={
@@ -216,7 +216,7 @@ def test_an_edge_the_policy_does_not_list_has_its_work_refused_unread(
 
 
 def test_work_on_a_topic_naming_no_edge_is_refused_before_decoding_and_audited(
-    worker: ServiceThread, edge: Edge, redis_server: ServerProcess, mqtt: ServerProcess
+    worker: ServiceThread, edge: Edge, worker_redis: str, mqtt: ServerProcess
 ) -> None:
     lost = f"lost-{uuid.uuid4().hex[:8]}"
     edge.send(WorkSpec(job_id=lost, edge="").message())  # .../work/ matches .../work/+
@@ -233,7 +233,7 @@ def test_work_on_a_topic_naming_no_edge_is_refused_before_decoding_and_audited(
             pass
     finally:
         telemetry.close()
-    client = redis.Redis(host=redis_server.host, port=redis_server.port, db=REDIS_DB)
+    client = redis.Redis.from_url(worker_redis)
     try:
         entries = list(RedisStreamAuditStore(client, audit_stream_key(WORKER)).entries())
     finally:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 import redis
 
@@ -20,3 +24,31 @@ def test_redis_fixture_answers(redis_url: str, unique: str) -> None:
 def test_mosquitto_fixture_answers_connect(mosquitto: ServerProcess) -> None:
     assert _ping("mosquitto", mosquitto.host, mosquitto.port)
     assert mosquitto.process.poll() is None
+
+
+def test_each_fresh_redis_database_is_a_tests_own(fresh_redis_db: Callable[[], str]) -> None:
+    first, second = fresh_redis_db(), fresh_redis_db()
+    assert first != second
+    a, b = redis.Redis.from_url(first), redis.Redis.from_url(second)
+    try:
+        a.set("campus:key", "1")
+        assert b.get("campus:key") is None
+    finally:
+        a.close()
+        b.close()
+
+
+def test_no_test_names_a_redis_database_by_number() -> None:
+    # Two modules that picked the same number of the session's Redis shared their data (one
+    # failed a CI run): its databases come from fresh_redis_db() only, and conftest's
+    # redis_url keeps to database 0. Servers a test starts for itself are its own.
+    here = Path(__file__).parent
+    numbered = re.compile(r"redis_server\.port\}/\d|/\{(?:REDIS_)?DB\}|redis_server\.port, db=")
+    found = [
+        f"{path.relative_to(here)}:{number}"
+        for path in sorted(here.rglob("*.py"))
+        if path.name not in ("conftest.py", "test_redis_sentinel.py")  # its servers: its own
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if numbered.search(line) and "numbered = " not in line
+    ]
+    assert found == []

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -18,7 +18,7 @@ import pytest
 from sluicegate import topics, wire
 from sluicegate.app.campus import LINES, OBSERVER, WORKERS
 from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
-from sluicegate.app.servers import ServerProcess, free_port, running
+from sluicegate.app.servers import free_port, running
 from sluicegate.app.traffic import Sample, Tally, stream
 from sluicegate.twin import trace as tr
 from sluicegate.twin.capture import Capture, CaptureError
@@ -302,13 +302,13 @@ def test_the_interval_is_measured_and_the_end_waits_for_every_edge() -> None:
 
 @pytest.fixture(scope="module")
 def campus(
-    tmp_path_factory: pytest.TempPathFactory, redis_server: ServerProcess
+    tmp_path_factory: pytest.TempPathFactory, fresh_redis_db: Callable[[], str]
 ) -> Iterator[LocalCampus]:
     root = tmp_path_factory.mktemp("twin-record-campus")
     lc = LocalCampus(
         root,
         mqtt_port=free_port(),
-        redis_url=f"redis://127.0.0.1:{redis_server.port}/6",
+        redis_url=fresh_redis_db(),
         key_for=key,
     )
     with running(start_campus_mosquitto(lc.write())):

@@ -35,6 +35,7 @@ from sluicegate import topics, wire
 from sluicegate.config import ConsoleSettings
 from sluicegate.errors import StoreUnavailable, TransportError
 from sluicegate.policy_feed import PolicyFeed
+from sluicegate.store import reached
 from sluicegate.transport import Message, Transport
 from sluicegate.wire_pool import JobNotice
 
@@ -86,10 +87,8 @@ class Console:
 
     async def sync_holds(self) -> None:
         """Read the holds in force from Redis and apply them to this replica."""
-        try:
+        with reached("read the operators' holds"):
             raw = await self._redis.hgetall(keys.operator_holds())
-        except (OSError, aioredis.RedisError) as exc:
-            raise StoreUnavailable(f"cannot read the operators' holds: {exc}") from exc
         self._apply(parse_holds(raw))
 
     def _apply(self, holds: dict[str, Hold]) -> None:
@@ -121,13 +120,11 @@ class Console:
             workers=policy.worker_zones,
             edges=policy.edges_by_id,
         )
-        try:
+        with reached("store the operator's action"):
             if outcome.put is not None:
                 await self._redis.hset(keys.operator_holds(), outcome.put.field, outcome.put.dump())
             if outcome.lift is not None:
                 await self._redis.hdel(keys.operator_holds(), outcome.lift)
-        except (OSError, aioredis.RedisError) as exc:
-            raise StoreUnavailable(f"cannot store the operator's action: {exc}") from exc
         self._broker.audit.add(action.target, encode(outcome.record), f"operator.{action.action}")
         await self.sync_holds()
         log.warning("operator %s: %s %s %s", who.name, action.action, action.target, action.note)
@@ -229,10 +226,8 @@ class Console:
 
     async def _refresh_dead_letters(self) -> None:
         recent = await self._broker.inflight.dead_letters(DEAD_LETTERS_SHOWN)
-        try:
+        with reached("count the dead letters"):
             count = int(await self._redis.zcard(keys.dead_letters()))
-        except (OSError, aioredis.RedisError) as exc:
-            raise StoreUnavailable(f"cannot count the dead letters: {exc}") from exc
         self._dead = {"count": count, "recent": recent}
 
     def snapshot(self) -> dict[str, Any]:
@@ -263,10 +258,8 @@ class Console:
 
     async def _audit_records(self, job_id: str) -> list[dict[str, Any]]:
         stream = audit_stream_key(self._broker.settings.id)
-        try:
+        with reached("read the audit log"):
             rows = await self._redis.xrevrange(stream, count=AUDIT_SCAN)
-        except (OSError, aioredis.RedisError) as exc:
-            raise StoreUnavailable(f"cannot read the audit log: {exc}") from exc
         found = []
         for _id, fields in rows or []:
             entry = next(iter((fields or {}).values()), b"")

@@ -263,6 +263,9 @@ def start_mosquitto_conf(
 APPENDFSYNC = ("always", "everysec", "no")
 
 
+REDIS_DATABASES = 64  # a test session hands each module a database of its own
+
+
 def start_redis(
     *,
     port: int | None = None,
@@ -293,6 +296,8 @@ def start_redis(
         "127.0.0.1",
         "--save",
         "",
+        "--databases",
+        str(REDIS_DATABASES),
         "--appendonly",
         "yes" if appendonly else "no",
         "--appendfsync",

@@ -23,6 +23,7 @@ from sluicegate.doctor import gather, judge, judge_node
 from sluicegate.doctor.facts import Connect, Finding, PolicyState, RoundTrip, Running, skip
 from sluicegate.errors import ConfigError
 from sluicegate.identity import certificate_name
+from sluicegate.policy_feed import ANCHOR_FILE
 from sluicegate.policy_standing import standing
 
 
@@ -89,7 +90,11 @@ def node_of(settings: Settings, role: Role) -> Node:
             policy_file=offload.policy_file,
             policy_setting="[offload] policy_file",
             # As the agent: it follows any policy it is given, offload on or off.
-            uses_policy=bool(offload.enabled or offload.policy_file or offload.state_dir),
+            uses_policy=bool(
+                offload.enabled
+                or offload.policy_file
+                or (offload.state_dir and (offload.state_dir / ANCHOR_FILE).exists())
+            ),
             models_dir=edge.models_dir or default_models_dir(),
             models_setting="[edge] models_dir",
             zone=edge.zone,
@@ -177,9 +182,7 @@ def diagnose(
             judge_node.judge_policy(policy, role, node.policy_setting, now=clock(), found=found)
         )
     else:
-        out.append(
-            skip("policy", "none given (offload off, no policy_file, no enrolled state_dir)")
-        )
+        out.append(skip("policy", "none given (offload off, no policy_file, no pinned anchor)"))
     if node.models_dir is not None:
         out.append(judge_node.judge_models(gather.models(node.models_dir, node.models_setting)))
     else:
