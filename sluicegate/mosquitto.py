@@ -48,11 +48,16 @@ def plant_config(
     port: int = 8883,
     bind: str = "0.0.0.0",
     persistence_dir: Path = Path("/var/lib/mosquitto"),
+    user: str = "mosquitto",
 ) -> str:
-    """A complete ``mosquitto.conf`` for a plant's campus broker."""
+    """A complete ``mosquitto.conf`` for a plant's campus broker. Mosquitto started as root
+    drops to ``user``, which must read the CA, certificate, key and ACL and write the
+    persistence folder; it logs to stderr (the journal under systemd)."""
     lines = [
         "# Mosquitto for a Sluicegate campus, written by 'sluicegate mosquitto config'.",
         "# Reload the ACL after each policy change: regenerate it, then send SIGHUP.",
+        f"# Runs as {user}: it must read the files below and write {persistence_dir}/.",
+        f"user {user}",
         *secure_listener(port, bind, tls),
         "set_tcp_nodelay true",
         "persistence true",
@@ -61,7 +66,7 @@ def plant_config(
         "max_queued_messages 100000",
         "max_inflight_messages 0",
         "queue_qos0_messages false",
-        "log_dest syslog",
+        "log_dest stderr",
         "log_type error",
         "log_type warning",
         "log_type notice",

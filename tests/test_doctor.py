@@ -758,6 +758,7 @@ def test_mosquitto_config_serves_the_campus(tmp_path: Path) -> None:
     args = ["mosquitto", "config", "--ca", str(tls.cafile), "--cert", str(tls.certfile)]
     args += ["--key", str(tls.keyfile), "--acl", str(tls.acl_file), "--port", str(campus.mqtt_port)]
     args += ["--bind", "127.0.0.1", "--persistence-dir", str(conf.parent), "--out", str(conf)]
+    args += ["--user", getpass.getuser()]  # a plant's runs as user mosquitto, the default
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     text = conf.read_text()
@@ -768,10 +769,10 @@ def test_mosquitto_config_serves_the_campus(tmp_path: Path) -> None:
         "allow_anonymous false",
         f"acl_file {tls.acl_file}",
         "set_tcp_nodelay true",
+        f"user {getpass.getuser()}",  # the folders it reads and writes must be this user's
+        "log_dest stderr",  # the journal under systemd, not syslog alone
     ):
         assert f"{line}\n" in text
-    with conf.open("a") as handle:
-        handle.write(f"user {getpass.getuser()}\n")  # a plant's runs as user mosquitto
     with running(start_mosquitto_conf(conf, port=campus.mqtt_port, probe=campus.client_context())):
         TlsClient(campus, EDGE).close()  # a campus certificate logs in
         assert refused_login(campus, None)  # no certificate: no session

@@ -89,17 +89,23 @@ def mosquitto_config(
     persistence_dir: Annotated[
         Path, typer.Option(help="Where Mosquitto keeps sessions and retained messages.")
     ] = Path("/var/lib/mosquitto"),
+    user: Annotated[
+        str, typer.Option(help="The user Mosquitto runs as once started (as root).")
+    ] = "mosquitto",
     out: Annotated[Path | None, typer.Option(help="Write here instead of stdout.")] = None,
 ) -> None:
     """Print the mosquitto.conf a campus needs: TLS with client certificates required, each
-    identity its username and client id, no anonymous clients, the ACL, set_tcp_nodelay."""
+    identity its username and client id, no anonymous clients, the ACL, set_tcp_nodelay,
+    the user it runs as, logs to stderr (the journal)."""
     from sluicegate.mosquitto import ListenerTls, plant_config
 
     for flag, path in (("--ca", ca), ("--cert", cert), ("--key", key), ("--acl", acl)):
         if not path.is_file():
             _usage(f"{flag} {path} is not a file")
     tls = ListenerTls(ca.resolve(), cert.resolve(), key.resolve(), acl.resolve())
-    text = plant_config(tls, port=port, bind=bind, persistence_dir=persistence_dir.resolve())
+    text = plant_config(
+        tls, port=port, bind=bind, persistence_dir=persistence_dir.resolve(), user=user
+    )
     if out is None:
         typer.echo(text, nl=False)
         return
