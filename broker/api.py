@@ -21,13 +21,10 @@ from aiohttp import web
 from broker.console.board import Console as Board
 from broker.console.routes import Access, add_console, guard
 from broker.metrics import CONTENT_TYPE
+from broker.view import FLEET_PAGE, FLEET_PAGE_MAX
 from sluicegate.errors import StoreUnavailable
 
 Console = tuple[Board, Access]
-
-
-FLEET_PAGE = 1000  # edges GET /fleet shows unless asked for fewer
-FLEET_PAGE_MAX = 5000
 
 
 class BrokerView(Protocol):

@@ -15,7 +15,6 @@ from collections import defaultdict
 from dataclasses import asdict
 from typing import Any
 
-from broker.api import FLEET_PAGE
 from broker.audit_check import AuditChecker
 from broker.exposition import refresh
 from broker.metering import UsageIngest
@@ -24,6 +23,9 @@ from broker.service import Broker
 from policies import Policy
 from sluicegate.policy_feed import PolicyFeed
 from sluicegate.transport import Transport
+
+FLEET_PAGE = 1000  # edges GET /fleet shows unless asked for fewer
+FLEET_PAGE_MAX = 5000
 
 
 class HttpView:

@@ -194,3 +194,80 @@ def test_the_plumbing_never_imports_the_composition_root() -> None:
                 ):
                     leaks.append(f"{name} imports {imported_name}")
     assert leaks == []
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Each project module's name and the project modules it imports (at any depth of its
+    code, a function's body included), less its own ancestor packages: a submodule's
+    ``from pkg import sibling`` runs pkg's ``__init__``, which is loading already."""
+    modules: dict[str, Path] = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            modules[name.removesuffix(".__init__")] = path
+
+    def module_of(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in _runs(ast.parse(path.read_text(), filename=str(path))):
+            wanted: list[str] = []
+            if isinstance(node, ast.Import):
+                wanted = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                subs = [f"{node.module}.{alias.name}" for alias in node.names]
+                wanted = [s for s in subs if s in modules]
+                if len(wanted) < len(subs):  # a name defined in node.module itself
+                    wanted.append(node.module)
+            for target in filter(None, map(module_of, wanted)):
+                if target != name and not name.startswith(target + "."):
+                    found.add(target)
+        graph[name] = found
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        order[node] = low[node] = len(order)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in order:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], order[nxt])
+        if low[node] == order[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in order:
+            visit(node)
+    return groups
+
+
+def test_no_two_modules_import_each_other_even_inside_a_function() -> None:
+    graph = _module_graph()
+    assert len(graph) > 200  # the scan saw the project
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_loop_through_three_modules() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]

@@ -28,6 +28,7 @@ from broker import keys
 from broker.console import figures
 from broker.console.auth import Who
 from broker.console.holds import Action, ActionRefused, Hold, act, cordoned, parse_holds, paused
+from broker.console.snapshot import build  # the document's shape lives there
 from broker.decision_audit import encode
 from broker.service import Broker
 from policies.redis_stores import audit_stream_key
@@ -231,8 +232,6 @@ class Console:
         self._dead = {"count": count, "recent": recent}
 
     def snapshot(self) -> dict[str, Any]:
-        from broker.console.snapshot import build  # the document's shape lives there
-
         return build(self, self._broker, self._feed, self._clock())
 
     @property
