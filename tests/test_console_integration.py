@@ -22,9 +22,10 @@ from sluicegate.app.broker_http import get, get_json, post_json, token_beside
 from sluicegate.app.servers import ServerProcess
 from sluicegate.config import Settings
 from tests.support import ServiceThread, wait_until
-from tests.test_broker_integration import WORKERS, Fleet, ask, broker, campus, fleet
+from tests.test_broker_integration import WORKERS, Fleet, ask, broker, campus, campus_redis, fleet
 
-__all__ = ["broker", "campus", "fleet"]  # fixtures, shared with the broker's own tests
+# Fixtures, shared with the broker's own tests.
+__all__ = ["broker", "campus", "campus_redis", "fleet"]
 pytestmark = pytest.mark.integration
 DC = ("north-a", "north-b", "north-gpu")  # the workers a campus-only class may use
 
@@ -68,8 +69,8 @@ def held(broker: tuple[ServiceThread, Settings]) -> Iterator[Settings]:
         assert _act(settings, "operator", verb, hold["target"])[0] == 200
 
 
-def _audited(redis_server: ServerProcess, kind: str) -> list[dict[str, Any]]:
-    client = redis.Redis(port=redis_server.port)
+def _audited(campus_redis: str, kind: str) -> list[dict[str, Any]]:
+    client = redis.Redis.from_url(campus_redis)
     store = RedisStreamAuditStore(client, audit_stream_key("broker-1"))
     found = [decode_record(entry) for entry in store.entries()]
     client.close()
@@ -142,7 +143,7 @@ def test_bad_actions_get_a_clear_error_and_change_nothing(held: Settings) -> Non
 
 
 def test_cordoned_workers_get_no_placements_until_lifted_and_it_is_audited(
-    held: Settings, fleet: Fleet, mosquitto: ServerProcess, redis_server: ServerProcess
+    held: Settings, fleet: Fleet, mosquitto: ServerProcess, campus_redis: str
 ) -> None:
     _online(fleet, held)
     assert ask(mosquitto).status == "placed"
@@ -160,12 +161,12 @@ def test_cordoned_workers_get_no_placements_until_lifted_and_it_is_audited(
     assert _act(held, "operator", "uncordon", "north-b")[0] == 200
     placed = ask(mosquitto)
     assert (placed.status, placed.worker_id) == ("placed", "north-b")
-    records = _audited(redis_server, "operator.cordon")
+    records = _audited(campus_redis, "operator.cordon")
     cordoned = [json.loads(r["decisions"])[0] for r in records]
     assert {(c["target"], c["by"], c["note"]) for c in cordoned} >= {
         (w, "operator", "maintenance") for w in DC
     }
-    assert _audited(redis_server, "operator.uncordon")
+    assert _audited(campus_redis, "operator.uncordon")
 
 
 def test_a_drained_worker_shows_drained_once_it_holds_no_job(
