@@ -183,7 +183,8 @@ class Carrier:
 
     def _release(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
         if self._placement is not None:
-            self._placement.release(entry.job.job_id, effect.worker, effect.attempt, effect.why)
+            job_id, stalled = entry.job.job_id, effect.stalled
+            self._placement.release(job_id, effect.worker, effect.attempt, effect.why, stalled)
 
     def _record_attempt(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
         # Not awaited before the send: the outbox applies writes in order, so a return that
