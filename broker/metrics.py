@@ -124,12 +124,6 @@ class BrokerMetrics:
             "Jobs dead-lettered after max_worker_crashes workers died holding them",
             registry=r,
         )
-        self.stalled = Counter(
-            "sluicegate_workers_stalled",
-            "Placements an edge handed back because the worker did not take the work sent to "
-            "it (frozen, hung): the worker is out of placement until it reports again",
-            registry=r,
-        )
         self.released = Counter(
             "sluicegate_placements_released",
             "Placements an edge handed back unused (nothing sent to the worker): the slot "

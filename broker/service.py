@@ -246,29 +246,10 @@ class Broker:
         """An edge hands back a placement it will not use: the slot is free now, if it is
         the placement the job's record in Redis names (anything else changes nothing).
         Every replica hears it: Redis releases it once, and the replica whose view holds
-        the reservation drops it there. One handed back ``stalled`` (the worker never took
-        the work) also takes the worker out of placement until it reports again, on the
-        replica that placed it (whose view holds the reservation: an edge cannot take out
-        a worker its job was not placed on)."""
+        the reservation drops it there."""
         rel = _parse(PlacementRelease, msg)
-        if rel is None or not self.gate.own("release", "edge", msg, rel.edge_id):
-            return
-        if rel.stalled and self.fleet.reservation(rel.job_id) == rel.worker_id:
-            # This replica placed it there: at once, before the edge's next request for
-            # the job (right behind this message) is decided.
-            for view in self._views:
-                view.mark_stalled(rel.worker_id, self._clock())
-            self.metrics.stalled.inc()
-            log.warning(
-                "worker %s did not take job %s (attempt %d) from %s: out of placement until "
-                "it reports again (%s)",
-                rel.worker_id,
-                rel.job_id,
-                rel.attempt,
-                rel.edge_id,
-                rel.reason,
-            )
-        self.reaper.release(rel, self.waiting.freed)
+        if rel is not None and self.gate.own("release", "edge", msg, rel.edge_id):
+            self.reaper.release(rel, self.waiting.freed)
 
     @property
     def edges(self) -> dict[str, EdgeRow]:

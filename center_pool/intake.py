@@ -127,18 +127,6 @@ def refuse(work: Work, code: str, reason: str, *, token_passed: bool = False) ->
     )
 
 
-def work_receipt(msg: Message) -> tuple[str, str, int] | None:
-    """What a receipt for work message ``msg`` names, read cheaply and trusting nothing but
-    the topic (which the ACL lets only its edge write): (job id, edge id, attempt), or None
-    when it names no job, edge or attempt a receipt could go to."""
-    edge = topics.sender(msg.topic)
-    job_id = msg.user_property(topics.PROP_JOB_ID)
-    attempt = _attempt(msg.user_property(topics.PROP_ATTEMPT))
-    if edge is None or not _valid_id(edge) or not job_id or len(job_id) > 128 or not attempt:
-        return None
-    return job_id, edge, attempt
-
-
 def read_work(msg: Message, *, limits: Limits, now: float, worker_id: str) -> Work | WorkRefusal:
     """Step 1: what the token is checked against; never raises for bad input."""
     props: dict[str, str] = {}

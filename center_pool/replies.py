@@ -106,23 +106,6 @@ class Replies:
             self.send(out)
         return out
 
-    def taken(self, job_id: str, edge_id: str, attempt: int) -> None:
-        """Tell the job's edge its work of ``attempt`` is in this worker's queue: a receipt
-        with no payload, QoS 0 (one lost costs a needless re-placement, which is fenced)."""
-        props = (
-            (topics.PROP_JOB_ID, job_id),
-            (topics.PROP_ATTEMPT, str(attempt)),
-            (topics.PROP_WORKER, self._settings.id),
-            (topics.PROP_TAKEN, str(attempt)),
-        )
-        message = Message(
-            topics.edge_returns(edge_id, self._settings.id), b"", qos=0, user_properties=props
-        )
-        try:
-            self._transport.publish_nowait(message)
-        except TransportError as exc:
-            log.warning("could not tell edge %s job %s was taken: %s", edge_id, job_id, exc)
-
     def send(self, out: Outgoing) -> None:
         """Publish a result built with ``hold``."""
         self._publish(out.topic, out.payload, out.correlation, out.job_id, out.props)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from center_pool.batching import BatchQueue, Entry, start_by
 from center_pool.gate import Gate, Passed, Stopped, audit_data
 from center_pool.guard import REFUSED, AuditSink, check_cancelled
-from center_pool.intake import Work, WorkItem, WorkRefusal, admit_work, refuse, work_receipt
+from center_pool.intake import Work, WorkItem, WorkRefusal, admit_work, refuse
 from center_pool.replies import Replies
 from center_pool.reporting import ServiceStats
 from policies import PlacementClaims
@@ -81,13 +81,8 @@ class Intake:
         return bool(self._waiting or self._screening)
 
     def take(self, msg: Message) -> None:
-        """Queue ``msg``, stamped with the time it arrived, for the loop, and tell its edge
-        it was taken: a receipt at once, before any screening (a worker that reads its work
-        is alive; what it then makes of the work, the result says)."""
+        """Queue ``msg``, stamped with the time it arrived, for the loop."""
         self._waiting.append((msg, self._clock()))
-        receipt = work_receipt(msg)
-        if receipt is not None:
-            self._replies.taken(*receipt)
         self.wake()
 
     def wake(self) -> None:

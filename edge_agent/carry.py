@@ -183,8 +183,7 @@ class Carrier:
 
     def _release(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
         if self._placement is not None:
-            job_id, stalled = entry.job.job_id, effect.stalled
-            self._placement.release(job_id, effect.worker, effect.attempt, effect.why, stalled)
+            self._placement.release(entry.job.job_id, effect.worker, effect.attempt, effect.why)
 
     def _record_attempt(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
         # Not awaited before the send: the outbox applies writes in order, so a return that

@@ -49,7 +49,7 @@ from edge_agent.load import PredictionErrors
 from edge_agent.metering import EdgeMetering
 from edge_agent.offload import PlacementClient
 from edge_agent.outbox import Accepted, Outbox, Stored
-from edge_agent.returns import Receipt, not_run, read_notice, read_receipt, read_return, retry_job
+from edge_agent.returns import not_run, read_notice, read_return, retry_job
 from edge_agent.rules import Placement
 from edge_agent.tally import Tally
 from edge_agent.trace_log import TraceLog, refusal_of
@@ -188,11 +188,7 @@ class Dispatcher:
 
     def on_return(self, msg: Message) -> None:
         """A worker's result for a job this edge offloaded (manual ack: acked once it is
-        committed, or at once when it is discarded); or its receipt for the work."""
-        receipt = read_receipt(msg)
-        if receipt is not None:
-            self._receipt(receipt, msg)
-            return
+        committed, or at once when it is discarded)."""
         ret = read_return(msg)
         if isinstance(ret, str):
             self._unreadable(msg, Tally.BAD_RETURNS, ret)
@@ -208,15 +204,6 @@ class Dispatcher:
             return
         entry.returned = (ret.payload, ret.result)
         self.dispatch(entry, event, msg)
-
-    def _receipt(self, receipt: Receipt | str, msg: Message) -> None:
-        if isinstance(receipt, str):
-            self._unreadable(msg, Tally.BAD_RETURNS, receipt)
-            return
-        entry = self.table.get(receipt.job_id)
-        if entry is not None:  # a job concluded meanwhile has no use for it
-            self.dispatch(entry, ev.Taken(receipt.attempt, receipt.worker_id), msg)
-        self._transport.ack(msg)  # QoS 0: nothing to ack, said for every subscription alike
 
     def on_notice(self, msg: Message) -> None:
         """The broker says a placed job's worker was lost, or the job is dead-lettered."""

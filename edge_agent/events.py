@@ -61,8 +61,6 @@ class Life(NamedTuple):
     declined: Declined | None = None  # why it stayed here, for the result's offload field
     expires_at: float | None = None  # offloaded: when to stop waiting for the return
     rescue_at: float | None = None  # offloaded: when only a run here can meet the deadline
-    take_by: float | None = None  # offloaded: when the worker's receipt is overdue (stalled)
-    taken: int = 0  # the latest attempt whose worker sent its receipt
     predicted: float | None = None  # when it would finish here, as first predicted
     ack_return: bool = False  # finishing a worker's return: ack it once committed
     forwarded: bool = False  # finishing a return published before its commit
@@ -75,12 +73,7 @@ class Life(NamedTuple):
         """Offloaded, and its return waited for until a moment the rules act on."""
         if self.phase != "offloaded":
             return False
-        later = now + 1.0
-        return (
-            (self.expires_at or 0.0) <= now
-            or (self.rescue_at or later) <= now
-            or (self.take_by or later) <= now
-        )
+        return (self.expires_at or 0.0) <= now or (self.rescue_at or now + 1.0) <= now
 
     @property
     def holds_slot(self) -> bool:
@@ -146,14 +139,6 @@ class Returned:
 
 
 @dataclass(frozen=True, slots=True)
-class Taken:
-    """The worker of ``attempt`` has its work: its receipt (sent as it read the message)."""
-
-    attempt: int
-    worker: str
-
-
-@dataclass(frozen=True, slots=True)
 class WorkerLost:
     attempt: int
     reason: str
@@ -201,7 +186,6 @@ Event = (
     | SendFailed
     | AttemptRecorded
     | Returned
-    | Taken
     | WorkerLost
     | DeadLettered
     | Overdue
@@ -219,7 +203,6 @@ EVENTS: tuple[type[Event], ...] = (
     SendFailed,
     AttemptRecorded,
     Returned,
-    Taken,
     WorkerLost,
     DeadLettered,
     Overdue,
@@ -262,13 +245,9 @@ class Send:
 
 @dataclass(frozen=True, slots=True)
 class Release:
-    """Hand ``attempt``'s placement back to the broker; ``stalled``: its work was sent and
-    the worker did not take it in time (the broker places nothing more there for now)."""
-
     attempt: int
     worker: str
     why: str
-    stalled: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -155,9 +155,6 @@ def _placed(life: Life, placement: Placement, now: float, o: Outlook, *effects: 
     attempt = life.asking
     expires = rules.offload_expiry(now, o.result_timeout_s, life.deadline)
     rescue = rules.rescue_at(life.deadline, now, o.predicted_done)
-    receipt = (
-        None if life.taken >= attempt else rules.take_by(now, life.deadline, o.result_timeout_s)
-    )
     return _to(
         life,
         "offloaded",
@@ -168,7 +165,6 @@ def _placed(life: Life, placement: Placement, now: float, o: Outlook, *effects: 
         worker=placement.worker_id,
         expires_at=expires,
         rescue_at=rescue,
-        take_by=receipt,
         ahead=None,
         early=False,
     )
@@ -341,32 +337,10 @@ def _dead_lettered(life: Life, event: Any, now: float, o: Outlook) -> Move:
     return _dead_letter(life._replace(asking=0), event.reason, ev.Ack())
 
 
-def _taken(life: Life, event: Any, now: float, o: Outlook) -> Move:
-    """The worker of ``attempt`` sent its receipt: it is not stalled (a receipt for an
-    attempt before the latest one changes nothing)."""
-    assert isinstance(event, ev.Taken)
-    if event.attempt <= life.taken:
-        return _stay(life)
-    life = life._replace(taken=event.attempt)
-    if life.phase == "offloaded" and event.attempt == life.attempt:
-        life = life._replace(take_by=None)
-    return _stay(life)
-
-
 def _overdue(life: Life, event: Any, now: float, o: Outlook) -> Move:
-    """The return waited for long enough: a worker that sent no receipt for its work by
-    ``take_by`` is stalled (frozen, hung), and the job is rerouted at once, the placement
-    handed back as stalled so the broker places nothing more there for now; after
-    ``result_timeout_s`` the attempt is lost and the job rerouted; before it, once only a
-    run here can still meet the deadline, the job joins the local queue (the worker's
-    return is still taken if it comes first)."""
-    if life.take_by is not None and life.take_by <= now:
-        wait_ms = (life.take_by - life.since) * 1000.0
-        worker = life.worker or "the worker"
-        why = Declined("worker_stalled", f"{worker} did not take the work within {wait_ms:.0f} ms")
-        release = ev.Release(life.attempt, life.worker or "", why.reason, stalled=True)
-        count = ev.Count(Tally.WORKERS_STALLED)
-        return _reroute(life._replace(take_by=None), why, now, o, release, count)
+    """The return waited for long enough: after ``result_timeout_s`` the attempt is lost
+    and the job rerouted; before it, once only a run here can still meet the deadline, the
+    job joins the local queue (the worker's return is still taken if it comes first)."""
     if (life.expires_at or 0.0) <= now:
         by_deadline = life.deadline is not None and life.expires_at == life.deadline
         waited = "by the job's deadline" if by_deadline else f"within {o.result_timeout_s} s"
@@ -459,7 +433,6 @@ def _table() -> dict[tuple[Phase, type[Any]], Rule]:
         table[phase, ev.SendFailed] = _send_failed
         table.setdefault((phase, ev.Answered), _answered_late)
         table[phase, ev.Start] = _start if phase == "queued" else _ignore
-        table[phase, ev.Taken] = _ignore if phase == "concluded" else _taken
     for phase in (*live, "finishing"):
         table[phase, ev.Returned] = _returned
         table[phase, ev.WorkerLost] = _worker_lost

@@ -231,12 +231,9 @@ class PlacementClient:
         while len(self._given_up) > GIVEN_UP_KEPT:
             self._given_up.popitem(last=False)
 
-    def release(
-        self, job_id: str, worker_id: str, attempt: int, reason: str, stalled: bool = False
-    ) -> None:
-        """Hand ``attempt`` of ``job_id``, placed on ``worker_id`` and never sent there (or,
-        ``stalled``, sent and never taken), back to the broker. If this is lost, the
-        reservation expires by itself."""
+    def release(self, job_id: str, worker_id: str, attempt: int, reason: str) -> None:
+        """Hand ``attempt`` of ``job_id``, placed on ``worker_id`` and never sent there,
+        back to the broker. If this is lost, the reservation expires by itself."""
         self.released += 1
         release = PlacementRelease(
             job_id=job_id,
@@ -244,7 +241,6 @@ class PlacementClient:
             worker_id=worker_id,
             attempt=attempt,
             reason=reason[:300],
-            stalled=True if stalled else None,
         )
         log.info("job %s: placement %d on %s handed back: %s", job_id, attempt, worker_id, reason)
         try:

@@ -1,9 +1,8 @@
 """What comes back to the edge about the jobs it offloaded, read off the wire: a worker's
-receipt for its work (:func:`read_receipt`), its return (:func:`read_return`) and a broker's
-notice (:func:`read_notice`), each either a value or the reason it cannot be one, and
-whether a returned result says the work never ran (:func:`not_run`), and the job a
-released dead letter's retry is (:func:`retry_job`). Pure: what the job then does is the
-lifecycle table's to say.
+return (:func:`read_return`) and a broker's notice (:func:`read_notice`), each either a
+value or the reason it cannot be one, and whether a returned result says the work never ran
+(:func:`not_run`), and the job a released dead letter's retry is (:func:`retry_job`). Pure:
+what the job then does is the lifecycle table's to say.
 """
 
 from __future__ import annotations
@@ -35,29 +34,6 @@ class Return:
     worker_id: str
     result: wire.JobResult
     payload: bytes  # forwarded to the app unchanged
-
-
-@dataclass(frozen=True, slots=True)
-class Receipt:
-    """A worker has taken the work of ``attempt`` of ``job_id`` (it read the message)."""
-
-    job_id: str
-    attempt: int
-    worker_id: str
-
-
-def read_receipt(msg: Message) -> Receipt | str | None:
-    """The receipt in ``msg`` (a return-topic message with the ``taken`` property), why it
-    cannot be one, or None when ``msg`` is not a receipt but a return."""
-    taken = msg.user_property(topics.PROP_TAKEN)
-    if taken is None:
-        return None
-    job_id = msg.user_property(topics.PROP_JOB_ID)
-    if not job_id:
-        return f"a receipt with no {topics.PROP_JOB_ID!r} user property"
-    if not (taken.isascii() and taken.isdigit()) or int(taken) < 1:
-        return f"{topics.PROP_TAKEN!r}={taken!r} is not an attempt number"
-    return Receipt(job_id, int(taken), topics.sender(msg.topic) or "")
 
 
 def read_return(msg: Message) -> Return | str:

@@ -163,23 +163,6 @@ def offload_expiry(sent_at: float, timeout_s: float, deadline: float | None) -> 
     return min(expiry, deadline) if deadline is not None else expiry
 
 
-TAKE_MIN_S = 0.05  # the shortest wait for a worker's receipt: a loaded campus's loop turn
-TAKE_SHARE = 0.25  # of the time left to the deadline, at most, spent waiting for it
-TAKE_NO_DEADLINE_S = 0.5  # the wait for a job with no deadline
-
-
-def take_by(now: float, deadline: float | None, result_timeout_s: float) -> float:
-    """When a worker that has not sent its receipt for work sent ``now`` counts as stalled
-    (frozen, hung, its loop stopped): a quarter of the time left to the deadline, but not
-    under ``TAKE_MIN_S``, so a stall costs a small part of the deadline and a busy worker's
-    loop turn is not taken for one; never later than the result timeout."""
-    if deadline is None:
-        wait = TAKE_NO_DEADLINE_S
-    else:
-        wait = max(TAKE_MIN_S, TAKE_SHARE * (deadline - now))
-    return now + min(wait, result_timeout_s)
-
-
 def rescue_at(deadline: float | None, now: float, predicted_done: float) -> float | None:
     """When an offloaded job whose return has not come must join the local queue to still
     meet its deadline: the deadline less what a run here takes now (``predicted_done`` is

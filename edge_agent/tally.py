@@ -28,7 +28,6 @@ class Tally(StrEnum):
     STALE_NOTICES = "stale_notices"  # a notice for an attempt no longer current
     RETRIES = "retries"  # released dead letters run again as new jobs
     WORKERS_LOST = "workers_lost"  # the broker says the attempt's worker is gone
-    WORKERS_STALLED = "workers_stalled"  # a worker sent no receipt for its work in time
     OFFLOAD_TIMEOUTS = "offload_timeouts"  # no return within result_timeout_s
     OFFLOAD_RESCUES = "offload_rescues"  # no return yet, queued here to meet the deadline
     SENT_BEFORE_COMMIT = "sent_before_commit"  # attempt 1 sent while its acceptance committed

@@ -34,10 +34,6 @@ PROP_EDGE = "edge-id"
 # earlier attempt than the edge's current one are discarded (fencing).
 PROP_ATTEMPT = "attempt"
 PROP_WORKER = "worker-id"
-# On a worker's return topic, QoS 0 and with no payload: the worker has taken the work of
-# this attempt into its queue (its value: the attempt). An edge that hears none soon enough
-# counts the worker stalled and places the job elsewhere.
-PROP_TAKEN = "taken"
 # The app a job is billed to, as the edge sends it with the work (empty when absent).
 PROP_OWNER = "owner"
 # A work message whose image is sealed to the target worker's key (HPKE, policies.sealing):

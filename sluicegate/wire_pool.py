@@ -83,10 +83,6 @@ class PlacementRelease(_Wire):
     worker_id: str = Field(min_length=1, max_length=64)
     attempt: int = Field(ge=1, le=1000)
     reason: str = Field("", max_length=300)
-    # The work was sent, and the worker did not take it in time (no "taken" receipt): the
-    # edge abandons the attempt, and the broker places nothing more there until the worker
-    # reports again. Absent (None) on a placement that was never used.
-    stalled: bool | None = None
 
 
 class ModelCapability(_Wire):

@@ -108,10 +108,8 @@ class FakePlacement:
     ``decline``; with ``slow``, an answer waits for :meth:`answer_all`. Records each request
     as (job id, attempt) in ``asked`` (and why, with the edge's own estimate, in
     ``reasons``), each work message sent in ``sent`` and each placement
-    handed back in ``released`` (and those handed back as stalled in ``stalled``);
-    ``early`` lists (job id, attempt) of the work sent for a job not in ``on_disk`` (the ids
-    the outbox has committed). The worker takes each work message sent (``receipt``, set by
-    the rig, sends its receipt) unless its job id is in ``frozen``."""
+    handed back in ``released``; ``early`` lists (job id, attempt) of the work sent for a
+    job not in ``on_disk`` (the ids the outbox has committed)."""
 
     decline: set[str] = field(default_factory=set)
     asked: list[tuple[str, int]] = field(default_factory=list)
@@ -120,9 +118,6 @@ class FakePlacement:
     on_disk: set[str] = field(default_factory=set)
     early: list[tuple[str, int]] = field(default_factory=list)
     released: list[tuple[str, int]] = field(default_factory=list)
-    stalled: list[tuple[str, int]] = field(default_factory=list)
-    frozen: set[str] = field(default_factory=set)
-    receipt: Callable[[str, int], None] | None = None
     broker_available: bool = True
     slow: bool = False
     _waiting: list[asyncio.Future[None]] = field(default_factory=list)
@@ -148,17 +143,13 @@ class FakePlacement:
                 answer.set_result(None)
         return len(waiting)
 
-    def release(
-        self, job_id: str, worker_id: str, attempt: int, reason: str, stalled: bool = False
-    ) -> None:
-        (self.stalled if stalled else self.released).append((job_id, attempt))
+    def release(self, job_id: str, worker_id: str, attempt: int, reason: str) -> None:
+        self.released.append((job_id, attempt))
 
     def send(self, job: Job, placement: Placement, *, attempt: int = 1) -> None:
         if job.job_id not in self.on_disk:
             self.early.append((job.job_id, attempt))
         self.sent.append((job.job_id, attempt))
-        if self.receipt is not None and job.job_id not in self.frozen:
-            self.receipt(job.job_id, attempt)
 
     async def start(self) -> None:
         return None
@@ -255,8 +246,6 @@ class EdgeRig:
         self.run_until(self.app.subscribe(APP_TOPIC, self.received.append))
         self.executor = HeldExecutor()
         self.placement = FakePlacement() if offload else None
-        if self.placement is not None:
-            self.placement.receipt = self.take
         self.settings = load_settings(
             edge={
                 "id": EDGE,
@@ -404,17 +393,6 @@ class EdgeRig:
                 )
             )
         )
-
-    def take(self, job_id: str, attempt: int) -> None:
-        """Worker w1 sends its receipt for the work of ``attempt`` (as it reads it)."""
-        props = (
-            (topics.PROP_JOB_ID, job_id),
-            (topics.PROP_ATTEMPT, str(attempt)),
-            (topics.PROP_WORKER, "w1"),
-            (topics.PROP_TAKEN, str(attempt)),
-        )
-        topic = topics.edge_returns(EDGE, "w1")
-        self.pool.publish_nowait(Message(topic, b"", qos=0, user_properties=props))
 
     def give_back(self, job_id: str, attempt: int) -> None:
         """Worker w1 (where every placement goes) returns its result for ``attempt``."""

@@ -276,10 +276,7 @@ def test_a_fresh_token_on_another_jobs_ciphertext_fails_to_open_and_the_right_on
         )
 
         def served() -> dict[str, Any] | None:
-            payload = intruder.get(timeout=10).payload
-            if not payload:  # the worker's receipt for the work: no result yet
-                return None
-            got = json.loads(payload)
+            got = json.loads(intruder.get(timeout=10).payload)
             return got if got.get("job_id") == right else None
 
         result = wait_until(served, timeout=20)

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from edge_agent import events as ev
-from edge_agent import rules
 from edge_agent.events import EVENTS, PHASES, IllegalMove, Life
 from edge_agent.lifecycle import NEEDS_OUTLOOK, TABLE, transition
 from edge_agent.rules import Declined, Outlook, Placement
@@ -36,7 +35,6 @@ SAMPLES: dict[type[Any], ev.Event] = {
     ev.SendFailed: ev.SendFailed(1),
     ev.AttemptRecorded: ev.AttemptRecorded(1),
     ev.Returned: ev.Returned(1, "w1"),
-    ev.Taken: ev.Taken(1, "w1"),
     ev.WorkerLost: ev.WorkerLost(1, "gone"),
     ev.DeadLettered: ev.DeadLettered("killed its workers"),
     ev.Overdue: ev.Overdue(),
@@ -85,31 +83,6 @@ def test_a_move_the_shell_gives_no_outlook_does_not_depend_on_it(
     ):
         moves = {transition(life, SAMPLES[event_type], NOW, o) for o in OTHER_OUTLOOKS}
         assert len(moves) == 1, moves
-
-
-def test_a_receipt_clears_only_its_own_attempts_wait() -> None:
-    waiting = Life(
-        "j1", None, "offloaded", attempt=2, worker="w1", expires_at=NOW + 1, take_by=NOW + 0.1
-    )
-    cleared, _ = transition(waiting, ev.Taken(2, "w1"), NOW, QUIET)
-    assert (cleared.take_by, cleared.taken) == (None, 2)
-    old, _ = transition(waiting, ev.Taken(1, "w1"), NOW, QUIET)  # a stale attempt's
-    assert (old.take_by, old.taken) == (NOW + 0.1, 1)
-    assert old.due(NOW + 0.2)
-    assert not cleared.due(NOW + 0.2)
-    # Taken before the placement is recorded (work sent while the acceptance commits): the
-    # placement then waits for no receipt.
-    early = Life("j1", None, "admitting", asking=1, taken=1, ahead=PLACED, early=True)
-    placed, _ = transition(early, ev.Accepted(), NOW, QUIET)
-    assert placed.phase == "offloaded"
-    assert placed.take_by is None
-
-
-def test_the_wait_for_a_receipt_is_a_quarter_of_what_is_left_but_never_tiny() -> None:
-    assert rules.take_by(NOW, NOW + 0.8, 3.0) == pytest.approx(NOW + 0.2)
-    assert rules.take_by(NOW, NOW + 0.1, 3.0) == pytest.approx(NOW + rules.TAKE_MIN_S)
-    assert rules.take_by(NOW, None, 3.0) == pytest.approx(NOW + rules.TAKE_NO_DEADLINE_S)
-    assert rules.take_by(NOW, NOW + 100.0, 3.0) == pytest.approx(NOW + 3.0)  # the timeout
 
 
 def admitting(**changes: Any) -> Life:
@@ -347,30 +320,6 @@ ROWS: list[tuple[str, Life, ev.Event, Outlook, str, list[str]]] = [
         Life("j1", None, "offloaded", attempt=1, expires_at=NOW + 1),
         ev.Overdue(),
         OFFLINE,
-        "offloaded",
-        [],
-    ),
-    (
-        "no receipt in time: stalled, handed back, asked again",
-        Life("j1", NOW + 2, "offloaded", attempt=1, worker="w1", expires_at=NOW + 1, take_by=NOW),
-        ev.Overdue(),
-        QUIET,
-        "offering",
-        ["Release", "Count", "Ask"],
-    ),
-    (
-        "no receipt in time, no broker: stalled, handed back, run here",
-        Life("j1", NOW + 2, "offloaded", attempt=1, worker="w1", expires_at=NOW + 1, take_by=NOW),
-        ev.Overdue(),
-        OFFLINE,
-        "queued",
-        ["Release", "Count", "Enqueue"],
-    ),
-    (
-        "receipt for the attempt: no longer waited for",
-        Life("j1", None, "offloaded", attempt=2, worker="w1", take_by=NOW + 0.1),
-        ev.Taken(2, "w1"),
-        QUIET,
         "offloaded",
         [],
     ),

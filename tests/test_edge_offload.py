@@ -193,17 +193,6 @@ class Rig:
         )
         return payload
 
-    def take(self, job_id: str, attempt: int, *, worker: str = WORKER) -> None:
-        """``worker`` sends its receipt for the work of ``attempt`` (QoS 0, no payload)."""
-        props = (
-            (topics.PROP_JOB_ID, job_id),
-            (topics.PROP_ATTEMPT, str(attempt)),
-            (topics.PROP_WORKER, worker),
-            (topics.PROP_TAKEN, str(attempt)),
-        )
-        topic = topics.edge_returns(self.agent.settings.id, worker)
-        self.pool.publish_nowait(Message(topic, b"", qos=0, user_properties=props))
-
     def notify(
         self,
         job_id: str,
@@ -706,8 +695,6 @@ async def test_a_released_dead_letter_runs_again_once_as_a_new_job(rig: Rig) -> 
 @pytest.mark.parametrize("result_timeout", [0.2])
 async def test_no_return_in_time_means_a_new_attempt(rig: Rig) -> None:
     job_id = rig.submit()
-    await rig.work(1)
-    rig.take(job_id, 1)  # the worker takes the work, and is never heard of again
     first, second = await rig.work(2)  # nobody answers the first: the edge asks again
     assert (
         first.user_property(topics.PROP_ATTEMPT),
@@ -719,49 +706,6 @@ async def test_no_return_in_time_means_a_new_attempt(rig: Rig) -> None:
     rig.give_back(job_id, 2)
     await rig.results(1)
     assert rig.agent.counters["offload_timeouts"] >= 1
-
-
-async def test_a_worker_that_does_not_take_its_work_is_stalled_and_the_job_placed_again(
-    rig: Rig,
-) -> None:
-    # A frozen worker (SIGSTOP, a hung driver) sends no receipt: after a quarter of the
-    # time left to the deadline the edge hands the placement back as stalled (the broker
-    # places nothing more there) and asks again; the frozen worker's late result is fenced.
-    job_id = rig.submit(deadline_ms=800)
-    await rig.work(1)
-    sent = time.monotonic()
-    (release,) = await rig.released(1)
-    waited = time.monotonic() - sent
-    assert (release.job_id, release.attempt, release.worker_id) == (job_id, 1, WORKER)
-    assert release.stalled is True
-    assert "did not take the work within" in release.reason
-    assert 0.15 <= waited < 0.6  # about 0.2 s: a quarter of what was left of 0.8 s
-    _, second = await rig.work(2)
-    assert second.user_property(topics.PROP_ATTEMPT) == "2"
-    rig.take(job_id, 2)
-    rig.give_back(job_id, 2)
-    (result,) = await rig.results(1)
-    assert json.loads(result.payload)["ran_on"]["kind"] == "pool"
-    rig.give_back(job_id, 1)  # the worker thaws and answers its stale attempt: fenced
-    await rig.broker.wait_for(lambda _: rig.agent.counters["fenced_returns"] >= 1, 5)
-    assert len(await rig.results(1)) == 1
-    assert rig.agent.counters["workers_stalled"] == 1
-    assert rig.requests[1].attempt == 2
-
-
-async def test_a_worker_that_takes_its_work_is_not_stalled(rig: Rig) -> None:
-    taken = rig.submit(deadline_ms=800)
-    await rig.work(1)
-    rig.take(taken, 1)
-    frozen = rig.submit(deadline_ms=800)  # sent later, waits as long: stalls after it
-    await rig.work(2)
-    (release,) = await rig.released(1)
-    assert (release.job_id, release.stalled) == (frozen, True)  # only the untaken one
-    rig.give_back(taken, 1)
-    (result,) = await rig.results(1)
-    assert json.loads(result.payload)["job_id"] == taken
-    assert json.loads(result.payload)["ran_on"]["kind"] == "pool"
-    assert rig.agent.counters["workers_stalled"] == 1
 
 
 async def test_work_the_worker_refused_runs_here(rig: Rig) -> None:

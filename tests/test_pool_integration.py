@@ -202,11 +202,7 @@ class App:
 
     def result(self, msg: Message) -> dict[str, Any]:
         got = self._take(
-            lambda r: (
-                r.topic == self.returns
-                and r.correlation_data == msg.correlation_data
-                and r.content_type == "application/json"  # not the worker's receipt
-            )
+            lambda r: r.topic == self.returns and r.correlation_data == msg.correlation_data
         )
         assert got.content_type == "application/json"
         doc: dict[str, Any] = json.loads(got.payload)

@@ -47,13 +47,6 @@ from tests.support import until
 
 REGISTRY = ModelRegistry.from_dir(default_models_dir())
 RESULTS = topics.edge_returns(EDGE, WORKER)
-
-
-def _is_result(msg: Message) -> bool:
-    """A result on the edge's returns topic, not the worker's receipt for the work."""
-    return msg.topic == RESULTS and msg.user_property(topics.PROP_TAKEN) is None
-
-
 KEY = SigningKey.generate()
 
 
@@ -89,7 +82,7 @@ class Pool:
     runner: asyncio.Future[None]
 
     def results(self) -> list[Message]:
-        return [m for m in self.broker.log if _is_result(m)]
+        return [m for m in self.broker.log if m.topic == RESULTS]
 
 
 async def _start(tmp_path: Path, *, held: bool = False) -> Pool:
@@ -147,7 +140,7 @@ def _work(job_id: str, *, owner: str | None = None, payload: bytes = JPEG) -> Me
 
 async def test_an_attempt_that_ran_is_recorded_signed_and_shipped(pool: Pool) -> None:
     pool.worker.on_message(_work("job-m1", owner="north-inspect"))
-    result = await pool.broker.wait_for(_is_result)
+    result = await pool.broker.wait_for(lambda m: m.topic == RESULTS)
     (signed,) = await pool.meter.ledger.unacked()
     r = signed.record
     assert signed.node_signature_valid(KEY.public)

@@ -58,7 +58,6 @@ class Edge:
     def __init__(self, port: int, edge_id: str) -> None:
         self.edge_id = edge_id
         self.inbox: queue.Queue[Got] = queue.Queue()
-        self.receipts: queue.Queue[Got] = queue.Queue()
         self._subacks: queue.Queue[int] = queue.Queue()
         connected = threading.Event()
         self.client = paho.Client(
@@ -77,15 +76,15 @@ class Edge:
 
     def _on_message(self, _c: paho.Client, _u: object, msg: paho.MQTTMessage) -> None:
         props = msg.properties
-        got = Got(
-            msg.topic,
-            bytes(msg.payload),
-            msg.qos,
-            getattr(props, "CorrelationData", None),
-            dict(getattr(props, "UserProperty", None) or []),
+        self.inbox.put(
+            Got(
+                msg.topic,
+                bytes(msg.payload),
+                msg.qos,
+                getattr(props, "CorrelationData", None),
+                dict(getattr(props, "UserProperty", None) or []),
+            )
         )
-        # A receipt (the worker took the work) is kept apart, as the edge agent reads it.
-        (self.receipts if topics.PROP_TAKEN in got.user_properties else self.inbox).put(got)
 
     def send(self, msg: Message) -> None:
         props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
@@ -184,19 +183,6 @@ def test_the_result_returns_to_the_edge_with_job_attempt_worker_and_correlation(
     assert result["outputs"]["label"] == TRUTH
     record = json.loads(done.payload)
     assert (record["attempt"], record["edge_id"], record["worker_id"]) == (2, edge.edge_id, WORKER)
-    # Before all that, as it read the work: its receipt, QoS 0 and empty, naming the attempt.
-    receipt = edge.receipts.get(timeout=5)
-    assert (receipt.topic, receipt.qos, receipt.payload) == (
-        topics.edge_returns(edge.edge_id, WORKER),
-        0,
-        b"",
-    )
-    assert receipt.user_properties == {
-        topics.PROP_JOB_ID: job,
-        topics.PROP_ATTEMPT: "2",
-        topics.PROP_WORKER: WORKER,
-        topics.PROP_TAKEN: "2",
-    }
 
 
 def test_a_refusal_returns_to_the_edge_too(worker: ServiceThread, edge: Edge) -> None:

@@ -13,7 +13,6 @@ broker's clock reading ``now``::
     fleet.release(job_id)                   # the job's Redis reservation ended or failed
     fleet.mark_full(worker_id, now)         # ... failed: other replicas filled the worker
     fleet.cordon(worker_id, True)           # an operator's drain or cordon (False: lifted)
-    fleet.mark_stalled(worker_id, now)      # an edge's work was not taken: out until telemetry
     fleet.expire(now, timeout_s)            # periodically; decide() also calls it
     fleet.use_policy(policy)                # a newly accepted policy; decide() also syncs
     fleet.service.snapshot() / .restore()   # learned service times, to persist if wanted
@@ -288,13 +287,6 @@ class Fleet:
         if worker_id in self._states:
             self._marked_full.add(worker_id)
             self.index.set_marked_full(worker_id, True)
-
-    def mark_stalled(self, worker_id: str, now: float) -> None:
-        """An edge says the worker did not take work sent to it (frozen, its loop hung):
-        out of placement, as a full one is, until its next telemetry sample shows it alive.
-        A stalled worker sends none, so it stays out without waiting for its telemetry to
-        go stale."""
-        self.mark_full(worker_id, now)
 
     def marked_full(self, worker_id: str) -> bool:
         return worker_id in self._marked_full

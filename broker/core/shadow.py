@@ -162,9 +162,6 @@ class Shadow:
     def cordon(self, worker_id: str, cordoned: bool) -> None:
         self.fleet.cordon(worker_id, cordoned)
 
-    def mark_stalled(self, worker_id: str, now: float) -> None:
-        self.fleet.mark_stalled(worker_id, now)
-
     def compare(
         self, request: PlacementRequest, production: Decision, in_force: Policy, *, now: float
     ) -> Compared:

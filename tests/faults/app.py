@@ -154,7 +154,7 @@ class App:
 @dataclass
 class Event:
     at: float  # time.monotonic()
-    kind: str  # completion, request, reply, work, taken, return, notice, status, retained-status
+    kind: str  # completion, request, reply, work, return, notice, status, retained-status
     node: str  # who produced it (worker, broker, edge) or whom it is about
     job_id: str | None = None
     attempt: int | None = None
@@ -255,11 +255,10 @@ class Observer:
     def _on_return(self, msg: Message) -> None:
         worker = msg.user_property(topics.PROP_WORKER) or "?"
         attempt = msg.user_property(topics.PROP_ATTEMPT)
-        taken = msg.user_property(topics.PROP_TAKEN) is not None  # a receipt, not a result
         self._add(
             Event(
                 time.monotonic(),
-                "taken" if taken else "return",
+                "return",
                 worker,
                 msg.user_property(topics.PROP_JOB_ID),
                 int(attempt) if attempt and attempt.isdigit() else None,
