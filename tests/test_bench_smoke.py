@@ -113,6 +113,12 @@ SMOKE = [
         ("malformed requests sent", "refusals received", "real jobs during the flood"),
     ),
     Smoke(
+        "frozen_worker.py",
+        "--smoke",
+        ("jobs after the freeze", "answers"),
+        CAMPUS_S,
+    ),
+    Smoke(
         "mqtt_read.py",
         "--messages 500 --rate 2000 --rounds 1",
         ("messages received by paho", "messages received by gapped"),

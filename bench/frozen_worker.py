@@ -1,0 +1,214 @@
+"""Benchmark: a campus worker frozen in the middle of a burst (``SIGSTOP``: a hung GPU
+driver, a long pause, a stalled disk), and what the jobs submitted in the second after the
+freeze made of it.
+
+One run is ``campus_burst``'s campus and traffic (a fresh secured local campus: broker,
+two edges capped to a share of a core, the on-campus worker ``north-cpu-1`` and the off-site
+``cloud-cpu-1``; ``--rate`` images/s per line, line 1 at ten times that for ``--burst`` s in
+volleys of 20; wafers 200 ms and campus only, metal parts may leave, one image in
+``--label-every`` a label for OCR, 1 s). ``--freeze-at`` s into the burst the on-campus
+worker is stopped with ``SIGSTOP``, and let go ``--frozen-for`` s later with ``SIGCONT``: to
+the broker it looks alive (its telemetry is not stale yet, its MQTT session still open).
+
+Printed: the deadline attainment of the jobs submitted in the second after the freeze (the
+figure a frozen worker costs), overall attainment and by kind, where the jobs ran, and the
+proofs that nothing was given up for it: jobs lost (submitted, never answered), answers that
+matched no waiting call (duplicates), wafer images answered off-site, and the edges' counts:
+jobs rescued (run on the line PC while it could still meet the deadline), returns timed out,
+workers reported lost, and results of a stale attempt fenced (the thawed worker's answers to
+work the edges had given up on). The target is issue 36's: 0.9 of the jobs submitted in the
+second after the freeze in time, with nothing lost or duplicated and no wafer image off-site.
+
+    .venv/bin/python bench/frozen_worker.py                 # about 40 s on 2 cores
+    .venv/bin/python bench/frozen_worker.py --rounds 3
+    .venv/bin/python bench/frozen_worker.py --smoke         # CI: a short burst
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import stats  # noqa: E402
+from sluicegate import wire  # noqa: E402
+from sluicegate.app.broker_http import get_json  # noqa: E402
+from sluicegate.app.demo import EDGE_CPU  # noqa: E402
+from sluicegate.app.localcampus import (  # noqa: E402
+    LocalCampus,
+    cpu_cap_available,
+    start_campus_mosquitto,
+)
+from sluicegate.app.servers import free_port, running, start_redis  # noqa: E402
+from sluicegate.app.traffic import KINDS, LABEL_EVERY, Sample, Tally, stream  # noqa: E402
+
+FROZEN = "north-cpu-1"  # the on-campus worker: the only place a wafer image may go
+BURST_AT = 1.0  # s into the stream
+TARGET = {"attainment_after_freeze": 0.9}
+EVENTS = ("fenced_returns", "offload_rescues", "offload_timeouts", "workers_lost")
+
+
+@dataclass
+class Timed(Tally):
+    """The apps' tally, and each answer's submission moment and whether it was in time."""
+
+    answers: list[tuple[float, str, bool]] = field(default_factory=list)
+
+    def record(self, line: str, sample: Sample, result: wire.JobResult, ms: float) -> None:
+        super().record(line, sample, result, ms)
+        in_time = result.status == "ok" and ms <= sample.kind.deadline_ms
+        self.answers.append((time.monotonic() - ms / 1000.0, sample.kind.name, in_time))
+
+
+def edge_events(http_port: int, token: str) -> dict[str, int]:
+    """The edges' counters that tell a stall's story, summed, from their latest telemetry
+    as the broker shows it (GET /fleet)."""
+    fleet = get_json(f"http://127.0.0.1:{http_port}/fleet", token, timeout=10)[1]
+    out = dict.fromkeys(EVENTS, 0)
+    for edge in fleet["edges"]:
+        for name in EVENTS:
+            out[name] += int(edge.get("events", {}).get(name, 0))
+    return out
+
+
+async def drive(campus: LocalCampus, tally: Timed, args: argparse.Namespace) -> float:
+    """Stream the traffic; freeze the worker ``--freeze-at`` s into the burst and thaw it
+    ``--frozen-for`` s later. Returns the moment it was frozen (``time.monotonic``)."""
+    pid = campus.pid(FROZEN)
+    assert pid is not None, f"{FROZEN} is not running"
+    seconds = BURST_AT + args.burst + 2.0
+    traffic = asyncio.ensure_future(
+        stream(
+            campus.campus,
+            args.rate,
+            seconds,
+            asyncio.Event(),
+            tally,
+            burst_at=BURST_AT,
+            burst_for=args.burst,
+            label_every=args.label_every,
+        )
+    )
+    await asyncio.sleep(BURST_AT + args.freeze_at)  # the traffic's own schedule
+    os.kill(pid, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:
+        await asyncio.sleep(args.frozen_for)  # as long as the fault lasts
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    await traffic
+    return frozen_at
+
+
+def one_run(redis_port: int, db: int, args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="sg-frozen-") as tmp:
+        campus = LocalCampus(
+            Path(tmp),
+            mqtt_port=free_port(),
+            redis_url=f"redis://127.0.0.1:{redis_port}/{db}",
+            edge_cpu=args.edge_cpu,
+        )
+        files = campus.write()
+        campus.calibrate()
+        with running(start_campus_mosquitto(files)):
+            campus.start()
+            tally = Timed()
+            try:
+                frozen_at = asyncio.run(drive(campus, tally, args))
+                token = files.console_token("viewer")
+                events = edge_events(campus.http_port, token)
+            finally:
+                campus.stop()
+    window = [ok for at, _kind, ok in tally.answers if frozen_at <= at < frozen_at + 1.0]
+    answered = max(tally.answered, 1)
+    return {
+        "submitted": sum(tally.submitted.values()),
+        "answered": tally.answered,
+        "lost": sum(tally.submitted.values()) - tally.answered,
+        "duplicates": tally.unmatched,
+        "wafer_offsite": tally.wafer_offsite,
+        "after_freeze_jobs": len(window),
+        "attainment_after_freeze": sum(window) / len(window) if window else float("nan"),
+        "attainment": tally.in_time / answered,
+        "by_kind": {
+            k.name: tally.by_kind[k.name].in_time / max(tally.by_kind[k.name].answered, 1)
+            for k in KINDS
+        },
+        "where": dict(tally.where),
+        "statuses": dict(tally.statuses),
+        "edges": events,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=1, help="runs, each on a fresh campus")
+    ap.add_argument("--rate", type=float, default=10.0, help="images/s per line outside bursts")
+    ap.add_argument("--burst", type=float, default=6.0, help="seconds of 10x burst on line 1")
+    ap.add_argument("--freeze-at", type=float, default=2.0, help="s into the burst")
+    ap.add_argument("--frozen-for", type=float, default=3.0, help="s the worker stays frozen")
+    ap.add_argument(
+        "--edge-cpu", type=float, default=EDGE_CPU, help="each edge's share of a core (0: none)"
+    )
+    ap.add_argument("--label-every", type=int, default=LABEL_EVERY, help="one label in this many")
+    ap.add_argument("--smoke", action="store_true", help="CI: a short burst, a short freeze")
+    args = ap.parse_args()
+    if args.smoke:
+        args.rate, args.burst, args.freeze_at, args.frozen_for = 4.0, 2.0, 0.5, 1.0
+    if not args.edge_cpu or not cpu_cap_available():
+        print("note: edges run uncapped (no writable CPU cgroup, or --edge-cpu 0)")
+        args.edge_cpu = None
+    runs = []
+    with running(start_redis()) as redis:
+        for r in range(args.rounds):
+            runs.append(one_run(redis.port, r, args))
+    print(
+        f"frozen worker: {FROZEN} stopped (SIGSTOP) {args.freeze_at:g} s into a {args.burst:g} s "
+        f"10x burst on line 1 ({args.rate:g}/s per line outside it), for {args.frozen_for:g} s; "
+        f"edges capped at {args.edge_cpu or 1:.0%} of a core; nproc {os.cpu_count()}"
+    )
+    for i, s in enumerate(runs, 1):
+        kinds = ", ".join(f"{k} {v:.3f}" for k, v in s["by_kind"].items())
+        print(
+            f"  run {i}: attainment of the {s['after_freeze_jobs']} jobs submitted in the second "
+            f"after the freeze {s['attainment_after_freeze']:.3f}; overall {s['attainment']:.3f} "
+            f"({kinds}); ran on {s['where']}"
+        )
+        e = s["edges"]
+        print(
+            f"         lost {s['lost']}, duplicated {s['duplicates']}, wafer images off-site "
+            f"{s['wafer_offsite']}; edges: stale results fenced {e['fenced_returns']}, rescued "
+            f"{e['offload_rescues']}, timed out {e['offload_timeouts']}, workers lost "
+            f"{e['workers_lost']}"
+        )
+    after = stats.median(s["attainment_after_freeze"] for s in runs)
+    clean = all(s["lost"] == 0 and s["duplicates"] == 0 and s["wafer_offsite"] == 0 for s in runs)
+    result = {
+        "bench": "frozen_worker",
+        "subject": {"attainment_after_freeze": after, "runs": runs},
+        "target": TARGET,
+        "met": after >= TARGET["attainment_after_freeze"] and clean,
+        "measured": stats.require(
+            {
+                "jobs after the freeze": sum(s["after_freeze_jobs"] for s in runs),
+                "answers": sum(s["answered"] for s in runs),
+            }
+        ),
+        "params": vars(args),
+        "machine": stats.machine(),
+    }
+    print(stats.result_line(result))
+
+
+if __name__ == "__main__":
+    main()
