@@ -94,6 +94,16 @@ def add(*args: str) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
+def add_classifier(source: Path, folder: Path, labels: str, *extra: str) -> tuple[int, str]:
+    """``models add`` of classifier ``source`` with ``labels`` (a labels file's text) into
+    ``folder/models``."""
+    path = folder / "labels.txt"
+    path.write_text(labels)
+    models = str(folder / "models")
+    return add(str(source), "--kind", "classification", "--labels", str(path), *extra,
+               "--models-dir", models)  # fmt: skip
+
+
 def jpeg(width: int, height: int) -> bytes:
     image, _ = synth.generate(np.random.default_rng(3), "ok", width=width, height=height)
     return synth.encode_jpeg(image)
@@ -148,17 +158,7 @@ def test_a_model_with_its_batch_fixed_at_one_is_benched_and_served_an_image_at_a
         names=None,
     )
     models = tmp_path / "models"
-    labels = tmp_path / "labels.txt"
-    labels.write_text("ok\nscratch\npit\nstain\n")
-    code, out = add(
-        str(source),
-        "--kind",
-        "classification",
-        "--labels",
-        str(labels),
-        "--models-dir",
-        str(models),
-    )
+    code, out = add_classifier(source, tmp_path, "ok\nscratch\npit\nstain\n")
     assert code == 0, out
     benched = CliRunner().invoke(
         app, ["models", "bench", "--models-dir", str(models), "--runs", "3", "--batch", "4"]
@@ -180,18 +180,9 @@ def test_a_model_with_its_batch_fixed_at_one_is_benched_and_served_an_image_at_a
 
 def test_a_classifier_with_labels_from_a_file(tmp_path: Path) -> None:
     source = graph(tmp_path / "cls.onnx", (4,), np.array([0.1, 0.2, 0.6, 0.1]), names=None)
-    labels = tmp_path / "labels.txt"
-    labels.write_text("# defect classes\nok\nscratch\n\npit\nstain\n")
+    labels = "# defect classes\nok\nscratch\n\npit\nstain\n"
     models = tmp_path / "models"
-    code, out = add(
-        str(source),
-        "--kind",
-        "classification",
-        "--labels",
-        str(labels),
-        "--models-dir",
-        str(models),
-    )
+    code, out = add_classifier(source, tmp_path, labels)
     assert code == 0, out
     assert "sample image: label pit" in out
     model = ModelRegistry.from_dir(models).get("cls")
@@ -335,13 +326,8 @@ def test_a_bgr_model_gets_the_default_mean_and_std_in_its_own_channel_order(
     tmp_path: Path,
 ) -> None:
     source = graph(tmp_path / "cls.onnx", (4,), np.array([0.1, 0.2, 0.6, 0.1]), names=None)
-    labels = tmp_path / "labels.txt"
-    labels.write_text("ok\nscratch\npit\nstain\n")
     models = tmp_path / "models"
-    code, out = add(
-        str(source), "--kind", "classification", "--labels", str(labels), "--bgr",
-        "--models-dir", str(models),
-    )  # fmt: skip
+    code, out = add_classifier(source, tmp_path, "ok\nscratch\npit\nstain\n", "--bgr")
     assert code == 0, out
     doc = json.loads((models / "cls.json").read_text())
     assert doc["input"]["color_order"] == "BGR"
