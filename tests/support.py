@@ -35,8 +35,8 @@ from policies.edit import add_node
 from policies.keys import SigningKey
 from policies.signing import add_signature, dump_signatures, sign_policy
 from policies.verdict import Body, Candidate, Figures, Thresholds, Verdict, judge, sign_verdict
-from sluicegate import topics
-from sluicegate.app.campus import OFFICER, Campus
+from sluicegate import AsyncClient, topics, wire
+from sluicegate.app.campus import APP_OF_LINE, APPS, OFFICER, Campus
 from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
 from sluicegate.app.servers import free_port, running
 from sluicegate.config import Settings
@@ -343,6 +343,39 @@ def list_brokers(campus: Campus, ids: tuple[str, ...]) -> dict[str, Path]:
         dump_signatures(bundle)
     )
     return files
+
+
+async def volley(
+    campus: LocalCampus,
+    edge: str,
+    n: int,
+    *,
+    data_class: str = "wafer-image",
+    deadline_ms: float = 2000.0,
+) -> list[wire.JobResult]:
+    """``n`` jobs at once to ``edge`` from its line's own app (the app's identity, results
+    on its own topic), as a vision app sends a camera's volley; each answered once."""
+    from tests.image_bytes import sample_jpeg
+
+    image = sample_jpeg(5)[0]
+    app = APP_OF_LINE[edge]
+    reply_to = f"{APPS[app][1]}/volley-{uuid.uuid4().hex[:6]}"
+    async with AsyncClient(campus.write().mqtt(app), edge=edge, response_topic=reply_to) as c:
+        results = await asyncio.gather(
+            *(
+                c.infer(
+                    image,
+                    model="defect-v1",
+                    deadline_ms=deadline_ms,
+                    data_class=data_class,
+                    job_id=f"v-{uuid.uuid4().hex[:8]}",
+                )
+                for _ in range(n)
+            )
+        )
+        assert c.duplicates == 0
+        assert c.unmatched == 0
+    return list(results)
 
 
 @contextlib.contextmanager

@@ -13,7 +13,6 @@ import queue
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,9 +20,8 @@ from typing import Any
 import pytest
 
 from policies import parse_policy, signed_envelope
-from sluicegate import AsyncClient, topics, wire
+from sluicegate import topics, wire
 from sluicegate.app.broker_http import get
-from sluicegate.app.campus import APP_OF_LINE, APPS
 from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
 from sluicegate.app.servers import free_port, running
 from sluicegate.identity import EXIT_IN_USE
@@ -31,7 +29,7 @@ from sluicegate.wire_pool import WorkerCapabilities, WorkerTelemetry
 from tests.image_bytes import sample_jpeg
 from tests.policies.policy_testkit import base_doc, key, policy_of, signed
 from tests.secure_kit import TlsClient, audited, issue_identity
-from tests.support import wait_until
+from tests.support import volley, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -61,24 +59,8 @@ def campus(
         lc.stop()
 
 
-async def _volley(lc: LocalCampus, edge: str, n: int = 8) -> list[wire.JobResult]:
-    app = APP_OF_LINE[edge]
-    reply_to = f"{APPS[app][1]}/{uuid.uuid4().hex[:6]}"
-    image = sample_jpeg(2)[0]
-    async with AsyncClient(lc.write().mqtt(app), edge=edge, response_topic=reply_to) as client:
-        results = await asyncio.gather(
-            *(
-                client.infer(image, model="defect-v1", deadline_ms=2000, data_class="wafer-image")
-                for _ in range(n)
-            )
-        )
-        assert client.duplicates == 0
-        assert client.unmatched == 0
-        return list(results)
-
-
 def unharmed(lc: LocalCampus, edge: str = "line-2-pc") -> list[wire.JobResult]:
-    results = asyncio.run(_volley(lc, edge))
+    results = asyncio.run(volley(lc, edge, 8))
     assert [r.status for r in results] == ["ok"] * len(results), [r.reason for r in results]
     assert {r.ran_on.node for r in results} <= LEGIT
     return results
@@ -89,10 +71,6 @@ def _http(lc: LocalCampus, path: str) -> Any:
     status, body = get(url, lc.campus.console_token("viewer"))
     assert status == 200, (path, status, body[:300])
     return json.loads(body) if path != "/metrics" else body.decode()
-
-
-def _audited(lc: LocalCampus, kind: str) -> list[dict[str, Any]]:
-    return audited(lc.redis_url, kind)
 
 
 def test_a_worker_the_policy_does_not_list_gets_no_work_and_is_audited(campus: LocalCampus) -> None:
@@ -129,7 +107,7 @@ def test_a_worker_the_policy_does_not_list_gets_no_work_and_is_audited(campus: L
         )
         rogue.publish(topics.worker_telemetry(ROGUE_WORKER), wire.dump(telemetry))
         rogue.subscribe(topics.pool_work_all("campus/fab-north/dc", ROGUE_WORKER))
-        refused = wait_until(lambda: _audited(campus, "identity.refused"), timeout=15)
+        refused = wait_until(lambda: audited(campus.redis_url, "identity.refused"), timeout=15)
         assert {(r["node"], r["code"]) for r in refused} >= {(ROGUE_WORKER, "worker.not_in_policy")}
         metrics = _http(campus, "/metrics")
         assert 'sluicegate_identity_refusals_total{code="worker.not_in_policy"}' in metrics

@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,15 +22,12 @@ import pytest
 import redis
 
 from broker import keys as broker_keys
-from sluicegate import AsyncClient
 from sluicegate.app.broker_http import get, get_json
-from sluicegate.app.campus import APP_OF_LINE, APPS
 from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
 from sluicegate.app.servers import free_port, running
 from sluicegate.app.traffic import Tally, stream
-from tests.image_bytes import sample_jpeg
 from tests.policies.policy_testkit import key
-from tests.support import local_campus, wait_until
+from tests.support import local_campus, volley, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -83,7 +79,7 @@ def test_campus_only_class_with_only_offsite_capacity_runs_locally_and_says_why(
         wait_for_fleet(campus, lambda ws: not ws["north-cpu-1"]["online"], timeout=15)
         # A generous deadline: the volley waits in a one-slot queue (more than queue_bound
         # jobs make the edge ask), and a loaded machine must not turn it into expiries.
-        results = asyncio.run(_volley(campus, "line-2-pc", "wafer-image", 12, deadline_ms=10_000))
+        results = asyncio.run(volley(campus, "line-2-pc", 12, deadline_ms=10_000))
     finally:
         os.kill(proc.pid, signal.SIGCONT)
     wait_for_fleet(campus, lambda ws: ws["north-cpu-1"]["online"], timeout=15)
@@ -115,9 +111,7 @@ def test_placements_answered_after_the_edge_gave_up_free_their_slots_at_once(
         impatient.start()
         try:
             wait_for_fleet(impatient, lambda ws: ws.get("north-cpu-1", {}).get("online"), 15)
-            results = asyncio.run(
-                _volley(impatient, "line-1-pc", "wafer-image", 12, deadline_ms=10_000)
-            )
+            results = asyncio.run(volley(impatient, "line-1-pc", 12, deadline_ms=10_000))
             assert all(r.status == "ok" for r in results)
             late = [r.job_id for r in results if r.offload and r.offload.code == "broker_timeout"]
             # (an answer may still beat 1 ms now and then: that job is offloaded)
@@ -170,31 +164,6 @@ def wait_for_fleet(
             return
         time.sleep(0.1)  # the next poll of the broker's state
     raise AssertionError(f"fleet condition not met within {timeout} s")
-
-
-async def _volley(  # type: ignore[type-arg]
-    campus: LocalCampus, edge: str, data_class: str, n: int, *, deadline_ms: float = 200
-) -> list:
-    """``n`` jobs at once from the edge's own app, results on the app's own topic."""
-    image = sample_jpeg(5)[0]
-    app = APP_OF_LINE[edge]
-    settings = campus.write().mqtt(app)
-    reply_to = f"{APPS[app][1]}/volley-{uuid.uuid4().hex[:6]}"
-    async with AsyncClient(settings, edge=edge, response_topic=reply_to) as client:
-        return list(
-            await asyncio.gather(
-                *(
-                    client.infer(
-                        image,
-                        model="defect-v1",
-                        deadline_ms=deadline_ms,
-                        data_class=data_class,
-                        job_id=f"v-{uuid.uuid4().hex[:8]}",
-                    )
-                    for _ in range(n)
-                )
-            )
-        )
 
 
 def _older_defect_model(folder: Path) -> str:
@@ -253,7 +222,9 @@ def test_a_worker_holding_another_version_never_gets_a_job_for_the_edges(
             }
             assert f"defect-v1@{older}" in held["north-cpu-1"]
             assert f"defect-v1@{older}" not in held["cloud-cpu-1"]
-            results = asyncio.run(_volley(mixed, "line-1-pc", "ocr-crop", 40, deadline_ms=10_000))
+            results = asyncio.run(
+                volley(mixed, "line-1-pc", 40, data_class="ocr-crop", deadline_ms=10_000)
+            )
             assert all(r.status == "ok" for r in results), [(r.status, r.code) for r in results]
             where = {r.ran_on.node for r in results}
             assert "north-cpu-1" not in where

@@ -29,8 +29,7 @@ from sluicegate.enroll.token import JoinClaims, make_token, parse_token
 from sluicegate.wire_pool import PlacementReply, PlacementRequest
 from tests.image_bytes import sample_jpeg
 from tests.policies.policy_testkit import key
-from tests.secure_kit import TlsClient
-from tests.secure_kit import audited as audit_entries
+from tests.secure_kit import TlsClient, audited
 from tests.support import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -92,11 +91,6 @@ def token(campus: LocalCampus, node: str, role: str, zone: str, ttl: str = "1h")
     return done.stdout.strip()
 
 
-def audited(campus: LocalCampus, kind: str) -> list[dict[str, Any]]:
-    """The broker's audit entries of ``kind``."""
-    return audit_entries(campus.redis_url, kind)
-
-
 def as_identity(files: Campus, name: str, state: Path) -> None:
     """Let the test log in with the key and certificate enrollment left in ``state``."""
     shutil.copy(state / "node.pem", files.cert_file(name))
@@ -137,11 +131,11 @@ def test_bad_join_tokens_are_refused_by_name_and_audited(
         assert "Traceback" not in done.stderr
         assert not (Path(argv[-1]) / "etc/sluicegate/edge.toml").exists()
     refused = wait_until(
-        lambda: (r := audited(campus, "enroll.refused")) and len(r) >= len(cases) and r,
+        lambda: (r := audited(campus.redis_url, "enroll.refused")) and len(r) >= len(cases) and r,
         timeout=15,
     )
     assert {r["code"] for r in refused} >= set(cases)
-    issued = audited(campus, "enroll.issued")
+    issued = audited(campus.redis_url, "enroll.issued")
     assert [r["node"] for r in issued if r["token"] == claims.id] == []
     assert "line-7-pc" in {r["node"] for r in issued}
 

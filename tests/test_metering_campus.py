@@ -12,7 +12,6 @@ import hashlib
 import itertools
 import json
 import sqlite3
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,9 +20,8 @@ import pytest
 from policies import load_signing_key
 from policies.keys import SigningKey
 from policies.loader import parse_policy
-from sluicegate import AsyncClient, topics
+from sluicegate import topics
 from sluicegate.app.broker_http import get
-from sluicegate.app.campus import APP_OF_LINE, APPS
 from sluicegate.app.localcampus import LocalCampus
 from sluicegate.metering.fetch import ExportError, fetch_export
 from sluicegate.metering.ledger import FILE_NAME, Ledger
@@ -31,9 +29,8 @@ from sluicegate.metering.record import ManifestLine, SignedUsage, from_line, sig
 from sluicegate.metering.wire import UsageAck, encode_batch
 from sluicegate.mqtt import MqttTransport
 from sluicegate.transport import Message
-from tests.image_bytes import sample_jpeg
 from tests.policies.policy_testkit import key
-from tests.support import local_campus, wait_until
+from tests.support import local_campus, volley, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -85,7 +82,7 @@ def _worker_records(campus: LocalCampus) -> list[SignedUsage]:
 def _some_records(campus: LocalCampus) -> list[SignedUsage]:
     """The worker's records at the broker, after a volley if there are none yet."""
     if not _worker_records(campus):
-        asyncio.run(_volley(campus, 12))
+        asyncio.run(volley(campus, LINE, 12, deadline_ms=10_000))
     records: list[SignedUsage] = wait_until(lambda: _worker_records(campus), timeout=30)
     return records
 
@@ -98,27 +95,6 @@ def _metric(campus: LocalCampus, name: str) -> float:
         if line.startswith(name) and not line.startswith("#"):
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-async def _volley(campus: LocalCampus, n: int) -> list:  # type: ignore[type-arg]
-    image = sample_jpeg(5)[0]
-    app = APP_OF_LINE[LINE]
-    reply_to = f"{APPS[app][1]}/metering-{uuid.uuid4().hex[:6]}"
-    async with AsyncClient(campus.write().mqtt(app), edge=LINE, response_topic=reply_to) as c:
-        return list(
-            await asyncio.gather(
-                *(
-                    c.infer(
-                        image,
-                        model="defect-v1",
-                        deadline_ms=10_000,
-                        data_class="wafer-image",
-                        job_id=f"m-{uuid.uuid4().hex[:8]}",
-                    )
-                    for _ in range(n)
-                )
-            )
-        )
 
 
 def _verified(campus: LocalCampus, records: list[SignedUsage]) -> None:
@@ -137,7 +113,7 @@ def _verified(campus: LocalCampus, records: list[SignedUsage]) -> None:
 
 
 def test_offloaded_jobs_are_recorded_once_per_attempt_countersigned(campus: LocalCampus) -> None:
-    results = asyncio.run(_volley(campus, 12))
+    results = asyncio.run(volley(campus, LINE, 12, deadline_ms=10_000))
     assert all(r.status == "ok" for r in results), [(r.status, r.code) for r in results]
     pooled = {r.job_id for r in results if r.ran_on.node == WORKER}
     asked = [(r.offload.placed, r.offload.code) for r in results if r.offload is not None]
