@@ -25,7 +25,7 @@ from policies import Policy, load_signing_key
 from policies.errors import KeyFileError
 from policies.keys import public_key_of
 from sluicegate import identity, topics
-from sluicegate.config import EdgeSettings, Settings
+from sluicegate.config import EdgeSettings, OffloadSettings, Settings
 from sluicegate.metering.meter import Meter, node_meter
 from sluicegate.mqtt import MqttTransport
 from sluicegate.node_metrics import MetricsServer
@@ -124,14 +124,20 @@ async def serve(
         return await _serve(settings, stop, registry, connect_timeout)
 
 
+def follows_policy(offload: OffloadSettings) -> bool:
+    """Whether an edge with these settings follows a policy: it offloads, or it is given one
+    (``policy_file``, or the anchor its enrollment pinned in ``state_dir``)."""
+    enrolled = offload.state_dir is not None and (offload.state_dir / ANCHOR_FILE).exists()
+    return bool(offload.enabled or offload.policy_file or enrolled)
+
+
 def policy_feed(settings: Settings) -> PolicyFeed | None:
     """The policy this edge follows, loaded, its anchor pinned. It says where the edge may
     answer, offload or not (a job whose result the ACL would refuse is refused before it
     is accepted): only an edge given no policy at all (offload off, no ``policy_file``, no
     anchor pinned in its ``state_dir`` by enrollment) serves without one."""
     offload = settings.offload
-    enrolled = offload.state_dir is not None and (offload.state_dir / ANCHOR_FILE).exists()
-    if not (offload.enabled or offload.policy_file or enrolled):
+    if not follows_policy(offload):
         log.warning(
             "edge %s follows no policy (offload off, no policy_file, no pinned anchor in its "
             "state_dir): it accepts a job whose Response Topic its ACL may refuse, and such "

@@ -42,12 +42,12 @@ def standing(
         edge = policy.edge(node)
         listed = (edge.zone, edge.key) if edge is not None else None
         what, effect = f"edge {node}", "the broker places none of its jobs: all run here"
-        add = f"{ADD} --edge {node} --zone {zone or '<zone>'} --key {_key(key)} {SIGN}"
+        add = add_node_line("edge", node, zone or "<zone>", _key(key))
     elif role == "pool":
         worker = policy.worker(node)
         listed = (worker.zone, worker.key) if worker is not None else None
         what, effect = f"worker {node}", "the broker places nothing on it"
-        add = f"{ADD} --worker {node} --pool <pool> --key {_key(key)} {SIGN}"
+        add = add_node_line("pool", node, "", _key(key))
     else:
         return None
     version = f"policy v{policy.version}"
@@ -72,6 +72,18 @@ def standing(
             "sign), or restore the key the policy lists",
         )
     return None
+
+
+def add_node_line(role: str, node: str, zone: str, key: str) -> str:
+    """The ``policy add-node`` command that lists ``node`` (an enrolled ``role``: edge,
+    pool, broker or app) with its zone and key text, for the officers to run."""
+    if role == "edge":
+        return f"{ADD} --edge {node} --zone {zone} --key {key} {SIGN}"
+    if role == "pool":
+        return f"{ADD} --worker {node} --pool <pool> --key {key} {SIGN}"
+    if role == "broker":
+        return f"{ADD} --broker {node} --key {key} {SIGN}"
+    return f"{ADD} --app {node} --app-edge <edge it submits to> --results <topic prefix> {SIGN}"
 
 
 def _key(key: bytes | None) -> str:

@@ -23,7 +23,6 @@ from sluicegate.doctor import gather, judge, judge_node
 from sluicegate.doctor.facts import Connect, Finding, PolicyState, RoundTrip, Running, skip
 from sluicegate.errors import ConfigError
 from sluicegate.identity import certificate_name
-from sluicegate.policy_feed import ANCHOR_FILE
 from sluicegate.policy_standing import standing
 
 
@@ -76,7 +75,7 @@ def node_of(settings: Settings, role: Role) -> Node:
     from sluicegate.vision.runtime import default_models_dir
 
     if role == "edge":
-        from edge_agent.service import outbox_path
+        from edge_agent.service import follows_policy, outbox_path
 
         edge, offload = settings.edge, settings.offload
         outbox = outbox_path(settings).parent
@@ -90,11 +89,7 @@ def node_of(settings: Settings, role: Role) -> Node:
             policy_file=offload.policy_file,
             policy_setting="[offload] policy_file",
             # As the agent: it follows any policy it is given, offload on or off.
-            uses_policy=bool(
-                offload.enabled
-                or offload.policy_file
-                or (offload.state_dir and (offload.state_dir / ANCHOR_FILE).exists())
-            ),
+            uses_policy=follows_policy(offload),
             models_dir=edge.models_dir or default_models_dir(),
             models_setting="[edge] models_dir",
             zone=edge.zone,

@@ -16,9 +16,7 @@ from dataclasses import dataclass
 
 from policies.keys import public_key_text
 from policies.model import Policy
-
-ADD = "  sluicegate policy add-node <policy.toml> "
-SIGN = "--sign <officer key>"
+from sluicegate.policy_standing import add_node_line
 
 
 @dataclass(frozen=True)
@@ -37,7 +35,7 @@ class Listing:
         add: str | None = None
         if policy is not None:
             status, missing = _status(policy, node, role, key)
-            add = _add_line(node, role, zone, key) if missing else None
+            add = "  " + add_node_line(role, node, zone, key) if missing else None
         return cls(node, role or "unknown role", zone, key, status, add)
 
     def lines(self) -> list[str]:
@@ -72,13 +70,3 @@ def _status(policy: Policy, node: str, role: str, key: str) -> tuple[str, bool]:
             False,
         )
     return "in policy", False
-
-
-def _add_line(node: str, role: str, zone: str, key: str) -> str:
-    if role == "edge":
-        return f"{ADD}--edge {node} --zone {zone} --key {key} {SIGN}"
-    if role == "pool":
-        return f"{ADD}--worker {node} --pool <pool> --key {key} {SIGN}"
-    if role == "broker":
-        return f"{ADD}--broker {node} --key {key} {SIGN}"
-    return f"{ADD}--app {node} --app-edge <edge it submits to> --results <topic prefix> {SIGN}"
