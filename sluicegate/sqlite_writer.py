@@ -199,6 +199,10 @@ class Writer:
             opened.set_exception(exc)
             self._wrote(1)
             return
+        # Each operation runs in a savepoint, which journals the old content of every page
+        # it changes (an image's pages reused from the freelist: ~50 a job) to a temporary
+        # file, two writes a page; in memory, they cost a copy.
+        self._conn.execute("PRAGMA temp_store = MEMORY")
         opened.set_result(read)  # queues its result for the loop
         self._wrote(1)
         try:
