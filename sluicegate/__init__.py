@@ -1,7 +1,10 @@
 """Sluicegate: an edge-to-center broker for industrial machine-vision jobs over MQTT v5.
 
-This package holds what every role shares (wire models, topics, the MQTT transport,
-configuration, the CLI) and the client vision apps use::
+This package holds two floors. The kernel every role imports (wire models, topics, the MQTT
+transport, configuration, metering, vision, enrollment) never imports a role; above the
+roles, ``app`` (the command, the demo), ``twin``, ``doctor``, ``deploy`` and ``bundle`` put
+them together, and nothing below imports them (``tests/test_layout.py``). The client vision
+apps use::
 
     from sluicegate import Client
     with Client(edge="edge-1") as client:

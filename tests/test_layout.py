@@ -175,24 +175,75 @@ def test_the_scan_sees_an_import_inside_a_function(tmp_path: Path) -> None:
     assert imported_roots(source) == {"redis", "paho"}
 
 
-# The composition root: what builds and starts whole processes and campuses lives in
-# sluicegate/app/. Everything else is plumbing that it puts together, and never reaches
-# back into it.
-COMPOSITION_ROOT = "sluicegate.app"
+# Two floors in sluicegate/. The kernel every role imports (topics, wire, mqtt, config,
+# metering, vision, enroll, ...) stands below the roles and never imports one; the floor
+# above the roles puts them together (the command, the demo, the twin, doctor, the
+# installer and its bundle) and nothing below it imports it. A new sluicegate package is
+# kernel unless listed here: the first import of a role from it fails the test below.
+ROLES = ("broker", "edge_agent", "center_pool")
+UPPER_FLOOR = (
+    "sluicegate.app",
+    "sluicegate.bundle",
+    "sluicegate.deploy",
+    "sluicegate.doctor",
+    "sluicegate.twin",
+)
 
 
-def test_the_plumbing_never_imports_the_composition_root() -> None:
-    leaks = []
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-            if name == COMPOSITION_ROOT or name.startswith(COMPOSITION_ROOT + "."):
-                continue
-            for imported_name in imported(path):
-                if imported_name == COMPOSITION_ROOT or imported_name.startswith(
-                    COMPOSITION_ROOT + "."
-                ):
-                    leaks.append(f"{name} imports {imported_name}")
+def _within(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def _modules(package: str) -> dict[str, Path]:
+    return {
+        ".".join(path.relative_to(ROOT).with_suffix("").parts): path
+        for path in (ROOT / package).rglob("*.py")
+    }
+
+
+def test_nothing_below_the_upper_floor_imports_it() -> None:
+    below = {
+        name: path
+        for package in PACKAGES
+        for name, path in _modules(package).items()
+        if not _within(name, UPPER_FLOOR)
+    }
+    assert len(below) > 150
+    leaks = sorted(
+        f"{name} imports {other}"
+        for name, path in below.items()
+        for other in imported(path)
+        if _within(other, UPPER_FLOOR)
+    )
+    assert leaks == []
+
+
+def test_the_kernel_imports_no_role() -> None:
+    kernel = {n: p for n, p in _modules("sluicegate").items() if not _within(n, UPPER_FLOOR)}
+    assert "sluicegate.topics" in kernel and "sluicegate.mqtt.bridge" in kernel
+    leaks = sorted(
+        f"{name} imports {other}"
+        for name, path in kernel.items()
+        for other in imported(path)
+        if _within(other, ROLES)
+    )
+    assert leaks == []
+
+
+def test_the_upper_floor_is_real_and_its_root_imported_by_none() -> None:
+    """The list names real packages; ``sluicegate.app``, the composition root, is imported
+    by no other module at all, the rest of the upper floor included."""
+    for package in UPPER_FLOOR:
+        assert (ROOT / Path(*package.split(".")) / "__init__.py").is_file(), package
+    root = ("sluicegate.app",)
+    leaks = sorted(
+        f"{name} imports {other}"
+        for package in PACKAGES
+        for name, path in _modules(package).items()
+        if not _within(name, root)
+        for other in imported(path)
+        if _within(other, root)
+    )
     assert leaks == []
 
 
