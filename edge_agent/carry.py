@@ -12,7 +12,8 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, Protocol
+from functools import partial
+from typing import TypeVar, cast
 
 from edge_agent import events as ev
 from edge_agent import rules
@@ -25,38 +26,38 @@ from edge_agent.load import PredictionErrors
 from edge_agent.metering import Concluded, EdgeMetering
 from edge_agent.offload import PlacementClient
 from edge_agent.outbox import Accepted, Outbox, Stored
+from edge_agent.replies import Replies
 from edge_agent.tally import Tally
 from edge_agent.trace_log import TraceLog, record_of
 from sluicegate import wire
 from sluicegate.errors import LedgerError, TransportError
-from sluicegate.transport import Message
+from sluicegate.metering.record import SignedUsage
+from sluicegate.transport import Message, Transport
 from sluicegate.vision.runtime import StageTimes
 
 log = logging.getLogger(__name__)
 Msg = Message | None  # the message that carried the event, if one did
-
-
-class Mover(Protocol):
-    """What the carrier hands back to the dispatcher."""
-
-    def dispatch(self, entry: Entry, event: ev.Event, msg: Msg = None) -> None: ...
-    def later(self, fn: Callable[..., None], *args: Any) -> Callable[[Any], None]: ...
-    def replay(self, stored_jobs: list[Stored]) -> None: ...
-    def acceptance(self, entry: Entry, msg: Message, fut: asyncio.Future[Accepted]) -> None: ...
-    def on_return(self, msg: Message) -> None: ...
-    def on_notice(self, msg: Message) -> None: ...
+Sink = Callable[[Entry, ev.Event, Msg], None]  # where a job's next event goes
+F = TypeVar("F", bound=ev.Effect)
+R = TypeVar("R")
+Carry = Callable[[Entry, ev.Effect, ev.Event, Msg], None]
 
 
 class Carrier:
-    """Carries out effects for one edge agent's jobs (loop thread only)."""
+    """Carries out effects for one edge agent's jobs (loop thread only). What comes back
+    later goes to ``dispatch`` as the job's next event, unless ``gone()`` says the agent
+    no longer acts; jobs the disk holds and memory lost go to ``replay``."""
 
     def __init__(
         self,
-        mover: Mover,
+        dispatch: Sink,
         *,
+        gone: Callable[[], bool],
+        replay: Callable[[list[Stored]], None],
+        replies: Replies,
         table: JobTable,
         counters: Counter[str],
-        transport: Any,
+        transport: Transport,
         outbox: Outbox,
         compute: Compute,
         answers: Answers,
@@ -66,7 +67,10 @@ class Carrier:
         trace: TraceLog | None = None,
         metering: EdgeMetering | None = None,
     ) -> None:
-        self._mover = mover
+        self._dispatch = dispatch
+        self._gone = gone
+        self._replay = replay
+        self._replies = replies
         self._table = table
         self._counters = counters
         self._transport = transport
@@ -81,60 +85,98 @@ class Carrier:
         self.offloaded = 0  # work messages sent to pool workers since start
         self.prediction = PredictionErrors()  # of the jobs that ran here
         self.figures = JobFigures()  # deadlines, part times, why local: for /metrics
-        self._by_type: dict[type[Any], Callable[[Entry, Any, Any, Message | None], None]] = {
-            ev.Ack: self._ack,
-            ev.CommitAcceptance: self._commit_acceptance,
-            ev.Ask: self._ask,
-            ev.CancelAsk: self._cancel_ask,
-            ev.Send: self._send,
-            ev.Release: self._release,
-            ev.RecordAttempt: self._record_attempt,
-            ev.Enqueue: self._enqueue,
-            ev.CountRun: self._count_run,
-            ev.Launch: self._launch,
-            ev.ConcludeHere: self._conclude_here,
-            ev.ConcludeReturn: self._conclude_return,
-            ev.Publish: self._publish,
-            ev.Hold: self._hold,
-            ev.Rehandle: self._rehandle,
-            ev.DiscardHeld: self._discard_held,
-            ev.Discard: self._discard,
-            ev.Count: self._count,
-            ev.Forget: lambda *_: None,  # the table drops it; the disk keeps it for a replay
-            ev.Remember: self._remember,
-            ev.Resync: self._resync,
-        }
+        self._by_type: dict[type[object], Carry] = {}
+        self._does(ev.Ack, self._ack)
+        self._does(ev.CommitAcceptance, self._commit_acceptance)
+        self._does(ev.Ask, self._ask)
+        self._does(ev.CancelAsk, self._cancel_ask)
+        self._does(ev.Send, self._send)
+        self._does(ev.Release, self._release)
+        self._does(ev.RecordAttempt, self._record_attempt)
+        self._does(ev.Enqueue, self._enqueue)
+        self._does(ev.CountRun, self._count_run)
+        self._does(ev.Launch, self._launch)
+        self._does(ev.ConcludeHere, self._conclude_here)
+        self._does(ev.ConcludeReturn, self._conclude_return)
+        self._does(ev.Publish, self._publish)
+        self._does(ev.Hold, self._hold)
+        self._does(ev.Rehandle, self._rehandle)
+        self._does(ev.DiscardHeld, self._discard_held)
+        self._does(ev.Discard, self._discard)
+        self._does(ev.Count, self._count)
+        self._does(ev.Forget, self._forget)
+        self._does(ev.Remember, self._remember)
+        self._does(ev.Resync, self._resync)
+
+    def _does(self, kind: type[F], carry: Callable[[Entry, F, ev.Event, Msg], None]) -> None:
+        """``carry`` does effects of ``kind`` (mypy checks it takes that effect); found by
+        the effect's exact type, so the map may hold it as a carrier of any effect."""
+        self._by_type[kind] = cast(Carry, carry)
 
     def carry(self, entry: Entry, effect: ev.Effect, event: ev.Event, msg: Msg) -> None:
         self._by_type[type(effect)](entry, effect, event, msg)
 
-    def _commit_acceptance(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+    def later(self, fn: Callable[[R], None]) -> Callable[[R], None]:
+        """A completion callback that does nothing once the agent is gone."""
+
+        def call(result: R) -> None:
+            if not self._gone():
+                fn(result)
+
+        return call
+
+    def _commit_acceptance(
+        self, entry: Entry, effect: ev.CommitAcceptance, event: ev.Event, msg: Msg
+    ) -> None:
         accepting = self._outbox.accept(entry.job, start_run=effect.start_run)
-        accepting.add_done_callback(self._mover.later(self._mover.acceptance, entry, msg))
+        accepting.add_done_callback(self.later(partial(self._accepted, entry, msg)))
+
+    def _accepted(self, entry: Entry, msg: Msg, fut: asyncio.Future[Accepted]) -> None:
+        """The acceptance commit's outcome as the job's next event: ``Accepted`` when it
+        stored a new job; else ``AcceptKnown``, and the request gets what a repeat of the
+        id it found gets (or, when the write failed, a refusal naming the outbox)."""
+        assert msg is not None  # an acceptance is always a request's
+        try:
+            accepted = fut.result()
+        except OutboxError as exc:
+            self._dispatch(entry, ev.AcceptKnown(), None)
+            self._replies.store_failed(entry.job, msg, exc)
+            return
+        if accepted.outcome == "new":
+            entry.accepted_at = self._clock()
+            self._counters[Tally.ACCEPTED] += 1
+            self._dispatch(entry, ev.Accepted(), msg)
+            return
+        self._dispatch(entry, ev.AcceptKnown(), None)
+        self._replies.repeat(entry.job, accepted.stored, msg)
 
     # -- effects: messages ---------------------------------------------------------------------
 
-    def _ack(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+    def _ack(self, entry: Entry, effect: ev.Ack, event: ev.Event, msg: Msg) -> None:
         if msg is not None:
             self._transport.ack(msg)
 
-    def _hold(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+    def _hold(self, entry: Entry, effect: ev.Hold, event: ev.Event, msg: Msg) -> None:
         assert msg is not None
-        handler = self._mover.on_return if isinstance(event, ev.Returned) else self._mover.on_notice
-        entry.held.append((handler, msg))
+        returned = entry.returned if isinstance(event, ev.Returned) else None
+        entry.held.append((event, msg, returned))
 
-    def _rehandle(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+    def _rehandle(self, entry: Entry, effect: ev.Rehandle, event: ev.Event, msg: Msg) -> None:
         held, entry.held = entry.held, []
-        for handler, came in held:
-            handler(came)
+        for again, came, returned in held:
+            if returned is not None:
+                entry.returned = returned
+            self._dispatch(entry, again, came)
 
-    def _discard_held(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+    def _discard_held(
+        self, entry: Entry, effect: ev.DiscardHeld, event: ev.Event, msg: Msg
+    ) -> None:
         held, entry.held = entry.held, []
-        for _handler, came in held:
+        for _event, came, _returned in held:
             self._counters[Tally.FENCED_RETURNS] += 1
             self._transport.ack(came)
 
-    def _discard(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+    def _discard(self, entry: Entry, effect: ev.Discard, event: ev.Event, msg: Msg) -> None:
         self._counters[effect.tally] += 1
         log.info(
             "discarded a message for job %s (%s; %s, attempt %d)",
@@ -146,69 +188,71 @@ class Carrier:
         if msg is not None:
             self._transport.ack(msg)
 
-    def _count(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+    def _count(self, entry: Entry, effect: ev.Count, event: ev.Event, msg: Msg) -> None:
         self._counters[effect.tally] += 1
 
     # -- effects: placement and work -----------------------------------------------------------
 
-    def _ask(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+    def _ask(self, entry: Entry, effect: ev.Ask, event: ev.Event, msg: Msg) -> None:
         assert self._placement is not None
         asking = self._placement.place(
             entry.job, effect.reason, effect.local_s, attempt=effect.attempt
         )
         entry.asked = asked = asyncio.ensure_future(asking)
-        asked.add_done_callback(self._mover.later(self._answered, entry, effect.attempt))
+        asked.add_done_callback(self.later(partial(self._answered, entry, effect.attempt)))
 
     def _answered(self, entry: Entry, attempt: int, fut: asyncio.Future[rules.Answer]) -> None:
         if not fut.cancelled():
-            self._mover.dispatch(entry, ev.Answered(attempt, fut.result()))
+            self._dispatch(entry, ev.Answered(attempt, fut.result()), None)
 
-    def _cancel_ask(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+    def _cancel_ask(self, entry: Entry, effect: ev.CancelAsk, event: ev.Event, msg: Msg) -> None:
         if entry.asked is not None and not entry.asked.done():
             entry.asked.cancel()  # the client hands back a placement that comes after
 
-    def _send(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+    def _send(self, entry: Entry, effect: ev.Send, event: ev.Event, msg: Msg) -> None:
         assert self._placement is not None
         job_id, placement = entry.job.job_id, effect.placement
         try:
             self._placement.send(entry.job, placement, attempt=effect.attempt)
         except TransportError as exc:
             log.warning("job %s: could not send attempt %d: %s", job_id, effect.attempt, exc)
-            self._mover.dispatch(entry, ev.SendFailed(effect.attempt))
+            self._dispatch(entry, ev.SendFailed(effect.attempt), None)
             return
         self.offloaded += 1
         if placement.predicted_ms is not None:
             entry.pool_predicted = self._clock() + placement.predicted_ms / 1000.0
         log.info("job %s attempt %d sent to %s", job_id, effect.attempt, placement.worker_id)
 
-    def _release(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+    def _release(self, entry: Entry, effect: ev.Release, event: ev.Event, msg: Msg) -> None:
         if self._placement is not None:
             self._placement.release(entry.job.job_id, effect.worker, effect.attempt, effect.why)
 
-    def _record_attempt(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+    def _record_attempt(
+        self, entry: Entry, effect: ev.RecordAttempt, event: ev.Event, msg: Msg
+    ) -> None:
         # Not awaited before the send: the outbox applies writes in order, so a return that
         # comes back first is still recorded after its attempt. A crash before the record
         # lands means the restarted agent places the job again under the same attempt
         # number; whichever result returns first concludes it, the other is a repeat.
         recording = self._outbox.offloaded(entry.job.job_id, effect.attempt, effect.worker)
-        recording.add_done_callback(self._mover.later(self._recorded, entry, effect.attempt))
+        recording.add_done_callback(self.later(partial(self._recorded, entry, effect.attempt)))
 
     def _recorded(self, entry: Entry, attempt: int, fut: asyncio.Future[bool]) -> None:
         exc = fut.exception()
         if exc is None and fut.result():
-            self._mover.dispatch(entry, ev.AttemptRecorded(attempt))
+            self._dispatch(entry, ev.AttemptRecorded(attempt), None)
             return
         why = exc if exc is not None else "no pending job to record it on"
         log.warning("job %s: attempt %d not recorded on disk: %s", entry.job.job_id, attempt, why)
 
     # -- effects: local runs -------------------------------------------------------------------
 
-    def _enqueue(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+    def _enqueue(self, entry: Entry, effect: ev.Enqueue, event: ev.Event, msg: Msg) -> None:
         self._compute.queue.push(entry, force=True)  # accepted already: never refused now
 
-    def _count_run(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+    def _count_run(self, entry: Entry, effect: ev.CountRun, event: ev.Event, msg: Msg) -> None:
         counting = self._outbox.start_run(entry.job.job_id)
-        counting.add_done_callback(self._mover.later(self._run_counted, entry))
+        counting.add_done_callback(self.later(partial(self._run_counted, entry)))
 
     def _run_counted(self, entry: Entry, fut: asyncio.Future[int | None]) -> None:
         try:
@@ -217,14 +261,19 @@ class Carrier:
             runs = None
             self._counters[Tally.OUTBOX_ERRORS] += 1
             log.error("could not count the run of job %s: %s", entry.job.job_id, exc)
-        self._mover.dispatch(entry, ev.RunCounted(runs))
+        self._dispatch(entry, ev.RunCounted(runs), None)
 
-    def _launch(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
-        self._compute.run(entry.job, self._mover.later(self._mover.dispatch, entry))
+    def _launch(self, entry: Entry, effect: ev.Launch, event: ev.Event, msg: Msg) -> None:
+        self._compute.run(entry.job, self.later(partial(self._ran, entry)))
+
+    def _ran(self, entry: Entry, done: ev.RunDone) -> None:
+        self._dispatch(entry, done, None)
 
     # -- effects: results ----------------------------------------------------------------------
 
-    def _conclude_here(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+    def _conclude_here(
+        self, entry: Entry, effect: ev.ConcludeHere, event: ev.Event, msg: Msg
+    ) -> None:
         outputs, times, started = effect.detail or (None, None, None)
         now = self._clock()
         if outputs is not None and effect.predicted is not None:
@@ -245,7 +294,9 @@ class Carrier:
         entry.result, entry.started = (wire.dump(result), result), started
         self._commit(entry, None, keep_image=effect.code == "dead_letter", times=times)
 
-    def _conclude_return(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+    def _conclude_return(
+        self, entry: Entry, effect: ev.ConcludeReturn, event: ev.Event, msg: Msg
+    ) -> None:
         assert entry.returned is not None
         entry.result, entry.ack_later = entry.returned, msg
         if effect.forward:  # the attempt is on disk: the app may have it before the commit
@@ -280,14 +331,16 @@ class Carrier:
             )
             metered = self.metering.record(done)
         if metered is None:
-            committing.add_done_callback(self._mover.later(self._result_committed, entry))
+            committing.add_done_callback(self.later(partial(self._result_committed, entry)))
             return
         both = asyncio.gather(
             committing, _logged(metered, entry.job.job_id), return_exceptions=True
         )
-        both.add_done_callback(self._mover.later(self._both_committed, entry, committing))
+        both.add_done_callback(self.later(partial(self._both_committed, entry, committing)))
 
-    def _both_committed(self, entry: Entry, committing: asyncio.Future[bool], _both: Any) -> None:
+    def _both_committed(
+        self, entry: Entry, committing: asyncio.Future[bool], _both: asyncio.Future[object]
+    ) -> None:
         self._result_committed(entry, committing)
 
     def _result_committed(self, entry: Entry, fut: asyncio.Future[bool]) -> None:
@@ -300,9 +353,9 @@ class Carrier:
             log.info(
                 "job %s was concluded already on disk; this result is dropped", entry.job.job_id
             )
-        self._mover.dispatch(entry, ev.ResultCommitted(stored), entry.ack_later)
+        self._dispatch(entry, ev.ResultCommitted(stored), entry.ack_later)
 
-    def _publish(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+    def _publish(self, entry: Entry, effect: ev.Publish, event: ev.Event, msg: Msg) -> None:
         assert entry.result is not None
         payload, result = entry.result
         self._answers.results[result.status] += 1
@@ -332,12 +385,15 @@ class Carrier:
         if not self._trace.add(record):
             self._counters[Tally.TRACE_DROPPED] += 1
 
-    def _remember(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+    def _forget(self, entry: Entry, effect: ev.Forget, event: ev.Event, msg: Msg) -> None:
+        pass  # the table drops it; the disk keeps it for a replay
+
+    def _remember(self, entry: Entry, effect: ev.Remember, event: ev.Event, msg: Msg) -> None:
         self._table.remember(entry.job.job_id)
 
-    def _resync(self, entry: Entry, effect: Any, event: Any, msg: Msg) -> None:
+    def _resync(self, entry: Entry, effect: ev.Resync, event: ev.Event, msg: Msg) -> None:
         job_id = entry.job.job_id
-        self._outbox.get(job_id).add_done_callback(self._mover.later(self._resynced, job_id))
+        self._outbox.get(job_id).add_done_callback(self.later(partial(self._resynced, job_id)))
 
     def _resynced(self, job_id: str, fut: asyncio.Future[Stored | None]) -> None:
         if fut.cancelled() or fut.exception() is not None:
@@ -345,10 +401,10 @@ class Carrier:
         stored = fut.result()
         if stored is not None and stored.pending and self._table.get(job_id) is None:
             log.warning("job %s is still %s on disk; tracking it again", job_id, stored.state)
-            self._mover.replay([stored])
+            self._replay([stored])
 
 
-async def _logged(fut: asyncio.Future[Any], job_id: str) -> None:
+async def _logged(fut: asyncio.Future[list[SignedUsage]], job_id: str) -> None:
     """Wait for a usage record's commit; a failure is the log's, not the result's."""
     try:
         await fut

@@ -23,7 +23,8 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Callable, Collection
-from typing import Any, Literal
+from functools import partial
+from typing import Literal
 
 from edge_agent import events as ev
 from edge_agent import rules
@@ -32,8 +33,6 @@ from edge_agent.admission import (
     RequestRefusal,
     ResultsGate,
     admit,
-    forgotten,
-    outbox_unavailable,
     queue_full,
     shutting_down,
 )
@@ -49,10 +48,11 @@ from edge_agent.load import PredictionErrors
 from edge_agent.metering import EdgeMetering
 from edge_agent.offload import PlacementClient
 from edge_agent.outbox import Accepted, Outbox, Stored
+from edge_agent.replies import Replies
 from edge_agent.returns import not_run, read_notice, read_return, retry_job
 from edge_agent.rules import Placement
 from edge_agent.tally import Tally
-from edge_agent.trace_log import TraceLog, refusal_of
+from edge_agent.trace_log import TraceLog
 from sluicegate import wire
 from sluicegate.config import EdgeSettings, OffloadSettings
 from sluicegate.policy_feed import PolicyFeed
@@ -129,8 +129,21 @@ class Dispatcher:
         if settings.trace_jobs:
             offloads = placement is not None and offload_settings.enabled
             self.trace = TraceLog(settings.id, offload=offloads, queue_bound=o.queue_bound)
+        self._replies = Replies(
+            edge_id=settings.id,
+            answers=answers,
+            transport=transport,
+            table=self.table,
+            counters=self.counters,
+            trace=self.trace,
+            result_retention_s=settings.result_retention_s,
+            clock=clock,
+        )
         self._effects = Carrier(
-            self,
+            self.dispatch,
+            gone=lambda: self.mode in GONE,
+            replay=self.replay,
+            replies=self._replies,
             table=self.table,
             counters=self.counters,
             transport=transport,
@@ -166,7 +179,7 @@ class Dispatcher:
         nowhere = self._results_gate.check(job, self._feed.current if self._feed else None)
         if nowhere is not None:
             self.counters[Tally.RESPONSE_TOPIC_NOT_ALLOWED] += 1
-            self._refuse(job, nowhere, msg)
+            self._replies.refuse(job, nowhere, msg)
             return
         if self.table.known(job.job_id):
             self._repeat(job, msg)
@@ -176,7 +189,7 @@ class Dispatcher:
         if not rules.has_room(
             held, queue_size=settings.queue_size, concurrency=settings.concurrency
         ):
-            self._refuse(job, queue_full(job, edge, settings.queue_size), msg)
+            self._replies.refuse(job, queue_full(job, edge, settings.queue_size), msg)
             return
         outlook = self.outlook(job, now)
         free = not self.table.census["queued"] and self.table.slots < settings.concurrency
@@ -231,7 +244,7 @@ class Dispatcher:
         both = asyncio.gather(
             self._outbox.get(notice.job_id), self._outbox.get(notice.retry_id or notice.job_id)
         )
-        both.add_done_callback(self.later(self._retry_found, notice, msg))
+        both.add_done_callback(self._effects.later(partial(self._retry_found, notice, msg)))
 
     def _retry_found(
         self, notice: JobNotice, msg: Message, fut: asyncio.Future[list[Stored | None]]
@@ -421,84 +434,28 @@ class Dispatcher:
         else:
             self.idle.set()
 
-    def later(self, fn: Callable[..., None], *args: Any) -> Callable[[Any], None]:
-        """A completion callback that does nothing once the agent is gone."""
-
-        def call(result: Any) -> None:
-            if self.mode not in GONE:
-                fn(*args, result)
-
-        return call
-
     # -- requests: accepted, or a repeat of a known id -----------------------------------------
-
-    def acceptance(self, entry: Entry, msg: Message, fut: asyncio.Future[Accepted]) -> None:
-        try:
-            accepted = fut.result()
-        except OutboxError as exc:
-            self.dispatch(entry, ev.AcceptKnown())
-            self._store_failed(entry.job, msg, exc)
-            return
-        if accepted.outcome == "new":
-            entry.accepted_at = self._clock()
-            self.counters[Tally.ACCEPTED] += 1
-            self.dispatch(entry, ev.Accepted(), msg)
-            return
-        self.dispatch(entry, ev.AcceptKnown())
-        self._answer_repeat(entry.job, accepted.stored, msg)
 
     def _repeat(self, job: Job, msg: Message) -> None:
         self._repeats += 1
         self.idle.clear()
-        self._outbox.accept(job).add_done_callback(self.later(self._repeat_known, job, msg))
+        accepting = self._outbox.accept(job)
+        accepting.add_done_callback(self._effects.later(partial(self._repeat_known, job, msg)))
 
     def _repeat_known(self, job: Job, msg: Message, fut: asyncio.Future[Accepted]) -> None:
         self._repeats -= 1
         try:
             accepted = fut.result()
         except OutboxError as exc:
-            self._store_failed(job, msg, exc)
+            self._replies.store_failed(job, msg, exc)
         else:
             if accepted.outcome == "new":  # known in memory, gone from disk: track it anew
                 self.counters[Tally.ACCEPTED] += 1
                 self._transport.ack(msg)
                 self.replay([Stored(job, "queued", 0, 0, None)])
             else:
-                self._answer_repeat(job, accepted.stored, msg)
+                self._replies.repeat(job, accepted.stored, msg)
         self._settle()
-
-    def _answer_repeat(self, job: Job, stored: Stored | None, msg: Message) -> None:
-        plan = rules.repeat_plan(stored.state if stored else None, dup=msg.dup)
-        if plan == "redelivered":
-            self.counters[Tally.REDELIVERED] += 1
-            self._transport.ack(msg)
-            return
-        self.counters[Tally.DUPLICATES] += 1
-        if plan == "forgotten":
-            self._answers.refuse(forgotten(job, self.settings.result_retention_s), msg)
-            return
-        assert stored is not None
-        current = self.table.get(job.job_id)
-        if plan == "retarget" and current is not None:
-            current.job = stored.job  # the result goes where the latest request asked
-        elif plan == "republish" and stored.result is not None:
-            log.info("job %s was resubmitted; answering with its stored result", job.job_id)
-            self._answers.publish(job, stored.result, record=False)
-        self._transport.ack(msg)
-
-    def _store_failed(self, job: Job, msg: Message, exc: OutboxError) -> None:
-        self.counters[Tally.OUTBOX_ERRORS] += 1
-        log.error("could not store job %s: %s", job.job_id, exc)
-        self._refuse(job, outbox_unavailable(job, self.settings.id, exc), msg)
-
-    def _refuse(self, job: Job, refusal: RequestRefusal, msg: Message) -> None:
-        """Refuse a request that was read as a job; its record goes into the trace."""
-        self._answers.refuse(refusal, msg)
-        trace = self.trace
-        if trace is not None and refusal.response_topic is not None:
-            record = refusal_of(job, refusal.status, refusal.code, now=self._clock())
-            if not trace.add(record):
-                self.counters[Tally.TRACE_DROPPED] += 1
 
 
 DECLINED_WEIGHT = 0.2  # weight of the latest answer in the share declined (EWMA)

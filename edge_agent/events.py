@@ -8,11 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from edge_agent import rules
 from edge_agent.rules import Answer, Declined, Outlook, Placement
 from edge_agent.tally import Tally
+
+if TYPE_CHECKING:  # types only: the table never touches a run's outputs
+    from sluicegate.vision.postprocess import Outputs
+    from sluicegate.vision.runtime import StageTimes
+
+# A run's outputs and stage times (None when it failed) and when it started.
+RunDetail = tuple["Outputs | None", "StageTimes | None", "float | None"]
 
 Phase = Literal[
     "new",
@@ -166,10 +173,10 @@ class RunCounted:
 
 @dataclass(frozen=True, slots=True)
 class RunDone:
-    status: str
+    status: Literal["ok", "rejected", "failed"]
     code: str | None = None
     reason: str | None = None
-    detail: object = None  # the run's outputs and times, for the result document
+    detail: RunDetail | None = None  # for the result document
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,7 +285,7 @@ class ConcludeHere:
     status: Literal["ok", "rejected", "failed", "expired"]
     code: str | None = None
     reason: str | None = None
-    detail: object = None
+    detail: RunDetail | None = None
     predicted: float | None = None  # ran here: when it was predicted to finish
 
 

@@ -10,13 +10,12 @@ asyncio.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from edge_agent.admission import Job
-from edge_agent.events import BUSY, Life, Phase
-from edge_agent.rules import Declined
+from edge_agent.events import BUSY, Event, Life, Phase
+from edge_agent.rules import Answer, Declined
 from sluicegate import wire
 from sluicegate.transport import Message
 
@@ -51,9 +50,12 @@ class Entry:
 
     job: Job
     life: Life
-    # Returns and notices that came before the acceptance, with the handler to take them.
-    held: list[tuple[Callable[[Message], None], Message]] = field(default_factory=list)
-    asked: asyncio.Future[Any] | None = None  # the placement answer being waited for
+    # Returns and notices that came before the acceptance: each event, its message and
+    # (a return's) the result it carried, dispatched again once the job is accepted.
+    held: list[tuple[Event, Message, tuple[bytes, wire.JobResult] | None]] = field(
+        default_factory=list
+    )
+    asked: asyncio.Future[Answer] | None = None  # the placement answer being waited for
     # A worker's result just in, and the result being committed: (its bytes, as read).
     returned: tuple[bytes, wire.JobResult] | None = None
     result: tuple[bytes, wire.JobResult] | None = None

@@ -29,7 +29,8 @@ its ``declined`` reason when it concludes here, so its result says where its tim
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TypeVar, cast
 
 from edge_agent import events as ev
 from edge_agent import rules
@@ -38,6 +39,8 @@ from edge_agent.rules import Declined, Outlook, Placement
 from edge_agent.tally import Tally
 
 NOT_WANTED = "the job was concluded meanwhile"
+Notice = ev.Returned | ev.WorkerLost | ev.DeadLettered  # what a worker or the broker says of a job
+E = TypeVar("E", bound=Event)
 # The events whose rules read the outlook; for the others the shell need not work it out
 # (tests/test_edge_lifecycle.py holds that their moves do not depend on it).
 NEEDS_OUTLOOK: frozenset[type[Event]] = frozenset(
@@ -91,12 +94,13 @@ def _clocked(before: Life, after: Life, now: float) -> Life:
     return after
 
 
-def _stay(life: Life, *effects: Effect) -> Move:
-    return life, effects
+def _move(after: Life, *effects: Effect) -> Move:
+    """The job's next life (``life._replace(...)``, its phase included) and the effects."""
+    return after, effects
 
 
-def _to(life: Life, phase: Phase, *effects: Effect, **changes: Any) -> Move:
-    return life._replace(phase=phase, **changes), effects
+def _to(life: Life, phase: Phase, *effects: Effect) -> Move:
+    return life._replace(phase=phase), effects
 
 
 # -- shared moves -------------------------------------------------------------------------------
@@ -115,16 +119,15 @@ def _run_here(life: Life, why: Declined | None, o: Outlook, *before: Effect) -> 
     """Into the local queue; ``why`` it did not leave goes into its result. Its predicted
     completion is kept from the first prediction made for it (the one an offer sent)."""
     predicted = life.predicted or o.predicted_done
-    return _to(
-        life, "queued", *before, ev.Enqueue(), declined=life.declined or why, predicted=predicted
-    )
+    queued = life._replace(phase="queued", declined=life.declined or why, predicted=predicted)
+    return _move(queued, *before, ev.Enqueue())
 
 
 def _ask(life: Life, reason: str, now: float, o: Outlook, *before: Effect) -> Move:
     attempt = life.attempt + 1
     ask = ev.Ask(attempt, reason, max(0.0, o.predicted_done - now))
     predicted = life.predicted or o.predicted_done
-    return _to(life, "offering", *before, ask, asking=attempt, predicted=predicted)
+    return _move(life._replace(phase="offering", asking=attempt, predicted=predicted), *before, ask)
 
 
 def _route(life: Life, now: float, o: Outlook, *before: Effect) -> Move:
@@ -155,11 +158,8 @@ def _placed(life: Life, placement: Placement, now: float, o: Outlook, *effects: 
     attempt = life.asking
     expires = rules.offload_expiry(now, o.result_timeout_s, life.deadline)
     rescue = rules.rescue_at(life.deadline, now, o.predicted_done)
-    return _to(
-        life,
-        "offloaded",
-        ev.RecordAttempt(attempt, placement.worker_id),
-        *effects,
+    after = life._replace(
+        phase="offloaded",
         attempt=attempt,
         asking=0,
         worker=placement.worker_id,
@@ -168,6 +168,7 @@ def _placed(life: Life, placement: Placement, now: float, o: Outlook, *effects: 
         ahead=None,
         early=False,
     )
+    return _move(after, ev.RecordAttempt(attempt, placement.worker_id), *effects)
 
 
 def _not_placed(life: Life, why: Declined, o: Outlook, *before: Effect) -> Move:
@@ -191,25 +192,26 @@ def _drop_ahead(life: Life, why: str) -> Effects:
 # -- rules --------------------------------------------------------------------------------------
 
 
-def _admit(life: Life, event: Any, now: float, o: Outlook) -> Move:
-    assert isinstance(event, ev.Admit)
+def _admit(life: Life, event: ev.Admit, now: float, o: Outlook) -> Move:
     effects: list[Effect] = [ev.CommitAcceptance(event.run_now)]
     if event.ask is not None:
         effects.append(ev.Ask(1, event.ask, event.local_s))
     asking = 1 if event.ask else 0
     predicted = now + event.local_s
-    return _to(
-        life, "admitting", *effects, run_now=event.run_now, asking=asking, predicted=predicted
+    after = life._replace(
+        phase="admitting", run_now=event.run_now, asking=asking, predicted=predicted
     )
+    return _move(after, *effects)
 
 
-def _replayed(life: Life, event: Any, now: float, o: Outlook) -> Move:
-    assert isinstance(event, ev.Replayed)
+def _replayed(life: Life, event: ev.Replayed, now: float, o: Outlook) -> Move:
     life = life._replace(attempt=event.attempt, local_runs=event.local_runs)
     if event.plan == "await_return":  # on disk as offloaded as that attempt
         expires = rules.offload_expiry(now, o.result_timeout_s, life.deadline)
-        return _to(
-            life, "offloaded", worker=event.worker, expires_at=expires, on_disk=event.attempt
+        return _move(
+            life._replace(
+                phase="offloaded", worker=event.worker, expires_at=expires, on_disk=event.attempt
+            )
         )
     if event.plan == "dead_letter":
         return _dead_letter(
@@ -218,12 +220,13 @@ def _replayed(life: Life, event: Any, now: float, o: Outlook) -> Move:
     return _route(life, now, o)
 
 
-def _accepted(life: Life, event: Any, now: float, o: Outlook) -> Move:
+def _accepted(life: Life, event: ev.Accepted, now: float, o: Outlook) -> Move:
     if life.run_now:  # its run is counted already
         late = rules.expiry_reason(life.deadline, now)
         if late is not None:
             return _expire(life._replace(local_runs=1), late, ev.Ack())
-        return _to(life, "running", ev.Ack(), ev.Launch(), local_runs=1, run_now=False)
+        running = life._replace(phase="running", local_runs=1, run_now=False)
+        return _move(running, ev.Ack(), ev.Launch())
     if not life.asking:
         return _route(life, now, o, ev.Ack())
     late = rules.expiry_reason(life.deadline, now)
@@ -239,23 +242,21 @@ def _accepted(life: Life, event: Any, now: float, o: Outlook) -> Move:
     return _to(life, "offering", ev.Ack())  # its answer is still to come
 
 
-def _accept_known(life: Life, event: Any, now: float, o: Outlook) -> Move:
+def _accept_known(life: Life, event: ev.AcceptKnown, now: float, o: Outlook) -> Move:
     drop = _drop_ahead(life, "a repeat of a job this edge knows")
-    return _to(life, "concluded", *drop, ev.Forget(), run_now=False)
+    return _move(life._replace(phase="concluded", run_now=False), *drop, ev.Forget())
 
 
-def _answered_ahead(life: Life, event: Any, now: float, o: Outlook) -> Move:
-    assert isinstance(event, ev.Answered)
+def _answered_ahead(life: Life, event: ev.Answered, now: float, o: Outlook) -> Move:
     if event.attempt != life.asking or life.ahead is not None:
         return _answered_late(life, event, now, o)
     if isinstance(event.answer, Placement):  # sent at once: the commit is off the job's path
         sent = ev.Count(Tally.SENT_BEFORE_COMMIT)
-        return _stay(life._replace(ahead=event.answer, early=True), ev.Send(1, event.answer), sent)
-    return _stay(life._replace(ahead=event.answer))
+        return _move(life._replace(ahead=event.answer, early=True), ev.Send(1, event.answer), sent)
+    return _move(life._replace(ahead=event.answer))
 
 
-def _answered(life: Life, event: Any, now: float, o: Outlook) -> Move:
-    assert isinstance(event, ev.Answered)
+def _answered(life: Life, event: ev.Answered, now: float, o: Outlook) -> Move:
     if event.attempt != life.asking:
         return _answered_late(life, event, now, o)
     if isinstance(event.answer, Placement):
@@ -263,51 +264,50 @@ def _answered(life: Life, event: Any, now: float, o: Outlook) -> Move:
     return _not_placed(life, event.answer, o)
 
 
-def _answered_late(life: Life, event: Any, now: float, o: Outlook) -> Move:
+def _answered_late(life: Life, event: ev.Answered, now: float, o: Outlook) -> Move:
     """An answer nobody waits for: a placement in it is handed back at once."""
-    assert isinstance(event, ev.Answered)
     if isinstance(event.answer, Placement):
-        return _stay(life, ev.Release(event.attempt, event.answer.worker_id, NOT_WANTED))
-    return _stay(life)
+        return _move(life, ev.Release(event.attempt, event.answer.worker_id, NOT_WANTED))
+    return _move(life)
 
 
-def _send_failed(life: Life, event: Any, now: float, o: Outlook) -> Move:
+def _send_failed(life: Life, event: ev.SendFailed, now: float, o: Outlook) -> Move:
     if life.phase == "admitting" and life.early:
-        return _stay(life._replace(early=False))  # sent once the job is accepted
-    return _stay(life)  # the attempt is void: the timeout reroutes the job
+        return _move(life._replace(early=False))  # sent once the job is accepted
+    return _move(life)  # the attempt is void: the timeout reroutes the job
 
 
-def _recorded(life: Life, event: Any, now: float, o: Outlook) -> Move:
-    assert isinstance(event, ev.AttemptRecorded)
-    return _stay(life._replace(on_disk=max(life.on_disk, event.attempt)))
+def _recorded(life: Life, event: ev.AttemptRecorded, now: float, o: Outlook) -> Move:
+    return _move(life._replace(on_disk=max(life.on_disk, event.attempt)))
 
 
-def _held(life: Life, event: Any, now: float, o: Outlook) -> Move:
+def _held(life: Life, event: Notice, now: float, o: Outlook) -> Move:
     """A return or notice for a job whose work went out before it was accepted waits for
     the acceptance; any other for an admitting job is a stray."""
-    if life.early and getattr(event, "attempt", 1) == 1:
-        return _stay(life, ev.Hold())
+    attempt = 1 if isinstance(event, ev.DeadLettered) else event.attempt
+    if life.early and attempt == 1:
+        return _move(life, ev.Hold())
     if isinstance(event, ev.Returned):
-        return _stay(life, ev.Discard(Tally.FENCED_RETURNS, "unknown"))
-    return _stay(life, ev.Ack(), ev.Count(Tally.STALE_NOTICES))
+        return _move(life, ev.Discard(Tally.FENCED_RETURNS, "unknown"))
+    return _move(life, ev.Ack(), ev.Count(Tally.STALE_NOTICES))
 
 
-def _returned(life: Life, event: Any, now: float, o: Outlook) -> Move:
+def _returned(life: Life, event: ev.Returned, now: float, o: Outlook) -> Move:
     """Fencing: a return concludes the job only for its current attempt, from the worker
     that attempt went to, while the job waits on it (or waits here, rerouted, not started:
     the outbox still holds it as offloaded as that attempt)."""
-    assert isinstance(event, ev.Returned)
     verdict = _verdict(life, event)
     if verdict is not None:
-        return _stay(life, ev.Discard(Tally.FENCED_RETURNS, verdict))
+        return _move(life, ev.Discard(Tally.FENCED_RETURNS, verdict))
     if event.not_run is not None:  # never ran there: run it here, no new offer
         count = (ev.Ack(), ev.Count(Tally.NOT_RUN_RETURNS))
         if life.phase == "queued":
-            return _stay(life._replace(declined=life.declined or event.not_run), *count)
+            return _move(life._replace(declined=life.declined or event.not_run), *count)
         return _run_here(life, event.not_run, o, *count)
     forward = life.on_disk == event.attempt
     conclude = ev.ConcludeReturn(event.attempt, forward)
-    return _to(life, "finishing", conclude, ack_return=True, forwarded=forward)
+    finishing = life._replace(phase="finishing", ack_return=True, forwarded=forward)
+    return _move(finishing, conclude)
 
 
 def _verdict(life: Life, event: ev.Returned) -> str | None:
@@ -322,22 +322,20 @@ def _verdict(life: Life, event: ev.Returned) -> str | None:
     return None
 
 
-def _worker_lost(life: Life, event: Any, now: float, o: Outlook) -> Move:
-    assert isinstance(event, ev.WorkerLost)
+def _worker_lost(life: Life, event: ev.WorkerLost, now: float, o: Outlook) -> Move:
     if life.phase != "offloaded" or event.attempt != life.attempt:
-        return _stay(life, ev.Ack(), ev.Count(Tally.STALE_NOTICES))
+        return _move(life, ev.Ack(), ev.Count(Tally.STALE_NOTICES))
     lost = Declined("worker_lost", event.reason)
     return _reroute(life, lost, now, o, ev.Ack(), ev.Count(Tally.WORKERS_LOST))
 
 
-def _dead_lettered(life: Life, event: Any, now: float, o: Outlook) -> Move:
-    assert isinstance(event, ev.DeadLettered)
+def _dead_lettered(life: Life, event: ev.DeadLettered, now: float, o: Outlook) -> Move:
     if life.phase not in ("queued", "offering", "offloaded"):
-        return _stay(life, ev.Ack(), ev.Count(Tally.STALE_NOTICES))
+        return _move(life, ev.Ack(), ev.Count(Tally.STALE_NOTICES))
     return _dead_letter(life._replace(asking=0), event.reason, ev.Ack())
 
 
-def _overdue(life: Life, event: Any, now: float, o: Outlook) -> Move:
+def _overdue(life: Life, event: ev.Overdue, now: float, o: Outlook) -> Move:
     """The return waited for long enough: after ``result_timeout_s`` the attempt is lost
     and the job rerouted; before it, once only a run here can still meet the deadline, the
     job joins the local queue (the worker's return is still taken if it comes first)."""
@@ -347,7 +345,7 @@ def _overdue(life: Life, event: Any, now: float, o: Outlook) -> Move:
         why = Declined("result_timeout", f"no result from {life.worker or 'the pool'} {waited}")
         return _reroute(life, why, now, o, ev.Count(Tally.OFFLOAD_TIMEOUTS))
     if life.rescue_at is None or life.rescue_at > now:
-        return _stay(life)
+        return _move(life)
     why = Declined(
         "worker_silent",
         f"no result from {life.worker or 'the worker'} while a run here could still meet "
@@ -356,7 +354,7 @@ def _overdue(life: Life, event: Any, now: float, o: Outlook) -> Move:
     return _run_here(life._replace(rescue_at=None), why, o, ev.Count(Tally.OFFLOAD_RESCUES))
 
 
-def _start(life: Life, event: Any, now: float, o: Outlook) -> Move:
+def _start(life: Life, event: ev.Start, now: float, o: Outlook) -> Move:
     late = rules.expiry_reason(life.deadline, now)
     if late is not None:
         return _expire(life, late)
@@ -366,8 +364,7 @@ def _start(life: Life, event: Any, now: float, o: Outlook) -> Move:
     return _to(life, "starting", ev.CountRun())
 
 
-def _counted(life: Life, event: Any, now: float, o: Outlook) -> Move:
-    assert isinstance(event, ev.RunCounted)
+def _counted(life: Life, event: ev.RunCounted, now: float, o: Outlook) -> Move:
     if event.runs is None:  # disk trouble: it replays after a restart
         return _to(life, "concluded", ev.Forget())
     life = life._replace(local_runs=event.runs)
@@ -377,16 +374,12 @@ def _counted(life: Life, event: Any, now: float, o: Outlook) -> Move:
     return _to(life, "running", ev.Launch())
 
 
-def _run_done(life: Life, event: Any, now: float, o: Outlook) -> Move:
-    assert isinstance(event, ev.RunDone)
-    status = event.status
-    assert status in ("ok", "rejected", "failed"), status
-    conclude = ev.ConcludeHere(status, event.code, event.reason, event.detail, life.predicted)  # type: ignore[arg-type]
+def _run_done(life: Life, event: ev.RunDone, now: float, o: Outlook) -> Move:
+    conclude = ev.ConcludeHere(event.status, event.code, event.reason, event.detail, life.predicted)
     return _to(life, "finishing", conclude)
 
 
-def _committed(life: Life, event: Any, now: float, o: Outlook) -> Move:
-    assert isinstance(event, ev.ResultCommitted)
+def _committed(life: Life, event: ev.ResultCommitted, now: float, o: Outlook) -> Move:
     if event.stored is None:  # not committed: it replays (or is redelivered) later
         return _to(life, "concluded", ev.Count(Tally.OUTBOX_ERRORS))
     ack = (ev.Ack(),) if life.ack_return else ()
@@ -396,47 +389,59 @@ def _committed(life: Life, event: Any, now: float, o: Outlook) -> Move:
     return _to(life, "concluded", *ack, ev.Count(Tally.LATE_RESULTS), ev.Resync())
 
 
-def _ignore(life: Life, event: Any, now: float, o: Outlook) -> Move:
-    return _stay(life)
+def _ignore(life: Life, event: Event, now: float, o: Outlook) -> Move:
+    return _move(life)
 
 
-def _discard_unknown(life: Life, event: Any, now: float, o: Outlook) -> Move:
+def _discard_unknown(life: Life, event: Notice, now: float, o: Outlook) -> Move:
     if isinstance(event, ev.Returned):
-        return _stay(life, ev.Discard(Tally.FENCED_RETURNS, "unknown"))
-    return _stay(life, ev.Ack(), ev.Count(Tally.STALE_NOTICES))
+        return _move(life, ev.Discard(Tally.FENCED_RETURNS, "unknown"))
+    return _move(life, ev.Ack(), ev.Count(Tally.STALE_NOTICES))
 
 
-def _table() -> dict[tuple[Phase, type[Any]], Rule]:
+def _row(
+    table: dict[tuple[Phase, type[object]], Rule],
+    phase: Phase,
+    kind: type[E],
+    rule: Callable[[Life, E, float, Outlook], Move],
+) -> None:
+    """Put ``rule`` in the table for ``kind`` in ``phase``: mypy checks here that the rule
+    takes that event. :func:`transition` finds a rule by the event's exact type, so the
+    table may hold it as a rule of any event."""
+    table[phase, kind] = cast(Rule, rule)
+
+
+def _table() -> dict[tuple[Phase, type[object]], Rule]:
     live: tuple[Phase, ...] = ("queued", "starting", "running", "offering", "offloaded")
-    table: dict[tuple[Phase, type[Any]], Rule] = {
-        ("new", ev.Admit): _admit,
-        ("new", ev.Replayed): _replayed,
-        ("admitting", ev.Accepted): _accepted,
-        ("admitting", ev.AcceptKnown): _accept_known,
-        ("admitting", ev.Answered): _answered_ahead,
-        ("offering", ev.Answered): _answered,
-        ("admitting", ev.Returned): _held,
-        ("admitting", ev.WorkerLost): _held,
-        ("admitting", ev.DeadLettered): _held,
-        ("offloaded", ev.Overdue): _overdue,
-        ("starting", ev.RunCounted): _counted,
-        ("running", ev.RunDone): _run_done,
-        ("finishing", ev.ResultCommitted): _committed,
-        ("concluded", ev.Returned): _discard_unknown,
-        ("concluded", ev.WorkerLost): _discard_unknown,
-        ("concluded", ev.DeadLettered): _discard_unknown,
-    }
+    table: dict[tuple[Phase, type[object]], Rule] = {}
+    _row(table, "new", ev.Admit, _admit)
+    _row(table, "new", ev.Replayed, _replayed)
+    _row(table, "admitting", ev.Accepted, _accepted)
+    _row(table, "admitting", ev.AcceptKnown, _accept_known)
+    _row(table, "admitting", ev.Answered, _answered_ahead)
+    _row(table, "offering", ev.Answered, _answered)
+    _row(table, "admitting", ev.Returned, _held)
+    _row(table, "admitting", ev.WorkerLost, _held)
+    _row(table, "admitting", ev.DeadLettered, _held)
+    _row(table, "offloaded", ev.Overdue, _overdue)
+    _row(table, "starting", ev.RunCounted, _counted)
+    _row(table, "running", ev.RunDone, _run_done)
+    _row(table, "finishing", ev.ResultCommitted, _committed)
+    _row(table, "concluded", ev.Returned, _discard_unknown)
+    _row(table, "concluded", ev.WorkerLost, _discard_unknown)
+    _row(table, "concluded", ev.DeadLettered, _discard_unknown)
     for phase in PHASES:
         if phase == "new":
             continue
-        table[phase, ev.AttemptRecorded] = _recorded
-        table[phase, ev.SendFailed] = _send_failed
-        table.setdefault((phase, ev.Answered), _answered_late)
-        table[phase, ev.Start] = _start if phase == "queued" else _ignore
+        _row(table, phase, ev.AttemptRecorded, _recorded)
+        _row(table, phase, ev.SendFailed, _send_failed)
+        if (phase, ev.Answered) not in table:
+            _row(table, phase, ev.Answered, _answered_late)
+        _row(table, phase, ev.Start, _start if phase == "queued" else _ignore)
     for phase in (*live, "finishing"):
-        table[phase, ev.Returned] = _returned
-        table[phase, ev.WorkerLost] = _worker_lost
-        table[phase, ev.DeadLettered] = _dead_lettered
+        _row(table, phase, ev.Returned, _returned)
+        _row(table, phase, ev.WorkerLost, _worker_lost)
+        _row(table, phase, ev.DeadLettered, _dead_lettered)
     return table
 
 
