@@ -93,9 +93,7 @@ class Dispatcher:
         self._compute = compute
         self._answers = answers
         self._placement = placement
-        # The share of the broker's recent answers that kept the job here (no history:
-        # every job still asking counts as staying).
-        self._declined_share = 1.0
+        self._declined_share = 1.0  # rules.declined_share
         self._feed = feed
         self._models = models
         self._clock = clock
@@ -328,13 +326,11 @@ class Dispatcher:
         client, table = self._placement, self.table
         service_s = self._compute.service_s(job.model)
         share = self._declined_share  # of the jobs still asking, those that will stay
-        work = rules.work_ahead(table.ahead, self._compute.service_s)
-        if table.asked:
-            work += share * rules.work_ahead(table.asked, self._compute.service_s)
-        if own is not None:  # not ahead of itself
-            kind = ahead_kind(own)
-            if kind != NOT:
-                work = max(0.0, work - (service_s if kind == SURE else share * service_s))
+        ahead = rules.work_ahead(table.ahead, self._compute.service_s)
+        asked = rules.work_ahead(table.asked, self._compute.service_s) if table.asked else 0.0
+        kind = NOT if own is None else ahead_kind(own)  # not ahead of itself
+        own_s = 0.0 if kind == NOT else service_s if kind == SURE else share * service_s
+        work = rules.expected_work(ahead, asked, share, own_s)
         done = rules.predict_completion(now, work, self._concurrency, service_s)
         offload = client is not None and self._offload.enabled and client.broker_available
         return rules.Outlook(self.settings.id, offload, done, self.waiting, *self._limits_tail)
@@ -367,8 +363,8 @@ class Dispatcher:
         needs = type(event) in NEEDS_OUTLOOK
         outlook = self.outlook(entry.job, now, entry.life) if needs else _NO_OUTLOOK
         if type(event) is ev.Answered:  # the broker's answers: how many offers stay here
-            stayed = 0.0 if isinstance(event.answer, Placement) else 1.0
-            self._declined_share += DECLINED_WEIGHT * (stayed - self._declined_share)
+            placed = isinstance(event.answer, Placement)
+            self._declined_share = rules.declined_share(self._declined_share, placed=placed)
         try:
             life, effects = transition(entry.life, event, now, outlook)
         except IllegalMove as exc:  # a bug: the job stays as it was, the agent serves on
@@ -458,5 +454,4 @@ class Dispatcher:
         self._settle()
 
 
-DECLINED_WEIGHT = 0.2  # weight of the latest answer in the share declined (EWMA)
 _NO_OUTLOOK = rules.Outlook("", False, 0.0, 0, 0, 1, 1, 1.0)

@@ -102,6 +102,23 @@ def work_ahead(models: Mapping[str, int], service_s: Callable[[str], float]) -> 
     return sum(count * service_s(model) for model, count in models.items() if count)
 
 
+DECLINED_WEIGHT = 0.2  # weight of the latest answer in the share declined (EWMA)
+
+
+def declined_share(share: float, *, placed: bool) -> float:
+    """The share of the broker's recent answers that kept their job here, after one more
+    (``placed``: it placed the job on a worker). Starts at 1: with no history, every job
+    still asking counts as staying."""
+    return share + DECLINED_WEIGHT * ((0.0 if placed else 1.0) - share)
+
+
+def expected_work(ahead_s: float, asked_s: float, share: float, own_s: float = 0.0) -> float:
+    """Seconds of work ahead of a job here: what will surely run here (``ahead_s``), the
+    ``share`` of what is still asking the broker (``asked_s``) expected to stay, less the
+    job's own part of those (``own_s``)."""
+    return max(0.0, ahead_s + share * asked_s - own_s)
+
+
 def predict_completion(
     now: float, work_ahead_s: float, concurrency: int, service_s: float
 ) -> float:

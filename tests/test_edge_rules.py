@@ -131,3 +131,18 @@ def test_intake(deadline: float, free: bool, dup: bool, expected: tuple[bool, st
     done = rules.predict_completion(0.0, 0.0, 2, 0.25)
     got = rules.intake(deadline, outlook(done=done), slot_free=free, redelivered=dup)
     assert got == expected
+
+
+def test_the_declined_share_follows_the_brokers_answers() -> None:
+    share = 1.0  # no history: every job still asking counts as staying
+    for _ in range(20):
+        share = rules.declined_share(share, placed=True)
+    assert share < 0.02  # a broker placing everything: almost nothing asking will stay
+    once = rules.declined_share(share, placed=False)
+    assert once == pytest.approx(share + rules.DECLINED_WEIGHT * (1.0 - share))
+
+
+def test_expected_work_weighs_what_is_still_asking_and_leaves_out_the_job_itself() -> None:
+    assert rules.expected_work(0.4, 1.0, 0.5) == pytest.approx(0.9)
+    assert rules.expected_work(0.4, 1.0, 0.5, own_s=0.25) == pytest.approx(0.65)
+    assert rules.expected_work(0.0, 0.0, 0.5, own_s=0.1) == 0.0  # never below nothing
