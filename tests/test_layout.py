@@ -220,7 +220,8 @@ def test_nothing_below_the_upper_floor_imports_it() -> None:
 
 def test_the_kernel_imports_no_role() -> None:
     kernel = {n: p for n, p in _modules("sluicegate").items() if not _within(n, UPPER_FLOOR)}
-    assert "sluicegate.topics" in kernel and "sluicegate.mqtt.bridge" in kernel
+    assert "sluicegate.topics" in kernel
+    assert "sluicegate.mqtt.bridge" in kernel
     leaks = sorted(
         f"{name} imports {other}"
         for name, path in kernel.items()
