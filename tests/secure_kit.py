@@ -27,6 +27,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
 from policies import SigningKey
+from policies.audit import decode_record
 from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
 from sluicegate import pki
 from sluicegate.app.campus import Campus, write_campus
@@ -186,18 +187,23 @@ def refused_login(campus: Campus, identity: str | None) -> str:
     raise AssertionError(f"{identity!r} logged in")
 
 
-def audited(redis_url: str, kind: str, node: str = "broker-1") -> list[dict[str, Any]]:
-    """The entries of ``kind`` in ``node``'s audit log in Redis, decoded (each record holds
-    a JSON list of them)."""
+def audit_records(redis_url: str, kind: str, node: str = "broker-1") -> list[dict[str, Any]]:
+    """The data of each record of ``kind`` in ``node``'s audit log in Redis, oldest first."""
     client = redis_sync.Redis.from_url(redis_url)
-    out: list[dict[str, Any]] = []
     try:
-        for raw in RedisStreamAuditStore(client, audit_stream_key(node)).entries():
-            record = json.loads(raw)
-            if record["kind"] == kind:
-                out += json.loads(record["data"]["decisions"])
+        store = RedisStreamAuditStore(client, audit_stream_key(node))
+        records = [decode_record(entry) for entry in store.entries()]
     finally:
         client.close()
+    return [dict(r.data) for r in records if r.kind == kind]
+
+
+def audited(redis_url: str, kind: str, node: str = "broker-1") -> list[dict[str, Any]]:
+    """The decisions the records of ``kind`` in ``node``'s audit log hold, decoded (each
+    record holds a JSON list of them)."""
+    out: list[dict[str, Any]] = []
+    for data in audit_records(redis_url, kind, node):
+        out += json.loads(str(data["decisions"]))
     return out
 
 

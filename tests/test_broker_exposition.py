@@ -16,7 +16,6 @@ import json
 import math
 import os
 import queue
-import re
 import subprocess
 import time
 import urllib.request
@@ -41,6 +40,7 @@ from sluicegate.wire_pool import (
     WorkerCapabilities,
     WorkerTelemetry,
 )
+from tests.metrics_kit import Samples, has, scrape, total
 from tests.policies.policy_testkit import key
 from tests.support import PlainClient, ServiceThread, live_request, sluicegate_cmd, wait_until
 
@@ -50,24 +50,13 @@ FAB = "campus/fab-north"
 WORKERS = {"north-a": (f"{FAB}/dc", "x86-cpu"), "north-b": (f"{FAB}/dc", "x86-cpu")}
 DC_POOL = "campus-fab-north-dc"  # the pool write_campus makes of the dc zone
 EDGE = "line-1-pc"
-SAMPLE = re.compile(r"^([a-z_:][a-z0-9_:]*)(\{[^}]*\})? (\S+)$", re.MULTILINE)
 
 
-def parse(text: str) -> dict[tuple[str, str], float]:
-    """``/metrics`` text as {(name, labels as written): value}."""
-    return {(m[1], m[2] or ""): float(m[3]) for m in SAMPLE.finditer(text)}
+SIGNAL_AGE, DESIRED = "sluicegate_pool_signal_age_seconds", "sluicegate_pool_desired_workers"
 
 
-def value(samples: dict[tuple[str, str], float], name: str, **labels: str) -> float | None:
-    """The sample of ``name`` whose labels include ``labels``; summed over the rest."""
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    found = [v for (n, lab), v in samples.items() if n == name and all(w in lab for w in want)]
-    return sum(found) if found else None
-
-
-def scrape(port: int) -> dict[tuple[str, str], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        return parse(resp.read().decode())
+def metrics(port: int) -> Samples:
+    return scrape(f"http://127.0.0.1:{port}/metrics")
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +186,7 @@ def _counted(
     before = time.time()
     workers.announce()
     after = time.time()
-    wait_until(lambda: value(scrape(port), "sluicegate_workers", state="healthy") == 2)
+    wait_until(lambda: total(metrics(port), "sluicegate_workers", state="healthy") == 2)
     edge = PlainClient(mosquitto.port)
     edge.subscribe(topics.placement_replies(EDGE))
     replies = [ask(edge) for _ in range(7)] + [ask(edge, model="no-such-model") for _ in range(3)]
@@ -211,30 +200,30 @@ def _counted(
     for reply in placed[:5]:
         workers.complete(reply.job_id, reply.worker_id or "")
     workers.complete(placed[5].job_id, placed[5].worker_id or "", status="failed")
-    wait_until(lambda: value(scrape(port), "sluicegate_completions_total") == 6)
-    got = scrape(port)
-    assert value(got, "sluicegate_placement_decisions_total", outcome="placed") == 7
-    assert value(got, "sluicegate_placement_decisions_total", outcome="refused") == 3
+    wait_until(lambda: total(metrics(port), "sluicegate_completions_total") == 6)
+    got = metrics(port)
+    assert total(got, "sluicegate_placement_decisions_total", outcome="placed") == 7
+    assert total(got, "sluicegate_placement_decisions_total", outcome="refused") == 3
     for code, n in refused.items():
-        assert value(got, "sluicegate_placement_refusals_total", code=code) == n
-    assert value(got, "sluicegate_placement_refusals_total") == 3
-    assert value(got, "sluicegate_placement_decision_seconds_count") == 10
-    assert value(got, "sluicegate_completions_total", status="ok") == 5
-    assert value(got, "sluicegate_completions_total", status="failed") == 1
-    assert value(got, "sluicegate_offloaded_job_seconds_count") == 6
-    assert value(got, "sluicegate_offloaded_job_seconds_sum") == pytest.approx(6 * 0.012)
+        assert total(got, "sluicegate_placement_refusals_total", code=code) == n
+    assert total(got, "sluicegate_placement_refusals_total") == 3
+    assert total(got, "sluicegate_placement_decision_seconds_count") == 10
+    assert total(got, "sluicegate_completions_total", status="ok") == 5
+    assert total(got, "sluicegate_completions_total", status="failed") == 1
+    assert total(got, "sluicegate_offloaded_job_seconds_count") == 6
+    assert total(got, "sluicegate_offloaded_job_seconds_sum") == pytest.approx(6 * 0.012)
     # The fleet's and the policy's gauges.
     policy = load_policy(campus.policy_file)
-    assert value(got, "sluicegate_policy_version") == policy.version
-    assert value(got, "sluicegate_policy_expiry_timestamp_seconds") == policy.expires
+    assert total(got, "sluicegate_policy_version") == policy.version
+    assert total(got, "sluicegate_policy_expiry_timestamp_seconds") == policy.expires
     for worker in WORKERS:
-        seen = value(got, "sluicegate_worker_last_seen_timestamp_seconds", worker=worker)
-        assert seen is not None
+        assert has(got, "sluicegate_worker_last_seen_timestamp_seconds", worker=worker)
+        seen = total(got, "sluicegate_worker_last_seen_timestamp_seconds", worker=worker)
         assert before <= seen <= after + 1.0
-    age = value(got, "sluicegate_pool_signal_age_seconds", pool=DC_POOL)
-    assert age is not None
+    assert has(got, "sluicegate_pool_signal_age_seconds", pool=DC_POOL)
+    age = total(got, "sluicegate_pool_signal_age_seconds", pool=DC_POOL)
     assert 0.0 <= age < 30.0
-    assert value(got, "sluicegate_pool_desired_workers", pool=DC_POOL) is not None
+    assert has(got, "sluicegate_pool_desired_workers", pool=DC_POOL)
     # The audit chain: every record in Redis verified, none failed.
     stream = redis.Redis.from_url(settings.broker.redis_url)
     try:
@@ -243,11 +232,12 @@ def _counted(
         length = stream.xlen(audit_stream_key("broker-1"))
     finally:
         stream.close()
-    wait_until(lambda: value(scrape(port), "sluicegate_audit_chain_records") == length)
-    audit = scrape(port)
-    assert value(audit, "sluicegate_audit_verify_failures_total") == 0
-    verified = value(audit, "sluicegate_audit_verified_timestamp_seconds")
-    assert verified is not None
+    wait_until(lambda: total(metrics(port), "sluicegate_audit_chain_records") == length)
+    audit = metrics(port)
+    assert has(audit, "sluicegate_audit_verify_failures_total")
+    assert total(audit, "sluicegate_audit_verify_failures_total") == 0
+    assert has(audit, "sluicegate_audit_verified_timestamp_seconds")
+    verified = total(audit, "sluicegate_audit_verified_timestamp_seconds")
     assert verified >= before
 
 
@@ -332,9 +322,9 @@ def test_the_scaling_signal_across_a_broker_restart(
 
 def _signal(port: int, *, fresh: bool) -> tuple[float, float] | None:
     """(signal age, desired workers) of the dc pool; None until ``fresh`` matches."""
-    got = scrape(port)
-    age = value(got, "sluicegate_pool_signal_age_seconds", pool=DC_POOL)
-    desired = value(got, "sluicegate_pool_desired_workers", pool=DC_POOL)
-    if age is None or desired is None or (fresh and (math.isinf(age) or desired < 1)):
+    got = metrics(port)
+    there = [has(got, name, pool=DC_POOL) for name in (SIGNAL_AGE, DESIRED)]
+    age, desired = (total(got, name, pool=DC_POOL) for name in (SIGNAL_AGE, DESIRED))
+    if not all(there) or (fresh and (math.isinf(age) or desired < 1)):
         return None
     return age, desired

@@ -10,7 +10,6 @@ MQTT clients that carry a Last Will and can vanish without a DISCONNECT.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import queue
 import re
@@ -43,8 +42,6 @@ from broker.core.recovery import (
 from broker.inflight import CLAIM, InflightStore
 from broker.reservations import Hold, Reservations
 from broker.store import BrokerStore
-from policies.audit import decode_record
-from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
 from sluicegate import topics, wire
 from sluicegate.app.broker_http import get, get_json, post_json
 from sluicegate.app.campus import FAB, Campus, write_campus
@@ -61,6 +58,7 @@ from sluicegate.wire_pool import (
 )
 from tests import support
 from tests.policies.policy_testkit import key
+from tests.secure_kit import audited
 from tests.support import PlainClient, list_brokers, sluicegate_cmd
 
 NOW = 1_800_000_000.0
@@ -611,7 +609,7 @@ def test_the_kth_crash_dead_letters_the_job_with_its_reason_in_api_and_metrics(
     paths = broker.http("/openapi.json")[1]["paths"]
     assert "/dead-letters" in paths
     assert "sluicegate_dead_letters_total" in paths["/metrics"]["get"]["description"]
-    _audited(broker_redis, broker, "job.dead_letter", job)
+    _decision_on(broker_redis, broker, "job.dead_letter", job)
     # Asked again (an edge that missed the notice), it is refused, with a worker free.
     again = edge.place(job, 4, must_place=False)
     assert (again.status, again.code) == ("refused", "dead_letter")
@@ -633,7 +631,7 @@ def test_the_kth_crash_dead_letters_the_job_with_its_reason_in_api_and_metrics(
     assert broker.http("/dead-letters?limit=5")[1]["dead_letters"] == []  # off the list
     retry = broker.http(f"/jobs/{job}")[1]["inflight"]["dead_letter"]["retry"]
     assert (retry["by"], retry["job_id"]) == ("operator", f"{job}.retry")
-    assert _audited(broker_redis, broker, "operator.release", job)["note"] == "fixed the model"
+    assert _decision_on(broker_redis, broker, "operator.release", job)["note"] == "fixed the model"
 
 
 def _job_record(broker: BrokerProcess, job: str, status: str) -> dict[str, Any] | None:
@@ -642,23 +640,15 @@ def _job_record(broker: BrokerProcess, job: str, status: str) -> dict[str, Any] 
     return record if code == 200 and record.get("status") == status else None
 
 
-def _audited(redis_url: str, broker: BrokerProcess, kind: str, job: str) -> dict[str, Any]:
-    client = redis.Redis.from_url(redis_url)
-    try:
-        store = RedisStreamAuditStore(client, audit_stream_key(broker.id))
+def _decision_on(redis_url: str, broker: BrokerProcess, kind: str, job: str) -> dict[str, Any]:
+    """The decision on ``job`` in the first record of ``kind`` that holds one, once there is."""
 
-        def found() -> dict[str, Any] | None:
-            for entry in store.entries():
-                record = decode_record(entry)
-                if record.kind == kind and job in str(record.data["jobs"]).split(","):
-                    decisions: list[dict[str, Any]] = json.loads(str(record.data["decisions"]))
-                    return next(d for d in decisions if d["job_id"] == job)
-            return None
+    def found() -> dict[str, Any] | None:
+        mine = [d for d in audited(redis_url, kind, broker.id) if d["job_id"] == job]
+        return mine[0] if mine else None
 
-        result: dict[str, Any] = wait_until(found)
-        return result
-    finally:
-        client.close()
+    result: dict[str, Any] = wait_until(found)
+    return result
 
 
 def _complete(port: int, job: str, worker: str, attempt: int) -> None:
@@ -703,7 +693,7 @@ def test_a_stale_completion_is_counted_audited_and_leaves_the_current_attempt(
     wait_until(lambda: broker.metric("sluicegate_stale_completions_total") == 1)
     record = broker.http(f"/jobs/{job}")[1]
     assert (record["inflight"]["attempt"], record["inflight"]["worker"]) == (2, second.worker_id)
-    audited = _audited(broker_redis, broker, "completion.stale", job)
+    audited = _decision_on(broker_redis, broker, "completion.stale", job)
     assert (audited["attempt"], audited["current_attempt"]) == (1, 2)
     assert audited["worker"] == first.worker_id
     _complete(mqtt.port, job, second.worker_id, attempt=2)

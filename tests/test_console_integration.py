@@ -12,15 +12,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import redis
 
 from broker.console.routes import COOKIE
 from broker.run import serve  # noqa: F401  (the broker fixture's module imports it)
-from policies.audit import decode_record
-from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
 from sluicegate.app.broker_http import get, get_json, post_json, token_beside
 from sluicegate.app.servers import ServerProcess
 from sluicegate.config import Settings
+from tests.secure_kit import audit_records
 from tests.support import ServiceThread, wait_until
 from tests.test_broker_integration import WORKERS, Fleet, ask, broker, campus, campus_redis, fleet
 
@@ -67,14 +65,6 @@ def held(broker: tuple[ServiceThread, Settings]) -> Iterator[Settings]:
     for hold in snapshot["holds"]:
         verb = "resume" if hold["kind"] == "pause" else "uncordon"
         assert _act(settings, "operator", verb, hold["target"])[0] == 200
-
-
-def _audited(campus_redis: str, kind: str) -> list[dict[str, Any]]:
-    client = redis.Redis.from_url(campus_redis)
-    store = RedisStreamAuditStore(client, audit_stream_key("broker-1"))
-    found = [decode_record(entry) for entry in store.entries()]
-    client.close()
-    return [dict(r.data) for r in found if r.kind == kind]
 
 
 def test_nothing_is_anonymous_but_health_metrics_and_the_login_page(held: Settings) -> None:
@@ -142,7 +132,7 @@ def test_bad_actions_get_a_clear_error_and_change_nothing(held: Settings) -> Non
     assert snap["holds"] == []
 
 
-def test_cordoned_workers_get_no_placements_until_lifted_and_it_is_audited(
+def test_cordoned_workers_get_no_placements_until_lifted_and_it_isaudit_records(
     held: Settings, fleet: Fleet, mosquitto: ServerProcess, campus_redis: str
 ) -> None:
     _online(fleet, held)
@@ -161,12 +151,12 @@ def test_cordoned_workers_get_no_placements_until_lifted_and_it_is_audited(
     assert _act(held, "operator", "uncordon", "north-b")[0] == 200
     placed = ask(mosquitto)
     assert (placed.status, placed.worker_id) == ("placed", "north-b")
-    records = _audited(campus_redis, "operator.cordon")
+    records = audit_records(campus_redis, "operator.cordon")
     cordoned = [json.loads(r["decisions"])[0] for r in records]
     assert {(c["target"], c["by"], c["note"]) for c in cordoned} >= {
         (w, "operator", "maintenance") for w in DC
     }
-    assert _audited(campus_redis, "operator.uncordon")
+    assert audit_records(campus_redis, "operator.uncordon")
 
 
 def test_a_drained_worker_shows_drained_once_it_holds_no_job(

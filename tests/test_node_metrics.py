@@ -12,7 +12,6 @@ import urllib.request
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from center_pool.job_figures import WorkFigures
 from center_pool.metrics import WorkerFigures, worker_registry
@@ -26,20 +25,11 @@ from sluicegate.buckets import Buckets
 from sluicegate.config import EdgeSettings, PoolSettings
 from sluicegate.node_metrics import MetricsServer
 from sluicegate.vision.image import ImageInfo
+from tests.metrics_kit import Samples, samples
 
 T0 = 1_700_000_000.0
 EDGE_ON = wire.RanOn(kind="edge", node="line-1-pc", zone="campus/line-1")
 POOL_ON = wire.RanOn(kind="pool", node="north-cpu-1", zone="campus/dc")
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def samples(text: str) -> Samples:
-    """Every sample of a Prometheus text page, by name and labels."""
-    out: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, frozenset(s.labels.items()))] = s.value
-    return out
 
 
 def value(found: Samples, name: str, **labels: str) -> float:

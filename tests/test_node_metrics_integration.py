@@ -12,7 +12,6 @@ import functools
 import json
 import logging
 import socket
-import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -30,25 +29,14 @@ from sluicegate.app.servers import ServerProcess, free_port
 from sluicegate.config import Settings, load_settings
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir
 from tests.image_bytes import sample_jpeg
+from tests.metrics_kit import Samples, scrape, total
 from tests.pool_kit import SPARE_EDGES, WORKER, WORKER_ZONE, WorkSpec, write_policy_file
 from tests.support import AgentThread, PlainClient, installed_policy, local_campus, wait_until
-from tests.test_node_metrics import Samples, samples
 from tests.test_pool_integration import WorkerThread, publish_work
 
 pytestmark = pytest.mark.integration
 
 JPEG, _ = sample_jpeg(7)
-
-
-def scrape(url: str) -> Samples:
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        return samples(reply.read().decode())
-
-
-def total(found: Samples, name: str, **labels: str) -> float:
-    """The sum of ``name``'s samples whose labels include ``labels``."""
-    want = set(labels.items())
-    return sum(v for (n, ls), v in found.items() if n == name and want <= ls)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import json
 import re
 import shutil
 import subprocess
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import pytest
 
 from sluicegate.app.localcampus import LocalCampus
 from sluicegate.app.traffic import Tally, stream
+from tests.metrics_kit import exposition
 from tests.support import local_campus
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,12 +113,6 @@ def exposed_names(text: str) -> set[str]:
     return {HISTOGRAM_SERIES.sub("", n) for n in names if n.startswith("sluicegate_")}
 
 
-def scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        body: bytes = resp.read()
-    return body.decode()
-
-
 @pytest.fixture(scope="module")
 def campus(
     tmp_path_factory: pytest.TempPathFactory, fresh_redis_db: Callable[[], str]
@@ -139,7 +133,7 @@ def test_every_name_used_is_exposed_by_a_campus_with_jobs_flowing(campus: LocalC
     urls = {"broker-1": f"http://127.0.0.1:{campus.http_port}/metrics", **campus.metrics_urls()}
     exposed: set[str] = set()
     for node, url in urls.items():
-        names = exposed_names(scrape(url))
+        names = exposed_names(exposition(url))
         assert names, f"{node} exposes no sluicegate_ metric at {url}"
         exposed |= names
     missing = {what: sorted(names - exposed) for what, names in used_names().items()}
