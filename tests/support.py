@@ -379,10 +379,18 @@ async def volley(
 
 
 @contextlib.contextmanager
-def local_campus(root: Path, redis_url: str, **kw: Any) -> Iterator[LocalCampus]:
+def local_campus(
+    root: Path,
+    redis_url: str,
+    *,
+    prepare: Callable[[Campus], None] | None = None,
+    start: bool = True,
+    **kw: Any,
+) -> Iterator[LocalCampus]:
     """A whole secured campus as processes (:class:`LocalCampus`: its own Mosquitto with TLS
     and the generated ACL, on the Redis database at ``redis_url``, a ``fresh_redis_db()``),
-    started; stopped after."""
+    started; stopped after. ``prepare`` changes its files before Mosquitto starts (a test's
+    own identities and ACL lines); with ``start`` false only Mosquitto runs."""
     from tests.policies.policy_testkit import key
 
     lc = LocalCampus(
@@ -392,7 +400,13 @@ def local_campus(root: Path, redis_url: str, **kw: Any) -> Iterator[LocalCampus]
         key_for=key,
         **kw,
     )
-    with running(start_campus_mosquitto(lc.write())):
+    files = lc.write()
+    if prepare is not None:
+        prepare(files)
+    with running(start_campus_mosquitto(files)):
+        if not start:
+            yield lc
+            return
         lc.start()
         try:
             yield lc

@@ -22,14 +22,14 @@ import pytest
 from policies import parse_policy, signed_envelope
 from sluicegate import topics, wire
 from sluicegate.app.broker_http import get
-from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
-from sluicegate.app.servers import free_port, running
+from sluicegate.app.campus import Campus
+from sluicegate.app.localcampus import LocalCampus
 from sluicegate.identity import EXIT_IN_USE
 from sluicegate.wire_pool import WorkerCapabilities, WorkerTelemetry
 from tests.image_bytes import sample_jpeg
-from tests.policies.policy_testkit import base_doc, key, policy_of, signed
+from tests.policies.policy_testkit import base_doc, policy_of, signed
 from tests.secure_kit import TlsClient, audited, issue_identity
-from tests.support import volley, wait_until
+from tests.support import local_campus, volley, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -42,21 +42,16 @@ LEGIT = {"line-1-pc", "line-2-pc", "north-cpu-1", "cloud-cpu-1"}
 def campus(
     tmp_path_factory: pytest.TempPathFactory, fresh_redis_db: Callable[[], str]
 ) -> Iterator[LocalCampus]:
-    lc = LocalCampus(
-        tmp_path_factory.mktemp("attacked"),
-        mqtt_port=free_port(),
-        redis_url=fresh_redis_db(),
-        key_for=key,
-    )
-    files = lc.write()
+    with local_campus(tmp_path_factory.mktemp("attacked"), fresh_redis_db(), prepare=_rogues) as lc:
+        yield lc
+
+
+def _rogues(files: Campus) -> None:
+    """Enrolled identities the policy does not list, one with a misconfigured ACL line."""
     for name in (ROGUE_WORKER, ROGUE_PUBLISHER):
         issue_identity(files, name)
     with files.acl_file.open("a") as acl:
         acl.write(f"user {ROGUE_PUBLISHER}\ntopic write {topics.policy()}\n\n")
-    with running(start_campus_mosquitto(files)):
-        lc.start()
-        yield lc
-        lc.stop()
 
 
 def unharmed(lc: LocalCampus, edge: str = "line-2-pc") -> list[wire.JobResult]:

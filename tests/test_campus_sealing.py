@@ -28,16 +28,15 @@ from policies.signing import add_signature, sign_policy
 from policies.tokens import peek
 from sluicegate import AsyncClient, topics, wire
 from sluicegate.app.broker_http import get
-from sluicegate.app.campus import APP_OF_LINE, APPS, WORKERS
-from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
-from sluicegate.app.servers import free_port, running
+from sluicegate.app.campus import APP_OF_LINE, APPS, WORKERS, Campus
+from sluicegate.app.localcampus import LocalCampus
 from sluicegate.mqtt import MqttTransport
 from sluicegate.transport import Message
 from sluicegate.wire_pool import WorkerCapabilities
 from tests.image_bytes import sample_jpeg
 from tests.policies.policy_testkit import key
 from tests.secure_kit import TlsClient, issue_identity
-from tests.support import until, wait_until
+from tests.support import local_campus, until, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -78,13 +77,14 @@ class Tap:
 def campus(
     tmp_path_factory: pytest.TempPathFactory, fresh_redis_db: Callable[[], str]
 ) -> Iterator[LocalCampus]:
-    lc = LocalCampus(
-        tmp_path_factory.mktemp("sealed"),
-        mqtt_port=free_port(),
-        redis_url=fresh_redis_db(),
-        key_for=key,
-    )
-    files = lc.write()
+    with local_campus(tmp_path_factory.mktemp("sealed"), fresh_redis_db(), prepare=_taps) as lc:
+        wait_until(lambda: _fleet(lc).get(NORTH, {}).get("online"), timeout=30)  # placeable
+        yield lc
+
+
+def _taps(files: Campus) -> None:
+    """The wiretap, the policy desk and the intruder: identities, and ACL lines a
+    misconfigured campus might have."""
     for name in (WIRETAP, DESK, INTRUDER):
         issue_identity(files, name)
     with files.acl_file.open("a") as acl:
@@ -96,11 +96,6 @@ def campus(
         acl.write(f"user {INTRUDER}\ntopic read {topics.edge_returns(EDGE, '+')}\n")
         for worker, (zone, _) in WORKERS.items():
             acl.write(f"topic write {topics.pool_work_all(zone, worker)}\n")
-    with running(start_campus_mosquitto(files)):
-        lc.start()
-        wait_until(lambda: _fleet(lc).get(NORTH, {}).get("online"), timeout=30)  # placeable
-        yield lc
-        lc.stop()
 
 
 async def _tapped(lc: LocalCampus, n: int, tap: Tap | None = None) -> list[wire.JobResult]:

@@ -23,14 +23,11 @@ import pytest
 from edge_agent.outbox import Outbox
 from sluicegate import topics, wire
 from sluicegate.app.campus import Campus
-from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
-from sluicegate.app.servers import free_port, running
 from sluicegate.config import Settings, load_settings
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir
 from tests.image_bytes import sample_jpeg
-from tests.policies.policy_testkit import key
 from tests.secure_kit import TlsClient
-from tests.support import AgentThread, wait_until
+from tests.support import AgentThread, local_campus, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -42,15 +39,9 @@ REGISTRY = ModelRegistry.from_dir(default_models_dir())
 @pytest.fixture(scope="module")
 def campus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Campus]:
     """The campus's files and its secured Mosquitto; no other node runs."""
-    local = LocalCampus(
-        tmp_path_factory.mktemp("undeliverable"),
-        mqtt_port=free_port(),
-        redis_url="redis://127.0.0.1:1/0",  # nothing here talks to Redis
-        key_for=key,
-    )
-    files = local.write()
-    with running(start_campus_mosquitto(files)):
-        yield files
+    nowhere = "redis://127.0.0.1:1/0"  # nothing here talks to Redis
+    with local_campus(tmp_path_factory.mktemp("undeliverable"), nowhere, start=False) as lc:
+        yield lc.write()
 
 
 def _settings(campus: Campus, outbox: Path, *, policy: bool = True) -> Settings:

@@ -17,17 +17,16 @@ import pytest
 
 from sluicegate import topics, wire
 from sluicegate.app.campus import LINES, OBSERVER, WORKERS
-from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
-from sluicegate.app.servers import free_port, running
+from sluicegate.app.localcampus import LocalCampus
 from sluicegate.app.traffic import Sample, Tally, stream
 from sluicegate.twin import trace as tr
 from sluicegate.twin.capture import Capture, CaptureError
 from sluicegate.twin.record import Recorded, record
 from sluicegate.twin.sim import replay
 from sluicegate.wire_pool import Completion, ModelCapability, WorkerCapabilities, WorkerTelemetry
-from tests.policies.policy_testkit import NOW, key
+from tests.policies.policy_testkit import NOW
 from tests.pool_kit import POLICY, envelope
-from tests.support import twin
+from tests.support import local_campus, twin
 
 T0 = NOW  # the test policy is valid then
 EDGE, ZONE, WORKER, WORKER_ZONE = "north-l1-pc", "campus/fab-north/line-1", "north-gpu-1", "dc"
@@ -304,17 +303,8 @@ def test_the_interval_is_measured_and_the_end_waits_for_every_edge() -> None:
 def campus(
     tmp_path_factory: pytest.TempPathFactory, fresh_redis_db: Callable[[], str]
 ) -> Iterator[LocalCampus]:
-    root = tmp_path_factory.mktemp("twin-record-campus")
-    lc = LocalCampus(
-        root,
-        mqtt_port=free_port(),
-        redis_url=fresh_redis_db(),
-        key_for=key,
-    )
-    with running(start_campus_mosquitto(lc.write())):
-        lc.start()
+    with local_campus(tmp_path_factory.mktemp("twin-record-campus"), fresh_redis_db()) as lc:
         yield lc
-        lc.stop()
 
 
 @dataclass
