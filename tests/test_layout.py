@@ -201,6 +201,16 @@ def _modules(package: str) -> dict[str, Path]:
     }
 
 
+def _leaks(modules: dict[str, Path], into: tuple[str, ...]) -> list[str]:
+    """Each import by one of ``modules`` of a module within ``into``."""
+    return sorted(
+        f"{name} imports {other}"
+        for name, path in modules.items()
+        for other in imported(path)
+        if _within(other, into)
+    )
+
+
 def test_nothing_below_the_upper_floor_imports_it() -> None:
     below = {
         name: path
@@ -209,26 +219,14 @@ def test_nothing_below_the_upper_floor_imports_it() -> None:
         if not _within(name, UPPER_FLOOR)
     }
     assert len(below) > 150
-    leaks = sorted(
-        f"{name} imports {other}"
-        for name, path in below.items()
-        for other in imported(path)
-        if _within(other, UPPER_FLOOR)
-    )
-    assert leaks == []
+    assert _leaks(below, UPPER_FLOOR) == []
 
 
 def test_the_kernel_imports_no_role() -> None:
     kernel = {n: p for n, p in _modules("sluicegate").items() if not _within(n, UPPER_FLOOR)}
     assert "sluicegate.topics" in kernel
     assert "sluicegate.mqtt.bridge" in kernel
-    leaks = sorted(
-        f"{name} imports {other}"
-        for name, path in kernel.items()
-        for other in imported(path)
-        if _within(other, ROLES)
-    )
-    assert leaks == []
+    assert _leaks(kernel, ROLES) == []
 
 
 def test_the_upper_floor_is_real_and_its_root_imported_by_none() -> None:
@@ -237,15 +235,13 @@ def test_the_upper_floor_is_real_and_its_root_imported_by_none() -> None:
     for package in UPPER_FLOOR:
         assert (ROOT / Path(*package.split(".")) / "__init__.py").is_file(), package
     root = ("sluicegate.app",)
-    leaks = sorted(
-        f"{name} imports {other}"
+    rest = {
+        name: path
         for package in PACKAGES
         for name, path in _modules(package).items()
         if not _within(name, root)
-        for other in imported(path)
-        if _within(other, root)
-    )
-    assert leaks == []
+    }
+    assert _leaks(rest, root) == []
 
 
 def _module_graph() -> dict[str, set[str]]:
