@@ -29,6 +29,11 @@ def test_calibrated_folder_serves_the_shipped_models_with_their_priors(tmp_path:
     assert set(priors_for(registry, stored)) == set(registry.names())  # all of them fit
     again, _ = calibrate(folder, None, runs=1)  # a second time: the links are kept
     assert again == folder
+    # Another campus of the same process starts from the same figures, timed once.
+    other, same = calibrate(tmp_path / "other-edge-models", None, runs=1)
+    assert same == found
+    assert read_priors(other / PRIORS_FILE) == found
+    assert ModelRegistry.from_dir(other).names() == shipped.names()
 
 
 @pytest.mark.skipif(not cpu_cap_available(), reason="no writable cgroup v1 CPU hierarchy")
