@@ -90,13 +90,13 @@ class EnrollmentDesk:
                 )
         except EnrollmentRefused as exc:
             self.refused += 1
-            record = {"code": exc.code, "reason": str(exc)}
+            record = {"code": exc.code, "reason": exc.reason}
             if claims is not None:
                 record |= {"node": claims.node, "role": claims.role, "token": claims.id}
             subject = claims.node if claims is not None else "?"
             self._audit.add(subject, encode(record), "enroll.refused")
-            log.warning("enrollment refused [%s]: %s", exc.code, exc)
-            return REFUSED.get(exc.code, 403), {"code": exc.code, "error": str(exc)}
+            log.warning("%s", exc)
+            return REFUSED.get(exc.code, 403), {"code": exc.code, "error": exc.reason}
         authority.record(issued, now=now)
         self.issued += 1
         self._audit.add(claims.node, encode(issued.record()), "enroll.issued")

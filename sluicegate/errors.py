@@ -92,11 +92,14 @@ class IdentityError(SluicegateError):
 
 
 class EnrollmentRefused(IdentityError):
-    """A join token or an enrollment request was refused; ``code`` says why, stably."""
+    """A join token or an enrollment request was refused; ``code`` says why, stably, and
+    the text always carries it (``enrollment refused [code]: reason``), wherever it is
+    printed; ``reason`` is the reason alone (what the broker sends back)."""
 
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(f"enrollment refused [{code}]: {reason}")
         self.code = code
+        self.reason = reason
 
 
 class IdentityInUse(IdentityError):

@@ -246,6 +246,22 @@ def test_a_join_token_for_another_node_is_refused_by_code_before_it_is_spent(
     assert not (root / "var/lib/sluicegate/edge/node.key").exists()  # nothing made, nothing sent
 
 
+@pytest.mark.parametrize("command", [("enroll", "app"), ("edge", "install"), ("pool", "install")])
+def test_every_enrollment_command_names_the_refusals_code_once(
+    command: tuple[str, str], tmp_path: Path
+) -> None:
+    where = (
+        ["--out-dir", str(tmp_path / "tls")]
+        if command[0] == "enroll"
+        else ["--root", str(tmp_path)]
+    )
+    done = cli(*command, "--join", "sgjoin1.not-a-token", *where)
+    assert done.returncode == 2
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("error: enrollment refused [join.malformed]: the join token is damaged")
+    assert line.count("enrollment refused") == 1
+
+
 def test_version() -> None:
     from importlib.metadata import version
 

@@ -90,11 +90,7 @@ def _install(
         if join is not None:
             values = _enroll(role, _root(root), values, join)
         report = install(role, _root(root), values, executable=exec_path, devices=devices or ())
-    except EnrollmentRefused as exc:  # every refusal of enrollment says its code
-        text = str(exc)
-        _fail(text if f"[{exc.code}]" in text else f"enrollment refused [{exc.code}]: {text}")
-        return
-    except SluicegateError as exc:
+    except SluicegateError as exc:  # an EnrollmentRefused's text carries its code
         _fail(str(exc))
         return
     for line in report.lines():

@@ -86,7 +86,7 @@ def _post(url: str, body: bytes) -> bytes:
             code, why = str(doc.get("code", "join.refused")), str(doc.get("error"))
         except (ValueError, AttributeError):
             code, why = "join.refused", f"{url} answered {exc.code}: {detail[:300]}"
-        raise EnrollmentRefused(code, f"enrollment refused [{code}]: {why}") from None
+        raise EnrollmentRefused(code, why) from None
     except OSError as exc:
         raise IdentityError(f"cannot reach the enrollment endpoint {url}: {exc}") from exc
 
