@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from broker.api import start_http
 from broker.audit_check import AuditChecker, trusted_keys
-from broker.console import access_for
+from broker.console.access import access_for
 from broker.console.board import Console
 from broker.decision_audit import encode
 from broker.enrollment import EnrollmentDesk

@@ -18,7 +18,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
-import redis
 import typer
 
 from policies.audit import verify_chain
@@ -30,7 +29,6 @@ from policies.evaluate import allowed, explain
 from policies.keys import fingerprint, load_signing_key, parse_public_key, write_key_pair
 from policies.loader import load_policy, locate, read_bytes, read_document
 from policies.model import Policy, policy_from_document
-from policies.redis_stores import RedisStreamAuditStore
 from policies.schema import format_time, json_schema_text
 from policies.signing import (
     accept_policy,
@@ -316,6 +314,10 @@ def audit_verify(
                 typer.echo(f"error [{exc.reason}]: {exc}", err=True)
                 raise typer.Exit(2) from exc
         elif redis_url is not None and stream is not None:
+            import redis  # only this command reads a stream: the others start without it
+
+            from policies.redis_stores import RedisStreamAuditStore
+
             client = redis.Redis.from_url(redis_url)
             try:
                 store = RedisStreamAuditStore(client, stream)

@@ -4,44 +4,7 @@ and the actions they take (``docs/console.md``).
 ``auth`` (users, tokens, sessions), ``holds`` (drain, cordon, pause: the pure rules; a
 dead letter's release is ``board``'s, through ``broker.inflight``),
 ``figures`` (per line and per pool over a sliding window), ``snapshot`` (the dashboard's
-document), ``board`` (the shell that feeds and serves them) and ``routes`` (aiohttp).
+document), ``board`` (the shell that feeds and serves them), ``routes`` (aiohttp) and
+``access`` (who may use a broker's views, from its settings). The package itself imports
+nothing: the ``sluicegate console`` commands need ``auth`` alone, not aiohttp.
 """
-
-from __future__ import annotations
-
-import logging
-
-from broker.console.auth import Sessions, Users, default_users
-from broker.console.routes import Access
-from sluicegate.config import Settings
-
-log = logging.getLogger(__name__)
-NOBODY = Users({}, {})
-
-
-def access_for(settings: Settings) -> Access:
-    """Who may use this broker's views: ``[console] users_file``, else the file the broker
-    keeps in its state folder (made with an operator token on first start), else nobody."""
-    console = settings.console
-    path = console.users_file
-    state_dir = settings.broker.state_dir
-    if path is None and state_dir is not None:
-        path, token_file = default_users(state_dir)
-        if token_file is not None:
-            log.warning(
-                "console: made operator token 'admin' in %s (read it once; add people with "
-                "'sluicegate console user --file %s')",
-                token_file,
-                path,
-            )
-    if path is None:
-        log.warning(
-            "console: no users (set [console] users_file or [broker] state_dir): every view "
-            "but /health and /metrics is refused"
-        )
-        users = NOBODY
-    else:
-        users = Users.read(path)
-    if console.open:
-        log.warning("console: [console] open = true: anyone may view (debugging only)")
-    return Access(users, Sessions(console.session_ttl_s), open_viewing=console.open)
