@@ -32,7 +32,6 @@ from sluicegate.app.cli import app
 from sluicegate.app.localcampus import LocalCampus
 from sluicegate.app.servers import free_port, running, start_mosquitto_conf
 from sluicegate.config import MqttSettings
-from sluicegate.doctor import Report, diagnose
 from sluicegate.doctor import judge as j
 from sluicegate.doctor import judge_node as jn
 from sluicegate.doctor.facts import (
@@ -48,7 +47,7 @@ from sluicegate.doctor.facts import (
     TlsFiles,
     Warn,
 )
-from sluicegate.doctor.run import infer_role
+from sluicegate.doctor.run import Report, diagnose, infer_role
 from sluicegate.mosquitto import secure_listener
 from sluicegate.mqtt import Message, MqttTransport
 from sluicegate.policy_feed import ANCHOR_FILE

@@ -5,8 +5,5 @@
 and :mod:`~sluicegate.doctor.probe` find the facts (files, sockets, TLS, HTTP, one MQTT
 login); :mod:`~sluicegate.doctor.run` orders the checks; :mod:`~sluicegate.doctor.cli` is the
 command. Doctor never changes a node's state and never logs in as a node that is running.
+The package itself imports nothing, so the command line starts without the checks.
 """
-
-from sluicegate.doctor.run import Report, diagnose
-
-__all__ = ["Report", "diagnose"]

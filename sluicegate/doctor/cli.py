@@ -1,5 +1,5 @@
 """``sluicegate doctor`` and ``sluicegate mosquitto config``: thin shells over
-:func:`sluicegate.doctor.diagnose` and :func:`sluicegate.mosquitto.plant_config`.
+:func:`sluicegate.doctor.run.diagnose` and :func:`sluicegate.mosquitto.plant_config`.
 
 Doctor exits 0 when every check passed (warnings included), 1 when one failed and 2 on a
 usage error of ours, and prints one line per check. The Mosquitto configuration is the one
