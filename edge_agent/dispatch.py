@@ -253,10 +253,9 @@ class Dispatcher:
         except OutboxError as exc:  # not acked: the notice comes again
             log.error("could not read dead letter %s to retry it: %s", notice.job_id, exc)
             return
-        if retried is not None or (notice.retry_id and self.table.known(notice.retry_id)):
-            self._unreadable(msg, Tally.STALE_NOTICES, f"{notice.retry_id} is retried already")
-            return
-        job = retry_job(stored, notice, self._clock())
+        retry_id = notice.retry_id
+        known = retried is not None or (retry_id is not None and self.table.known(retry_id))
+        job = retry_job(stored, notice, self._clock(), retried=known)
         if isinstance(job, str):
             self._unreadable(msg, Tally.STALE_NOTICES, job)
             return

@@ -75,12 +75,17 @@ def read_notice(msg: Message) -> JobNotice | str:
         return f"the notice is malformed: {exc.error_count()} error(s)"
 
 
-def retry_job(stored: Stored | None, notice: JobNotice, now: float) -> Job | str:
+def retry_job(
+    stored: Stored | None, notice: JobNotice, now: float, *, retried: bool = False
+) -> Job | str:
     """The retry of a released dead letter (``notice``): the image and request this edge
     kept, as a new job ``notice.retry_id`` received ``now``, with no deadline (the
-    original's has passed); or why there is none."""
+    original's has passed); or why there is none (``retried``: the edge holds a job of
+    that retry id already, on disk or in memory: the release came twice)."""
     if notice.retry_id is None:
         return f"the release of {notice.job_id!r} names no retry id"
+    if retried:
+        return f"{notice.retry_id} is retried already"
     if stored is None or not stored.job.payload or stored.pending:
         why = "holds no such job" if stored is None else "keeps no dead letter's image for it"
         return f"cannot retry {notice.job_id!r}: this edge {why} (kept for dead_letter_keep_s)"

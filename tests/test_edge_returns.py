@@ -12,12 +12,16 @@ from __future__ import annotations
 import pytest
 
 from edge_agent import events as ev
+from edge_agent.admission import Job
 from edge_agent.events import Life, Phase
 from edge_agent.lifecycle import transition
-from edge_agent.returns import Return, read_return
+from edge_agent.outbox_file import Stored
+from edge_agent.returns import Return, read_return, retry_job
 from edge_agent.rules import Outlook
 from sluicegate import topics, wire
 from sluicegate.transport import Message
+from sluicegate.vision.image import ImageInfo
+from sluicegate.wire_pool import JobNotice
 
 EDGE = "north-l1-pc"
 OUTLOOK = Outlook(EDGE, False, 0.0, 0, 32, 4, 3, 3.0)
@@ -117,3 +121,50 @@ def test_what_is_no_return_says_why(msg: Message, words: list[str]) -> None:
     assert isinstance(why, str)
     for word in words:
         assert word in why, why
+
+
+def _released(retry_id: str | None) -> JobNotice:
+    return JobNotice(
+        job_id="dl-1",
+        attempt=1,
+        kind="released",
+        worker_id="broker-1",
+        crashes=3,
+        reason="ana: fixed the model",
+        retry_id=retry_id,
+    )
+
+
+def _dead_letter(*, pending: bool = False) -> Stored:
+    job = Job(
+        "dl-1", "defect-v1", b"jpeg", ImageInfo("jpeg", 8, 8), "app/r", b"c", 5, "g", 1.0, 2.0
+    )
+    return Stored(job, "queued" if pending else "delivered", 1, 3, None)
+
+
+@pytest.mark.parametrize(
+    ("stored", "retry_id", "retried", "words"),
+    [
+        (_dead_letter(), None, False, "names no retry id"),
+        (_dead_letter(), "dl-1-r1", True, "dl-1-r1 is retried already"),
+        (None, "dl-1-r1", False, "holds no such job"),
+        (_dead_letter(pending=True), "dl-1-r1", False, "keeps no dead letter's image"),
+    ],
+)
+def test_a_release_that_cannot_be_retried_says_why(
+    stored: Stored | None, retry_id: str | None, retried: bool, words: str
+) -> None:
+    why = retry_job(stored, _released(retry_id), 50.0, retried=retried)
+    assert isinstance(why, str)
+    assert words in why
+
+
+def test_a_released_dead_letter_runs_again_as_a_new_job_without_a_deadline() -> None:
+    job = retry_job(_dead_letter(), _released("dl-1-r1"), 50.0)
+    assert isinstance(job, Job)
+    assert (job.job_id, job.received_at, job.deadline, job.payload) == (
+        "dl-1-r1",
+        50.0,
+        None,
+        b"jpeg",
+    )
