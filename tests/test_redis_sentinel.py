@@ -117,6 +117,14 @@ async def test_the_broker_and_worker_clients_follow_a_planned_failover(
         await lease.acquire()
         keeper = asyncio.ensure_future(lease.keep())
         assert await replay.claim(f"n1-{unique}".encode(), time.time() + 60, time.time())
+        # A planned failover starts from a replica that has it all: replication is
+        # asynchronous, and one write acknowledged by the replica proves the earlier ones.
+        synced = redis.Redis(port=old, db=DB)
+        try:
+            synced.set(f"synced-{unique}", 1)
+            assert synced.wait(1, 10_000) >= 1, "the replica never caught up"
+        finally:
+            synced.close()
         await asyncio.to_thread(group.failover)
         new = await asyncio.to_thread(group.wait_promoted, old)
         promoted = redis.Redis(port=new, db=DB)
