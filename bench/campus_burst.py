@@ -37,18 +37,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import stats  # noqa: E402
+from bench import campus_args, stats  # noqa: E402
 from sluicegate.app.broker_http import get_json  # noqa: E402
 from sluicegate.app.campus import LINES  # noqa: E402
-from sluicegate.app.demo import EDGE_CPU  # noqa: E402
 from sluicegate.app.localcampus import (  # noqa: E402
     ROLE,
     LocalCampus,
-    cpu_cap_available,
     start_campus_mosquitto,
 )
 from sluicegate.app.servers import free_port, running, start_redis  # noqa: E402
-from sluicegate.app.traffic import KINDS, LABEL_EVERY, Tally, stream  # noqa: E402
+from sluicegate.app.traffic import KINDS, Tally, stream  # noqa: E402
 
 TARGET = {"attainment": 0.99}
 nan = float("nan")
@@ -161,25 +159,9 @@ def summary(run: tuple[Tally, dict[str, Any], float, dict[str, float]]) -> dict[
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2, help="pairs of runs (edge-only, offload)")
-    ap.add_argument("--rate", type=float, default=10.0, help="images/s per line outside bursts")
-    ap.add_argument("--burst", type=float, default=10.0, help="seconds of 10x burst on line 1")
-    ap.add_argument(
-        "--edge-cpu",
-        type=float,
-        default=EDGE_CPU,
-        help="cap each edge to this share of one core (a modest line PC, as in the demo); "
-        "0: no cap",
-    )
-    ap.add_argument(
-        "--label-every",
-        type=int,
-        default=LABEL_EVERY,
-        help="one image in this many is a label crop for OCR (0: surface images only)",
-    )
+    campus_args.add_traffic(ap, burst=10.0)
     args = ap.parse_args()
-    if not args.edge_cpu or not cpu_cap_available():
-        print("note: edges run uncapped (no writable CPU cgroup, or --edge-cpu 0)")
-        args.edge_cpu = None
+    args.edge_cpu = campus_args.edge_share(args)
     subject, baseline = [], []
     with running(start_redis()) as redis:
         for r in range(args.rounds):

@@ -40,17 +40,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import stats  # noqa: E402
+from bench import campus_args, stats  # noqa: E402
 from sluicegate import wire  # noqa: E402
 from sluicegate.app.broker_http import get_json  # noqa: E402
-from sluicegate.app.demo import EDGE_CPU  # noqa: E402
 from sluicegate.app.localcampus import (  # noqa: E402
     LocalCampus,
-    cpu_cap_available,
     start_campus_mosquitto,
 )
 from sluicegate.app.servers import free_port, running, start_redis  # noqa: E402
-from sluicegate.app.traffic import KINDS, LABEL_EVERY, Sample, Tally, stream  # noqa: E402
+from sluicegate.app.traffic import KINDS, Sample, Tally, stream  # noqa: E402
 
 FROZEN = "north-cpu-1"  # the on-campus worker: the only place a wafer image may go
 BURST_AT = 1.0  # s into the stream
@@ -153,21 +151,14 @@ def one_run(redis_port: int, db: int, args: argparse.Namespace) -> dict[str, Any
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rounds", type=int, default=1, help="runs, each on a fresh campus")
-    ap.add_argument("--rate", type=float, default=10.0, help="images/s per line outside bursts")
-    ap.add_argument("--burst", type=float, default=6.0, help="seconds of 10x burst on line 1")
+    campus_args.add_traffic(ap, burst=6.0)
     ap.add_argument("--freeze-at", type=float, default=2.0, help="s into the burst")
     ap.add_argument("--frozen-for", type=float, default=3.0, help="s the worker stays frozen")
-    ap.add_argument(
-        "--edge-cpu", type=float, default=EDGE_CPU, help="each edge's share of a core (0: none)"
-    )
-    ap.add_argument("--label-every", type=int, default=LABEL_EVERY, help="one label in this many")
     ap.add_argument("--smoke", action="store_true", help="CI: a short burst, a short freeze")
     args = ap.parse_args()
     if args.smoke:
         args.rate, args.burst, args.freeze_at, args.frozen_for = 4.0, 2.0, 0.5, 1.0
-    if not args.edge_cpu or not cpu_cap_available():
-        print("note: edges run uncapped (no writable CPU cgroup, or --edge-cpu 0)")
-        args.edge_cpu = None
+    args.edge_cpu = campus_args.edge_share(args)
     runs = []
     with running(start_redis()) as redis:
         for r in range(args.rounds):

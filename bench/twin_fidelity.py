@@ -29,12 +29,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import stats
+from bench import campus_args, stats
 from sluicegate.app.campus import OBSERVER
-from sluicegate.app.demo import EDGE_CPU
-from sluicegate.app.localcampus import LocalCampus, cpu_cap_available, start_campus_mosquitto
+from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
 from sluicegate.app.servers import free_port, running, start_redis
-from sluicegate.app.traffic import LABEL_EVERY, Tally, stream
+from sluicegate.app.traffic import Tally, stream
 from sluicegate.twin import trace as tr
 from sluicegate.twin.record import record
 from sluicegate.twin.report import summarise
@@ -151,14 +150,10 @@ def within(r: dict[str, Any]) -> dict[str, bool]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--rate", type=float, default=10.0, help="images/s per line")
-    ap.add_argument("--burst", type=float, default=10.0, help="seconds of 10x on line 1")
-    ap.add_argument("--edge-cpu", type=float, default=EDGE_CPU, help="share of a core per edge")
-    ap.add_argument("--label-every", type=int, default=LABEL_EVERY, help="0: no labels")
+    campus_args.add_traffic(ap, burst=10.0)
     ap.add_argument("--keep", type=Path, default=None, help="copy each round's trace here")
     args = ap.parse_args()
-    if not args.edge_cpu or not cpu_cap_available():
-        args.edge_cpu = None
+    args.edge_cpu = campus_args.edge_share(args)
     rounds = []
     with running(start_redis()) as redis:
         for r in range(args.rounds):

@@ -178,6 +178,7 @@ SMOKE = [
 # Modules the benches import or start, not benches: each says why it has no row.
 HELPERS = {
     "stats.py": "percentiles, summaries, CPU, the machine record and the RESULT line",
+    "campus_args.py": "the options of the benches that drive the demo's campus traffic",
     "campus_rig.py": "tls_overhead's two campuses and their clients",
     "fleet_rig.py": "the fleet benches' campus and processes",
     "fleet_sim.py": "the simulated fleet, a child process of fleet_rig",

@@ -116,7 +116,7 @@ class Plant:
             argv[argv.index("ed25519:…")] = self.key_of(self.node_in(argv))
         if "sgjoin1.…" in argv:
             argv[argv.index("sgjoin1.…")] = self.last(TOKEN)
-        if argv[-3:-1] == ["mosquitto", "config"] or ("config" in argv and "mosquitto" in argv):
+        if argv[1:3] == ["mosquitto", "config"]:
             persist = self.root / "var/lib/mosquitto"
             persist.mkdir(parents=True, exist_ok=True)
             argv += ["--port", str(self.mqtt_port), "--bind", "127.0.0.1"]
