@@ -98,6 +98,11 @@ async def drive(campus: LocalCampus, tally: Timed, args: argparse.Namespace) -> 
         )
     )
     await asyncio.sleep(BURST_AT + args.freeze_at)  # the traffic's own schedule
+    if args.fault == "kill":  # the ceiling: a worker the campus learns at once is gone
+        frozen_at = time.monotonic()
+        campus.kill(FROZEN)
+        await traffic
+        return frozen_at
     os.kill(pid, signal.SIGSTOP)
     frozen_at = time.monotonic()
     try:
@@ -154,6 +159,14 @@ def main() -> None:
     campus_args.add_traffic(ap, burst=6.0)
     ap.add_argument("--freeze-at", type=float, default=2.0, help="s into the burst")
     ap.add_argument("--frozen-for", type=float, default=3.0, help="s the worker stays frozen")
+    ap.add_argument(
+        "--fault",
+        choices=("freeze", "kill"),
+        default="freeze",
+        help="freeze: SIGSTOP (the fault measured); kill: SIGKILL, which the campus hears at "
+        "once from the worker's Last Will: what the same second can meet when the loss is "
+        "known at once, the ceiling for any stall detection",
+    )
     ap.add_argument("--smoke", action="store_true", help="CI: a short burst, a short freeze")
     args = ap.parse_args()
     if args.smoke:

@@ -113,6 +113,12 @@ class BrokerMetrics:
             ["cause"],
             registry=r,
         )
+        self.worker_suspicions = Counter(
+            "sluicegate_worker_suspicions",
+            "Workers taken out of placement for a job overdue (no completion long past its "
+            "placement's prediction), until their next completion or telemetry",
+            registry=r,
+        )
         self.replacements = Counter(
             "sluicegate_replacements",
             "Jobs whose worker died, sent back to their edge to be placed again, by cause",

@@ -70,6 +70,7 @@ M = TypeVar("M", bound=BaseModel)
 NO_POLICY = "the broker holds no verified policy"
 BROKER_FAILED = "the broker failed; run locally"
 FILLED_UP = "workers filled up while placing; run locally"
+STALL_CHECK_S = 0.02  # how often workers holding jobs are checked for progress
 
 
 def status_message(settings: BrokerSettings, state: Literal["online", "offline"]) -> bytes:
@@ -298,7 +299,11 @@ class Broker:
                     self._beside(item.request, decision, policy, now)
                 if isinstance(decision, Placed):
                     self.fleet.reserve(
-                        decision.worker_id, item.request.job_id, now, item.request.model
+                        decision.worker_id,
+                        item.request.job_id,
+                        now,
+                        item.request.model,
+                        decision.predicted_ms,
                     )
                     placed.append((item, decision))
                 elif decision.code != "no_capacity" or not self.waiting.hold(item, now):
@@ -363,6 +368,33 @@ class Broker:
     async def job(self, job_id: str) -> dict[str, Any] | None:
         return await self.store.job(job_id)
 
+    async def _stall_watch(self) -> None:
+        """Every ``STALL_CHECK_S``, the workers holding jobs placed here are checked for
+        progress (``Fleet.check_progress``: frozen, a hung driver). One with a job long
+        overdue takes no new placement until its next completion or telemetry; one still
+        silent past its next batch's time is out of placement in every view and its jobs
+        in flight go back to their edges through the lost-worker path (placed again, or
+        run on the line PC, the stale attempt fenced), long before its telemetry would go
+        stale."""
+        while True:
+            await asyncio.sleep(STALL_CHECK_S)
+            now = self._clock()
+            found = self.fleet.check_progress(now)
+            for worker_id in found.suspected:
+                self.metrics.worker_suspicions.inc()
+                log.debug("worker %s has a job overdue: no new placement there for now", worker_id)
+            for worker_id in found.stalled:
+                log.warning(
+                    "worker %s completed nothing while holding %d job(s) placed here, long "
+                    "past what their placements expected: out of placement until it shows a "
+                    "sign of life, its jobs placed again",
+                    worker_id,
+                    self.fleet.reserved(worker_id),
+                )
+                for view in self._views:
+                    view.mark_stalled(worker_id, now)
+                self.reaper.worker_gone(worker_id, "stalled")
+
     async def _housekeeping(self) -> None:
         interval = self.settings.telemetry_interval_s
         while True:
@@ -413,6 +445,7 @@ class Broker:
             asyncio.create_task(self.edge_fleet.run(), name="edge telemetry"),
             asyncio.create_task(self.waiting.run(), name="waiting room"),
             asyncio.create_task(self.reaper.run(), name="reaper"),
+            asyncio.create_task(self._stall_watch(), name="stall watch"),
         ]
         log.info("broker %s serving placements", self.settings.id)
         try:

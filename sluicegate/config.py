@@ -211,6 +211,11 @@ class BrokerSettings(_Section):
     max_wait_ms: float = Field(50.0, ge=0.0, le=60_000.0)  # hold a job waiting for room
     # A job whose workers died holding it this many times is dead-lettered, not re-placed.
     max_worker_crashes: int = Field(3, ge=1, le=100)
+    # A worker holding jobs that completes nothing for stall_factor times what their
+    # placements expected (at least stall_floor_ms) takes no new placement until it does;
+    # silent on past its next batch's time, its jobs are placed again (a frozen worker).
+    stall_factor: float = Field(3.0, ge=1.0, le=1000.0)
+    stall_floor_ms: float = Field(60.0, ge=1.0, le=3_600_000.0)
     # How long a placed job's in-flight record outlives its deadline (or its token, for a
     # job without one): the crash count must survive until the edge asks again.
     inflight_margin_s: float = Field(3600.0, ge=60.0, le=7 * 24 * 3600.0)

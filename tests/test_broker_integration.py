@@ -98,6 +98,9 @@ def broker(campus: Campus) -> Iterator[tuple[ServiceThread, Settings]]:
             "http_port": free_port(),
             "models_dir": str(campus.root / "models"),
             "max_wait_ms": 5000.0,  # long enough for a test to watch a request wait
+            # The workers played here never complete what is placed on them, which a real
+            # one that has stalled does not either: the progress watch has tests of its own.
+            "stall_floor_ms": 600_000.0,
         },
     )
     watcher = PlainClient(settings.mqtt.port)

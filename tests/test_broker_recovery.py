@@ -379,6 +379,9 @@ class BrokerProcess:
                 **os.environ,
                 "SLUICEGATE_BROKER__TELEMETRY_INTERVAL_S": str(INTERVAL_S),
                 "SLUICEGATE_BROKER__MISSED_INTERVALS": "4",
+                # Its workers are played: they take placements and complete nothing, which
+                # a stalled one does too; the progress watch has tests of its own.
+                "SLUICEGATE_BROKER__STALL_FLOOR_MS": "600000",
                 "SLUICEGATE_BROKER__KEY_FILE": str(campus.root / f"{broker_id}.key"),
                 **{f"SLUICEGATE_BROKER__{k.upper()}": v for k, v in env.items()},
             }

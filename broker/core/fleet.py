@@ -8,6 +8,8 @@ broker's clock reading ``now``::
     fleet.apply_capabilities(caps, now)     # retained .../capabilities
     fleet.apply_telemetry(telemetry, now)   # .../telemetry, every interval
     fleet.mark_offline(worker_id, now)      # .../status "offline" (its Last Will)
+    fleet.check_progress(now)               # periodically: workers that stopped progressing
+    fleet.mark_stalled(worker_id, now)      # ... one of them: out until a sign of life
     fleet.apply_completion(completion, now) # .../broker/completions: release + learn
     fleet.reserve(worker_id, job_id, now, model)  # right after a Placed decision
     fleet.release(job_id)                   # the job's Redis reservation ended or failed
@@ -50,7 +52,7 @@ from policies.subhealth import HealthVerdict
 from sluicegate.vision.manifest import Requirements
 from sluicegate.wire_pool import Completion, WorkerCapabilities, WorkerTelemetry
 
-__all__ = ["Fleet", "FleetParams", "WorkerState", "WorkerView"]
+__all__ = ["Fleet", "FleetParams", "Progress", "WorkerState", "WorkerView"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +66,14 @@ class WorkerView:
     health: HealthVerdict
     statuses: Mapping[str, str]  # per loaded model: eligible, full, memory, provider, ...
     cordoned: bool = False  # an operator took it out of placement
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """What one look at the workers' progress found (:meth:`Fleet.check_progress`)."""
+
+    suspected: tuple[str, ...] = ()
+    stalled: tuple[str, ...] = ()
 
 
 class Fleet:
@@ -80,13 +90,18 @@ class Fleet:
         self._needs = needs_of(requirements or {})
         self._states: dict[str, WorkerState] = {}
         self._reservations: dict[str, tuple[str, float]] = {}  # job id -> (worker, when)
-        self._by_worker: dict[str, dict[str, float]] = {}  # worker -> job id -> when, held
+        # worker -> job id -> (when, seconds it may take without a completion), held
+        self._by_worker: dict[str, dict[str, tuple[float, float]]] = {}
         # worker -> job id -> (when, model), placed since its telemetry
         self._placed: dict[str, dict[str, tuple[float, str | None]]] = {}
         self._seen: list[tuple[float, str]] = []  # (last_seen, worker), a lazy min-heap
         self._models: dict[str, int] = {}  # model -> workers with capabilities that load it
         self._marked_full: set[str] = set()  # full by a shared reservation, until telemetry
         self._cordoned: set[str] = set()  # out of placement by an operator, until lifted
+        self._done_at: dict[str, float] = {}  # worker -> its latest completion
+        self._stalled: set[str] = set()  # offline for a stall, until a sign of life
+        self._suspect: set[str] = set()  # a job overdue: no placement until a sign of life
+        self._silence: dict[str, tuple[float, float]] = {}  # worker -> (longest lately, when)
         self.index = PlacementIndex(self.params, self._needs)
         self._policy: Policy | None = None
         if policy is not None:
@@ -134,7 +149,8 @@ class Fleet:
     def _update(self, state: WorkerState) -> None:
         wid = state.worker_id
         placed = self.placed(wid)
-        full, cordoned = wid in self._marked_full, wid in self._cordoned
+        full = wid in self._marked_full or wid in self._suspect
+        cordoned = wid in self._cordoned
         self.index.update(state, self.reserved(wid), full, placed, cordoned)
 
     def placed(self, worker_id: str) -> list[Placement]:
@@ -167,18 +183,30 @@ class Fleet:
         for model, ms in sample.service_ms.items():
             self.service.report(model, device_class, ms)
         heapq.heappush(self._seen, (now, tel.node))
+        self._stalled.discard(tel.node)
+        self._suspect.discard(tel.node)
         self._put(state)
 
     def apply_completion(self, completion: Completion, now: float) -> None:
         """A job finished on a pool worker: it is no longer held there (its work stays
         counted as drained, until telemetry), and an ``ok`` job's service time teaches the
         model for (model, the worker's device class)."""
+        self._learn_silence(completion.worker_id, now)
         held = self._reservations.pop(completion.job_id, None)
         if held is not None:
             jobs = self._by_worker.get(held[0], {})
             jobs.pop(completion.job_id, None)
             self.index.set_reserved(held[0], len(jobs))
         state = self._states.get(completion.worker_id)
+        self._done_at[completion.worker_id] = now
+        if completion.worker_id in self._suspect:
+            self._suspect.discard(completion.worker_id)
+            self.index.set_marked_full(
+                completion.worker_id, completion.worker_id in self._marked_full
+            )
+        if state is not None and completion.worker_id in self._stalled:
+            self._stalled.discard(completion.worker_id)  # it moves again: back in placement
+            self._put(WorkerState(state.worker_id, state.capabilities, state.samples, True, now))
         caps = state.capabilities if state is not None else None
         if completion.status == "ok" and completion.kind == "pool" and caps is not None:
             self.service.observe(completion.model, caps.device_class, completion.service_ms)
@@ -188,6 +216,8 @@ class Fleet:
         reserved on it locally; they are released here, and the shell re-places them."""
         state = self._states.get(worker_id)
         self._marked_full.discard(worker_id)
+        self._stalled.discard(worker_id)
+        self._suspect.discard(worker_id)
         jobs = tuple(self._by_worker.pop(worker_id, {}))
         self._placed.pop(worker_id, None)
         for job_id in jobs:
@@ -196,6 +226,102 @@ class Fleet:
             self._put(
                 WorkerState(worker_id, state.capabilities, state.samples, False, state.last_seen)
             )
+        return jobs
+
+    def check_progress(self, now: float) -> Progress:
+        """Watch the workers holding jobs placed here for progress (completions), in two
+        steps; returns the workers found suspect and stalled this time (for the shell, a
+        stalled worker's :meth:`mark_stalled` in every view, its jobs placed again).
+
+        *Suspect*: a held job is overdue (no completion on its worker since it was placed,
+        or since the worker's latest completion if later, for ``stall_factor`` times what
+        its placement expected, at least ``stall_floor_s``, and ``stall_factor`` times the
+        longest silence the worker showed lately while holding jobs: a worker whose
+        batches are slower than predicted sets its own pace). The worker takes no new
+        placement until its next completion or telemetry: cheap to be wrong about.
+        *Stalled*: silent that long past the time its next batch should take (its held
+        jobs, up to its batch size, at the slowest of their models), times
+        ``stall_factor``, and at least twice ``stall_floor_s``: frozen, hung, or so starved
+        it might as well be. Only workers holding reservations are looked at."""
+        suspected, stalled = [], []
+        for worker_id, held in self._by_worker.items():
+            if not held:
+                continue
+            state = self._states.get(worker_id)
+            if state is None or not state.online:
+                continue
+            done = self._done_at.get(worker_id, 0.0)
+            usual = self.params.stall_factor * self.usual_silence(worker_id, now)
+            if worker_id not in self._suspect:
+                if any(
+                    now - max(when, done) > max(allowed, usual) for when, allowed in held.values()
+                ):
+                    self._suspect.add(worker_id)
+                    self.index.set_marked_full(worker_id, True)
+                    suspected.append(worker_id)
+                continue
+            since = max(next(iter(held.values()))[0], done)
+            if now - since > max(self.stall_after(worker_id), usual):
+                stalled.append(worker_id)
+        return Progress(tuple(suspected), tuple(stalled))
+
+    def _learn_silence(self, worker_id: str, now: float) -> None:
+        """A completion ends the worker's silence while it held jobs: the longest such
+        silence lately (halving every ``silence_half_life_s``) is what it normally shows
+        (a batch's time, a slow model's, a busy machine's), and sets how long it may be
+        silent before it is suspect."""
+        jobs = self._by_worker.get(worker_id)
+        if not jobs:
+            return
+        silence = now - max(next(iter(jobs.values()))[0], self._done_at.get(worker_id, 0.0))
+        longest, at = self._silence.get(worker_id, (0.0, now))
+        longest *= 0.5 ** (max(0.0, now - at) / self.params.silence_half_life_s)
+        self._silence[worker_id] = (max(silence, longest), now)
+
+    def usual_silence(self, worker_id: str, now: float) -> float:
+        """The longest silence the worker showed lately while holding jobs (decayed)."""
+        longest, at = self._silence.get(worker_id, (0.0, now))
+        return float(longest * 0.5 ** (max(0.0, now - at) / self.params.silence_half_life_s))
+
+    def suspect(self, worker_id: str) -> bool:
+        """Out of placement for an overdue job, until its next completion or telemetry."""
+        return worker_id in self._suspect
+
+    def stall_after(self, worker_id: str) -> float:
+        """Seconds of silence, holding jobs, that make a worker stalled (see
+        :meth:`check_progress`)."""
+        p = self.params
+        state = self._states.get(worker_id)
+        held = self._by_worker.get(worker_id, {})
+        floor = 2.0 * p.stall_floor_s
+        if state is None or state.capabilities is None or not held:
+            return floor
+        caps, placed = state.capabilities, self._placed.get(worker_id, {})
+        per_job = max(
+            self.service.estimate(m, caps.device_class) if m else p.default_service_ms
+            for m in (placed[j][1] if j in placed else None for j in held)
+        )
+        batch = min(len(held), max(1, caps.max_batch))
+        return max(floor, p.stall_factor * per_job * batch / 1000.0)
+
+    def _allowed(self, worker_id: str, model: str | None, predicted_ms: float | None) -> float:
+        p = self.params
+        if predicted_ms is None:
+            state = self._states.get(worker_id)
+            caps = state.capabilities if state is not None else None
+            predicted_ms = (
+                self.service.estimate(model, caps.device_class)
+                if model is not None and caps is not None
+                else p.default_service_ms
+            )
+        return max(p.stall_floor_s, p.stall_factor * predicted_ms / 1000.0)
+
+    def mark_stalled(self, worker_id: str, now: float) -> tuple[str, ...]:
+        """:meth:`mark_offline` for a worker that stopped progressing: the same, but its
+        next completion, not only its next telemetry, puts it back in placement."""
+        jobs = self.mark_offline(worker_id, now)
+        if worker_id in self._states:
+            self._stalled.add(worker_id)
         return jobs
 
     def expire(self, now: float, timeout_s: float) -> list[str]:
@@ -233,10 +359,19 @@ class Fleet:
 
     # -- reservations -------------------------------------------------------------------------
 
-    def reserve(self, worker_id: str, job_id: str, now: float, model: str | None = None) -> None:
+    def reserve(
+        self,
+        worker_id: str,
+        job_id: str,
+        now: float,
+        model: str | None = None,
+        predicted_ms: float | None = None,
+    ) -> None:
         """Count ``job_id`` (a job of ``model``; None: of the worker's mean job) on
         ``worker_id`` until it completes, is released, or shows up in the worker's
-        telemetry. Idempotent; a job reserved elsewhere moves here."""
+        telemetry. Idempotent; a job reserved elsewhere moves here. ``predicted_ms``: when
+        the placement expects it done (None: its model's service time there), for
+        :meth:`stalled`."""
         if worker_id not in self._states:
             raise UnknownWorker(
                 f"cannot reserve job {job_id!r} on unknown worker {worker_id!r}; "
@@ -249,7 +384,7 @@ class Fleet:
             self.release(job_id)
         self._reservations[job_id] = (worker_id, now)
         jobs = self._by_worker.setdefault(worker_id, {})
-        jobs[job_id] = now
+        jobs[job_id] = (now, self._allowed(worker_id, model, predicted_ms))
         self._placed.setdefault(worker_id, {})[job_id] = (now, model)
         self.index.add_placed(worker_id, len(jobs), now * 1000.0, model)
 
@@ -269,7 +404,7 @@ class Fleet:
     def _absorb(self, worker_id: str, cutoff: float) -> None:
         jobs = self._by_worker.get(worker_id)
         if jobs:
-            for job_id in [j for j, when in jobs.items() if when <= cutoff]:
+            for job_id in [j for j, (when, _) in jobs.items() if when <= cutoff]:
                 del jobs[job_id]
                 self._reservations.pop(job_id, None)
         placed = self._placed.get(worker_id)
@@ -311,6 +446,8 @@ class Fleet:
         if state is None or not state.placeable or state.latest is None:
             return 0
         if worker_id in self._marked_full or worker_id in self._cordoned:
+            return 0
+        if worker_id in self._suspect:
             return 0
         s = state.latest
         return max(0, s.capacity - s.queue_depth - s.in_flight - self.reserved(worker_id))

@@ -47,6 +47,12 @@ class FleetParams:
     absorb_after_s: float = 0.25
     service_alpha: float = 0.2  # EWMA weight of a new service-time observation
     default_service_ms: float = 50.0  # service time when nothing has been learned or reported
+    # A worker holding jobs placed here that completes nothing for this many times the
+    # expected time of its next batch (and at least stall_floor_s) has stalled (frozen,
+    # a hung driver): out of placement, its jobs placed again, until it shows a sign of life.
+    stall_factor: float = 3.0
+    stall_floor_s: float = 0.06
+    silence_half_life_s: float = 2.0  # how fast a worker's longest silence is forgotten
 
     def __post_init__(self) -> None:
         _check("history", self.history, 2, 4096)
@@ -57,12 +63,20 @@ class FleetParams:
         _check("absorb_after_s", self.absorb_after_s, 0.0, 3600.0)
         _check("service_alpha", self.service_alpha, 1e-6, 1.0)
         _check("default_service_ms", self.default_service_ms, 1e-3, 3_600_000.0)
+        _check("stall_factor", self.stall_factor, 1.0, 1000.0)
+        _check("stall_floor_s", self.stall_floor_s, 1e-3, 3600.0)
+        _check("silence_half_life_s", self.silence_half_life_s, 1e-3, 86400.0)
 
     @classmethod
     def from_settings(cls, settings: BrokerSettings) -> FleetParams:
-        """Defaults scaled to the fleet's telemetry interval: the forecast looks three
-        intervals ahead (``dataclasses.replace`` the result to change anything else)."""
-        return cls(forecast_horizon_s=3.0 * settings.telemetry_interval_s)
+        """Defaults scaled to the fleet's telemetry interval (the forecast looks three
+        intervals ahead) and the progress watch's settings (``dataclasses.replace`` the
+        result to change anything else)."""
+        return cls(
+            forecast_horizon_s=3.0 * settings.telemetry_interval_s,
+            stall_factor=settings.stall_factor,
+            stall_floor_s=settings.stall_floor_ms / 1000.0,
+        )
 
 
 @dataclass(frozen=True, slots=True)

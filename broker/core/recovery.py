@@ -23,10 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Cause = Literal["last_will", "silent"]
+Cause = Literal["last_will", "silent", "stalled"]
 CAUSES: dict[Cause, str] = {
     "last_will": "its Last Will said offline",
     "silent": "its telemetry went silent",
+    "stalled": "it completed nothing while holding work, long past its service time",
 }
 
 

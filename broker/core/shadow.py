@@ -156,6 +156,9 @@ class Shadow:
     def mark_offline(self, worker_id: str, now: float) -> None:
         self.fleet.mark_offline(worker_id, now)
 
+    def mark_stalled(self, worker_id: str, now: float) -> None:
+        self.fleet.mark_stalled(worker_id, now)
+
     def apply_completion(self, done: Completion, now: float) -> None:
         self.fleet.apply_completion(done, now)
 
