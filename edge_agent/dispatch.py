@@ -444,12 +444,16 @@ class Dispatcher:
         except OutboxError as exc:
             self._replies.store_failed(job, msg, exc)
         else:
-            if accepted.outcome == "new":  # known in memory, gone from disk: track it anew
+            stored = accepted.stored
+            plan = rules.repeat_plan(
+                stored.state if stored else None, dup=msg.dup, on_disk=accepted.outcome != "new"
+            )
+            if plan == "track":
                 self.counters[Tally.ACCEPTED] += 1
                 self._transport.ack(msg)
                 self.replay([Stored(job, "queued", 0, 0, None)])
             else:
-                self._replies.repeat(job, accepted.stored, msg)
+                self._replies.repeat(job, stored, msg, plan)
         self._settle()
 
 

@@ -48,9 +48,14 @@ class Replies:
         self._retention_s = result_retention_s
         self._clock = clock
 
-    def repeat(self, job: Job, stored: Stored | None, msg: Message) -> None:
-        """A request for an id the outbox holds as ``stored`` (None: only its tombstone)."""
-        plan = rules.repeat_plan(stored.state if stored else None, dup=msg.dup)
+    def repeat(
+        self, job: Job, stored: Stored | None, msg: Message, plan: rules.Repeat | None = None
+    ) -> None:
+        """A request for an id the outbox holds as ``stored`` (None: only its tombstone),
+        answered as ``plan`` says (by default ``rules.repeat_plan``'s for the row; "track"
+        is the dispatcher's to carry out)."""
+        if plan is None:
+            plan = rules.repeat_plan(stored.state if stored else None, dup=msg.dup)
         if plan == "redelivered":
             self._counters[Tally.REDELIVERED] += 1
             self._transport.ack(msg)

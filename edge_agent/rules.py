@@ -191,13 +191,17 @@ def rescue_at(deadline: float | None, now: float, predicted_done: float) -> floa
     return at if at > now else None
 
 
-Repeat = Literal["redelivered", "forgotten", "retarget", "republish"]
+Repeat = Literal["track", "redelivered", "forgotten", "retarget", "republish"]
 StoredState = Literal["queued", "offloaded", "done", "delivered"]
 
 
-def repeat_plan(stored: StoredState | None, *, dup: bool) -> Repeat:
-    """What a request gets whose job id the outbox knew already (``stored``: the row's
-    state; None: only a tombstone is left). ``dup``: the MQTT broker redelivered it."""
+def repeat_plan(stored: StoredState | None, *, dup: bool, on_disk: bool = True) -> Repeat:
+    """What a request gets whose job id the agent knew already (``stored``: the outbox
+    row's state; None: only a tombstone is left). ``dup``: the MQTT broker redelivered it.
+    ``on_disk``: False when the id was known in memory but the outbox committed it as new
+    (its row gone): the job is tracked anew, as accepted now."""
+    if not on_disk:
+        return "track"
     pending = stored in ("queued", "offloaded")
     if dup and not pending:
         # Accepted before a crash that came before its ack: not a resubmission. The job's

@@ -103,14 +103,20 @@ def broker(campus: Campus) -> Iterator[tuple[ServiceThread, Settings]]:
             "stall_floor_ms": 600_000.0,
         },
     )
+    thread = serving(settings)
+    yield thread, settings
+    thread.stop()
+
+
+def serving(settings: Settings) -> ServiceThread:
+    """A broker replica on a thread, returned once it has announced itself online."""
     watcher = PlainClient(settings.mqtt.port)
-    watcher.subscribe(topics.broker_status("broker-1"))
+    watcher.subscribe(topics.broker_status(settings.broker.id))
     thread = ServiceThread(lambda stop: serve(settings, stop, connect_timeout=10)).start()
     while b'"online"' not in watcher.next(timeout=20).payload:
         pass
     watcher.close()
-    yield thread, settings
-    thread.stop()
+    return thread
 
 
 class Fleet:

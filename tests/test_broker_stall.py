@@ -12,7 +12,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from broker.run import serve
 from sluicegate import topics, wire
 from sluicegate.app.campus import Campus
 from sluicegate.app.servers import ServerProcess, free_port
@@ -28,6 +27,7 @@ from tests.test_broker_integration import (  # noqa: F401  (fixtures)
     campus_redis,
     fleet,
     http,
+    serving,
 )
 
 
@@ -38,12 +38,7 @@ def broker(campus: Campus) -> Iterator[tuple[ServiceThread, Settings]]:  # noqa:
         campus.node_config("broker-1"),
         broker={"http_port": free_port(), "models_dir": str(campus.root / "models")},
     )
-    watcher = PlainClient(settings.mqtt.port)
-    watcher.subscribe(topics.broker_status("broker-1"))
-    thread = ServiceThread(lambda stop: serve(settings, stop, connect_timeout=10)).start()
-    while b'"online"' not in watcher.next(timeout=20).payload:
-        pass
-    watcher.close()
+    thread = serving(settings)
     yield thread, settings
     thread.stop()
 

@@ -116,7 +116,13 @@ def test_placements_answered_after_the_edge_gave_up_free_their_slots_at_once(
             late = [r.job_id for r in results if r.offload and r.offload.code == "broker_timeout"]
             # (an answer may still beat 1 ms now and then: that job is offloaded)
             assert all(r.ran_on.node == "line-1-pc" for r in results if r.job_id in late)
-            assert late, "a volley of 12 on a one-slot edge with queue_bound 4 must ask"
+            assert late, (
+                "a volley of 12 on a one-slot edge with queue_bound 4 must ask",
+                [
+                    (r.ran_on.node, r.offload and (r.offload.code, r.offload.placed))
+                    for r in results
+                ],
+            )
 
             def settled() -> dict[str, str] | None:
                 states = {job: _job(impatient, job).get("status", "") for job in late}

@@ -97,6 +97,14 @@ def test_repeat_plan(stored: rules.StoredState | None, dup: bool, plan: str) -> 
     assert rules.repeat_plan(stored, dup=dup) == plan
 
 
+@pytest.mark.parametrize("stored", ["queued", "delivered", None])
+def test_a_repeat_known_in_memory_but_gone_from_disk_is_tracked_anew(
+    stored: rules.StoredState | None,
+) -> None:
+    assert rules.repeat_plan(stored, dup=False, on_disk=False) == "track"
+    assert rules.repeat_plan(stored, dup=True, on_disk=False) == "track"
+
+
 @pytest.mark.parametrize(
     ("state", "runs", "plan"),
     [
