@@ -117,7 +117,7 @@ SMOKE = [
     Smoke(
         "frozen_worker.py",
         "--smoke --edge-cpu 0",
-        ("jobs after the freeze", "answers"),
+        ("freeze jobs after it", "kill jobs after it", "answers"),
         CAMPUS_S,
     ),
     Smoke(
