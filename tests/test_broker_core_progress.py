@@ -33,10 +33,15 @@ def where(fleet: Fleet, now: float) -> str | None:
     return decision.worker_id if isinstance(decision, Placed) else None
 
 
-def two_workers() -> Fleet:
-    """gpu-1 (idle, chosen first) and npu-1 (busier), both online."""
+def two_workers(*, warm: bool = True) -> Fleet:
+    """gpu-1 (idle, chosen first) and npu-1 (busier), both online; ``warm``: gpu-1
+    completed a job a moment ago (not starting cold), which taught no service time."""
     fleet = fleet_with(POLICY, [(caps("gpu-1", NDC), {}), (caps("npu-1", SDC), {})])
     fleet.apply_telemetry(telemetry("npu-1", NOW, zone=SDC, queue_depth=4), NOW)
+    if warm:
+        fleet.reserve("gpu-1", "warm-up", NOW - 0.2, "defect-v1", predicted_ms=10.0)
+        failed = completion("warm-up", "gpu-1", 5.0).model_copy(update={"status": "failed"})
+        fleet.apply_completion(failed, NOW - 0.195)
     assert where(fleet, NOW) == "gpu-1"
     return fleet
 
@@ -123,6 +128,22 @@ def test_a_last_will_is_not_undone_by_a_late_completion() -> None:
     state = fleet.state("gpu-1")
     assert state is not None
     assert not state.online
+
+
+def test_a_worker_starting_cold_may_take_longer_for_its_first_completion() -> None:
+    fleet = two_workers(warm=False)  # never completed a job
+    fleet.reserve("gpu-1", "job-a", NOW, "defect-v1", predicted_ms=10.0)
+    assert fleet.check_progress(NOW + 0.29) == Progress()
+    assert fleet.check_progress(NOW + 0.31).suspected == ("gpu-1",)
+    fleet.apply_completion(completion("job-a", "gpu-1", 10.0), NOW + 0.32)
+    # Busy again within idle_after_s (1 s): warm, its own pace (0.32 s lately) applies.
+    fleet.reserve("gpu-1", "job-b", NOW + 0.5, "defect-v1", predicted_ms=10.0)
+    assert fleet.check_progress(NOW + 0.5 + 0.05) == Progress()
+    # Idle for more than a second, then a volley: cold again.
+    fleet.apply_completion(completion("job-b", "gpu-1", 10.0), NOW + 0.6)
+    fleet.reserve("gpu-1", "job-c", NOW + 5.0, "defect-v1", predicted_ms=10.0)
+    assert fleet.check_progress(NOW + 5.25) == Progress()
+    assert fleet.check_progress(NOW + 5.31).suspected == ("gpu-1",)
 
 
 def test_progress_params_are_validated() -> None:

@@ -237,7 +237,9 @@ class Fleet:
         or since the worker's latest completion if later, for ``stall_factor`` times what
         its placement expected, at least ``stall_floor_s``, and ``stall_factor`` times the
         longest silence the worker showed lately while holding jobs: a worker whose
-        batches are slower than predicted sets its own pace). The worker takes no new
+        batches are slower than predicted sets its own pace; and ``cold_start_s`` for the
+        first completion of a worker that had been idle ``idle_after_s`` before its oldest
+        held job came, or has never completed one). The worker takes no new
         placement until its next completion or telemetry: cheap to be wrong about.
         *Stalled*: silent that long past the time its next batch should take (its held
         jobs, up to its batch size, at the slowest of their models), times
@@ -251,7 +253,10 @@ class Fleet:
             if state is None or not state.online:
                 continue
             done = self._done_at.get(worker_id, 0.0)
+            oldest = next(iter(held.values()))[0]
             usual = self.params.stall_factor * self.usual_silence(worker_id, now)
+            if oldest - done > self.params.idle_after_s:  # starting cold: its first batch
+                usual = max(usual, self.params.cold_start_s)
             if worker_id not in self._suspect:
                 if any(
                     now - max(when, done) > max(allowed, usual) for when, allowed in held.values()
@@ -260,7 +265,7 @@ class Fleet:
                     self.index.set_marked_full(worker_id, True)
                     suspected.append(worker_id)
                 continue
-            since = max(next(iter(held.values()))[0], done)
+            since = max(oldest, done)
             if now - since > max(self.stall_after(worker_id), usual):
                 stalled.append(worker_id)
         return Progress(tuple(suspected), tuple(stalled))

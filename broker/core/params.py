@@ -53,6 +53,10 @@ class FleetParams:
     stall_factor: float = 3.0
     stall_floor_s: float = 0.06
     silence_half_life_s: float = 2.0  # how fast a worker's longest silence is forgotten
+    # A worker that had been idle this long before its oldest held job came (or has never
+    # completed one) is starting cold: its first completion may take up to cold_start_s.
+    idle_after_s: float = 1.0
+    cold_start_s: float = 0.3
 
     def __post_init__(self) -> None:
         _check("history", self.history, 2, 4096)
@@ -66,6 +70,8 @@ class FleetParams:
         _check("stall_factor", self.stall_factor, 1.0, 1000.0)
         _check("stall_floor_s", self.stall_floor_s, 1e-3, 3600.0)
         _check("silence_half_life_s", self.silence_half_life_s, 1e-3, 86400.0)
+        _check("idle_after_s", self.idle_after_s, 0.0, 86400.0)
+        _check("cold_start_s", self.cold_start_s, 0.0, 3600.0)
 
     @classmethod
     def from_settings(cls, settings: BrokerSettings) -> FleetParams:
