@@ -48,7 +48,9 @@ from sluicegate.app.localcampus import (  # noqa: E402
 from sluicegate.app.servers import free_port, running, start_redis  # noqa: E402
 from sluicegate.app.traffic import KINDS, Tally, stream  # noqa: E402
 
-TARGET = {"attainment": 0.99}
+# Attainment with offload, both rounds; and the campus's CPU a job answered beyond the
+# models' own (issue 35).
+TARGET = {"attainment": 0.99, "beyond_models_ms": 3.0}
 nan = float("nan")
 
 
@@ -87,7 +89,7 @@ def cpu_by_role(campus: LocalCampus, servers: list[int]) -> dict[str, float]:
 
 def one_run(
     redis_port: int, redis_pid: int, db: int, offload: bool, args: argparse.Namespace
-) -> tuple[Tally, dict[str, Any], float, dict[str, float]]:
+) -> tuple[Tally, dict[str, Any], float, dict[str, float], float]:
     env = {} if offload else {"SLUICEGATE_OFFLOAD__ENABLED": "false"}
     with tempfile.TemporaryDirectory(prefix="sg-burst-") as tmp:
         campus = LocalCampus(
@@ -98,7 +100,9 @@ def one_run(
             edge_cpu=args.edge_cpu,
         )
         files = campus.write()
-        campus.calibrate()
+        # A model's own time a job: one image, decode to postprocess, on an uncapped node
+        # with nothing else running (the workers' figures, which line PCs' jobs share).
+        own_ms = {p.model: p.image_ms for p in campus.calibrate()["pool"]}
         with running(start_campus_mosquitto(files)) as mosquitto:
             campus.start()
             tally = Tally()
@@ -124,11 +128,12 @@ def one_run(
                 campus.stop()
         jobs = max(tally.answered, 1)
         per_job = {k: 1000.0 * (used_after[k] - used_before[k]) / jobs for k in used_after}
-        return tally, edges, cpu_busy, per_job
+        models = sum(tally.by_kind[k.name].answered * own_ms.get(k.model, 0.0) for k in KINDS)
+        return tally, edges, cpu_busy, per_job, models / jobs
 
 
-def summary(run: tuple[Tally, dict[str, Any], float, dict[str, float]]) -> dict[str, Any]:
-    t, edges, cpu_busy, per_job = run
+def summary(run: tuple[Tally, dict[str, Any], float, dict[str, float], float]) -> dict[str, Any]:
+    t, edges, cpu_busy, per_job, models_ms = run
     lat = list(t.latencies_ms)
     answered = max(t.answered, 1)
     return {
@@ -153,6 +158,8 @@ def summary(run: tuple[Tally, dict[str, Any], float, dict[str, float]]) -> dict[
         "edges": edges,
         "cpu_busy": cpu_busy,
         "cpu_ms_per_job": per_job,
+        # the jobs' models at their calibrated time a job (one image, an idle core)
+        "models_ms_per_job": models_ms,
     }
 
 
@@ -205,19 +212,33 @@ def main() -> None:
                 + f" = {sum(cost.values()):.1f} ms; the burst's {burst_rate:g} jobs/s need "
                 f"{sum(cost.values()) * burst_rate / 1000:.2f} of the {os.cpu_count()} cores"
             )
+            models = s["models_ms_per_job"]
+            print(
+                f"{'':24}  of which the models' own (as calibrated) {models:.1f} ms, "
+                f"the campus beyond them {sum(cost.values()) - models:.1f} ms"
+            )
+    beyond = stats.median(
+        sum(s["cpu_ms_per_job"].values()) - s["models_ms_per_job"] for s in subject
+    )
+    print(
+        f"offload: the campus's CPU a job beyond the models' own {beyond:.1f} ms (median), "
+        f"target <= {TARGET['beyond_models_ms']:g} ms"
+    )
     att_s = stats.median(s["attainment"] for s in subject)
     att_b = stats.median(s["attainment"] for s in baseline)
     result = {
         "bench": "campus_burst",
-        "subject": {"attainment": att_s, "runs": subject},
+        "subject": {"attainment": att_s, "beyond_models_ms": beyond, "runs": subject},
         "baseline": {"attainment": att_b, "runs": baseline},
         "ratio": {"attainment_gain": att_s - att_b},
         "target": TARGET,
-        "met": att_s >= TARGET["attainment"]
+        "met": min(s["attainment"] for s in subject) >= TARGET["attainment"]
+        and beyond <= TARGET["beyond_models_ms"]
         and all(s["wafer_offsite"] == 0 and s["answered"] == s["submitted"] for s in subject),
         "measured": stats.require(
             {
                 "offload answers": sum(s["answered"] for s in subject),
+                "offload device time": sum(s["models_ms_per_job"] for s in subject),
                 "edge-only answers": sum(s["answered"] for s in baseline),
             }
         ),
