@@ -85,8 +85,9 @@ def edge_events(http_port: int, token: str) -> dict[str, int]:
 
 
 async def drive(campus: LocalCampus, tally: Timed, args: argparse.Namespace, fault: str) -> float:
-    """Stream the traffic; freeze the worker ``--freeze-at`` s into the burst and thaw it
-    ``--frozen-for`` s later. Returns the moment it was frozen (``time.monotonic``)."""
+    """Stream the traffic; ``--freeze-at`` s into the burst freeze the worker and thaw it
+    ``--frozen-for`` s later (``fault`` "freeze"), or SIGKILL it ("kill"). Returns the
+    moment of the fault (``time.monotonic``)."""
     pid = campus.pid(FROZEN)
     assert pid is not None, f"{FROZEN} is not running"
     seconds = BURST_AT + args.burst + 2.0

@@ -74,7 +74,7 @@ SMOKE = [
     Smoke(
         "campus_burst.py",
         "--rounds 1 --rate 2 --burst 1 --edge-cpu 0",
-        ("offload answers", "offload device time", "edge-only answers"),
+        ("offload answers", "offload models' time", "edge-only answers"),
         CAMPUS_S,
     ),
     Smoke(

@@ -16,8 +16,9 @@ from sluicegate import topics, wire
 from sluicegate.app.campus import Campus
 from sluicegate.app.servers import ServerProcess, free_port
 from sluicegate.config import Settings, load_settings
-from sluicegate.wire_pool import Completion, JobNotice
+from sluicegate.wire_pool import JobNotice
 from tests.support import PlainClient, ServiceThread, wait_until
+from tests.test_broker_core_kit import completion
 from tests.test_broker_integration import (  # noqa: F401  (fixtures)
     EDGE,
     WORKERS,
@@ -88,17 +89,7 @@ def test_a_worker_that_completes_nothing_is_taken_out_and_its_job_handed_back(
     workers = {w["id"]: w for w in http(settings, "/fleet")[1]["workers"]}
     assert not workers["north-a"]["online"]
     # It thaws and answers the stale attempt: alive again, placeable at once.
-    done = Completion(
-        job_id=placed.job_id,
-        worker_id="north-a",
-        status="ok",
-        model="defect-v1",
-        service_ms=5.0,
-        queue_ms=0.0,
-        batch_size=1,
-        attempt=1,
-        ts=time.time(),
-    )
+    done = completion(placed.job_id, "north-a", 5.0)
     fleet.client.client.publish(topics.completion("north-a"), wire.dump(done), qos=1)
     wait_until(
         lambda: {w["id"]: w for w in http(settings, "/fleet")[1]["workers"]}["north-a"]["online"],

@@ -279,9 +279,7 @@ class Fleet:
         if not jobs:
             return
         silence = now - max(next(iter(jobs.values()))[0], self._done_at.get(worker_id, 0.0))
-        longest, at = self._silence.get(worker_id, (0.0, now))
-        longest *= 0.5 ** (max(0.0, now - at) / self.params.silence_half_life_s)
-        self._silence[worker_id] = (max(silence, longest), now)
+        self._silence[worker_id] = (max(silence, self.usual_silence(worker_id, now)), now)
 
     def usual_silence(self, worker_id: str, now: float) -> float:
         """The longest silence the worker showed lately while holding jobs (decayed)."""
@@ -376,7 +374,7 @@ class Fleet:
         ``worker_id`` until it completes, is released, or shows up in the worker's
         telemetry. Idempotent; a job reserved elsewhere moves here. ``predicted_ms``: when
         the placement expects it done (None: its model's service time there), for
-        :meth:`stalled`."""
+        :meth:`check_progress`."""
         if worker_id not in self._states:
             raise UnknownWorker(
                 f"cannot reserve job {job_id!r} on unknown worker {worker_id!r}; "
