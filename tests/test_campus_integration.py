@@ -94,9 +94,10 @@ def test_campus_only_class_with_only_offsite_capacity_runs_locally_and_says_why(
 def test_placements_answered_after_the_edge_gave_up_free_their_slots_at_once(
     tmp_path: Path, fresh_redis_db: Callable[[], str]
 ) -> None:
-    # An edge that waits 1 ms for the broker: its requests time out and the jobs run
-    # locally, while the broker places them all the same. The edge hands each late
-    # placement back, and its slot is free long before its reservation would expire.
+    # An edge that waits 20 ms for the broker, and a broker frozen while the volley runs:
+    # every request times out and its job runs locally. Thawed, the broker places them
+    # all the same (they sat in its socket); the edge hands each late placement back, and
+    # its slot is free long before its reservation would expire.
     # A campus and Mosquitto of its own: the module's campus uses the same node ids.
     db_url = fresh_redis_db()
     impatient = LocalCampus(
@@ -105,23 +106,24 @@ def test_placements_answered_after_the_edge_gave_up_free_their_slots_at_once(
         redis_url=db_url,
         key_for=key,
         nodes=("broker-1", "line-1-pc", "north-cpu-1"),
-        node_env={"line-1-pc": {"SLUICEGATE_OFFLOAD__PLACEMENT_TIMEOUT_MS": "1"}},
+        node_env={"line-1-pc": {"SLUICEGATE_OFFLOAD__PLACEMENT_TIMEOUT_MS": "20"}},
     )
     with running(start_campus_mosquitto(impatient.write())):
         impatient.start()
         try:
             wait_for_fleet(impatient, lambda ws: ws.get("north-cpu-1", {}).get("online"), 15)
-            results = asyncio.run(volley(impatient, "line-1-pc", 12, deadline_ms=10_000))
+            broker = impatient.processes["broker-1"]
+            os.kill(broker.pid, signal.SIGSTOP)
+            try:
+                results = asyncio.run(volley(impatient, "line-1-pc", 12, deadline_ms=10_000))
+            finally:
+                os.kill(broker.pid, signal.SIGCONT)
             assert all(r.status == "ok" for r in results)
+            assert all(r.ran_on.node == "line-1-pc" for r in results)
             late = [r.job_id for r in results if r.offload and r.offload.code == "broker_timeout"]
-            # (an answer may still beat 1 ms now and then: that job is offloaded)
-            assert all(r.ran_on.node == "line-1-pc" for r in results if r.job_id in late)
             assert late, (
                 "a volley of 12 on a one-slot edge with queue_bound 4 must ask",
-                [
-                    (r.ran_on.node, r.offload and (r.offload.code, r.offload.placed))
-                    for r in results
-                ],
+                [(r.offload and (r.offload.code, r.offload.placed)) for r in results],
             )
 
             def settled() -> dict[str, str] | None:
