@@ -24,6 +24,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Literal, TypeVar
 
 import redis.asyncio as aioredis
@@ -31,12 +32,12 @@ from pydantic import BaseModel, ValidationError
 
 from broker.answers import Answers
 from broker.core import service_rules
-from broker.core.decision import Decision, Placed
+from broker.core.batch import NO_POLICY, decide_turn, settle
+from broker.core.decision import Decision
 from broker.core.demand import PoolDemand, pool_demand
 from broker.core.fleet import Fleet
 from broker.core.identity import IdentityRefusal
 from broker.core.params import FleetParams, PlacementParams, ServiceParams
-from broker.core.placement import decide
 from broker.core.sealing import sealable_in
 from broker.core.shadow import Shadow
 from broker.decision_audit import DecisionAudit
@@ -67,7 +68,6 @@ from sluicegate.wire_pool import (
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
-NO_POLICY = "the broker holds no verified policy"
 BROKER_FAILED = "the broker failed; run locally"
 FILLED_UP = "workers filled up while placing; run locally"
 STALL_CHECK_S = 0.02  # how often workers holding jobs are checked for progress
@@ -282,62 +282,55 @@ class Broker:
                 break
             decisions += 1
             now = self._clock()
-            placed: list[tuple[Pending, Placed]] = []
-            for item in todo:
-                if policy is None:
-                    self.answers.refuse(item, None, "no_policy", NO_POLICY)
-                    continue
-                decision = decide(
-                    self.fleet,
-                    item.request,
-                    policy,
-                    now=now,
-                    params=self.params,
-                    sealable=sealable_in(self.fleet, policy, item.request.data_class),
-                )
-                if self.shadow is not None and decisions == 1:
-                    self._beside(item.request, decision, policy, now)
-                if isinstance(decision, Placed):
-                    self.fleet.reserve(
-                        decision.worker_id,
-                        item.request.job_id,
-                        now,
-                        item.request.model,
-                        decision.predicted_ms,
-                    )
-                    placed.append((item, decision))
-                elif decision.code != "no_capacity" or not self.waiting.hold(item, now):
-                    self.answers.refuse(item, decision, decision.code, decision.reason)
-            todo = []
-            holds = [self.answers.hold(item.request, d, now) for item, d in placed]
+            beside = None
+            if self.shadow is not None and policy is not None and decisions == 1:
+                beside = partial(self._beside, policy=policy, now=now)
+            turn = decide_turn(
+                self.fleet,
+                todo,
+                _request_of,
+                policy,
+                now=now,
+                params=self.params,
+                hold=self.waiting.hold,
+                sealable=self._sealable(policy),
+                beside=beside,
+            )
+            for refused in turn.refused:
+                self.answers.refuse(refused.item, refused.decision, refused.code, refused.reason)
+            holds = [self.answers.hold(item.request, d, now) for item, d in turn.placed]
             try:
                 granted = await self.reservations.reserve_many(holds, int(now * 1000))
                 self._reserve_ok = True
             except StoreUnavailable as exc:  # Redis down: no reservation, no placement
                 self._reserve_ok = False
-                for item, decision in placed:
+                for item, decision in turn.placed:
                     self.fleet.release(item.request.job_id)
                     self.answers.refuse(item, decision, "broker_unavailable", str(exc))
                 return
-            for (item, decision), ok in zip(placed, granted, strict=True):
-                if isinstance(ok, str):  # dead-lettered: never placed again
-                    self.fleet.release(item.request.job_id)
-                    self.answers.refuse(
-                        item, None, "dead_letter", f"the job is dead-lettered: {ok}"
-                    )
-                elif ok:
-                    self.answers.grant(item, decision, policy)
-                else:  # other replicas filled the worker first: count it full, decide again
-                    self.fleet.release(item.request.job_id)
-                    self.fleet.mark_full(decision.worker_id, now)
-                    todo.append(item)
+            settled = settle(self.fleet, turn.placed, granted, _request_of, now=now)
+            for refused in settled.refused:
+                self.answers.refuse(refused.item, refused.decision, refused.code, refused.reason)
+            for item, decision in settled.granted:
+                self.answers.grant(item, decision, policy)
+            todo = settled.again
         for item in todo:
             self.answers.refuse(
                 item, None, "no_capacity", "workers filled up while placing; run locally"
             )
 
+    def _sealable(
+        self, policy: Policy | None
+    ) -> Callable[[PlacementRequest], Callable[[str], bool] | None]:
+        fleet = self.fleet
+
+        def sealable(request: PlacementRequest) -> Callable[[str], bool] | None:
+            return None if policy is None else sealable_in(fleet, policy, request.data_class)
+
+        return sealable
+
     def _beside(
-        self, request: PlacementRequest, decision: Decision, policy: Policy, now: float
+        self, request: PlacementRequest, decision: Decision, *, policy: Policy, now: float
     ) -> None:
         """The shadow candidate decides the same request; only counted and kept."""
         assert self.shadow is not None
@@ -467,6 +460,10 @@ class Broker:
                     ),
                     2.0,
                 )
+
+
+def _request_of(item: Pending) -> PlacementRequest:
+    return item.request
 
 
 def _parse(model: type[M], msg: Message) -> M | None:

@@ -1,20 +1,20 @@
 """The edge agent's dispatcher: every message, commit, answer and run outcome becomes an
-event for one job, the lifecycle table (``edge_agent.lifecycle``) says where it moves and
-what to do, and this module does it. It holds the one table of jobs (``edge_agent.jobs``)
-and the one flag that says whether the agent still acts (:attr:`Dispatcher.mode`).
+event for one job, and the agent's :class:`~edge_agent.sequencer.Sequencer` moves the job on
+it through the lifecycle table (``edge_agent.lifecycle``) and hands each effect to this
+agent's carrier (``edge_agent.carry``). This module owns what comes in as messages and the
+one flag that says whether the agent still acts (:attr:`Dispatcher.mode`).
 
 A job's path, from the request to its answer: :meth:`on_message` admits it (pure checks in
-``admission``, capacity and the offer decision in ``rules``) and dispatches ``Admit``; the
+``admission``, then the sequencer's room and ``rules.intake``) and dispatches ``Admit``; the
 acceptance commit comes back as ``Accepted`` (or the id proves known: the request is then a
-repeat, answered by :meth:`_answer_repeat`); from there the table routes it to the local
+repeat, answered by :meth:`_repeat_known`); from there the table routes it to the local
 queue (``Start`` when a slot is free, ``RunCounted``, ``RunDone``; a slot for each compute
 thread and one behind it, so the next job's run is counted while the threads compute, and
 the slots behind are given once a turn of the loop has taken in all its events, so a
 burst's most urgent jobs get them, not its first) or to the broker
 (``Answered`` for its attempt, then a worker's ``Returned``, a broker's ``WorkerLost`` or
-``DeadLettered``, or ``Overdue``), and every road ends in ``ResultCommitted``. Effects are
-carried out in the order the table lists them; each completion that comes back later is an
-event again. It never blocks the loop and never acts once :attr:`mode` says it is gone.
+``DeadLettered``, or ``Overdue``), and every road ends in ``ResultCommitted``. It never
+blocks the loop and never acts once :attr:`mode` says it is gone.
 """
 
 from __future__ import annotations
@@ -40,17 +40,17 @@ from edge_agent.answers import Answers
 from edge_agent.carry import Carrier
 from edge_agent.compute import Compute
 from edge_agent.errors import OutboxError
-from edge_agent.events import IllegalMove, Life
+from edge_agent.events import Life
 from edge_agent.job_figures import JobFigures
-from edge_agent.jobs import NOT, SURE, Entry, JobTable, ahead_kind
-from edge_agent.lifecycle import NEEDS_OUTLOOK, transition
+from edge_agent.jobs import Entry
+from edge_agent.lifecycle import transition
 from edge_agent.load import PredictionErrors
 from edge_agent.metering import EdgeMetering
 from edge_agent.offload import PlacementClient
 from edge_agent.outbox import Accepted, Outbox, Stored
 from edge_agent.replies import Replies
 from edge_agent.returns import not_run, read_notice, read_return, retry_job
-from edge_agent.rules import Placement
+from edge_agent.sequencer import NO_OUTLOOK, Limits, Sequencer
 from edge_agent.tally import Tally
 from edge_agent.trace_log import TraceLog
 from sluicegate import wire
@@ -93,7 +93,6 @@ class Dispatcher:
         self._compute = compute
         self._answers = answers
         self._placement = placement
-        self._declined_share = 1.0  # rules.declined_share
         self._feed = feed
         self._models = models
         self._clock = clock
@@ -103,25 +102,35 @@ class Dispatcher:
             settings.max_payload_bytes, settings.max_pixels, settings.max_side
         )
         self._results_gate = ResultsGate(settings.id)
-        self._concurrency = settings.concurrency  # compute threads
-        self._ahead_due = False  # the slots behind the threads are to be given this turn
-        # Jobs read back at start whose run was counted: they held a slot when the agent
-        # died. While one is here, a job is started only with a thread free for it.
-        self._suspects: set[str] = set()
-        o = offload_settings  # the outlook's fixed part
-        self._limits_tail = (
-            o.queue_bound,
-            o.max_attempts,
-            settings.max_local_runs,
-            o.result_timeout_s,
-        )
-        self._depth = 0  # dispatches in progress: the pump and idleness run at the outermost
         self.mode: Mode = "starting"  # the one flag saying whether the agent still acts
-        self.table = JobTable()
         self.counters: Counter[str] = Counter()
         self.idle = asyncio.Event()
         self.idle.set()
         self._repeats = 0  # requests for known ids whose outbox lookup is under way
+        o = offload_settings
+        limits = Limits(
+            concurrency=settings.concurrency,
+            queue_size=settings.queue_size,
+            queue_bound=o.queue_bound,
+            max_attempts=o.max_attempts,
+            max_local_runs=settings.max_local_runs,
+            result_timeout_s=o.result_timeout_s,
+        )
+        self.core = Sequencer(
+            settings.id,
+            limits,
+            queue=compute.queue,
+            service_s=compute.service_s,
+            offload_open=self._offload_open,
+            clock=clock,
+            defer=_call_soon,
+            counters=self.counters,
+            gone=lambda: self.mode in GONE,
+            settled=self._settle,
+            illegal=lambda exc: log.error("%s", exc),
+        )
+        self.table = self.core.table
+        self.dispatch = self.core.dispatch
         # The records of concluded jobs for the twin's recorder, sent with the telemetry.
         self.trace: TraceLog | None = None
         if settings.trace_jobs:
@@ -138,7 +147,7 @@ class Dispatcher:
             clock=clock,
         )
         self._effects = Carrier(
-            self.dispatch,
+            self.core.dispatch,
             gone=lambda: self.mode in GONE,
             replay=self.replay,
             replies=self._replies,
@@ -154,6 +163,7 @@ class Dispatcher:
             trace=self.trace,
             metering=metering,
         )
+        self.core.carrier = self._effects
 
     # -- what comes in -------------------------------------------------------------------------
 
@@ -182,20 +192,8 @@ class Dispatcher:
         if self.table.known(job.job_id):
             self._repeat(job, msg)
             return
-        settings = self.settings
-        held = self.table.held()
-        if not rules.has_room(
-            held, queue_size=settings.queue_size, concurrency=settings.concurrency
-        ):
-            self._replies.refuse(job, queue_full(job, edge, settings.queue_size), msg)
-            return
-        outlook = self.outlook(job, now)
-        free = not self.table.census["queued"] and self.table.slots < settings.concurrency
-        run_now, ask = rules.intake(job.deadline, outlook, slot_free=free, redelivered=msg.dup)
-        admit_ev = ev.Admit(run_now, ask, max(0.0, outlook.predicted_done - now))
-        entry = Entry(job, Life(job.job_id, job.deadline))
-        self.table.add(entry)
-        self.dispatch(entry, admit_ev, msg)
+        if self.core.admit(job, now, msg, redelivered=msg.dup) is None:
+            self._replies.refuse(job, queue_full(job, edge, self.settings.queue_size), msg)
 
     def on_return(self, msg: Message) -> None:
         """A worker's result for a job this edge offloaded (manual ack: acked once it is
@@ -293,7 +291,7 @@ class Dispatcher:
             if self.table.get(job.job_id) is not None:
                 continue
             if stored.local_runs:
-                self._suspects.add(job.job_id)
+                self.core.suspects.add(job.job_id)
             entry = Entry(job, Life(job.job_id, job.deadline))
             self.table.add(entry)
             replayed = ev.Replayed(plan, stored.attempt, stored.local_runs, stored.worker)
@@ -318,72 +316,25 @@ class Dispatcher:
         return self.mode == "killed"
 
     def outlook(self, job: Job, now: float, own: Life | None = None) -> rules.Outlook:
-        """What routing ``job`` (whose life is ``own``, if it has one yet) needs to know
-        about this edge now. The work ahead of it here is what is queued and running and
-        what is still being admitted: in a burst, most of it; each job weighs its own
-        model's service time."""
-        client, table = self._placement, self.table
-        service_s = self._compute.service_s(job.model)
-        share = self._declined_share  # of the jobs still asking, those that will stay
-        ahead = rules.work_ahead(table.ahead, self._compute.service_s)
-        asked = rules.work_ahead(table.asked, self._compute.service_s) if table.asked else 0.0
-        kind = NOT if own is None else ahead_kind(own)  # not ahead of itself
-        own_s = 0.0 if kind == NOT else service_s if kind == SURE else share * service_s
-        work = rules.expected_work(ahead, asked, share, own_s)
-        done = rules.predict_completion(now, work, self._concurrency, service_s)
-        offload = client is not None and self._offload.enabled and client.broker_available
-        return rules.Outlook(self.settings.id, offload, done, self.waiting, *self._limits_tail)
+        return self.core.outlook(job, now, own)
 
-    def _run_slots(self) -> int:
-        if self._suspects:  # forget those concluded since
-            self._suspects = {j for j in self._suspects if self.table.get(j) is not None}
-        return rules.run_slots(
-            self._concurrency,
-            max_local_runs=self.settings.max_local_runs,
-            suspects=len(self._suspects),
-        )
+    def _offload_open(self) -> bool:
+        client = self._placement
+        return client is not None and self._offload.enabled and client.broker_available
 
     @property
     def waiting(self) -> int:
         """Jobs waiting for a compute thread: queued, or started behind the threads."""
-        return self.table.census["queued"] + max(0, self.table.slots - self._concurrency)
+        return self.core.waiting
 
     @property
     def in_flight(self) -> int:
         """Jobs on the compute threads, or being started with a thread free for them."""
-        return min(self.table.slots, self._concurrency)
-
-    # -- the one place a job moves -------------------------------------------------------------
-
-    def dispatch(self, entry: Entry, event: ev.Event, msg: Message | None = None) -> None:
-        if self.mode in GONE:
-            return
-        now = self._clock()
-        needs = type(event) in NEEDS_OUTLOOK
-        outlook = self.outlook(entry.job, now, entry.life) if needs else _NO_OUTLOOK
-        if type(event) is ev.Answered:  # the broker's answers: how many offers stay here
-            placed = isinstance(event.answer, Placement)
-            self._declined_share = rules.declined_share(self._declined_share, placed=placed)
-        try:
-            life, effects = transition(entry.life, event, now, outlook)
-        except IllegalMove as exc:  # a bug: the job stays as it was, the agent serves on
-            self.counters[Tally.ILLEGAL_MOVES] += 1
-            log.error("%s", exc)
-            return
-        self.table.set(entry, life)
-        self._depth += 1
-        try:
-            for effect in effects:
-                self._effects.carry(entry, effect, event, msg)
-        finally:
-            self._depth -= 1
-        if not self._depth:
-            self._pump()
-            self._settle()
+        return self.core.in_flight
 
     def _stray(self, job_id: str, event: ev.Event, msg: Message) -> None:
         """A return or notice for a job this edge does not hold: the table's concluded row."""
-        _, effects = transition(Life(job_id, None, "concluded"), event, 0.0, _NO_OUTLOOK)
+        _, effects = transition(Life(job_id, None, "concluded"), event, 0.0, NO_OUTLOOK)
         for effect in effects:
             if isinstance(effect, ev.Discard):
                 log.info("discarded a message about job %s (%s)", job_id, effect.why)
@@ -391,37 +342,6 @@ class Dispatcher:
             elif isinstance(effect, ev.Count):
                 self.counters[effect.tally] += 1
         self._transport.ack(msg)
-
-    def _pump(self) -> None:
-        """Start queued jobs, the most urgent first, while a compute thread is free; the
-        slots behind the threads are given later in this turn of the loop (its dispatches
-        count as nested: they neither pump nor settle themselves)."""
-        self._start_while(self._concurrency)
-        if self._ahead_due or not len(self._compute.queue):
-            return
-        if self.table.slots < self._run_slots():
-            self._ahead_due = True
-            asyncio.get_running_loop().call_soon(self._start_ahead)
-
-    def _start_ahead(self) -> None:
-        """Start jobs into the slots behind the compute threads, the most urgent first, once
-        the events that came with this turn of the loop are in the queue."""
-        self._ahead_due = False
-        if self.mode in GONE:
-            return
-        self._start_while(self._run_slots())
-        self._settle()
-
-    def _start_while(self, slots: int) -> None:
-        queue, table = self._compute.queue, self.table
-        self._depth += 1
-        try:
-            while table.slots < slots and len(queue):
-                entry = queue.pop()
-                if entry.life.phase == "queued" and table.get(entry.job.job_id) is entry:
-                    self.dispatch(entry, ev.Start())
-        finally:
-            self._depth -= 1
 
     def _settle(self) -> None:
         if self.table.busy or self._repeats:
@@ -457,4 +377,5 @@ class Dispatcher:
         self._settle()
 
 
-_NO_OUTLOOK = rules.Outlook("", False, 0.0, 0, 0, 1, 1, 1.0)
+def _call_soon(fn: Callable[[], None]) -> None:
+    asyncio.get_running_loop().call_soon(fn)
