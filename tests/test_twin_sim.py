@@ -11,10 +11,16 @@ from pathlib import Path
 
 import pytest
 
-import broker.core.placement
+import broker.core.batch
 import center_pool.batching
+import edge_agent.lifecycle
 import edge_agent.rules
+import edge_agent.sequencer
+from broker.core.decision import Candidates, Refused
 from broker.core.params import PlacementParams
+from edge_agent import events as ev
+from edge_agent.events import Life, Move
+from edge_agent.rules import Declined, Outlook
 from policies.loader import parse_policy
 from sluicegate.app.twin_demo import demo_trace
 from sluicegate.twin import events, trace
@@ -61,12 +67,53 @@ def test_every_arrival_ends_in_exactly_one_outcome(demo: trace.Trace) -> None:
     assert {o.status for o in result.outcomes} <= {"ok", "expired", "rejected"}
 
 
-def test_the_twin_calls_the_production_decision_functions() -> None:
-    # Not copies: the very objects the edge agent, the broker and the worker run.
+def test_the_twin_runs_the_production_sequencing_not_a_copy() -> None:
+    # The very objects the edge agent, the broker and the worker run; the replay's own
+    # module calls no edge rule and no lifecycle move of its own.
     names = vars(events)
-    assert names["rules"] is edge_agent.rules
-    assert names["decide"] is broker.core.placement.decide
+    assert names["Sequencer"] is edge_agent.sequencer.Sequencer
+    assert names["decide_turn"] is broker.core.batch.decide_turn
+    assert names["settle"] is broker.core.batch.settle
     assert names["Waiting"] is center_pool.batching.Entry
+    assert not {"rules", "transition", "decide", "lifecycle"} & set(names)
+    assert vars(edge_agent.sequencer)["transition"] is edge_agent.lifecycle.transition
+
+
+def test_a_patched_lifecycle_table_changes_the_replay(
+    demo: trace.Trace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = summarise(replay(demo))
+    assert before.offload_ratio > 0.3
+    # The table's rows for the broker's answer: every placement is handed back unused.
+    table = edge_agent.lifecycle.TABLE
+    keep = Declined("patched", "the patched table keeps every job here")
+
+    def refuse_ahead(life: Life, event: ev.Event, now: float, o: Outlook) -> Move:
+        return life._replace(ahead=keep), ()
+
+    def refuse(life: Life, event: ev.Event, now: float, o: Outlook) -> Move:
+        after = life._replace(phase="queued", asking=0, declined=keep)
+        return after, (ev.Enqueue(),)
+
+    monkeypatch.setitem(table, ("admitting", ev.Answered), refuse_ahead)
+    monkeypatch.setitem(table, ("offering", ev.Answered), refuse)
+    after = summarise(replay(demo))
+    assert after.offload_ratio == 0.0
+    assert after.attainment < before.attainment
+
+
+def test_a_patched_broker_turn_changes_the_replay(
+    demo: trace.Trace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert summarise(replay(demo)).offload_ratio > 0.3
+
+    def nobody(fleet: object, request: object, policy: object, **_kw: object) -> Refused:
+        return Refused("no_worker", "patched: the broker places nothing", Candidates((), 0, ()))
+
+    monkeypatch.setattr(broker.core.batch, "decide", nobody)
+    result = replay(demo)
+    assert summarise(result).offload_ratio == 0.0
+    assert result.refusals.get("no_worker", 0) > 0
 
 
 def test_changing_a_production_rule_changes_the_twins_answer(
@@ -273,16 +320,24 @@ def test_a_job_offered_while_it_is_admitted_is_not_work_ahead_here() -> None:
 
 
 def test_a_job_kept_at_intake_is_offered_once_its_commit_shows_it_would_be_late() -> None:
-    # As the edge does (lifecycle's route once the acceptance is committed): job "a" finds
-    # the edge idle, but while its acceptance commits (150 ms) eight more arrive for the
-    # same edge; routed then, it would finish here past its 200 ms deadline: it is offered.
-    later = [_line_job(0.01 * (i + 1), f"b{i}", 1000.0, accepted_ms=150.0) for i in range(8)]
-    first = _line_job(0.0, "a", 200.0, accepted_ms=150.0)
-    recorded = trace.Trace(demo_trace(1.0).header, (first, *later))
+    # As the edge does (lifecycle's rules for Admit and Accepted): the first jobs find the
+    # edge's compute slots free and run at once, each run counted in its acceptance commit
+    # (150 ms). Job "b", just behind them, would meet its 250 ms here at intake and stays;
+    # while its acceptance commits, eight more arrive for the same edge, and routed then,
+    # behind them, it would finish past its deadline: it is offered.
+    header = demo_trace(1.0).header
+    (line,) = [e for e in header.edges if e.id == "line-1-pc"]
+    firsts = [
+        _line_job(0.0001 * i, f"a{i}", 1000.0, accepted_ms=150.0) for i in range(line.concurrency)
+    ]
+    second = _line_job(0.001, "b", 250.0, accepted_ms=150.0)
+    later = [_line_job(0.01 * (i + 1), f"c{i}", 1000.0, accepted_ms=150.0) for i in range(8)]
+    recorded = trace.Trace(header, (*firsts, second, *later))
     outcomes = {o.job_id: o for o in replay(recorded).outcomes}
-    assert outcomes["a"].offloaded
-    assert outcomes["a"].in_time
-    assert not any(outcomes[j.job_id].offloaded for j in later[:2])  # room for them here
+    assert not any(outcomes[a.job_id].offloaded for a in firsts)
+    assert all(outcomes[a.job_id].in_time for a in firsts)
+    assert outcomes["b"].offloaded
+    assert outcomes["b"].status == "ok"
 
 
 def test_a_request_that_finds_every_worker_full_waits_in_the_brokers_waiting_room() -> None:

@@ -10,9 +10,8 @@ telemetry builder reports it.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from broker.core.params import PlacementParams
@@ -20,11 +19,15 @@ from center_pool.batching import BatchQueue
 from center_pool.hardware import Sample
 from center_pool.reporting import ServiceStats
 from center_pool.reporting import telemetry as worker_telemetry
-from edge_agent.load import JobQueue, ServiceTimes
+from edge_agent.admission import Job as AdmittedJob
+from edge_agent.events import Event
+from edge_agent.load import ServiceTimes
+from edge_agent.sequencer import Limits, Sequencer
 from policies.model import Policy
 from sluicegate.config import BrokerSettings, OffloadSettings, PoolSettings
 from sluicegate.twin.draws import DEFAULT_SERVICE_MS
 from sluicegate.twin.trace import EdgeSpec, JobRecord, WorkerSpec
+from sluicegate.vision.image import ImageInfo
 from sluicegate.wire_pool import (
     ModelCapability,
     PlacementRequest,
@@ -35,7 +38,8 @@ from sluicegate.wire_pool import (
 Strategy = Literal["ours", "edge-only", "round-robin", "least-loaded"]
 STRATEGIES: tuple[Strategy, ...] = ("ours", "edge-only", "round-robin", "least-loaded")
 SHA = "0123456789abcdef" * 4  # payload digest of every replayed request: no image here
-MAX_ATTEMPTS, RESULT_TIMEOUT_S, NOTICE_S = 4, 3.0, 0.005
+MAX_ATTEMPTS, RESULT_TIMEOUT_S, NOTICE_S, MAX_LOCAL_RUNS = 4, 3.0, 0.005, 3
+NO_IMAGE = ImageInfo("jpeg", 0, 0)
 # How long a request that found no room may wait in the broker's waiting room: the broker's
 # bound and the edge's (half its placement timeout, as the edge asks), at their defaults.
 BROKER_MAX_WAIT_MS = BrokerSettings().max_wait_ms
@@ -91,23 +95,43 @@ class Result:
 
 @dataclass(eq=False)
 class Job:
+    """One replayed arrival: its record, and what the simulated parts keep of it beside the
+    edge's own :class:`~edge_agent.events.Life` (which its edge's sequencer holds)."""
+
     rec: JobRecord
     job_id: str
     at: float  # absolute, on the virtual clock
     deadline: float | None
     origin: str
-    phase: str = "new"  # new, offering, offloaded, done
-    local: str | None = None  # None, "queued" or "running" on its edge
-    attempt: int = 0
-    worker: str | None = None
     back_s: float = 0.0  # the way back from the current attempt's worker
-    code: str | None = None
-    predicted: float = 0.0
-    admit_s: float = 0.0  # its acceptance being committed: counted ahead on its edge meanwhile
     waiting_since: float | None = None  # when it first found no room (the waiting room)
+    cancelled: int = 0  # the attempt whose placement the edge stopped waiting for
+    worker: str | None = None  # where its latest attempt was sent
+    attempt: int = 0  # ... as which attempt
+    held: list[Event] = field(default_factory=list)  # returns before its acceptance landed
+    returned: tuple[str, str] = ("ok", "")  # the return being concluded: status, worker
+    # The result being committed: status, where it ran, its code, when it leaves the edge.
+    result: tuple[str, str | None, str | None, float] | None = None
+    done: bool = False
 
-    def request(self, now: float, reason: str) -> PlacementRequest:
-        """The placement request its edge sends for it at ``now``, as the edge builds it."""
+    def admission(self) -> AdmittedJob:
+        """The job as the edge agent holds it once admitted (no image here)."""
+        rec = self.rec
+        return AdmittedJob(
+            self.job_id,
+            rec.model,
+            b"",
+            NO_IMAGE,
+            "",
+            None,
+            rec.priority,
+            rec.data_class,
+            self.at,
+            self.deadline,
+        )
+
+    def request(self, reason: str, local_s: float) -> PlacementRequest:
+        """The placement request its edge sends for it, as the edge builds it."""
         rec = self.rec
         return PlacementRequest(
             job_id=self.job_id,
@@ -121,37 +145,42 @@ class Job:
             priority=rec.priority,
             deadline_at=self.deadline,
             submitted_at=self.at,
-            local_estimate_ms=(self.predicted - now) * 1000.0,
+            local_estimate_ms=local_s * 1000.0,
             reason="deadline" if reason == "deadline" else "queue",
         )
 
 
 class SimEdge:
+    """A simulated edge: its figures, its service-time estimates (the agent's own
+    ``ServiceTimes``, seeded from the node's figures) and, once the replay builds it, the
+    agent's own sequencer (``core``)."""
+
     def __init__(self, spec: EdgeSpec) -> None:
         self.spec = spec
-        self.queue: JobQueue[Job] = JobQueue(spec.queue_size, queue_key)
         self.peak = 0  # most jobs held since the last telemetry interval
-        self.running = 0
-        self.ahead: Counter[str] = Counter()
-        self.offered = 0  # being admitted while their placement is asked for
         self.times = ServiceTimes(0.2)
         for model, ms in spec.service_ms.items():
             self.times.seed(model, ms / 1000.0)
+        self.core: Sequencer  # set by the replay (sluicegate.twin.events)
+        self.limits = Limits(
+            concurrency=spec.concurrency,
+            queue_size=spec.queue_size,
+            queue_bound=spec.queue_bound,
+            max_attempts=MAX_ATTEMPTS,
+            max_local_runs=MAX_LOCAL_RUNS,
+            result_timeout_s=RESULT_TIMEOUT_S,
+        )
 
     def estimate(self, model: str) -> float:
         return self.times.estimate(model) or DEFAULT_SERVICE_MS / 1000.0
 
     @property
     def held(self) -> int:
-        """Jobs against its capacity: the work ahead, and those offered while admitted."""
-        return sum(self.ahead.values()) + self.offered
+        """Jobs against its capacity: admitting, queued, starting or running."""
+        return self.core.table.held()
 
     def note(self) -> None:
         self.peak = max(self.peak, self.held)
-
-
-def queue_key(job: Job) -> tuple[int, float]:
-    return (-job.rec.priority, job.deadline if job.deadline is not None else math.inf)
 
 
 class SimWorker:

@@ -115,6 +115,7 @@ class Simulation:
         end = now
         while self._heap:
             end, _, fn, args = heapq.heappop(self._heap)
+            events.now = end
             fn(end, *args)
         duration = max(end - self.t0, 1e-9)
         return Result(
