@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from policies.keys import SigningKey
+from policies.loader import parse_policy
 from policies.verdict import read_verdict
-from sluicegate.app.twin_demo import demo_trace
+from sluicegate.app.twin_demo import demo_policy, demo_trace
 from sluicegate.twin import trace
 from sluicegate.twin.rehearse import ChangeError, build_change, rehearse, write_report
 from tests.support import twin
@@ -154,7 +155,14 @@ def test_synth_run_and_verdict_from_the_command_line(tmp_path: Path) -> None:
     ]
     key = SigningKey.from_seed(b"w" * 32)
     (tmp_path / "twin.key").write_bytes(key.to_pem())
-    text = trace.read(tmp_path / "demo.jsonl.gz")[0].header.policy
+    # A synthetic trace holds its policy as a recorded one does: its canonical JSON. The
+    # candidates start from the campus's policy file (its sealing keys made afresh: the
+    # twin models none).
+    header = trace.read(tmp_path / "demo.jsonl.gz")[0].header
+    recorded = trace.policy_of(header)
+    assert header.policy == recorded.canonical.decode()
+    text = demo_policy()
+    assert parse_policy(text).version == recorded.version
     (tmp_path / "leaky.toml").write_text(
         text.replace(WAFER_RULE, 'allow = ["campus/**", "campus/** -> offsite/cloud-east"]')
     )

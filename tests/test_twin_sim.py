@@ -22,7 +22,7 @@ from edge_agent import events as ev
 from edge_agent.events import Life, Move
 from edge_agent.rules import Declined, Outlook
 from policies.loader import parse_policy
-from sluicegate.app.twin_demo import demo_trace
+from sluicegate.app.twin_demo import demo_policy, demo_trace
 from sluicegate.twin import events, trace
 from sluicegate.twin.draws import Draws
 from sluicegate.twin.report import compare, render, strategy_table, summarise
@@ -144,7 +144,8 @@ def test_no_placement_breaks_the_policy_and_wafers_stay_on_campus(demo: trace.Tr
 
 
 def _policy_text(demo: trace.Trace, old: str, new: str) -> str:
-    text = demo.header.policy
+    text = demo_policy()  # the policy file of the campus the trace holds
+    assert parse_policy(text).digest == trace.policy_of(demo.header).digest
     assert old in text
     return text.replace(old, new)
 
@@ -185,7 +186,7 @@ def test_a_removed_worker_gets_nothing_and_an_added_one_takes_work(
     assert unlisted.warnings == (
         "north-cpu-2 is in no pool of the policy: nothing is placed there",
     )
-    key = parse_policy(demo.header.policy).worker("north-cpu-1")
+    key = trace.policy_of(demo.header).worker("north-cpu-1")
     assert key is not None
     listed = _policy_text(
         demo,

@@ -13,6 +13,7 @@ real campus.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import tempfile
 from pathlib import Path
@@ -23,7 +24,7 @@ from broker.core.params import PlacementParams
 from policies.keys import SigningKey
 from sluicegate.app.campus import LINES, WORKERS, write_campus
 from sluicegate.app.traffic import KINDS, LABELS, PARTS, VOLLEY, WAFERS
-from sluicegate.twin.trace import EdgeSpec, Header, JobRecord, Trace, WorkerSpec
+from sluicegate.twin.trace import EdgeSpec, Header, JobRecord, Trace, WorkerSpec, policy_field
 
 # ms per job: an edge's model threads at 15 % of a core; a worker, amortised at batch 8.
 EDGE_MS = {"surface-det": 38.8, "ocr-ppocrv4": 331.9, "defect-v1": 1.6}
@@ -32,8 +33,10 @@ BYTES = {WAFERS.name: 52_000, PARTS.name: 48_000, LABELS.name: 21_000}
 STARTED_AT = 1_796_000_000.0  # a fixed clock reading: the same arguments, the same trace
 
 
+@functools.cache
 def demo_policy() -> str:
-    """The demo campus's policy text, with keys derived from the nodes' names."""
+    """The demo campus's policy text, with signing keys derived from the nodes' names (the
+    workers' sealing keys are made afresh once per process, as ``write_campus`` makes them)."""
 
     def key_for(name: str) -> SigningKey:
         return SigningKey.from_seed(hashlib.sha256(f"twin-demo/{name}".encode()).digest())
@@ -66,7 +69,7 @@ def demo_header() -> Header:
     return Header(
         started_at=STARTED_AT,
         source="synthetic",
-        policy=demo_policy(),
+        policy=policy_field(demo_policy(), source="the demo's policy"),
         params=PlacementParams().describe(),
         edges=edges,
         workers=workers,

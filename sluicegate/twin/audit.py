@@ -99,7 +99,7 @@ def trace_from_audit(
     header = tr.Header(
         started_at=t0,
         source="audit",
-        policy=policy,
+        policy=tr.policy_field(policy, source="the broker's policy file"),
         params=dict(params or {}),
         telemetry_interval_s=telemetry_interval_s,
         edges=edges,

@@ -78,7 +78,10 @@ class Capture:
         self._params = json.loads(json.dumps(dict(given)))  # as a trace file holds them
         self._interval = telemetry_interval_s
         self._policy: str | None = None
-        self._policy_fallback = policy_text
+        fallback = policy_text
+        if fallback is not None:
+            fallback = tr.policy_field(fallback, source="the policy file given")
+        self._policy_fallback = fallback
         self._edges: dict[str, _Edge] = {}
         self._workers: dict[str, _Worker] = {}
         self._jobs: dict[tuple[str, str], wire.TraceJob] = {}

@@ -79,7 +79,9 @@ class Header(_Record):
     format: Literal["sluicegate-trace/1"] = FORMAT
     started_at: float  # unix seconds; every other record's ``at`` counts from here
     source: Literal["live", "audit", "synthetic"]
-    # The policy in force: its TOML text, or its canonical JSON as the policy topic carries it.
+    # The policy in force, as its canonical JSON (what the policy topic carries, and what
+    # :func:`policy_field` makes of a policy file); a trace written with the TOML text
+    # still reads.
     policy: str
     params: dict[str, object] = Field(default_factory=dict)  # PlacementParams.describe()
     telemetry_interval_s: float = Field(1.0, gt=0.0)
@@ -226,6 +228,17 @@ def read(path: Path) -> tuple[Trace, str]:
     check(header, jobs)
     trace = Trace(header, tuple(sorted(jobs, key=lambda j: j.at)), tuple(telemetry), tuple(events))
     return trace, h.hexdigest()
+
+
+def policy_field(text: str, *, source: str) -> str:
+    """The header's ``policy`` for a policy given as a file's TOML text (or already as its
+    canonical JSON): its canonical JSON, the one form every trace writer uses."""
+    if text.lstrip().startswith("{"):
+        return text
+    try:
+        return parse_policy(text, source=source).canonical.decode()
+    except PolicyError as exc:
+        raise TraceError(f"the policy to record cannot be read: {exc}") from exc
 
 
 def policy_of(header: Header) -> Policy:
