@@ -19,7 +19,7 @@ import edge_agent.sequencer
 from broker.core.decision import Candidates, Refused
 from broker.core.params import PlacementParams
 from edge_agent import events as ev
-from edge_agent.events import Life, Move
+from edge_agent.events import Life, Move, Phase, Rule
 from edge_agent.rules import Declined, Outlook
 from policies.loader import parse_policy
 from sluicegate.app.twin_demo import demo_policy, demo_trace
@@ -95,8 +95,12 @@ def test_a_patched_lifecycle_table_changes_the_replay(
         after = life._replace(phase="queued", asking=0, declined=keep)
         return after, (ev.Enqueue(),)
 
-    monkeypatch.setitem(table, ("admitting", ev.Answered), refuse_ahead)
-    monkeypatch.setitem(table, ("offering", ev.Answered), refuse)
+    rows: list[tuple[tuple[Phase, type[object]], Rule]] = [
+        (("admitting", ev.Answered), refuse_ahead),
+        (("offering", ev.Answered), refuse),
+    ]
+    for row, rule in rows:
+        monkeypatch.setitem(table, row, rule)
     after = summarise(replay(demo))
     assert after.offload_ratio == 0.0
     assert after.attainment < before.attainment
