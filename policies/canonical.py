@@ -27,14 +27,17 @@ def canonical_json(value: Any) -> bytes:
 
 def canonical_bytes(doc: PolicyDocument) -> bytes:
     """The canonical form of a validated policy document. A policy without a ``[rollout]``
-    table has no ``rollout`` key at all, and one without ``min_burst`` no such key in it,
+    table has no ``rollout`` key at all, and one without ``min_burst`` or ``max_drop_points``
+    no such key in it,
     so policies written before them keep their digests; likewise a pool's empty
     ``encryption_keys`` and a class's ``confidential = false``."""
     data = doc.model_dump(mode="json")
     if doc.rollout is None:
         del data["rollout"]
-    elif doc.rollout.min_burst is None:
-        del data["rollout"]["min_burst"]
+    else:
+        for key in ("min_burst", "max_drop_points"):
+            if getattr(doc.rollout, key) is None:
+                del data["rollout"][key]
     for pool in data["pools"].values():
         if not pool["encryption_keys"]:
             del pool["encryption_keys"]

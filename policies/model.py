@@ -201,6 +201,9 @@ class Rollout:
     min_attainment: float
     max_queue_depth: int
     min_burst: float = 1.0  # the arrival factor a verdict's rehearsal must have used, at least
+    # The attainment points a candidate may lose against the policy in force, at most
+    # (None: not set; the twin judges with its default margin, and a gate asks no margin).
+    max_drop_points: float | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -307,6 +310,7 @@ def rollout_of(doc: RolloutDoc | None) -> Rollout | None:
         doc.min_attainment,
         doc.max_queue_depth,
         doc.min_burst if doc.min_burst is not None else 1.0,
+        doc.max_drop_points,
     )
 
 

@@ -238,6 +238,10 @@ class RolloutDoc(_Model):
     # The arrivals a rehearsal must have multiplied by (a 2x, 5x, 10x burst) at least; left
     # out of the canonical form when not set, so gated policies keep their digests.
     min_burst: float | None = Field(default=None, ge=1.0, le=100.0)
+    # The points of deadline attainment a candidate may lose against the policy in force
+    # replayed on the same trace (overall, per line, per data class); left out of the
+    # canonical form when not set.
+    max_drop_points: float | None = Field(default=None, ge=0.0, le=100.0)
 
 
 class PolicyDocument(_Model):

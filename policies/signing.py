@@ -279,6 +279,8 @@ def dump_anchor(anchor: TrustAnchor) -> bytes:
         }
         if gate.min_burst != 1.0:
             rollout["min_burst"] = gate.min_burst
+        if gate.max_drop_points is not None:
+            rollout["max_drop_points"] = gate.max_drop_points
         doc["rollout"] = rollout
     return (json.dumps(doc, indent=2) + "\n").encode("ascii")
 

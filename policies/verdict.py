@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -51,10 +51,18 @@ class Thresholds(_Doc):
 
     min_attainment: float = Field(0.95, ge=0.0, le=1.0)
     max_queue_depth: int = Field(64, ge=0)  # jobs any one node holds at its peak
+    # How many points of deadline attainment the candidate may lose against the policy in
+    # force replayed on the same trace, overall, per line and per data class (None: the
+    # verdict judges no difference: one signed before it could).
+    max_drop_points: float | None = Field(None, ge=0.0, le=100.0)
 
     def weaker_than(self, required: Thresholds) -> list[str]:
         """Where these thresholds ask less than ``required`` does."""
         out = []
+        need = required.max_drop_points
+        if need is not None and (self.max_drop_points is None or self.max_drop_points > need):
+            have = "none" if self.max_drop_points is None else f"{self.max_drop_points:g}"
+            out.append(f"max_drop_points {have} > required {need:g}")
         if self.min_attainment < required.min_attainment:
             out.append(
                 f"min_attainment {self.min_attainment:g} < required {required.min_attainment:g}"
@@ -66,6 +74,26 @@ class Thresholds(_Doc):
         return out
 
 
+class InForce(_Doc):
+    """The policy in force replayed on the same trace, under the same conditions: what the
+    candidate is measured against."""
+
+    attainment: float = Field(ge=0.0, le=1.0)
+    by_line: dict[str, float]  # edge -> deadline attainment of its jobs
+    by_class: dict[str, float]  # data class -> deadline attainment
+    peak_queue_depth: dict[str, int]
+
+
+class Moved(_Doc):
+    """Jobs of one class from one line that ran elsewhere under the candidate."""
+
+    data_class: str
+    line: str
+    before: str | None  # the node that ran them under the policy in force (None: none)
+    after: str | None  # ... and under the candidate
+    jobs: int = Field(ge=1)
+
+
 class Figures(_Doc):
     """What the twin measured for the candidate."""
 
@@ -74,6 +102,11 @@ class Figures(_Doc):
     violations: int = Field(ge=0)  # placements the candidate's own policy forbids
     # data class -> zone -> jobs placed there although the policy in force keeps it on campus
     left_campus: dict[str, dict[str, int]] = Field(default_factory=dict)
+    # Beside the policy in force (None in a verdict signed before it was judged so):
+    by_line: dict[str, float] | None = None
+    by_class: dict[str, float] | None = None
+    in_force: InForce | None = None
+    moved: list[Moved] | None = None  # the largest moves first
 
 
 class Candidate(_Doc):
@@ -111,18 +144,36 @@ class Verdict(_Doc):
 
 
 def judge(figures: Figures, thresholds: Thresholds) -> tuple[bool, list[str]]:
-    """(passed, why not): each failed threshold named with its figure."""
+    """(passed, why not): each failed threshold named with its figure and, beside the policy
+    in force, what the candidate moved. A floor of the ``[rollout]`` that the policy in force
+    itself misses on the trace is judged against the policy in force instead: a loaded trace
+    judges the change, not the campus."""
+    base, margin = figures.in_force, thresholds.max_drop_points
+    relative = base is not None and margin is not None
     reasons = []
-    if figures.attainment < thresholds.min_attainment:
-        reasons.append(
-            f"deadline attainment {figures.attainment:.4f} is below the minimum "
-            f"{thresholds.min_attainment:g}"
+    floor, why = thresholds.min_attainment, f"the minimum {thresholds.min_attainment:g}"
+    if relative and base is not None and margin is not None and base.attainment < floor:
+        floor = base.attainment - margin / 100.0
+        why = (
+            f"{base.attainment:.4f} for the policy in force less the {margin:g}-point margin "
+            f"(the policy in force itself misses the minimum {thresholds.min_attainment:g} "
+            "on this trace)"
         )
+    if figures.attainment < floor - 1e-9:
+        reasons.append(f"deadline attainment {figures.attainment:.4f} is below {why}")
+    if relative and base is not None and margin is not None:
+        reasons += _drops("line", base.by_line, figures.by_line or {}, margin, figures.moved)
+        reasons += _drops("class", base.by_class, figures.by_class or {}, margin, figures.moved)
     for node, depth in sorted(figures.peak_queue_depth.items()):
-        if depth > thresholds.max_queue_depth:
+        allowed = thresholds.max_queue_depth
+        before = base.peak_queue_depth.get(node) if base is not None else None
+        if before is not None and before > allowed:
+            allowed = before  # the policy in force holds as much there already
+        if depth > allowed:
+            was = f" ({before} under the policy in force)" if before is not None else ""
             reasons.append(
-                f"{node} would hold {depth} jobs at its peak, more than the "
-                f"{thresholds.max_queue_depth} allowed"
+                f"{node} would hold {depth} jobs at its peak, more than the {allowed} "
+                f"allowed{was}{_arrived(figures.moved, node)}"
             )
     if figures.violations:
         reasons.append(
@@ -138,10 +189,54 @@ def judge(figures: Figures, thresholds: Thresholds) -> tuple[bool, list[str]]:
     return not reasons, reasons
 
 
+def _drops(
+    kind: Literal["line", "class"],
+    before: Mapping[str, float],
+    after: Mapping[str, float],
+    margin: float,
+    moved: list[Moved] | None,
+) -> list[str]:
+    """A reason for each line (or class) whose attainment falls by more than ``margin``
+    points, with what moved of its jobs."""
+    out = []
+    for key, was in sorted(before.items()):
+        now = after.get(key, 0.0)
+        if (was - now) * 100.0 > margin + 1e-9:
+            of = [m for m in moved or () if (m.line if kind == "line" else m.data_class) == key]
+            went = "; " + ", ".join(map(_words, of[:3])) if of else ""
+            out.append(
+                f"{kind} {key}: deadline attainment falls from {was:.4f} under the policy in "
+                f"force to {now:.4f}, more than the {margin:g}-point margin{went}"
+            )
+    return out
+
+
+def _arrived(moved: list[Moved] | None, node: str) -> str:
+    """What the candidate moved onto ``node``, in words ("" when nothing)."""
+    onto = [m for m in moved or () if m.after == node]
+    return "; " + ", ".join(map(_words, onto[:3])) if onto else ""
+
+
+def _words(m: Moved) -> str:
+    before = m.before or "nowhere"
+    after = f"now wait on {m.after}" if m.after is not None else "now end unrun"
+    return f"{m.jobs} {m.data_class} jobs from {m.line} {after} (they ran on {before})"
+
+
 def _message(body: Body) -> bytes:
-    # A body without a burst signs as it did before the field existed.
-    exclude = {"burst"} if body.burst is None else None
-    return DOMAIN + canonical_json(body.model_dump(mode="json", exclude=exclude))
+    # A body without a burst, a margin or the figures beside the policy in force signs as
+    # it did before those fields existed.
+    exclude: dict[str, Any] = {}
+    if body.burst is None:
+        exclude["burst"] = True
+    if body.thresholds.max_drop_points is None:
+        exclude["thresholds"] = {"max_drop_points"}
+    absent = {
+        k for k in ("by_line", "by_class", "in_force", "moved") if getattr(body.figures, k) is None
+    }
+    if absent:
+        exclude["figures"] = absent
+    return DOMAIN + canonical_json(body.model_dump(mode="json", exclude=exclude or None))
 
 
 def sign_verdict(body: Body, key: SigningKey, key_id: str) -> Verdict:
@@ -229,7 +324,9 @@ def require_verdict(gate: Rollout | None, verdict: Verdict | None, candidate: Ca
         trusted=gate.twin_keys,
         candidate=candidate,
         required=Thresholds(
-            min_attainment=gate.min_attainment, max_queue_depth=gate.max_queue_depth
+            min_attainment=gate.min_attainment,
+            max_queue_depth=gate.max_queue_depth,
+            max_drop_points=gate.max_drop_points,
         ),
     )
     assert verdict is not None  # check_verdict refuses a missing one

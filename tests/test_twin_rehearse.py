@@ -11,10 +11,18 @@ import pytest
 
 from policies.keys import SigningKey
 from policies.loader import parse_policy
-from policies.verdict import read_verdict
+from policies.verdict import judge, read_verdict
 from sluicegate.app.twin_demo import demo_policy, demo_trace
+from sluicegate.twin import judge as tw_judge
 from sluicegate.twin import trace
-from sluicegate.twin.rehearse import ChangeError, build_change, rehearse, write_report
+from sluicegate.twin.nodes import Change
+from sluicegate.twin.rehearse import (
+    ChangeError,
+    Rehearsal,
+    build_change,
+    rehearse,
+    write_report,
+)
 from tests.support import twin
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -27,7 +35,7 @@ def trace_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _change(**kw: object) -> object:
+def _change(**kw: object) -> Change:
     args: dict[str, object] = {
         "policy": None,
         "params": None,
@@ -189,3 +197,37 @@ def test_synth_run_and_verdict_from_the_command_line(tmp_path: Path) -> None:
 
 
 WAFER_RULE = 'allow = ["campus/**"]\ndeny = ["offsite/**"]'
+
+
+# -- a verdict judges the change, not the campus ------------------------------------------
+
+
+def _judged(r: Rehearsal) -> tuple[bool, list[str]]:
+    """The verdict's judgement of a rehearsal, as ``twin verdict`` makes it."""
+    figures = tw_judge.figures_of(r.judged.candidate, r.trace, r.judged.baseline, r.judged.moves)
+    return judge(figures, tw_judge.thresholds_of(trace.policy_of(r.trace.header)))
+
+
+def test_on_a_loaded_trace_no_change_passes_and_a_harmful_one_names_what_it_moved(
+    trace_file: Path, tmp_path: Path
+) -> None:
+    # Five times the arrivals with both workers ten times slower: the policy in force
+    # itself misses the default 0.95 there. The recorded parameters pass (the change is
+    # judged, not the campus); a starved campus link fails, naming the worker its jobs left.
+    fleet = tmp_path / "slow.toml"
+    fleet.write_text("[degrade]\nnorth-cpu-1 = 10.0\ncloud-cpu-1 = 10.0\n")
+    same = tmp_path / "same.toml"
+    same.write_text("")
+    starved = tmp_path / "starved.toml"
+    starved.write_text(
+        "link_latency_ms = [0.2, 400.0, 0.0]\nlink_mb_per_s = [1000.0, 0.5, 100000.0]\n"
+    )
+    harmless = rehearse(trace_file, _change(params=same, fleet=fleet, burst=5))
+    assert harmless.judged.baseline.attainment < 0.95  # the campus misses the floor ...
+    assert _judged(harmless) == (True, [])  # ... and the change that changes nothing passes
+    harmful = rehearse(trace_file, _change(params=starved, fleet=fleet, burst=5))
+    assert harmful.judged.baseline == harmless.judged.baseline  # the same policy in force
+    passed, reasons = _judged(harmful)
+    assert not passed
+    assert any("line line-1-pc: deadline attainment falls" in r for r in reasons), reasons
+    assert any("(they ran on north-cpu-1)" in r for r in reasons), reasons

@@ -181,8 +181,9 @@ def verdict(
     seed: SeedOption = 0,
 ) -> None:
     """Rehearse a candidate policy or placement parameters on a trace, judge it against
-    the thresholds of the policy in force, and sign the verdict. Exit status 1 when the
-    candidate failed (the verdict, written anyway, says why)."""
+    the thresholds of the policy in force and against the policy in force replayed on the
+    same trace under the same conditions, and sign the verdict. Exit status 1 when the
+    candidate failed (the verdict, written anyway, says why and what the change moved)."""
     import time
 
     from policies.keys import load_signing_key
@@ -199,7 +200,12 @@ def verdict(
         recorded = rehearsal.trace
         signed = judge.verdict_for(
             judge.candidate_of(change.policy, change.params),
-            judge.figures_of(rehearsal.comparison.candidate, recorded),
+            judge.figures_of(
+                rehearsal.judged.candidate,
+                recorded,
+                rehearsal.judged.baseline,
+                rehearsal.judged.moves,
+            ),
             judge.thresholds_of(policy_of(recorded.header)),
             trace_sha256=rehearsal.trace_digest,
             key=load_signing_key(key),

@@ -12,13 +12,24 @@ looser thresholds than a gate requires is refused at the gate anyway.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from broker.core.params import PlacementParams
 from policies.evaluate import allowed
 from policies.keys import SigningKey
 from policies.model import Policy
-from policies.verdict import Body, Candidate, Figures, Thresholds, Verdict, judge, sign_verdict
+from policies.verdict import (
+    Body,
+    Candidate,
+    Figures,
+    InForce,
+    Moved,
+    Thresholds,
+    Verdict,
+    judge,
+    sign_verdict,
+)
 from sluicegate.twin.nodes import Change
 from sluicegate.twin.report import Summary
 from sluicegate.twin.trace import Trace, policy_of
@@ -30,11 +41,21 @@ def campus_only(policy: Policy, data_class: str, origin: str, zone: str) -> bool
     return not allowed(policy, data_class, origin, zone).allowed
 
 
-def figures_of(summary: Summary, trace: Trace) -> Figures:
-    """The verdict's figures for a candidate's replay of ``trace``. Jobs placed off site are
-    checked against the trace's policy per data class, from the origin zone of the first
-    job of that class (the replay counts zones per class, not per origin)."""
-    in_force = policy_of(trace.header)
+MOVES_KEPT = 20  # the largest moves a verdict names
+
+
+def figures_of(
+    summary: Summary,
+    trace: Trace,
+    in_force: Summary | None = None,
+    moves: Sequence[tuple[str, str, str | None, str | None, int]] = (),
+) -> Figures:
+    """The verdict's figures for a candidate's replay of ``trace`` and, beside them, the
+    policy in force's replay of it under the same conditions (``in_force``) and the jobs the
+    candidate ran elsewhere (``moves``, the largest first: ``report.compare``). Jobs placed
+    off site are checked against the trace's policy per data class, from the origin zone of
+    the first job of that class (the replay counts zones per class, not per origin)."""
+    policy_in_force = policy_of(trace.header)
     edge_zone = {e.id: e.zone for e in trace.header.edges}
     origins: dict[str, str] = {}
     for job in trace.jobs:
@@ -45,21 +66,49 @@ def figures_of(summary: Summary, trace: Trace) -> Figures:
         if origin is None:
             continue
         for zone, jobs in sorted(zones.items()):
-            if jobs and campus_only(in_force, data_class, origin, zone):
+            if jobs and campus_only(policy_in_force, data_class, origin, zone):
                 left.setdefault(data_class, {})[zone] = jobs
+    beside = None
+    if in_force is not None:
+        beside = InForce(
+            attainment=in_force.attainment,
+            by_line=dict(in_force.by_line),
+            by_class=dict(in_force.by_class),
+            peak_queue_depth=dict(in_force.peak_depth),
+        )
     return Figures(
         attainment=summary.attainment,
         peak_queue_depth=dict(summary.peak_depth),
         violations=summary.violations,
         left_campus=left,
+        by_line=dict(summary.by_line) if in_force is not None else None,
+        by_class=dict(summary.by_class) if in_force is not None else None,
+        in_force=beside,
+        moved=[
+            Moved(data_class=c, line=line, before=before, after=after, jobs=jobs)
+            for c, line, before, after, jobs in moves[:MOVES_KEPT]
+        ]
+        if in_force is not None
+        else None,
     )
 
 
+DEFAULT_DROP_POINTS = 2.0  # the margin a verdict judges with when the gate sets none
+
+
 def thresholds_of(policy: Policy) -> Thresholds:
+    """The thresholds of the policy in force's ``[rollout]``, or the defaults (attainment
+    0.95, 64 jobs at any node's peak) when it has none; the margin against the policy in
+    force is the gate's ``max_drop_points``, or 2 points."""
     gate = policy.rollout
     if gate is None:
-        return Thresholds()
-    return Thresholds(min_attainment=gate.min_attainment, max_queue_depth=gate.max_queue_depth)
+        return Thresholds(max_drop_points=DEFAULT_DROP_POINTS)
+    drop = gate.max_drop_points if gate.max_drop_points is not None else DEFAULT_DROP_POINTS
+    return Thresholds(
+        min_attainment=gate.min_attainment,
+        max_queue_depth=gate.max_queue_depth,
+        max_drop_points=drop,
+    )
 
 
 def candidate_of(policy: Policy | None, params: PlacementParams | None) -> Candidate:

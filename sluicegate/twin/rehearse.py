@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -121,11 +121,16 @@ def build_change(
 
 @dataclass(frozen=True)
 class Rehearsal:
+    """A trace replayed as recorded (``baseline``) and under the change (``candidate``);
+    ``judged``: the candidate beside the policy in force replayed under the same
+    conditions (the same burst, losses and fleet changes), which a verdict judges."""
+
     trace: tr.Trace
     trace_digest: str
     baseline: Result
     candidate: Result
     comparison: Comparison
+    judged: Comparison
     text: str
 
 
@@ -144,6 +149,9 @@ def rehearse(
     baseline = replay(trace, seed=seed)
     candidate = replay(trace, change, seed=seed)
     comparison = compare(baseline, candidate)
+    conditions = replace(change, policy=None, params=None, strategy="ours")
+    in_force = baseline if conditions == Change() else replay(trace, conditions, seed=seed)
+    judged = comparison if in_force is baseline else compare(in_force, candidate)
     lines = [
         f"trace {trace_path} (sha256 {digest[:16]}…, {len(trace.jobs)} jobs, "
         f"{trace.duration_s:.0f} s, {trace.header.source}); seed {seed}",
@@ -155,7 +163,7 @@ def rehearse(
             s: replay(trace, Change(strategy=s), seed=seed) for s in STRATEGIES
         }
         lines += ["", "placement strategies on the trace as recorded:", strategy_table(runs)]
-    return Rehearsal(trace, digest, baseline, candidate, comparison, "\n".join(lines))
+    return Rehearsal(trace, digest, baseline, candidate, comparison, judged, "\n".join(lines))
 
 
 def write_report(rehearsal: Rehearsal, folder: Path, *, plots: bool = True) -> list[Path]:

@@ -82,6 +82,8 @@ class Comparison:
     candidate: Summary
     changed: int  # jobs of the baseline that ran on another node (or not at all) in the candidate
     changed_by_class: dict[str, int]
+    # Those jobs by (data class, line, node before, node after): the largest moves first.
+    moves: list[tuple[str, str, str | None, str | None, int]]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True, indent=2)
@@ -89,14 +91,21 @@ class Comparison:
 
 def compare(baseline: Result, candidate: Result) -> Comparison:
     where = {o.job_id: o.where for o in candidate.outcomes}
-    moved = Counter(
-        o.data_class for o in baseline.outcomes if where.get(o.job_id, o.where) != o.where
-    )
+    moves: Counter[tuple[str, str, str | None, str | None]] = Counter()
+    for o in baseline.outcomes:
+        after = where.get(o.job_id, o.where)
+        if after != o.where:
+            moves[(o.data_class, o.edge, o.where, after)] += 1
+    moved: Counter[str] = Counter()
+    for (data_class, *_), jobs in moves.items():
+        moved[data_class] += jobs
+    ranked = sorted(moves.items(), key=lambda kv: (-kv[1], [str(k) for k in kv[0]]))
     return Comparison(
         summarise(baseline),
         summarise(candidate),
         sum(moved.values()),
         dict(sorted(moved.items())),
+        [(*key, jobs) for key, jobs in ranked],
     )
 
 

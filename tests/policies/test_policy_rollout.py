@@ -170,12 +170,20 @@ def test_a_gate_can_require_the_rehearsal_to_have_burst_the_arrivals() -> None:
 
 
 def test_the_new_fields_are_left_out_where_not_set_so_digests_and_signatures_hold() -> None:
-    # A gated policy without min_burst has no such key in its canonical form.
-    assert b"min_burst" not in V1.canonical
-    assert b"min_burst" in _gated(1, min_burst=2.0).canonical
-    # A verdict signed before the field existed (its body's JSON without it) still verifies.
+    # A gated policy without min_burst or max_drop_points has no such key in its canonical
+    # form.
+    for field in ("min_burst", "max_drop_points"):
+        assert field.encode() not in V1.canonical
+        assert field.encode() in _gated(1, **{field: 2.0}).canonical
+    # A verdict signed before the fields existed (its body's JSON without them) still
+    # verifies.
     body = _verdict(V2).body
-    old = body.model_dump(mode="json", exclude={"burst"})
+    later: dict[str, Any] = {
+        "burst": True,
+        "thresholds": {"max_drop_points"},
+        "figures": {"by_line", "by_class", "in_force", "moved"},
+    }
+    old = body.model_dump(mode="json", exclude=later)
     signature = TWIN.sign(DOMAIN + canonical_json(old))
     before = Verdict(
         body=body,
