@@ -218,9 +218,9 @@ def _arrived(moved: list[Moved] | None, node: str) -> str:
 
 
 def _words(m: Moved) -> str:
-    before = m.before or "nowhere"
-    after = f"now wait on {m.after}" if m.after is not None else "now end unrun"
-    return f"{m.jobs} {m.data_class} jobs from {m.line} {after} (they ran on {before})"
+    now = f"now wait on {m.after}" if m.after is not None else "now end unrun"
+    was = f"they ran on {m.before}" if m.before is not None else "they ended unrun before"
+    return f"{m.jobs} {m.data_class} jobs from {m.line} {now} ({was})"
 
 
 def _message(body: Body) -> bytes:
