@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
@@ -137,6 +138,44 @@ class BatchQueue(Generic[T]):
             group.entries = [pair for pair in group.entries if pair[0] not in chosen]
         self._size -= len(taken)
         return Batch(model, tuple(e.item for _, e in taken), reason)
+
+
+@dataclass(frozen=True, slots=True)
+class Ready(Generic[T]):
+    """A batch to start now: the jobs that run, and those whose deadline passed while they
+    waited (each answered ``expired``, never run)."""
+
+    model: str
+    live: list[T]
+    expired: list[T]
+
+
+def ready_batches(
+    queue: BatchQueue[T],
+    now: float,
+    slots: int,
+    deadline_of: Callable[[T], float | None],
+    *,
+    drain: bool = False,
+) -> list[Ready[T]]:
+    """The batches a worker with ``slots`` free compute slots starts at ``now``, the most
+    urgent first: each ready batch split into its live jobs and its expired ones; a batch
+    with no live job takes no slot. The worker's dispatcher and the twin's workers both
+    start their batches by it."""
+    out: list[Ready[T]] = []
+    started = 0
+    while started < slots:
+        batch = queue.pop(now, drain=drain)
+        if batch is None:
+            break
+        live: list[T] = []
+        expired: list[T] = []
+        for item in batch.items:
+            deadline = deadline_of(item)
+            (expired if deadline is not None and now >= deadline else live).append(item)
+        out.append(Ready(batch.model, live, expired))
+        started += bool(live)
+    return out
 
 
 def start_by(deadline: float | None, now: float, batch_estimate_s: float | None) -> float | None:

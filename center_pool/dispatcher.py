@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
-from center_pool.batching import BatchQueue
+from center_pool.batching import BatchQueue, ready_batches
 from center_pool.execution import BatchRun, ItemRun, run_batch
 from center_pool.intake import WorkItem
 from center_pool.job_figures import WorkFigures
@@ -98,23 +98,18 @@ class Dispatcher:
     def dispatch(self) -> None:
         """Start every batch that is ready, while slots are free."""
         now = self._clock()
-        while self.running < self._settings.concurrency:
-            batch = self._queue.pop(now, drain=not self._accepting())
-            if batch is None:
-                break
-            live: list[WorkItem] = []
-            for item in batch.items:
-                if item.deadline is not None and now >= item.deadline:
-                    self._finish_expired(item, now)
-                else:
-                    live.append(item)
+        free = self._settings.concurrency - self.running
+        for ready in ready_batches(self._queue, now, free, _deadline, drain=not self._accepting()):
+            for item in ready.expired:
+                self._finish_expired(item, now)
+            live = ready.live
             if not live:
                 continue
             self.running += 1
             self.in_flight += len(live)
-            self.running_models[batch.model] += len(live)
+            self.running_models[ready.model] += len(live)
             self.decode_attempts += len(live)
-            model = self._registry.get(batch.model)
+            model = self._registry.get(ready.model)
             jobs = [(item.payload, item.image) for item in live]
             future = self._executor.submit(run_batch, model, jobs, limits=self._limits)
             future.add_done_callback(partial(self._from_thread, live, now))
@@ -256,3 +251,7 @@ class Dispatcher:
             queue_ms=queue_ms,
             batch_size=1,
         )
+
+
+def _deadline(item: WorkItem) -> float | None:
+    return item.deadline

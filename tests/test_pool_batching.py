@@ -154,3 +154,27 @@ def test_a_job_is_due_to_start_at_its_deadline_less_the_batch_time(
     deadline: float | None, estimate: float | None, expected: float | None
 ) -> None:
     assert batching.start_by(deadline, 4.0, estimate) == expected
+
+
+def test_ready_batches_split_expired_jobs_and_fill_only_the_free_slots() -> None:
+    # Three models ready at once, one slot free: the batch of expired jobs only is answered
+    # without taking the slot; the next batch takes it; the third waits for a slot.
+    queue: BatchQueue[str] = BatchQueue(max_batch=4, window_s=0.0, capacity=16)
+    deadlines = {"late-1": 1.0, "late-2": 1.5, "ok-1": 9.0, "late-3": 1.0, "ok-2": None}
+    for name, model, start in (
+        ("late-1", "a", 0.5),
+        ("late-2", "a", 0.6),
+        ("ok-1", "b", 0.7),
+        ("late-3", "b", 0.7),
+        ("ok-2", "c", None),
+    ):
+        queue.push(Entry(name, model, 0.0, 5, start))
+    ready = batching.ready_batches(queue, 2.0, 1, deadlines.get)
+    assert [(r.model, r.live, r.expired) for r in ready] == [
+        ("a", [], ["late-1", "late-2"]),
+        ("b", ["ok-1"], ["late-3"]),
+    ]
+    assert len(queue) == 1  # "c" waits for a free slot
+    assert batching.ready_batches(queue, 2.0, 0, deadlines.get) == []
+    (last,) = batching.ready_batches(queue, 2.0, 2, deadlines.get)
+    assert (last.model, last.live, last.expired) == ("c", ["ok-2"], [])

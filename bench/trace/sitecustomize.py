@@ -55,8 +55,8 @@ def _job(payload: bytes, props: Any) -> str:
 
 def _install(role: str, lines: list[str]) -> None:
     import broker.reservations as reservations
-    import edge_agent.dispatch as dispatch
     import edge_agent.events as ev
+    import edge_agent.sequencer as sequencer
     import sluicegate.mqtt as mqtt
     import sluicegate.mqtt.routing as routing
 
@@ -88,14 +88,14 @@ def _install(role: str, lines: list[str]) -> None:
             lines.append(f"{end:.6f} {pid} {role} redis reserved {hold.job_id}\n")
         return granted
 
-    dispatched = dispatch.Dispatcher.dispatch
+    dispatched = sequencer.Sequencer.dispatch
 
     def on_event(self: Any, entry: Any, event: Any, msg: Any = None) -> None:
         if isinstance(event, ev.Accepted):
             lines.append(f"{time.time():.6f} {pid} {role} outbox accepted {entry.job.job_id}\n")
         dispatched(self, entry, event, msg)
 
-    dispatch.Dispatcher.dispatch = on_event  # type: ignore[method-assign]
+    sequencer.Sequencer.dispatch = on_event  # type: ignore[method-assign]
     routing.call = call
     mqtt.MqttTransport.publish_nowait = publish_nowait  # type: ignore[method-assign]
     reservations.Reservations.reserve_many = reserve_many  # type: ignore[method-assign]

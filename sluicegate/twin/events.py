@@ -11,7 +11,8 @@ the production code, not here:
   waiting-room order (``broker.core.mlfq``) for as long as ``service_rules.answer_by``
   allows. One broker replica: every placement it reserves is granted;
 * a worker batches with the worker's :class:`~center_pool.batching.BatchQueue` and
-  ``start_by``, and its completions feed the fleet.
+  ``start_by``, and starts its batches by ``ready_batches``, as the worker's dispatcher
+  does; its completions feed the fleet.
 
 What the trace measured gives the times (:mod:`sluicegate.twin.draws`). :class:`Events`
 holds the nodes and what they concluded; each handler takes the virtual ``now`` and
@@ -32,7 +33,7 @@ from broker.core.mlfq import MLFQ
 from broker.core.mlfq import Waiting as WaitingJob
 from broker.core.params import PlacementParams
 from center_pool.batching import Entry as Waiting
-from center_pool.batching import start_by
+from center_pool.batching import ready_batches, start_by
 from edge_agent import events as ev
 from edge_agent.admission import queue_key
 from edge_agent.events import IllegalMove
@@ -325,19 +326,14 @@ class Events:
         if worker.timer is not None and worker.timer <= now:
             worker.timer = None
         wid = worker.spec.id
-        while worker.running < worker.spec.concurrency:
-            batch = worker.queue.pop(now)
-            if batch is None:
-                break
-            live = []
-            for job, attempt in batch.items:
-                if job.deadline is not None and now >= job.deadline:
-                    self.at(now + job.back_s, self._back, job, attempt, wid, "expired")
-                else:
-                    live.append((job, attempt))
+        free = worker.spec.concurrency - worker.running
+        for ready in ready_batches(worker.queue, now, free, _deadline):
+            for job, attempt in ready.expired:
+                self.at(now + job.back_s, self._back, job, attempt, wid, "expired")
+            live = ready.live
             if not live:
                 continue
-            cls, model = worker.spec.device_class, batch.model
+            cls, model = worker.spec.device_class, ready.model
             spec_ms = worker.spec.service_ms.get(model)
             arrived = live[0][0].rec.at
             ms = self.draws.pool_batch_ms(cls, model, len(live), spec_ms, arrived) * worker.factor
@@ -400,6 +396,10 @@ def _request_of(asked: Asked) -> PlacementRequest:
 def _unsealed(request: PlacementRequest) -> None:
     """The twin models no sealing keys: a recorded worker holds the key the policy lists."""
     return
+
+
+def _deadline(item: tuple[Job, int]) -> float | None:
+    return item[0].deadline
 
 
 def _entry_key(entry: Entry) -> tuple[int, float]:
