@@ -381,6 +381,7 @@ class Carrier:
             pool_predicted=entry.pool_predicted,
             sha256=self._compute.model_sha256(job.model),
             predicted=entry.life.predicted,
+            asked_s=entry.life.asked_s or None,  # 0: it never waited for an answer
         )
         if not self._trace.add(record):
             self._counters[Tally.TRACE_DROPPED] += 1

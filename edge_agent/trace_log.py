@@ -32,12 +32,14 @@ def record_of(
     predicted: float | None,
     accepted: float | None = None,
     pool_predicted: float | None = None,
+    asked_s: float | None = None,
 ) -> wire.TraceJob:
     """The record of ``job`` concluded with ``result``, which left the edge at ``left_at``.
     ``started``: when its run here started (None: it did not run here); ``predicted``: when
     the edge predicted at admission it would be done here (unix s); ``accepted``: when its
     acceptance was committed; ``pool_predicted``: when the broker predicted its last
-    attempt would be done on the worker it was placed on."""
+    attempt would be done on the worker it was placed on; ``asked_s``: how long it waited
+    for the broker's placement answers (None: it never asked)."""
     on = result.ran_on
     ran = started is not None if on.kind == "edge" else result.status in _RAN
     times = result.timings_ms
@@ -68,6 +70,12 @@ def record_of(
             _ms(pool_predicted, job.received_at) if pool_predicted is not None else None
         ),
         code=code,
+        placement_ms=round(asked_s * 1000.0, 3) if asked_s is not None else None,
+        offload_code=(
+            result.offload.code
+            if result.offload is not None and not result.offload.placed
+            else None
+        ),
     )
 
 

@@ -206,6 +206,10 @@ class TraceJob(_Wire):
     accepted_ms: float | None = None  # its acceptance committed, after arrival
     pool_predicted_ms: float | None = None  # the broker's predicted completion on its worker
     code: str | None = None  # the result's code, or why it was not offloaded
+    # Its time waiting for the broker's placement answers, all attempts (None: it never
+    # asked), and why the broker's answer kept it here, whatever its status.
+    placement_ms: float | None = None
+    offload_code: str | None = None
 
 
 class EdgeTrace(_Wire):

@@ -101,6 +101,26 @@ def test_a_job_that_never_ran_names_no_node_and_keeps_the_offload_code() -> None
     )
 
 
+def test_the_record_keeps_the_wait_for_placements_and_why_the_answer_kept_it_here() -> None:
+    # An expired job's code is its status's; why the broker kept it here is kept beside it.
+    offload = wire.Offload(requested=True, placed=False, code="broker_timeout")
+    expired = wire.JobResult(
+        job_id="j1",
+        status="expired",
+        code="expired",
+        ran_on=EDGE_ON,
+        offload=offload,
+        timings_ms=wire.Timings(queue_ms=250.0, total_ms=250.0),
+    )
+    got = record_of(
+        job(), expired, left_at=T0 + 0.25, started=None, sha256=None, predicted=None, asked_s=0.05
+    )
+    assert (got.code, got.offload_code, got.placement_ms) == ("expired", "broker_timeout", 50.0)
+    never = record_of(job(), result(EDGE_ON, queue=1.0, total=2.0), left_at=T0, started=T0,
+                      sha256=None, predicted=None)  # fmt: skip
+    assert (never.offload_code, never.placement_ms) == (None, None)
+
+
 def test_a_refused_request_is_recorded_as_an_arrival_that_never_ran() -> None:
     got = refusal_of(job(), "rejected", "queue_full", now=T0 + 0.001)
     assert (got.status, got.code, got.ran_on, got.latency_ms) == ("rejected", "queue_full", None, 1)

@@ -345,6 +345,30 @@ def test_a_job_kept_at_intake_is_offered_once_its_commit_shows_it_would_be_late(
     assert outcomes["b"].status == "ok"
 
 
+def test_the_brokers_answer_takes_the_wait_the_trace_measured_and_a_timeout_keeps_the_job() -> None:
+    # Line 1's detector jobs (38.8 ms there) with 35 ms deadlines are offered. Where the
+    # trace recorded 20 ms waits for their placement answers, they reach the worker that
+    # much later. Where it recorded waits as long as the edge's placement timeout, the edge
+    # gives up waiting (broker_timeout) and keeps each job: past its deadline by then, it
+    # ends expired on the line PC, as it did live.
+    def jobs(wait_ms: float) -> tuple[JobRecord, ...]:
+        return tuple(
+            _line_job(0.5 * i, f"j{i}", 35.0).model_copy(update={"placement_ms": wait_ms})
+            for i in range(6)
+        )
+
+    header = demo_trace(1.0).header
+    prompt = replay(trace.Trace(header, jobs(0.0))).outcomes
+    waited = replay(trace.Trace(header, jobs(20.0))).outcomes
+    assert all(o.offloaded and o.in_time for o in waited)
+    assert [round(w.latency_ms - p.latency_ms, 3) for p, w in zip(prompt, waited, strict=True)] == [
+        20.0
+    ] * 6
+    gave_up = replay(trace.Trace(header, jobs(60.0)))
+    assert gave_up.refusals == {"broker_timeout": 6}
+    assert [(o.offloaded, o.status) for o in gave_up.outcomes] == [(False, "expired")] * 6
+
+
 def test_a_request_that_finds_every_worker_full_waits_in_the_brokers_waiting_room() -> None:
     # One campus worker that holds two jobs; three wafer images arrive at once, each late
     # if run on its line PC. The third finds the worker full: the broker holds it (25 ms at

@@ -326,6 +326,8 @@ class Capture:
                 accepted_ms=rec.accepted_ms,
                 pool_predicted_ms=rec.pool_predicted_ms,
                 code=rec.code,
+                placement_ms=rec.placement_ms,
+                offload_code=rec.offload_code,
             )
         except ValidationError:
             return None

@@ -2,12 +2,13 @@
 
 Per (edge, model), the compute of the jobs that ran on that edge; per (device class,
 model), a pool worker's batches: a fixed part and a part per job fitted to every batch the
-trace saw, and how slow batches were at each moment against that fit; per link class (same zone,
-on campus, off site), the time an offloaded job spent outside the worker: the placement
-round trip and the transfer there (to when the worker finished it, from its completion
-record, so a job that came back too late to count still teaches the replay), and the
-result's way back. Where the trace holds no sample,
-the figure the node reported (its ``service_ms``) or, for the links, the placement
+trace saw, and how slow batches were at each moment against that fit; per edge, how long a
+job waited for the broker's placement answers; per link class (same zone, on campus, off
+site), the time an offloaded job spent outside the worker: from the placement answer, the
+transfer there (to when the worker finished it, from its completion record, so a job that
+came back too late to count still teaches the replay), and the result's way back. Where the
+trace holds no sample, the figure the node reported (its ``service_ms``) or, for the links,
+the placement
 parameters' latency and bandwidth stand in.
 
 A draw is taken among the samples of jobs that arrived within ``WINDOW_S`` of the job
@@ -76,6 +77,7 @@ class Draws:
         self._back: dict[int, Samples] = defaultdict(Samples)  # the result's way back
         self._local_overhead: dict[str, Samples] = defaultdict(Samples)
         self._admit: dict[str, Samples] = defaultdict(Samples)  # arrival to acceptance
+        self._ask: dict[str, Samples] = defaultdict(Samples)  # waiting for placement answers
         self._edge_spec = {e.id: e.service_ms for e in header.edges}
         self._class_spec: dict[tuple[str, str], float] = {}
         for w in header.workers:
@@ -84,6 +86,9 @@ class Draws:
         for job in trace.jobs:
             if job.accepted_ms is not None:
                 self._admit[job.edge].add(job.at, job.accepted_ms)
+            asked = job.placement_ms or 0.0
+            if job.placement_ms is not None:
+                self._ask[job.edge].add(job.at, job.placement_ms)
             worker = job.worker or (job.ran_on if job.offloaded else None)
             if worker in worker_class and job.service_ms > 0:
                 assert worker is not None
@@ -92,7 +97,8 @@ class Draws:
                 link = link_class(edge_zone[job.edge], worker_zone[worker], params.campus_prefix)
                 done = job.worker_done_ms
                 if done is not None:
-                    self._there[link].add(job.at, max(0.0, done - job.queue_ms - job.service_ms))
+                    start = done - job.queue_ms - job.service_ms  # on the worker
+                    self._there[link].add(job.at, max(0.0, start - asked))
                     if job.offloaded and job.status == "ok":
                         self._back[link].add(job.at, max(0.0, job.latency_ms - done))
                 elif job.offloaded and job.status == "ok":  # no completion heard: halves
@@ -113,7 +119,7 @@ class Draws:
             for at, n, span in rows:
                 factors.add(at, span / (fixed + per_job * n))
         tables = (self._edge, self._pool, self._there, self._back, self._local_overhead)
-        for table in (*tables, self._admit):
+        for table in (*tables, self._admit, self._ask):
             for samples in table.values():
                 samples.freeze()
 
@@ -127,6 +133,11 @@ class Draws:
     def admit_ms(self, edge: str, at: float) -> float:
         """From a job's arrival at ``edge`` to its acceptance committed (0: not recorded)."""
         samples = self._admit.get(edge)
+        return samples.pick(self._rng, at) if samples else 0.0
+
+    def ask_ms(self, edge: str, at: float) -> float:
+        """How long an edge waited for the broker's placement answer (0: not recorded)."""
+        samples = self._ask.get(edge)
         return samples.pick(self._rng, at) if samples else 0.0
 
     def edge_overhead_ms(self, edge: str, at: float) -> float:
@@ -149,7 +160,8 @@ class Draws:
         return ms * jobs
 
     def there_ms(self, origin_zone: str, worker_zone: str, payload_bytes: int, at: float) -> float:
-        """An offloaded job's way to the worker: placement, the edge's sending, transfer."""
+        """An offloaded job's way to the worker, from its placement answer: the edge's
+        sending and the transfer."""
         return self._leg(self._there, origin_zone, worker_zone, payload_bytes, at)
 
     def back_ms(self, origin_zone: str, worker_zone: str, payload_bytes: int, at: float) -> float:

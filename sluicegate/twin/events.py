@@ -50,6 +50,7 @@ from sluicegate.twin.nodes import (
     BROKER_MAX_WAIT_MS,
     EDGE_MAX_WAIT_MS,
     NOTICE_S,
+    PLACEMENT_TIMEOUT_S,
     Change,
     Job,
     Outcome,
@@ -72,6 +73,8 @@ class Asked:
     job: Job
     attempt: int
     request: PlacementRequest
+    delay: float  # until the answer reaches the edge (the round trip the trace measured)
+    late: bool  # the edge stops waiting first: it runs the job (broker_timeout)
 
 
 class Events:
@@ -192,7 +195,19 @@ class Events:
         return self.draws.edge_overhead_ms(edge.spec.id, job.rec.at) / 1000.0
 
     def ask(self, now: float, job: Job, attempt: int, reason: str, local_s: float) -> None:
-        self._offer(now, Asked(job, attempt, job.request(reason, local_s)))
+        """An edge asks for a placement: the broker decides at once, and its answer reaches
+        the edge after the wait the trace measured for that edge; a wait as long as the
+        edge's placement timeout is one the edge gave up (``broker_timeout``)."""
+        delay = self.draws.ask_ms(job.rec.edge, job.rec.at) / 1000.0
+        late = delay >= PLACEMENT_TIMEOUT_S
+        asked = Asked(job, attempt, job.request(reason, local_s), delay, late)
+        if late:
+            self.refusals["broker_timeout"] += 1
+            why = f"no placement answer within {PLACEMENT_TIMEOUT_S * 1000:.0f} ms"
+            answer = ev.Answered(attempt, Declined("broker_timeout", why))
+            carrier = self._carriers[job.rec.edge]
+            self.at(now + PLACEMENT_TIMEOUT_S, carrier.event, job.job_id, answer)
+        self._offer(now, asked)
 
     def release(self, job: Job, worker: str) -> None:
         self.fleet.release(job.job_id)
@@ -242,20 +257,27 @@ class Events:
         job, worker = asked.job, self.workers[worker_id]
         if not allowed(self.policy, job.rec.data_class, job.origin, worker.spec.zone).allowed:
             self.violations += 1
+        if asked.late:  # the edge gave up first: it hands the placement back as it comes
+            self.at(now + asked.delay, self._hand_back, job)
+            return
         if job.cancelled == asked.attempt:  # the edge stopped waiting: handed back
             self.fleet.release(job.job_id)
             return
         placement = Placement(worker_id, worker.spec.zone, "", "", b"", predicted)
         self._answer(now, asked, placement)
 
+    def _hand_back(self, now: float, job: Job) -> None:
+        self.fleet.release(job.job_id)
+
     def _declined(self, now: float, asked: Asked, code: str, reason: str) -> None:
         self.refusals[code] += 1
-        if asked.job.cancelled != asked.attempt:
+        if asked.job.cancelled != asked.attempt and not asked.late:
             self._answer(now, asked, Declined(code, reason))
 
     def _answer(self, now: float, asked: Asked, answer: Placement | Declined) -> None:
         carrier = self._carriers[asked.job.rec.edge]
-        self.at(now, carrier.event, asked.job.job_id, ev.Answered(asked.attempt, answer))
+        event = ev.Answered(asked.attempt, answer)
+        self.at(now + asked.delay, carrier.event, asked.job.job_id, event)
 
     def _hold(self, asked: Asked, now: float) -> bool:
         """The broker's waiting room: a request that found no worker with room waits for

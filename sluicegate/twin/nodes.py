@@ -44,6 +44,8 @@ NO_IMAGE = ImageInfo("jpeg", 0, 0)
 # bound and the edge's (half its placement timeout, as the edge asks), at their defaults.
 BROKER_MAX_WAIT_MS = BrokerSettings().max_wait_ms
 EDGE_MAX_WAIT_MS = OffloadSettings().placement_timeout_ms / 2.0
+# How long an edge waits for the broker's answer before it runs the job (the default).
+PLACEMENT_TIMEOUT_S = OffloadSettings().placement_timeout_ms / 1000.0
 
 
 @dataclass(frozen=True)

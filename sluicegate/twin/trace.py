@@ -119,6 +119,10 @@ class JobRecord(_Record):
     # The broker's predicted completion on the worker of its last attempt, after arrival.
     pool_predicted_ms: float | None = None
     code: str | None = None  # the result's code (not ok), or the offload refusal code
+    # Its wait for the broker's placement answers, all attempts (None: it never asked or
+    # it was not recorded), and why the broker's answer kept it on its edge.
+    placement_ms: float | None = Field(None, ge=0.0)
+    offload_code: str | None = None
 
 
 class TelemetryRecord(_Record):
