@@ -64,6 +64,7 @@ def record_of(
         latency_ms=_ms(left_at, job.received_at),
         queue_ms=round(max(0.0, times.queue_ms), 3) if ran else 0.0,
         service_ms=round(max(0.0, times.total_ms - times.queue_ms), 3) if ran else 0.0,
+        device_ms=round(times.device_ms, 3) if ran and on.kind == "edge" else None,
         predicted_ms=_ms(predicted, job.received_at) if predicted is not None else None,
         accepted_ms=_ms(accepted, job.received_at) if accepted is not None else None,
         pool_predicted_ms=(

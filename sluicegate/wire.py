@@ -202,6 +202,7 @@ class TraceJob(_Wire):
     latency_ms: float  # arrival to the result leaving this edge
     queue_ms: float = 0.0  # waiting on the node that ran it
     service_ms: float = 0.0  # computing there
+    device_ms: float | None = None  # of a run here: decode, preprocess and inference
     predicted_ms: float | None = None  # the edge's predicted completion here, at admission
     accepted_ms: float | None = None  # its acceptance committed, after arrival
     pool_predicted_ms: float | None = None  # the broker's predicted completion on its worker

@@ -50,16 +50,21 @@ def result(
 
 
 def test_a_job_run_here_says_so_with_its_wait_its_service_and_the_prediction() -> None:
+    ran = result(EDGE_ON, queue=30.0, total=45.5)
+    ran = ran.model_copy(
+        update={"timings_ms": ran.timings_ms.model_copy(update={"device_ms": 12.0})}
+    )
     got = record_of(
         job(),
-        result(EDGE_ON, queue=30.0, total=45.5),
+        ran,
         left_at=T0 + 0.046,
         started=T0 + 0.030,
         sha256="ab" * 32,
         predicted=T0 + 0.040,
     )
     assert (got.ran_on, got.offloaded, got.status, got.code) == ("line-1-pc", False, "ok", None)
-    assert (got.queue_ms, got.service_ms) == (30.0, 15.5)
+    # Its time on the thread, and the part the agent measured as compute.
+    assert (got.queue_ms, got.service_ms, got.device_ms) == (30.0, 15.5, 12.0)
     assert got.latency_ms == pytest.approx(46.0)
     assert got.predicted_ms == pytest.approx(40.0)
     assert (got.deadline_ms, got.bytes, got.priority, got.sha256) == (200.0, 1234, 7, "ab" * 32)
@@ -77,6 +82,7 @@ def test_a_job_a_worker_ran_takes_the_workers_timings() -> None:
     )
     assert (got.ran_on, got.offloaded) == ("north-cpu-1", True)
     assert (got.queue_ms, got.service_ms, got.deadline_ms, got.predicted_ms) == (3, 9, None, None)
+    assert got.device_ms is None  # a worker's run teaches the edge's estimate nothing
 
 
 def test_a_job_that_never_ran_names_no_node_and_keeps_the_offload_code() -> None:

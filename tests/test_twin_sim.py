@@ -369,6 +369,24 @@ def test_the_brokers_answer_takes_the_wait_the_trace_measured_and_a_timeout_keep
     assert [(o.offloaded, o.status) for o in gave_up.outcomes] == [(False, "expired")] * 6
 
 
+def test_an_edges_estimate_learns_from_the_compute_the_agent_measures_not_the_thread_time() -> None:
+    # Ten detector jobs ran on line 1, 100 ms each on a compute thread; the agent measured
+    # 40 ms of it as compute (the rest: the thread waiting for a share of a slow CPU), and
+    # its service-time estimate learns that. A job with an 80 ms deadline then looks in
+    # time here and stays, as it did live; traces without the figure learn the 100 ms.
+    def jobs(device_ms: float | None) -> tuple[JobRecord, ...]:
+        ran = {"status": "ok", "ran_on": "line-1-pc", "service_ms": 100.0, "device_ms": device_ms}
+        trained = [_line_job(0.3 * i, f"t{i}", 10_000.0).model_copy(update=ran) for i in range(10)]
+        return (*trained, _line_job(3.5, "k", 80.0).model_copy(update=ran))
+
+    header = demo_trace(1.0).header
+    measured = {o.job_id: o for o in replay(trace.Trace(header, jobs(40.0))).outcomes}
+    assert measured["k"].where == "line-1-pc"
+    assert not measured["k"].in_time  # 100 ms on the thread, as it was
+    unmeasured = {o.job_id: o for o in replay(trace.Trace(header, jobs(None))).outcomes}
+    assert unmeasured["k"].offloaded
+
+
 def test_a_request_that_finds_every_worker_full_waits_in_the_brokers_waiting_room() -> None:
     # One campus worker that holds two jobs; three wafer images arrive at once, each late
     # if run on its line PC. The third finds the worker full: the broker holds it (25 ms at

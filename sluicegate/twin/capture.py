@@ -321,6 +321,7 @@ class Capture:
                 latency_ms=rec.latency_ms,
                 queue_ms=queue_ms,
                 service_ms=service_ms,
+                device_ms=rec.device_ms,
                 batch=done.batch_size if done is not None else 1,
                 predicted_ms=rec.predicted_ms,
                 accepted_ms=rec.accepted_ms,

@@ -34,7 +34,7 @@ class World(Protocol):
     def release(self, job: Job, worker: str) -> None: ...
     def send(self, now: float, job: Job, attempt: int, worker: str) -> None: ...
     def admit_s(self, job: Job) -> float: ...
-    def run_s(self, edge: SimEdge, job: Job) -> float: ...
+    def run_s(self, edge: SimEdge, job: Job) -> tuple[float, float]: ...
     def overhead_s(self, edge: SimEdge, job: Job) -> float: ...
     def conclude(
         self, job: Job, status: str, where: str | None, code: str | None, left_at: float
@@ -154,12 +154,12 @@ class SimCarrier:
         while self._threads < self.edge.spec.concurrency and len(self._handed):
             entry = self._handed.pop()
             self._threads += 1
-            seconds = self.world.run_s(self.edge, self.world.job(entry.job.job_id))
-            self.world.at(now + seconds, self._ran, entry, seconds)
+            seconds, compute = self.world.run_s(self.edge, self.world.job(entry.job.job_id))
+            self.world.at(now + seconds, self._ran, entry, compute)
 
-    def _ran(self, now: float, entry: Entry, seconds: float) -> None:
+    def _ran(self, now: float, entry: Entry, compute: float) -> None:
         self._threads -= 1
-        self.edge.times.observe(entry.job.model, seconds)
+        self.edge.times.observe(entry.job.model, compute)  # what the agent's estimate learns
         self.edge.core.dispatch(entry, ev.RunDone("ok"))
         self._take(now)
 

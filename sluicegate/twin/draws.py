@@ -38,27 +38,37 @@ class Samples:
     """Measured times with the arrival time of their job, for time-local draws."""
 
     def __init__(self) -> None:
-        self._pairs: list[tuple[float, float]] = []
+        self._rows: list[tuple[float, float, float]] = []
         self._at: list[float] = []
         self._ms: list[float] = []
+        self._also: list[float] = []
 
-    def add(self, at: float, ms: float) -> None:
-        self._pairs.append((at, ms))
+    def add(self, at: float, ms: float, also: float | None = None) -> None:
+        """A sample of ``ms``, with a second figure of the same job (``also``) drawn with it."""
+        self._rows.append((at, ms, ms if also is None else also))
 
     def freeze(self) -> None:
-        self._pairs.sort()
-        self._at = [a for a, _ in self._pairs]
-        self._ms = [m for _, m in self._pairs]
+        self._rows.sort()
+        self._at = [a for a, _, _ in self._rows]
+        self._ms = [m for _, m, _ in self._rows]
+        self._also = [x for _, _, x in self._rows]
 
     def __len__(self) -> int:
-        return len(self._pairs)
+        return len(self._rows)
 
     def pick(self, rng: random.Random, at: float) -> float:
+        return self._ms[self._index(rng, at)]
+
+    def pick_both(self, rng: random.Random, at: float) -> tuple[float, float]:
+        i = self._index(rng, at)
+        return self._ms[i], self._also[i]
+
+    def _index(self, rng: random.Random, at: float) -> int:
         lo = bisect_left(self._at, at - WINDOW_S)
         hi = bisect_right(self._at, at + WINDOW_S)
         if hi - lo < MIN_LOCAL:
             lo, hi = 0, len(self._ms)
-        return self._ms[lo + rng.randrange(hi - lo)]
+        return lo + rng.randrange(hi - lo)
 
 
 class Draws:
@@ -108,7 +118,7 @@ class Draws:
             elif job.status == "ok" and not job.offloaded and job.ran_on == job.edge:
                 if job.service_ms <= 0:
                     continue
-                self._edge[(job.edge, job.model)].add(job.at, job.service_ms)
+                self._edge[(job.edge, job.model)].add(job.at, job.service_ms, job.device_ms)
                 outside = job.latency_ms - job.queue_ms - job.service_ms
                 self._local_overhead[job.edge].add(job.at, max(0.0, outside))
         self._shape: dict[tuple[str, str], tuple[float, float]] = {}
@@ -123,12 +133,15 @@ class Draws:
             for samples in table.values():
                 samples.freeze()
 
-    def edge_ms(self, edge: str, model: str, at: float) -> float:
-        """One job's compute on ``edge``; ``at``: when the job arrived, s into the trace."""
+    def edge_ms(self, edge: str, model: str, at: float) -> tuple[float, float]:
+        """One job's run on ``edge``: its time on a compute thread, and the part the agent
+        measures as its compute (decode, preprocess, inference: what its service-time
+        estimate learns from); ``at``: when the job arrived, s into the trace."""
         samples = self._edge.get((edge, model))
         if samples:
-            return samples.pick(self._rng, at)
-        return self._edge_spec.get(edge, {}).get(model, DEFAULT_SERVICE_MS)
+            return samples.pick_both(self._rng, at)
+        ms = self._edge_spec.get(edge, {}).get(model, DEFAULT_SERVICE_MS)
+        return ms, ms
 
     def admit_ms(self, edge: str, at: float) -> float:
         """From a job's arrival at ``edge`` to its acceptance committed (0: not recorded)."""

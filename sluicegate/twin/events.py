@@ -187,8 +187,10 @@ class Events:
     def admit_s(self, job: Job) -> float:
         return self.draws.admit_ms(job.rec.edge, job.rec.at) / 1000.0
 
-    def run_s(self, edge: SimEdge, job: Job) -> float:
-        return self.draws.edge_ms(edge.spec.id, job.rec.model, job.rec.at) / 1000.0
+    def run_s(self, edge: SimEdge, job: Job) -> tuple[float, float]:
+        """A run's time on a compute thread, and its compute as the agent measures it."""
+        wall, compute = self.draws.edge_ms(edge.spec.id, job.rec.model, job.rec.at)
+        return wall / 1000.0, compute / 1000.0
 
     def overhead_s(self, edge: SimEdge, job: Job) -> float:
         """A local result's commit and publishing: its time on the edge after its run."""

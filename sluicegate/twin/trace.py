@@ -113,6 +113,9 @@ class JobRecord(_Record):
     latency_ms: float = Field(0.0, ge=0.0)  # arrival at the edge to its result leaving the edge
     queue_ms: float = Field(0.0, ge=0.0)  # waiting on the node that ran it
     service_ms: float = Field(0.0, ge=0.0)  # computing there (decode, preprocess, its batch)
+    # Of a run on its edge, what the agent measured as its compute (decode, preprocess,
+    # inference), which its service-time estimate learns from (None: not recorded).
+    device_ms: float | None = Field(None, ge=0.0)
     batch: int = Field(1, ge=1)  # jobs in the batch it ran in
     predicted_ms: float | None = None  # the edge's predicted completion here, at arrival
     accepted_ms: float | None = None  # its acceptance committed on the edge, after arrival
