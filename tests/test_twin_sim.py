@@ -348,14 +348,12 @@ def test_a_job_kept_at_intake_is_offered_once_its_commit_shows_it_would_be_late(
 def test_the_brokers_answer_takes_the_wait_the_trace_measured_and_a_timeout_keeps_the_job() -> None:
     # Line 1's detector jobs (38.8 ms there) with 35 ms deadlines are offered. Where the
     # trace recorded 20 ms waits for their placement answers, they reach the worker that
-    # much later. Where it recorded waits as long as the edge's placement timeout, the edge
-    # gives up waiting (broker_timeout) and keeps each job: past its deadline by then, it
-    # ends expired on the line PC, as it did live.
-    def jobs(wait_ms: float) -> tuple[JobRecord, ...]:
-        return tuple(
-            _line_job(0.5 * i, f"j{i}", 35.0).model_copy(update={"placement_ms": wait_ms})
-            for i in range(6)
-        )
+    # much later. Where it recorded that the edge gave up waiting (broker_timeout), the edge
+    # keeps each job at its placement timeout: past its deadline by then, it ends expired
+    # on the line PC, as it did live.
+    def jobs(wait_ms: float, code: str | None = None) -> tuple[JobRecord, ...]:
+        asked = {"placement_ms": wait_ms, "offload_code": code}
+        return tuple(_line_job(0.5 * i, f"j{i}", 35.0).model_copy(update=asked) for i in range(6))
 
     header = demo_trace(1.0).header
     prompt = replay(trace.Trace(header, jobs(0.0))).outcomes
@@ -364,7 +362,9 @@ def test_the_brokers_answer_takes_the_wait_the_trace_measured_and_a_timeout_keep
     assert [round(w.latency_ms - p.latency_ms, 3) for p, w in zip(prompt, waited, strict=True)] == [
         20.0
     ] * 6
-    gave_up = replay(trace.Trace(header, jobs(60.0)))
+    # A long wait is not a timeout by itself: the edge had the answer in time.
+    assert "broker_timeout" not in replay(trace.Trace(header, jobs(60.0))).refusals
+    gave_up = replay(trace.Trace(header, jobs(50.0, "broker_timeout")))
     assert gave_up.refusals == {"broker_timeout": 6}
     assert [(o.offloaded, o.status) for o in gave_up.outcomes] == [(False, "expired")] * 6
 

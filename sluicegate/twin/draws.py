@@ -98,7 +98,8 @@ class Draws:
                 self._admit[job.edge].add(job.at, job.accepted_ms)
             asked = job.placement_ms or 0.0
             if job.placement_ms is not None:
-                self._ask[job.edge].add(job.at, job.placement_ms)
+                gave_up = 1.0 if job.offload_code == "broker_timeout" else 0.0
+                self._ask[job.edge].add(job.at, job.placement_ms, gave_up)
             worker = job.worker or (job.ran_on if job.offloaded else None)
             if worker in worker_class and job.service_ms > 0:
                 assert worker is not None
@@ -148,10 +149,14 @@ class Draws:
         samples = self._admit.get(edge)
         return samples.pick(self._rng, at) if samples else 0.0
 
-    def ask_ms(self, edge: str, at: float) -> float:
-        """How long an edge waited for the broker's placement answer (0: not recorded)."""
+    def ask_ms(self, edge: str, at: float) -> tuple[float, bool]:
+        """How long a job of ``edge`` waited for the broker's placement answers, and whether
+        the edge gave up waiting (``broker_timeout``); (0, False) when not recorded."""
         samples = self._ask.get(edge)
-        return samples.pick(self._rng, at) if samples else 0.0
+        if not samples:
+            return 0.0, False
+        ms, gave_up = samples.pick_both(self._rng, at)
+        return ms, gave_up > 0.5
 
     def edge_overhead_ms(self, edge: str, at: float) -> float:
         """What a local job spends on the edge besides waiting and computing."""

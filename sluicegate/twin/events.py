@@ -198,10 +198,11 @@ class Events:
 
     def ask(self, now: float, job: Job, attempt: int, reason: str, local_s: float) -> None:
         """An edge asks for a placement: the broker decides at once, and its answer reaches
-        the edge after the wait the trace measured for that edge; a wait as long as the
-        edge's placement timeout is one the edge gave up (``broker_timeout``)."""
-        delay = self.draws.ask_ms(job.rec.edge, job.rec.at) / 1000.0
-        late = delay >= PLACEMENT_TIMEOUT_S
+        the edge after the wait the trace measured for that edge (at most the edge's
+        placement timeout), or, where the edge gave up waiting then (``broker_timeout``),
+        never: the job stays, and the late placement is handed back."""
+        ms, late = self.draws.ask_ms(job.rec.edge, job.rec.at)
+        delay = min(ms / 1000.0, PLACEMENT_TIMEOUT_S)
         asked = Asked(job, attempt, job.request(reason, local_s), delay, late)
         if late:
             self.refusals["broker_timeout"] += 1
