@@ -19,6 +19,7 @@ from policies.errors import (
     VerdictOtherCandidate,
     VerdictUnknownSigner,
     VerdictWeakConditions,
+    VerdictWeakThresholds,
 )
 from policies.keys import b64u_encode
 from policies.loader import parse_canonical
@@ -63,9 +64,10 @@ def _verdict(
     figures: Figures | None = None,
     signer: str = "twin-1",
     burst: float | None = None,
+    margin: float | None = None,
 ) -> Verdict:
     figures = figures or Figures(attainment=0.97, peak_queue_depth={"w": 3}, violations=0)
-    thresholds = Thresholds(min_attainment=0.9, max_queue_depth=64)
+    thresholds = Thresholds(min_attainment=0.9, max_queue_depth=64, max_drop_points=margin)
     passed, reasons = judge(figures, thresholds)
     body = Body(
         candidate=Candidate(kind="policy", digest=policy.digest.hex(), version=policy.version),
@@ -167,6 +169,19 @@ def test_a_gate_can_require_the_rehearsal_to_have_burst_the_arrivals() -> None:
     with pytest.raises(VerdictWeakConditions, match="rehearsed at 2x"):
         _accept(V2, _verdict(V2, burst=2.0), anchor)
     assert _accept(V2, _verdict(V2, burst=5.0), anchor).version == 2
+
+
+def test_a_gate_can_require_a_verdict_judged_against_the_policy_in_force() -> None:
+    strict = _gated(1, max_drop_points=1.0)
+    anchor = accept_policy(
+        strict, signed(strict, "officer-alice", "officer-bob"), now=NOW, anchor=None
+    )
+    assert parse_anchor(dump_anchor(anchor)) == anchor  # the requirement is persisted
+    with pytest.raises(VerdictWeakThresholds, match="max_drop_points none > required 1"):
+        _accept(V2, _verdict(V2), anchor)
+    with pytest.raises(VerdictWeakThresholds, match="max_drop_points 2 > required 1"):
+        _accept(V2, _verdict(V2, margin=2.0), anchor)
+    assert _accept(V2, _verdict(V2, margin=0.5), anchor).version == 2
 
 
 def test_the_new_fields_are_left_out_where_not_set_so_digests_and_signatures_hold() -> None:
