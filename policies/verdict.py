@@ -203,7 +203,7 @@ def _drops(
         now = after.get(key, 0.0)
         if (was - now) * 100.0 > margin + 1e-9:
             of = [m for m in moved or () if (m.line if kind == "line" else m.data_class) == key]
-            went = "; " + ", ".join(map(_words, of[:3])) if of else ""
+            went = "; " + ", ".join(map(describe, of[:3])) if of else ""
             out.append(
                 f"{kind} {key}: deadline attainment falls from {was:.4f} under the policy in "
                 f"force to {now:.4f}, more than the {margin:g}-point margin{went}"
@@ -214,10 +214,11 @@ def _drops(
 def _arrived(moved: list[Moved] | None, node: str) -> str:
     """What the candidate moved onto ``node``, in words ("" when nothing)."""
     onto = [m for m in moved or () if m.after == node]
-    return "; " + ", ".join(map(_words, onto[:3])) if onto else ""
+    return "; " + ", ".join(map(describe, onto[:3])) if onto else ""
 
 
-def _words(m: Moved) -> str:
+def describe(m: Moved) -> str:
+    """What a move is, in words."""
     now = f"now wait on {m.after}" if m.after is not None else "now end unrun"
     was = f"they ran on {m.before}" if m.before is not None else "they ended unrun before"
     return f"{m.jobs} {m.data_class} jobs from {m.line} {now} ({was})"

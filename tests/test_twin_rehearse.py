@@ -64,6 +64,11 @@ def test_a_fleet_change_and_a_failure_are_rehearsed_side_by_side(
     assert r.comparison.candidate.attainment < r.comparison.baseline.attainment
     assert "deadline attainment" in r.text
     assert "placement strategies" in r.text
+    # What moved, the largest first, in the verdict's words.
+    assert r.comparison.moves
+    assert r.comparison.moves == sorted(r.comparison.moves, key=lambda m: -m[4])
+    first = r.text.split("largest moves:\n", 1)[1].splitlines()[0]
+    assert first.startswith(f"  {r.comparison.moves[0][4]} ")
     assert "cloud-cpu-1" not in r.comparison.candidate.utilisation
 
 

@@ -24,12 +24,14 @@ from broker.core.params import PlacementParams
 from broker.errors import InvalidParams
 from policies.errors import PolicyError
 from policies.loader import load_policy
+from policies.verdict import Moved, describe
 from sluicegate.errors import SluicegateError
 from sluicegate.twin import trace as tr
 from sluicegate.twin.nodes import STRATEGIES, Change, Result, Strategy
 from sluicegate.twin.report import Comparison, compare, render, strategy_table
 from sluicegate.twin.sim import replay
 
+MOVES_SHOWN = 5  # the largest moves the text names
 FAIL = re.compile(r"^(?P<worker>[A-Za-z0-9][A-Za-z0-9._-]*)@(?P<at>[0-9]+(\.[0-9]+)?)$")
 
 
@@ -157,6 +159,12 @@ def rehearse(
         f"{trace.duration_s:.0f} s, {trace.header.source}); seed {seed}",
         render(comparison),
     ]
+    moves = comparison.moves[:MOVES_SHOWN]
+    if moves:
+        lines.append("largest moves:")
+        for data_class, line, before, after, jobs in moves:
+            moved = Moved(data_class=data_class, line=line, before=before, after=after, jobs=jobs)
+            lines.append(f"  {describe(moved)}")
     lines += [f"warning: {w}" for w in candidate.warnings]
     if strategies:
         runs: dict[str, Result] = {
