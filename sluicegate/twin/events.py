@@ -198,11 +198,12 @@ class Events:
 
     def ask(self, now: float, job: Job, attempt: int, reason: str, local_s: float) -> None:
         """An edge asks for a placement: the broker decides at once, and its answer reaches
-        the edge after the wait the trace measured for that edge (at most the edge's
-        placement timeout), or, where the edge gave up waiting then (``broker_timeout``),
-        never: the job stays, and the late placement is handed back."""
+        the edge after the wait the trace measured for that edge (past the edge's placement
+        timeout too, where a busy edge took the answer before its timer: the trace says
+        which), or, where the edge gave up waiting (``broker_timeout``), never: the job
+        stays, and the late placement is handed back."""
         ms, late = self.draws.ask_ms(job.rec.edge, job.rec.at)
-        delay = min(ms / 1000.0, PLACEMENT_TIMEOUT_S)
+        delay = ms / 1000.0
         asked = Asked(job, attempt, job.request(reason, local_s), delay, late)
         if late:
             self.refusals["broker_timeout"] += 1
