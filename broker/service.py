@@ -268,9 +268,7 @@ class Broker:
             except Exception:  # a fault in deciding still answers every request held
                 log.exception("placement batch failed; refusing its %d requests", len(batch))
                 for item in batch:
-                    self.answers.refuse(
-                        item, None, "broker_error", "the broker failed; run locally"
-                    )
+                    self.answers.refuse(item, None, "broker_error", BROKER_FAILED)
             self._inbox.done()
 
     async def _place_batch(self, batch: list[Pending]) -> None:
@@ -315,9 +313,7 @@ class Broker:
                 self.answers.grant(item, decision, policy)
             todo = settled.again
         for item in todo:
-            self.answers.refuse(
-                item, None, "no_capacity", "workers filled up while placing; run locally"
-            )
+            self.answers.refuse(item, None, "no_capacity", FILLED_UP)
 
     def _sealable(
         self, policy: Policy | None

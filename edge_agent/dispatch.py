@@ -315,9 +315,6 @@ class Dispatcher:
     def killed(self) -> bool:
         return self.mode == "killed"
 
-    def outlook(self, job: Job, now: float, own: Life | None = None) -> rules.Outlook:
-        return self.core.outlook(job, now, own)
-
     def _offload_open(self) -> bool:
         client = self._placement
         return client is not None and self._offload.enabled and client.broker_available

@@ -149,10 +149,9 @@ def judge(figures: Figures, thresholds: Thresholds) -> tuple[bool, list[str]]:
     itself misses on the trace is judged against the policy in force instead: a loaded trace
     judges the change, not the campus."""
     base, margin = figures.in_force, thresholds.max_drop_points
-    relative = base is not None and margin is not None
     reasons = []
     floor, why = thresholds.min_attainment, f"the minimum {thresholds.min_attainment:g}"
-    if relative and base is not None and margin is not None and base.attainment < floor:
+    if base is not None and margin is not None and base.attainment < floor:
         floor = base.attainment - margin / 100.0
         why = (
             f"{base.attainment:.4f} for the policy in force less the {margin:g}-point margin "
@@ -161,7 +160,7 @@ def judge(figures: Figures, thresholds: Thresholds) -> tuple[bool, list[str]]:
         )
     if figures.attainment < floor - 1e-9:
         reasons.append(f"deadline attainment {figures.attainment:.4f} is below {why}")
-    if relative and base is not None and margin is not None:
+    if base is not None and margin is not None:
         reasons += _drops("line", base.by_line, figures.by_line or {}, margin, figures.moved)
         reasons += _drops("class", base.by_class, figures.by_class or {}, margin, figures.moved)
     for node, depth in sorted(figures.peak_queue_depth.items()):

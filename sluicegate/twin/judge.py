@@ -31,7 +31,7 @@ from policies.verdict import (
     sign_verdict,
 )
 from sluicegate.twin.nodes import Change
-from sluicegate.twin.report import Summary
+from sluicegate.twin.report import Move, Summary
 from sluicegate.twin.trace import Trace, policy_of
 
 
@@ -48,7 +48,7 @@ def figures_of(
     summary: Summary,
     trace: Trace,
     in_force: Summary | None = None,
-    moves: Sequence[tuple[str, str, str | None, str | None, int]] = (),
+    moves: Sequence[Move] = (),
 ) -> Figures:
     """The verdict's figures for a candidate's replay of ``trace`` and, beside them, the
     policy in force's replay of it under the same conditions (``in_force``) and the jobs the
@@ -84,12 +84,7 @@ def figures_of(
         by_line=dict(summary.by_line) if in_force is not None else None,
         by_class=dict(summary.by_class) if in_force is not None else None,
         in_force=beside,
-        moved=[
-            Moved(data_class=c, line=line, before=before, after=after, jobs=jobs)
-            for c, line, before, after, jobs in moves[:MOVES_KEPT]
-        ]
-        if in_force is not None
-        else None,
+        moved=[Moved(**m._asdict()) for m in moves[:MOVES_KEPT]] if in_force is not None else None,
     )
 
 

@@ -162,9 +162,7 @@ def rehearse(
     moves = comparison.moves[:MOVES_SHOWN]
     if moves:
         lines.append("largest moves:")
-        for data_class, line, before, after, jobs in moves:
-            moved = Moved(data_class=data_class, line=line, before=before, after=after, jobs=jobs)
-            lines.append(f"  {describe(moved)}")
+        lines += [f"  {describe(Moved(**m._asdict()))}" for m in moves]
     lines += [f"warning: {w}" for w in candidate.warnings]
     if strategies:
         runs: dict[str, Result] = {

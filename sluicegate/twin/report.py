@@ -15,6 +15,7 @@ import json
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -76,14 +77,24 @@ def summarise(result: Result) -> Summary:
     )
 
 
+class Move(NamedTuple):
+    """Jobs of one class from one line that ran on another node in the candidate (the
+    fields of ``policies.verdict.Moved``, which words it)."""
+
+    data_class: str
+    line: str
+    before: str | None  # the node that ran them in the baseline (None: none)
+    after: str | None  # ... and in the candidate
+    jobs: int
+
+
 @dataclass(frozen=True)
 class Comparison:
     baseline: Summary
     candidate: Summary
     changed: int  # jobs of the baseline that ran on another node (or not at all) in the candidate
     changed_by_class: dict[str, int]
-    # Those jobs by (data class, line, node before, node after): the largest moves first.
-    moves: list[tuple[str, str, str | None, str | None, int]]
+    moves: list[Move]  # those jobs by class, line and nodes: the largest moves first
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True, indent=2)
@@ -105,7 +116,7 @@ def compare(baseline: Result, candidate: Result) -> Comparison:
         summarise(candidate),
         sum(moved.values()),
         dict(sorted(moved.items())),
-        [(*key, jobs) for key, jobs in ranked],
+        [Move(*key, jobs) for key, jobs in ranked],
     )
 
 
