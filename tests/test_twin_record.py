@@ -32,7 +32,9 @@ T0 = NOW  # the test policy is valid then
 EDGE, ZONE, WORKER, WORKER_ZONE = "north-l1-pc", "campus/fab-north/line-1", "north-gpu-1", "dc"
 
 
-def edge_telemetry(edge: str = EDGE, ts: float = T0 + 1.0, **events: int) -> bytes:
+def edge_telemetry(
+    edge: str = EDGE, ts: float = T0 + 1.0, service_ms: float = 12.5, **events: int
+) -> bytes:
     doc = wire.EdgeTelemetry(
         node=edge,
         zone=ZONE,
@@ -41,7 +43,7 @@ def edge_telemetry(edge: str = EDGE, ts: float = T0 + 1.0, **events: int) -> byt
         queue_capacity=64,
         in_flight=1,
         concurrency=1,
-        models={"defect-v1": wire.ModelLoad(service_ms=12.5, completed=9)},
+        models={"defect-v1": wire.ModelLoad(service_ms=service_ms, completed=9)},
         cpu_percent=50.0,
         memory_rss_mb=100.0,
         memory_percent=1.0,
@@ -67,7 +69,7 @@ def capabilities(worker: str = WORKER) -> bytes:
     return wire.dump(doc)
 
 
-def worker_telemetry(worker: str = WORKER, ts: float = T0 + 1.0) -> bytes:
+def worker_telemetry(worker: str = WORKER, ts: float = T0 + 1.0, service_ms: float = 4.0) -> bytes:
     doc = WorkerTelemetry(
         node=worker,
         zone=WORKER_ZONE,
@@ -80,7 +82,7 @@ def worker_telemetry(worker: str = WORKER, ts: float = T0 + 1.0) -> bytes:
         in_flight=4,
         capacity=48,
         backlog_ms=20.0,
-        models={"defect-v1": wire.ModelLoad(service_ms=4.0, completed=90)},
+        models={"defect-v1": wire.ModelLoad(service_ms=service_ms, completed=90)},
         results={"ok": 90},
         refused={},
     )
@@ -171,6 +173,24 @@ def test_jobs_are_joined_with_their_batch_and_the_fleet_is_described() -> None:
         (WORKER, "pool", 3),
         (EDGE, "edge", 2),
     ]
+
+
+def test_the_fleet_s_service_times_are_those_it_believed_when_recording_began() -> None:
+    # The edge and the worker learned slower times as the recording went on (a burst on a
+    # busy machine); a replay starts from what they believed at its start and learns the
+    # rest from the jobs' own runs, as they did. Everything else is the latest heard.
+    capture = fed(
+        (topics.worker_capabilities(WORKER), capabilities()),
+        (topics.worker_telemetry(WORKER), worker_telemetry(service_ms=4.0)),
+        (topics.worker_telemetry(WORKER), worker_telemetry(ts=T0 + 2.0, service_ms=9.0)),
+        (topics.edge_telemetry(EDGE), edge_telemetry(service_ms=12.5)),
+        (topics.edge_telemetry(EDGE), edge_telemetry(ts=T0 + 2.0, service_ms=30.0)),
+        (topics.edge_trace(EDGE), edge_trace(job("here", 0.5))),
+    )
+    header = capture.trace().header
+    assert [e.service_ms for e in header.edges] == [{"defect-v1": 12.5}]
+    assert [w.service_ms for w in header.workers] == [{"defect-v1": 4.0}]
+    assert [t.at for t in capture.trace().telemetry] == [1.0, 2.0, 1.0, 2.0]
 
 
 def test_an_offloaded_job_whose_completion_was_not_heard_ran_alone_and_is_counted() -> None:

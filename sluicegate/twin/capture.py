@@ -46,6 +46,8 @@ class CaptureError(tr.TraceError):
 @dataclass
 class _Edge:
     telemetry: wire.EdgeTelemetry | None = None
+    # Its models' figures in the first telemetry heard: what it believed when recording began
+    opening: Mapping[str, wire.ModelLoad] | None = None
     offload: bool | None = None
     queue_bound: int | None = None
     intervals: list[float] = field(default_factory=list)
@@ -56,6 +58,7 @@ class _Edge:
 class _Worker:
     capabilities: WorkerCapabilities | None = None
     telemetry: WorkerTelemetry | None = None
+    opening: Mapping[str, wire.ModelLoad] | None = None  # as for an edge
 
 
 class Capture:
@@ -164,6 +167,8 @@ class Capture:
         if state.telemetry is not None and doc.ts > state.telemetry.ts:
             state.intervals.append(doc.ts - state.telemetry.ts)
         state.telemetry, state.heard_at = doc, now
+        if state.opening is None:
+            state.opening = doc.models
         if self._in_window(doc.ts):
             self._telemetry.append(
                 tr.TelemetryRecord(
@@ -183,7 +188,10 @@ class Capture:
     def _worker_telemetry(self, topic: str, payload: bytes, now: float, retained: bool) -> None:
         doc = _read(WorkerTelemetry, payload, "worker_telemetry")
         worker = _own(doc.node, topic, "worker_telemetry")
-        self._workers.setdefault(worker, _Worker()).telemetry = doc
+        state = self._workers.setdefault(worker, _Worker())
+        state.telemetry = doc
+        if state.opening is None:
+            state.opening = doc.models
         if self._in_window(doc.ts):
             self._telemetry.append(
                 tr.TelemetryRecord(
@@ -335,24 +343,36 @@ class Capture:
 
     def _edge_specs(self) -> list[tr.EdgeSpec]:
         return [
-            edge_spec(edge.telemetry, queue_bound=edge.queue_bound, offload=edge.offload)
+            edge_spec(
+                edge.telemetry,
+                queue_bound=edge.queue_bound,
+                offload=edge.offload,
+                opening=edge.opening,
+            )
             for _, edge in sorted(self._edges.items())
             if edge.telemetry is not None
         ]
 
     def _worker_specs(self) -> list[tr.WorkerSpec]:
         return [
-            worker_spec(worker.capabilities, worker.telemetry)
+            worker_spec(worker.capabilities, worker.telemetry, opening=worker.opening)
             for _, worker in sorted(self._workers.items())
             if worker.capabilities is not None and worker.telemetry is not None
         ]  # a worker not heard serving while recording is left out
 
 
 def edge_spec(
-    t: wire.EdgeTelemetry, *, queue_bound: int | None = None, offload: bool | None = None
+    t: wire.EdgeTelemetry,
+    *,
+    queue_bound: int | None = None,
+    offload: bool | None = None,
+    opening: Mapping[str, wire.ModelLoad] | None = None,
 ) -> tr.EdgeSpec:
     """An edge as a trace's header lists it, from its telemetry (and, where known, its
-    queue bound and whether it offloads, which its job records say)."""
+    queue bound and whether it offloads, which its job records say). Its service times are
+    those of ``opening``, the first telemetry heard, where given: a replay starts from what
+    the edge believed when the recording began and learns the rest from the jobs' runs, as
+    the edge did; the latest figures already hold what the whole recording taught it."""
     return tr.EdgeSpec(
         id=t.node,
         zone=t.zone,
@@ -360,12 +380,18 @@ def edge_spec(
         queue_size=t.queue_capacity,
         queue_bound=QUEUE_BOUND if queue_bound is None else queue_bound,
         offload=True if offload is None else offload,
-        service_ms=_service(t.models),
+        service_ms=_service(t.models if opening is None else opening),
     )
 
 
-def worker_spec(caps: WorkerCapabilities, t: WorkerTelemetry) -> tr.WorkerSpec:
-    """A pool worker as a trace's header lists it, from its capabilities and telemetry."""
+def worker_spec(
+    caps: WorkerCapabilities,
+    t: WorkerTelemetry,
+    *,
+    opening: Mapping[str, wire.ModelLoad] | None = None,
+) -> tr.WorkerSpec:
+    """A pool worker as a trace's header lists it, from its capabilities and telemetry;
+    its service times those of ``opening`` where given, as for an edge."""
     return tr.WorkerSpec(
         id=caps.worker_id,
         zone=caps.zone,
@@ -376,7 +402,7 @@ def worker_spec(caps: WorkerCapabilities, t: WorkerTelemetry) -> tr.WorkerSpec:
         capacity=t.capacity,
         max_batch=caps.max_batch,
         concurrency=caps.concurrency,
-        service_ms=_service(t.models),
+        service_ms=_service(t.models if opening is None else opening),
     )
 
 
