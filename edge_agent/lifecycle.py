@@ -157,7 +157,8 @@ def _placed(life: Life, placement: Placement, now: float, o: Outlook, *effects: 
     """The job is on ``placement``'s worker as attempt ``asking``."""
     attempt = life.asking
     expires = rules.offload_expiry(now, o.result_timeout_s, life.deadline)
-    rescue = rules.rescue_at(life.deadline, now, o.predicted_done)
+    due = None if placement.predicted_ms is None else now + placement.predicted_ms / 1000.0
+    rescue = rules.rescue_at(life.deadline, now, o.predicted_done, due)
     after = life._replace(
         phase="offloaded",
         attempt=attempt,

@@ -180,15 +180,23 @@ def offload_expiry(sent_at: float, timeout_s: float, deadline: float | None) -> 
     return min(expiry, deadline) if deadline is not None else expiry
 
 
-def rescue_at(deadline: float | None, now: float, predicted_done: float) -> float | None:
+def rescue_at(
+    deadline: float | None, now: float, predicted_done: float, answer_due: float | None = None
+) -> float | None:
     """When an offloaded job whose return has not come must join the local queue to still
     meet its deadline: the deadline less what a run here takes now (``predicted_done`` is
-    when it would finish if it joined the queue at ``now``). None without a deadline, or
-    when a run here could not meet it anyway."""
+    when it would finish if it joined the queue at ``now``). None without a deadline, when
+    a run here could not meet it anyway, or when it would have to start before the worker's
+    answer is due (``answer_due``: the broker's predicted completion there) and that answer
+    is due in time: then it is no rescue of a silent worker but a second run of every such
+    job, and a run started here takes the job (the worker's return, on time, is dropped).
+    A worker not expected to meet the deadline leaves the rescue as it is."""
     if deadline is None:
         return None
     at = deadline - (predicted_done - now)
-    return at if at > now else None
+    if at <= now or (answer_due is not None and at < answer_due < deadline):
+        return None
+    return at
 
 
 Repeat = Literal["track", "redelivered", "forgotten", "retarget", "republish"]

@@ -120,6 +120,7 @@ class FakePlacement:
     released: list[tuple[str, int]] = field(default_factory=list)
     broker_available: bool = True
     slow: bool = False
+    predicted_ms: float | None = None  # the broker's predicted completion on w1
     _waiting: list[asyncio.Future[None]] = field(default_factory=list)
 
     async def place(
@@ -133,7 +134,8 @@ class FakePlacement:
             await answer
         if job.job_id in self.decline:
             return Declined("no_capacity", "the test declined it")
-        return Placement("w1", "campus/dc", topics.pool_work("campus/dc", "w1", EDGE), "tok", b"")
+        work = topics.pool_work("campus/dc", "w1", EDGE)
+        return Placement("w1", "campus/dc", work, "tok", b"", predicted_ms=self.predicted_ms)
 
     def answer_all(self) -> int:
         """Let every placement held by ``slow`` be answered; returns how many."""

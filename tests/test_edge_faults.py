@@ -91,6 +91,45 @@ def test_a_silent_workers_job_runs_here_while_its_deadline_can_still_be_met(
     assert len(rig.results()) == 1
 
 
+def test_a_job_that_would_have_to_start_here_before_its_worker_is_due_runs_only_there(
+    rig: EdgeRig,
+) -> None:
+    # The worker is due 1.8 s after the placement; a run here (0.3 s) would have to start
+    # by 1.7 s to meet the 2 s deadline. Starting one then would run every such job twice,
+    # and the run here would take the job from the worker's return on time: no rescue.
+    agent, placement = rig.agent, rig.placement
+    assert agent is not None
+    assert placement is not None
+    placement.predicted_ms = 1800.0
+    start = rig.clock.now
+    rig.submit("d1", correlation=b"d1", deadline_ms=2000)
+    rig.settle(compute=False)
+    assert placement.sent == [("d1", 1)]
+    rig.clock.now = start + 2.0 - SERVICE_S + 0.01  # the rescue moment of a silent worker
+    rig.call(agent.check_offloaded)
+    assert agent.counters["offload_rescues"] == 0
+    rig.give_back("d1", 1)  # on time, as the broker predicted
+    rig.broker.release_pubacks()
+    rig.settle()
+    result = only_result(rig)
+    assert (result["status"], result["ran_on"]["kind"]) == ("ok", "pool")
+
+
+def test_a_job_whose_worker_is_due_before_the_last_moment_to_run_here_is_still_rescued(
+    rig: EdgeRig,
+) -> None:
+    agent, placement = rig.agent, rig.placement
+    assert agent is not None
+    assert placement is not None
+    placement.predicted_ms = 500.0  # due long before 1.7 s: silence past then is a fault
+    start = rig.clock.now
+    rig.submit("d2", correlation=b"d2", deadline_ms=2000)
+    rig.settle(compute=False)
+    rig.clock.now = start + 2.0 - SERVICE_S + 0.01
+    rig.call(agent.check_offloaded)
+    assert agent.counters["offload_rescues"] == 1
+
+
 def test_a_silent_workers_late_return_is_still_taken_before_the_run_here_starts(
     rig: EdgeRig,
 ) -> None:

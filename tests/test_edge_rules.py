@@ -154,3 +154,18 @@ def test_expected_work_weighs_what_is_still_asking_and_leaves_out_the_job_itself
     assert rules.expected_work(0.4, 1.0, 0.5) == pytest.approx(0.9)
     assert rules.expected_work(0.4, 1.0, 0.5, own_s=0.25) == pytest.approx(0.65)
     assert rules.expected_work(0.0, 0.0, 0.5, own_s=0.1) == 0.0  # never below nothing
+
+
+@pytest.mark.parametrize(
+    ("predicted_done", "answer_due", "expected"),
+    [
+        (9.3, None, 9.7),  # a run here takes 0.3 s: it must start by 9.7 for a 10.0 deadline
+        (9.3, 9.5, 9.7),  # the worker is due at 9.5: silence past 9.7 is a fault, rescued
+        (9.3, 9.8, None),  # due after 9.7: a run here then would only run it twice
+        (9.3, 10.5, 9.7),  # due after the deadline: only a run here can meet it
+        (10.1, None, None),  # a run here cannot meet the deadline at all
+    ],
+)
+def test_rescue_at(predicted_done: float, answer_due: float | None, expected: float | None) -> None:
+    got = rules.rescue_at(10.0, 9.0, predicted_done, answer_due)
+    assert got == (None if expected is None else pytest.approx(expected))
