@@ -11,6 +11,9 @@ offloaded (5 points) and p99 latency (25 %). It also prints the live system's ow
 prediction error from the trace: each local job's predicted completion at admission
 against when it finished (the edges'), and each offloaded job's completion on its worker
 as the broker predicted it when it placed the job against when the worker finished it.
+And the apps' own legs, which no trace holds (their publish reaching the edge, the result
+reaching them: a job's latency at its app less its latency at its edge), with the jobs in
+time at their edge that were late at their app.
 
     .venv/bin/python bench/twin_fidelity.py                # about 90 s on 2 cores
     .venv/bin/python bench/twin_fidelity.py --rounds 1 --label-every 0
@@ -30,10 +33,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import campus_args, stats
+from sluicegate import wire
 from sluicegate.app.campus import OBSERVER
 from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
 from sluicegate.app.servers import free_port, running, start_redis
-from sluicegate.app.traffic import Tally, stream
+from sluicegate.app.traffic import Sample, Tally, stream
 from sluicegate.twin import trace as tr
 from sluicegate.twin.record import record
 from sluicegate.twin.report import summarise
@@ -43,11 +47,25 @@ nan = float("nan")
 BOUNDS = {"attainment_points": 2.0, "offload_points": 5.0, "p99_relative": 0.25}
 
 
-async def _drive(campus: Any, out: Path, args: argparse.Namespace) -> tuple[Tally, tr.Trace]:
+class _Seen(Tally):
+    """The apps' tally, keeping each result's latency as its app saw it and whether that
+    was in time, by job id (to set beside the trace's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_job: dict[str, tuple[float, bool]] = {}
+
+    def record(self, line: str, sample: Sample, result: wire.JobResult, ms: float) -> None:
+        super().record(line, sample, result, ms)
+        in_time = result.status == "ok" and ms <= sample.kind.deadline_ms
+        self.by_job[result.job_id] = (ms, in_time)
+
+
+async def _drive(campus: Any, out: Path, args: argparse.Namespace) -> tuple[_Seen, tr.Trace]:
     stop, ready = asyncio.Event(), asyncio.Event()
     recording = asyncio.ensure_future(record(campus.mqtt(OBSERVER), out, stop, ready=ready))
     await asyncio.wait_for(ready.wait(), 20.0)
-    tally = Tally()
+    tally = _Seen()
     await stream(
         campus,
         args.rate,
@@ -98,6 +116,20 @@ def one_round(redis_port: int, db: int, args: argparse.Namespace) -> dict[str, A
     observed["recorded_attainment"] = recorded_in_time / max(len(trace.jobs), 1)
     edge_lat = [j.latency_ms for j in trace.jobs if j.status == "ok"]
     observed["recorded_p99_ms"] = stats.percentile(edge_lat, 99)
+    # The apps' own legs, which no trace holds: their publish reaching the edge and the
+    # result reaching them (a job's latency at its app less its latency at its edge).
+    legs, late_at_app = [], 0
+    for j in trace.jobs:
+        seen = tally.by_job.get(j.job_id)
+        if seen is None:
+            continue
+        legs.append(seen[0] - j.latency_ms)
+        in_time_here = j.status == "ok" and (j.deadline_ms is None or j.latency_ms <= j.deadline_ms)
+        late_at_app += in_time_here and not seen[1]
+    observed["apps_legs_p50_ms"] = stats.percentile(legs, 50) if legs else nan
+    observed["apps_legs_p90_ms"] = stats.percentile(legs, 90) if legs else nan
+    observed["late_at_app_only"] = late_at_app
+    observed["joined"] = len(legs)
     s = summarise(replay(trace))
     predicted = {
         "jobs": s.jobs,
@@ -177,6 +209,11 @@ def main() -> None:
                 f"{'':10}{name:14}{o[key]:10{fmt}}{o.get(edge_key, o[key]):10{fmt}}"
                 f"{p[key]:11{fmt}}{bound:>8}  {ok[check]}"
             )
+        print(
+            f"{'':10}the apps' own legs: p50 {o['apps_legs_p50_ms']:.1f} p90 "
+            f"{o['apps_legs_p90_ms']:.1f} ms; {o['late_at_app_only']} jobs in time at their "
+            "edge were late at their app"
+        )
         for who, key, jobs in (
             ("edges'", "edge_prediction", "jobs run there"),
             ("broker's", "pool_prediction", "offloaded jobs, to the worker's end"),
@@ -200,6 +237,7 @@ def main() -> None:
                 "jobs answered": sum(r["observed"]["jobs"] for r in rounds),
                 "jobs recorded": sum(r["trace_jobs"] for r in rounds),
                 "jobs replayed": sum(r["predicted"]["jobs"] for r in rounds),
+                "jobs joined with their app's result": sum(r["observed"]["joined"] for r in rounds),
             }
         ),
         "params": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

@@ -162,7 +162,7 @@ SMOKE = [
     Smoke(
         "twin_fidelity.py",
         "--rounds 1 --rate 2 --burst 1 --edge-cpu 0",
-        ("jobs answered", "jobs recorded", "jobs replayed"),
+        ("jobs answered", "jobs recorded", "jobs replayed", "jobs joined with their app's result"),
         CAMPUS_S,
     ),
     Smoke("twin_replay.py", "--minutes 0.5 --rounds 1", ("jobs replayed",)),
