@@ -50,7 +50,7 @@ from edge_agent.offload import PlacementClient
 from edge_agent.outbox import Accepted, Outbox, Stored
 from edge_agent.replies import Replies
 from edge_agent.returns import not_run, read_notice, read_return, retry_job
-from edge_agent.sequencer import NO_OUTLOOK, Limits, Sequencer
+from edge_agent.sequencer import NO_OUTLOOK, Sequencer, limits_of
 from edge_agent.tally import Tally
 from edge_agent.trace_log import TraceLog
 from sluicegate import wire
@@ -108,17 +108,9 @@ class Dispatcher:
         self.idle.set()
         self._repeats = 0  # requests for known ids whose outbox lookup is under way
         o = offload_settings
-        limits = Limits(
-            concurrency=settings.concurrency,
-            queue_size=settings.queue_size,
-            queue_bound=o.queue_bound,
-            max_attempts=o.max_attempts,
-            max_local_runs=settings.max_local_runs,
-            result_timeout_s=o.result_timeout_s,
-        )
         self.core = Sequencer(
             settings.id,
-            limits,
+            limits_of(settings, o),
             queue=compute.queue,
             service_s=compute.service_s,
             offload_open=self._offload_open,

@@ -28,6 +28,7 @@ from edge_agent.lifecycle import NEEDS_OUTLOOK, transition
 from edge_agent.load import JobQueue
 from edge_agent.rules import Placement
 from edge_agent.tally import Tally
+from sluicegate.config import EdgeSettings, OffloadSettings
 
 
 class Carrier(Protocol):
@@ -47,6 +48,18 @@ class Limits:
     max_attempts: int
     max_local_runs: int
     result_timeout_s: float
+
+
+def limits_of(edge: EdgeSettings, offload: OffloadSettings) -> Limits:
+    """The figures of an edge's ``[edge]`` and ``[offload]`` settings."""
+    return Limits(
+        concurrency=edge.concurrency,
+        queue_size=edge.queue_size,
+        queue_bound=offload.queue_bound,
+        max_attempts=offload.max_attempts,
+        max_local_runs=edge.max_local_runs,
+        result_timeout_s=offload.result_timeout_s,
+    )
 
 
 class Sequencer:

@@ -11,7 +11,7 @@ telemetry builder reports it.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from broker.core.params import PlacementParams
@@ -22,9 +22,9 @@ from center_pool.reporting import telemetry as worker_telemetry
 from edge_agent.admission import Job as AdmittedJob
 from edge_agent.events import Event
 from edge_agent.load import ServiceTimes
-from edge_agent.sequencer import Limits, Sequencer
+from edge_agent.sequencer import Sequencer, limits_of
 from policies.model import Policy
-from sluicegate.config import BrokerSettings, OffloadSettings, PoolSettings
+from sluicegate.config import BrokerSettings, EdgeSettings, OffloadSettings, PoolSettings
 from sluicegate.twin.draws import DEFAULT_SERVICE_MS
 from sluicegate.twin.trace import EdgeSpec, JobRecord, WorkerSpec
 from sluicegate.vision.image import ImageInfo
@@ -38,7 +38,7 @@ from sluicegate.wire_pool import (
 Strategy = Literal["ours", "edge-only", "round-robin", "least-loaded"]
 STRATEGIES: tuple[Strategy, ...] = ("ours", "edge-only", "round-robin", "least-loaded")
 SHA = "0123456789abcdef" * 4  # payload digest of every replayed request: no image here
-MAX_ATTEMPTS, RESULT_TIMEOUT_S, NOTICE_S, MAX_LOCAL_RUNS = 4, 3.0, 0.005, 3
+NOTICE_S = 0.005
 NO_IMAGE = ImageInfo("jpeg", 0, 0)
 # How long a request that found no room may wait in the broker's waiting room: the broker's
 # bound and the edge's (half its placement timeout, as the edge asks), at their defaults.
@@ -46,6 +46,8 @@ BROKER_MAX_WAIT_MS = BrokerSettings().max_wait_ms
 EDGE_MAX_WAIT_MS = OffloadSettings().placement_timeout_ms / 2.0
 # How long an edge waits for the broker's answer before it runs the job (the default).
 PLACEMENT_TIMEOUT_S = OffloadSettings().placement_timeout_ms / 1000.0
+# An edge's sequencing figures at the agent's defaults (attempts, local runs, result timeout).
+DEFAULT_LIMITS = limits_of(EdgeSettings(), OffloadSettings())
 
 
 @dataclass(frozen=True)
@@ -164,13 +166,12 @@ class SimEdge:
         for model, ms in spec.service_ms.items():
             self.times.seed(model, ms / 1000.0)
         self.core: Sequencer  # set by the replay (sluicegate.twin.events)
-        self.limits = Limits(
+        # The agent's own defaults but for what the edge reported.
+        self.limits = replace(
+            DEFAULT_LIMITS,
             concurrency=spec.concurrency,
             queue_size=spec.queue_size,
             queue_bound=spec.queue_bound,
-            max_attempts=MAX_ATTEMPTS,
-            max_local_runs=MAX_LOCAL_RUNS,
-            result_timeout_s=RESULT_TIMEOUT_S,
         )
 
     def estimate(self, model: str) -> float:
