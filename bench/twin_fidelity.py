@@ -118,16 +118,23 @@ def one_round(redis_port: int, db: int, args: argparse.Namespace) -> dict[str, A
     observed["recorded_p99_ms"] = stats.percentile(edge_lat, 99)
     # The apps' own legs, which no trace holds: their publish reaching the edge and the
     # result reaching them (a job's latency at its app less its latency at its edge).
-    legs, late_at_app = [], 0
+    legs, inbound, outbound, late_at_app = [], [], [], 0
     for j in trace.jobs:
         seen = tally.by_job.get(j.job_id)
         if seen is None:
             continue
         legs.append(seen[0] - j.latency_ms)
+        if j.inbound_ms is not None:  # the app's send to the edge, from its sent-at stamp
+            inbound.append(j.inbound_ms)
+            outbound.append(seen[0] - j.latency_ms - j.inbound_ms)
         in_time_here = j.status == "ok" and (j.deadline_ms is None or j.latency_ms <= j.deadline_ms)
         late_at_app += in_time_here and not seen[1]
     observed["apps_legs_p50_ms"] = stats.percentile(legs, 50) if legs else nan
     observed["apps_legs_p90_ms"] = stats.percentile(legs, 90) if legs else nan
+    observed["inbound_p50_ms"] = stats.percentile(inbound, 50) if inbound else nan
+    observed["inbound_p90_ms"] = stats.percentile(inbound, 90) if inbound else nan
+    observed["outbound_p50_ms"] = stats.percentile(outbound, 50) if outbound else nan
+    observed["outbound_p90_ms"] = stats.percentile(outbound, 90) if outbound else nan
     observed["late_at_app_only"] = late_at_app
     observed["joined"] = len(legs)
     s = summarise(replay(trace))
@@ -211,8 +218,10 @@ def main() -> None:
             )
         print(
             f"{'':10}the apps' own legs: p50 {o['apps_legs_p50_ms']:.1f} p90 "
-            f"{o['apps_legs_p90_ms']:.1f} ms; {o['late_at_app_only']} jobs in time at their "
-            "edge were late at their app"
+            f"{o['apps_legs_p90_ms']:.1f} ms (to the edge p50 {o['inbound_p50_ms']:.1f} p90 "
+            f"{o['inbound_p90_ms']:.1f}, back p50 {o['outbound_p50_ms']:.1f} p90 "
+            f"{o['outbound_p90_ms']:.1f}); {o['late_at_app_only']} jobs in time at their edge "
+            "were late at their app"
         )
         for who, key, jobs in (
             ("edges'", "edge_prediction", "jobs run there"),

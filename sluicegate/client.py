@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Coroutine
@@ -146,6 +147,7 @@ class AsyncClient:
         if job_id is not None:
             props.append((topics.PROP_JOB_ID, job_id))
         correlation = uuid.uuid4().bytes
+        props.append((topics.PROP_SENT_AT, repr(round(time.time() * 1000.0, 3))))
         fut: asyncio.Future[wire.JobResult] = asyncio.get_running_loop().create_future()
         self._pending[correlation] = fut
         wait_s = timeout if timeout is not None else self._default_timeout

@@ -24,6 +24,9 @@ PROP_DEADLINE_AT = "deadline-at"
 PROP_PRIORITY = "priority"
 PROP_DATA_CLASS = "data-class"
 PROP_JOB_ID = "job-id"
+# When the app sent it, unix ms on the app's clock (the client library stamps it): the edge
+# records the leg from the app to itself in its trace; it changes no decision.
+PROP_SENT_AT = "sent-at"
 # Further user properties on a work message (edge -> pool worker).
 PROP_TOKEN = "placement-token"
 PROP_MODEL_SHA256 = "model-sha256"  # the exact model file the edge runs

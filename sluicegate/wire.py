@@ -200,6 +200,7 @@ class TraceJob(_Wire):
     offloaded: bool = False  # ran on a pool worker
     worker: str | None = None  # the pool worker it was last placed on (returned or not)
     latency_ms: float  # arrival to the result leaving this edge
+    inbound_ms: float | None = None  # the app's send (its sent-at) to arrival; None: unstamped
     queue_ms: float = 0.0  # waiting on the node that ran it
     service_ms: float = 0.0  # computing there
     device_ms: float | None = None  # of a run here: decode, preprocess and inference

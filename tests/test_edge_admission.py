@@ -92,6 +92,16 @@ def test_deadline_at_and_deadline_ms_take_the_earlier() -> None:
     assert job.deadline == pytest.approx(NOW + 0.05)
 
 
+def test_the_apps_send_time_is_kept_and_changes_no_deadline() -> None:
+    job = _admit(_msg(deadline_ms="200", sent_at=str((NOW - 0.004) * 1000)))
+    assert isinstance(job, Job)
+    assert job.sent_at == pytest.approx(NOW - 0.004)
+    assert job.deadline == pytest.approx(NOW + 0.2)  # still from receipt
+    unstamped = _admit(_msg())
+    assert isinstance(unstamped, Job)
+    assert unstamped.sent_at is None
+
+
 JOB_ID_RULE = "1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit"
 
 
@@ -137,6 +147,12 @@ def test_job_ids_outside_the_wire_contract_are_refused_naming_the_rule(job_id: s
         (_msg(deadline_ms="-5"), "bad_property", "'deadline-ms'='-5'"),
         (_msg(deadline_ms="nan"), "bad_property", "'deadline-ms'='nan'"),
         (_msg(priority="11"), "bad_property", "integer 0 (lowest) to 9"),
+        (
+            _msg(sent_at="yesterday"),
+            "bad_property",
+            "'sent-at'='yesterday' is invalid: expected unix",
+        ),
+        (_msg(sent_at="inf"), "bad_property", "'sent-at'='inf'"),
         (_msg(data_class="Wafer Images"), "bad_property", "'data-class'"),
         (_msg(b"GIF89a" + b"\x00" * 40), "bad_image", ""),
         (_msg(b"\xff\xd8\xff\xe0\x00"), "bad_image", ""),

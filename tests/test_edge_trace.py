@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import replace
 
 import pytest
 
@@ -130,6 +131,23 @@ def test_the_record_keeps_the_wait_for_placements_and_why_the_answer_kept_it_her
 def test_a_refused_request_is_recorded_as_an_arrival_that_never_ran() -> None:
     got = refusal_of(job(), "rejected", "queue_full", now=T0 + 0.001)
     assert (got.status, got.code, got.ran_on, got.latency_ms) == ("rejected", "queue_full", None, 1)
+
+
+def test_the_leg_from_the_app_is_recorded_when_the_app_stamped_its_send() -> None:
+    stamped = replace(job(), sent_at=T0 - 0.0062)
+    ran = result(EDGE_ON, queue=1.0, total=2.0)
+    got = record_of(stamped, ran, left_at=T0 + 0.01, started=T0, sha256=None, predicted=None)
+    assert got.inbound_ms == pytest.approx(6.2)
+    assert refusal_of(stamped, "rejected", "queue_full", now=T0).inbound_ms == pytest.approx(6.2)
+    # Unstamped: unknown, not zero; an app clock ahead of the edge's: no negative leg.
+    assert (
+        record_of(job(), ran, left_at=T0, started=T0, sha256=None, predicted=None).inbound_ms
+        is None
+    )
+    ahead = replace(job(), sent_at=T0 + 0.5)
+    assert (
+        record_of(ahead, ran, left_at=T0, started=T0, sha256=None, predicted=None).inbound_ms == 0
+    )
 
 
 def test_the_batch_is_bounded_and_taken_whole() -> None:

@@ -332,9 +332,11 @@ class Seen(Tally):
     """What the apps saw, and every result by job id."""
 
     results: dict[str, wire.JobResult] = field(default_factory=dict)
+    app_ms: dict[str, float] = field(default_factory=dict)
 
     def record(self, line: str, sample: Sample, result: wire.JobResult, ms: float) -> None:
         self.results[result.job_id] = result
+        self.app_ms[result.job_id] = ms
         super().record(line, sample, result, ms)
 
 
@@ -352,6 +354,10 @@ def check_against_the_apps(trace: tr.Trace, seen: Seen) -> None:
         else:
             assert job.ran_on == result.ran_on.node, job_id
             assert job.offloaded == (result.ran_on.kind == "pool"), job_id
+        # The client stamped its send: the leg to the edge is in the trace, inside what the
+        # app waited in all.
+        assert job.inbound_ms is not None, job_id
+        assert job.inbound_ms + job.latency_ms <= seen.app_ms[job_id], job_id
     assert all(j.batch >= 1 and j.service_ms > 0 for j in trace.jobs if j.offloaded)
     assert all(j.service_ms > 0 for j in trace.jobs if j.status == "ok")
     header = trace.header

@@ -402,3 +402,55 @@ def test_a_request_that_finds_every_worker_full_waits_in_the_brokers_waiting_roo
     outcomes = {o.job_id: o for o in result.outcomes}
     assert all(outcomes[f"w{i}"].offloaded for i in range(3)), outcomes
     assert "no_capacity" not in result.refusals
+
+
+def test_a_recorded_job_replays_with_its_own_figures_and_a_bursts_copy_draws() -> None:
+    # Six jobs a second apart ran on line 1, each with its own acceptance commit, compute
+    # and commit after: replayed as recorded, each takes exactly what it took live. Their
+    # copies under a 2x burst draw among those figures instead.
+    def ran(i: int) -> JobRecord:
+        accepted, compute, after = 2.0 + i, 20.0 + 10.0 * i, 3.0 + 2.0 * i
+        return _line_job(1.0 * i, f"j{i}", 5000.0, accepted_ms=accepted).model_copy(
+            update={
+                "status": "ok",
+                "ran_on": "line-1-pc",
+                "queue_ms": accepted,  # a run starts once its acceptance is committed
+                "service_ms": compute,
+                "device_ms": compute,
+                "latency_ms": accepted + compute + after,
+            }
+        )
+
+    jobs = tuple(ran(i) for i in range(6))
+    recorded = trace.Trace(demo_trace(1.0).header, jobs)
+    latency = {o.job_id: o.latency_ms for o in replay(recorded).outcomes}
+    assert latency == {j.job_id: pytest.approx(j.latency_ms) for j in jobs}
+    burst = {o.job_id: o.latency_ms for o in replay(recorded, Change(burst=2)).outcomes}
+    assert {k: v for k, v in burst.items() if "#" not in k} == latency
+    copies = [v for k, v in burst.items() if "#" in k]
+    assert len(copies) == 6
+    assert copies != [latency[f"j{i}"] for i in range(6)]
+
+
+def test_a_jobs_latency_counts_from_its_apps_send_where_the_trace_recorded_it() -> None:
+    # Two identical jobs, run on line 1 in 180 ms against a 200 ms deadline; the second
+    # spent 25 ms on its way from its app (its sent-at): the app had it 205 ms after
+    # sending, late, and the twin says so.
+    def ran(job_id: str, at: float, inbound: float | None) -> JobRecord:
+        return _line_job(at, job_id, 200.0, accepted_ms=1.0).model_copy(
+            update={
+                "status": "ok",
+                "ran_on": "line-1-pc",
+                "queue_ms": 1.0,
+                "service_ms": 178.0,
+                "device_ms": 178.0,
+                "latency_ms": 180.0,
+                "inbound_ms": inbound,
+            }
+        )
+
+    recorded = trace.Trace(demo_trace(1.0).header, (ran("near", 0.0, None), ran("far", 1.0, 25.0)))
+    outcomes = {o.job_id: o for o in replay(recorded).outcomes}
+    assert outcomes["near"].where == outcomes["far"].where == "line-1-pc"
+    assert (outcomes["near"].latency_ms, outcomes["near"].in_time) == (180.0, True)
+    assert (outcomes["far"].latency_ms, outcomes["far"].in_time) == (205.0, False)

@@ -327,6 +327,7 @@ class Capture:
                     else None
                 ),
                 latency_ms=rec.latency_ms,
+                inbound_ms=rec.inbound_ms,
                 queue_ms=queue_ms,
                 service_ms=service_ms,
                 device_ms=rec.device_ms,

@@ -11,6 +11,13 @@ trace holds no sample, the figure the node reported (its ``service_ms``) or, for
 the placement
 parameters' latency and bandwidth stand in.
 
+A recorded job replayed as it was recorded (not a burst's copy of it) takes its own figures
+where the trace holds them and it does here what it did live: its acceptance commit, its
+wait for the placement answers where it asked, its compute and its commit where it ran on
+its edge. Each is what that moment cost that job, and the order two jobs of one volley
+reached the queue in, which a draw would shuffle, is part of what the campus did. Other
+jobs draw.
+
 A draw is taken among the samples of jobs that arrived within ``WINDOW_S`` of the job
 being replayed (when there are at least ``MIN_LOCAL`` of them), so the times follow what
 the campus was going through at that moment (a burst that slowed every node shows in the
@@ -27,7 +34,7 @@ from collections import defaultdict
 
 from broker.core.params import PlacementParams
 from broker.core.scoring import link_class, transfer_costs
-from sluicegate.twin.trace import Trace
+from sluicegate.twin.trace import JobRecord, Trace
 
 DEFAULT_SERVICE_MS = 50.0  # a model nobody measured
 WINDOW_S = 2.0  # draw among jobs that arrived this close to the one replayed ...
@@ -116,12 +123,9 @@ class Draws:
                     half = max(0.0, job.latency_ms - job.queue_ms - job.service_ms) / 2.0
                     self._there[link].add(job.at, half)
                     self._back[link].add(job.at, half)
-            elif job.status == "ok" and not job.offloaded and job.ran_on == job.edge:
-                if job.service_ms <= 0:
-                    continue
+            elif _ran_on(job, job.edge):
                 self._edge[(job.edge, job.model)].add(job.at, job.service_ms, job.device_ms)
-                outside = job.latency_ms - job.queue_ms - job.service_ms
-                self._local_overhead[job.edge].add(job.at, max(0.0, outside))
+                self._local_overhead[job.edge].add(job.at, _outside(job))
         self._shape: dict[tuple[str, str], tuple[float, float]] = {}
         self._pool: dict[tuple[str, str], Samples] = {}
         for key, rows in spans.items():
@@ -134,32 +138,43 @@ class Draws:
             for samples in table.values():
                 samples.freeze()
 
-    def edge_ms(self, edge: str, model: str, at: float) -> tuple[float, float]:
+    def edge_ms(
+        self, edge: str, model: str, at: float, own: JobRecord | None = None
+    ) -> tuple[float, float]:
         """One job's run on ``edge``: its time on a compute thread, and the part the agent
         measures as its compute (decode, preprocess, inference: what its service-time
-        estimate learns from); ``at``: when the job arrived, s into the trace."""
+        estimate learns from); ``at``: when the job arrived, s into the trace; ``own``: the
+        job's record, when it is replayed as recorded."""
+        if own is not None and _ran_on(own, edge):
+            return own.service_ms, own.device_ms if own.device_ms is not None else own.service_ms
         samples = self._edge.get((edge, model))
         if samples:
             return samples.pick_both(self._rng, at)
         ms = self._edge_spec.get(edge, {}).get(model, DEFAULT_SERVICE_MS)
         return ms, ms
 
-    def admit_ms(self, edge: str, at: float) -> float:
+    def admit_ms(self, edge: str, at: float, own: JobRecord | None = None) -> float:
         """From a job's arrival at ``edge`` to its acceptance committed (0: not recorded)."""
+        if own is not None and own.accepted_ms is not None:
+            return own.accepted_ms
         samples = self._admit.get(edge)
         return samples.pick(self._rng, at) if samples else 0.0
 
-    def ask_ms(self, edge: str, at: float) -> tuple[float, bool]:
+    def ask_ms(self, edge: str, at: float, own: JobRecord | None = None) -> tuple[float, bool]:
         """How long a job of ``edge`` waited for the broker's placement answers, and whether
         the edge gave up waiting (``broker_timeout``); (0, False) when not recorded."""
+        if own is not None and own.placement_ms is not None:
+            return own.placement_ms, own.offload_code == "broker_timeout"
         samples = self._ask.get(edge)
         if not samples:
             return 0.0, False
         ms, gave_up = samples.pick_both(self._rng, at)
         return ms, gave_up > 0.5
 
-    def edge_overhead_ms(self, edge: str, at: float) -> float:
+    def edge_overhead_ms(self, edge: str, at: float, own: JobRecord | None = None) -> float:
         """What a local job spends on the edge besides waiting and computing."""
+        if own is not None and _ran_on(own, edge):
+            return _outside(own)
         samples = self._local_overhead.get(edge)
         return samples.pick(self._rng, at) if samples else 0.0
 
@@ -168,7 +183,9 @@ class Draws:
     ) -> float:
         """A batch of ``jobs`` on a worker of ``device_class``: the batch's shape (a fixed part
         and a part per job, fitted to every batch the trace saw), times how slow the
-        worker's batches were around ``at`` against that shape."""
+        worker's batches were around ``at`` against that shape. (Drawn even for a recorded
+        job's batch: the twin's batches are not the live ones, and a live batch's slowness
+        applied to each twin batch its first job leads misses more than it catches.)"""
         key = (device_class, model)
         factors = self._pool.get(key)
         if factors:
@@ -202,6 +219,17 @@ class Draws:
             "pool": sum(map(len, self._pool.values())),
             "links": sum(map(len, self._there.values())) + sum(map(len, self._back.values())),
         }
+
+
+def _ran_on(job: JobRecord, edge: str) -> bool:
+    """``job`` ran on ``edge`` and its time there was measured."""
+    return job.status == "ok" and not job.offloaded and job.ran_on == edge and job.service_ms > 0
+
+
+def _outside(job: JobRecord) -> float:
+    """A local job's time on its edge besides waiting and computing: its commit, its result
+    published."""
+    return max(0.0, job.latency_ms - job.queue_ms - job.service_ms)
 
 
 def _fit(rows: list[tuple[float, int, float]]) -> tuple[float, float]:

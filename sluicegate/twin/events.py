@@ -154,12 +154,14 @@ class Events:
     def conclude(
         self, job: Job, status: str, where: str | None, code: str | None, left_at: float
     ) -> None:
-        """The job's result leaves its edge at ``left_at``: the app has its outcome."""
+        """The job's result leaves its edge at ``left_at``: the app has its outcome. Its
+        latency is the app's: from its send, where the trace recorded the leg to the edge
+        (the request's ``sent-at``); the way back, which no node measures, is not in it."""
         if job.done:
             return
         job.done = True
         self.live -= 1
-        latency = (left_at - job.at) * 1000.0
+        latency = (left_at - job.at) * 1000.0 + (job.rec.inbound_ms or 0.0)
         deadline_ms = job.rec.deadline_ms
         in_time = status == "ok" and (deadline_ms is None or latency <= deadline_ms)
         offloaded = where is not None and where in self.workers
@@ -185,16 +187,16 @@ class Events:
     # -- what the edges' effects take (sluicegate.twin.carrier.World) ----------------------
 
     def admit_s(self, job: Job) -> float:
-        return self.draws.admit_ms(job.rec.edge, job.rec.at) / 1000.0
+        return self.draws.admit_ms(job.rec.edge, job.rec.at, job.own) / 1000.0
 
     def run_s(self, edge: SimEdge, job: Job) -> tuple[float, float]:
         """A run's time on a compute thread, and its compute as the agent measures it."""
-        wall, compute = self.draws.edge_ms(edge.spec.id, job.rec.model, job.rec.at)
+        wall, compute = self.draws.edge_ms(edge.spec.id, job.rec.model, job.rec.at, job.own)
         return wall / 1000.0, compute / 1000.0
 
     def overhead_s(self, edge: SimEdge, job: Job) -> float:
         """A local result's commit and publishing: its time on the edge after its run."""
-        return self.draws.edge_overhead_ms(edge.spec.id, job.rec.at) / 1000.0
+        return self.draws.edge_overhead_ms(edge.spec.id, job.rec.at, job.own) / 1000.0
 
     def ask(self, now: float, job: Job, attempt: int, reason: str, local_s: float) -> None:
         """An edge asks for a placement: the broker decides at once, and its answer reaches
@@ -202,7 +204,7 @@ class Events:
         timeout too, where a busy edge took the answer before its timer: the trace says
         which), or, where the edge gave up waiting (``broker_timeout``), never: the job
         stays, and the late placement is handed back."""
-        ms, late = self.draws.ask_ms(job.rec.edge, job.rec.at)
+        ms, late = self.draws.ask_ms(job.rec.edge, job.rec.at, job.own)
         delay = ms / 1000.0
         asked = Asked(job, attempt, job.request(reason, local_s), delay, late)
         if late:

@@ -118,6 +118,12 @@ class Job:
     result: tuple[str, str | None, str | None, float] | None = None
     done: bool = False
 
+    @property
+    def own(self) -> JobRecord | None:
+        """Its record, when it is the recorded job itself (not a burst's copy of it): its
+        own measured figures then stand for it (``sluicegate.twin.draws``)."""
+        return self.rec if self.job_id == self.rec.job_id else None
+
     def admission(self) -> AdmittedJob:
         """The job as the edge agent holds it once admitted (no image here)."""
         rec = self.rec

@@ -111,6 +111,8 @@ class JobRecord(_Record):
     # back too late to count still has it, and the replay learns that worker's times from it.
     worker_done_ms: float | None = None
     latency_ms: float = Field(0.0, ge=0.0)  # arrival at the edge to its result leaving the edge
+    # Its app's send (the request's sent-at) to its arrival at the edge (None: not stamped).
+    inbound_ms: float | None = Field(None, ge=0.0)
     queue_ms: float = Field(0.0, ge=0.0)  # waiting on the node that ran it
     service_ms: float = Field(0.0, ge=0.0)  # computing there (decode, preprocess, its batch)
     # Of a run on its edge, what the agent measured as its compute (decode, preprocess,
