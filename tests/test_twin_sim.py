@@ -454,3 +454,34 @@ def test_a_jobs_latency_counts_from_its_apps_send_where_the_trace_recorded_it() 
     assert outcomes["near"].where == outcomes["far"].where == "line-1-pc"
     assert (outcomes["near"].latency_ms, outcomes["near"].in_time) == (180.0, True)
     assert (outcomes["far"].latency_ms, outcomes["far"].in_time) == (205.0, False)
+
+
+def test_a_recorded_job_placed_where_it_ran_takes_its_own_way_there_and_back() -> None:
+    # Three offloaded jobs half a second apart, each with its own transfer to north-cpu-1
+    # and its own way back. Replayed on the same worker, each takes its own legs: their
+    # latencies differ from the live ones by the same amount (the worker's batch window),
+    # where draws would hand one job another's legs.
+    def offloaded(job_id: str, at: float, there: float, back: float) -> JobRecord:
+        done = 2.0 + there + 10.0  # placement answer, the way there, its batch
+        return _line_job(at, job_id, 35.0).model_copy(
+            update={
+                "status": "ok",
+                "ran_on": "north-cpu-1",
+                "offloaded": True,
+                "worker": "north-cpu-1",
+                "placement_ms": 2.0,
+                "worker_done_ms": done,
+                "service_ms": 10.0,
+                "latency_ms": done + back,
+            }
+        )
+
+    jobs = (
+        offloaded("a", 0.0, 3.0, 4.0),
+        offloaded("b", 0.5, 9.0, 1.0),
+        offloaded("c", 1.0, 6.0, 6.0),
+    )
+    outcomes = replay(trace.Trace(demo_trace(1.0).header, jobs)).outcomes
+    assert [o.where for o in outcomes] == ["north-cpu-1"] * 3
+    offsets = {round(o.latency_ms - j.latency_ms, 3) for o, j in zip(outcomes, jobs, strict=True)}
+    assert len(offsets) == 1, offsets

@@ -14,7 +14,8 @@ parameters' latency and bandwidth stand in.
 A recorded job replayed as it was recorded (not a burst's copy of it) takes its own figures
 where the trace holds them and it does here what it did live: its acceptance commit, its
 wait for the placement answers where it asked, its compute and its commit where it ran on
-its edge. Each is what that moment cost that job, and the order two jobs of one volley
+its edge, its way to the worker and its result's way back where its first attempt goes to the
+worker it ran on (a volley that a busy moment delayed is delayed whole, not scattered). Each is what that moment cost that job, and the order two jobs of one volley
 reached the queue in, which a draw would shuffle, is part of what the campus did. Other
 jobs draw.
 
@@ -194,13 +195,37 @@ class Draws:
         ms = spec_ms if spec_ms is not None else self._class_spec.get(key, DEFAULT_SERVICE_MS)
         return ms * jobs
 
-    def there_ms(self, origin_zone: str, worker_zone: str, payload_bytes: int, at: float) -> float:
+    def there_ms(
+        self,
+        origin_zone: str,
+        worker_zone: str,
+        payload_bytes: int,
+        at: float,
+        own: JobRecord | None = None,
+    ) -> float:
         """An offloaded job's way to the worker, from its placement answer: the edge's
         sending and the transfer."""
+        if own is not None and own.worker_done_ms is not None and own.service_ms > 0:
+            start = own.worker_done_ms - own.queue_ms - own.service_ms
+            return max(0.0, start - (own.placement_ms or 0.0))
         return self._leg(self._there, origin_zone, worker_zone, payload_bytes, at)
 
-    def back_ms(self, origin_zone: str, worker_zone: str, payload_bytes: int, at: float) -> float:
+    def back_ms(
+        self,
+        origin_zone: str,
+        worker_zone: str,
+        payload_bytes: int,
+        at: float,
+        own: JobRecord | None = None,
+    ) -> float:
         """Its result's way back, to when it leaves the edge."""
+        if (
+            own is not None
+            and own.worker_done_ms is not None
+            and own.offloaded
+            and own.status == "ok"
+        ):
+            return max(0.0, own.latency_ms - own.worker_done_ms)
         return self._leg(self._back, origin_zone, worker_zone, payload_bytes, at)
 
     def _leg(

@@ -324,8 +324,9 @@ class Events:
         worker = self.workers[worker_id]
         job.attempt, job.worker = attempt, worker_id
         args = (job.origin, worker.spec.zone, job.rec.bytes, job.rec.at)
-        there = self.draws.there_ms(*args) / 1000.0
-        job.back_s = self.draws.back_ms(*args) / 1000.0
+        own = job.own if job.rec.worker == worker_id and attempt == 1 else None
+        there = self.draws.there_ms(*args, own) / 1000.0
+        job.back_s = self.draws.back_ms(*args, own) / 1000.0
         self.at(now + there, self._reach, worker, job, attempt)
 
     def _back(self, now: float, job: Job, attempt: int, worker: str, status: str) -> None:
