@@ -14,10 +14,10 @@ parameters' latency and bandwidth stand in.
 A recorded job replayed as it was recorded (not a burst's copy of it) takes its own figures
 where the trace holds them and it does here what it did live: its acceptance commit, its
 wait for the placement answers where it asked, its compute and its commit where it ran on
-its edge, its way to the worker and its result's way back where its first attempt goes to the
-worker it ran on (a volley that a busy moment delayed is delayed whole, not scattered). Each is what that moment cost that job, and the order two jobs of one volley
-reached the queue in, which a draw would shuffle, is part of what the campus did. Other
-jobs draw.
+its edge, its way to the worker and its result's way back where its first attempt goes to
+the worker it ran on. Each is what that moment cost that job: the order two jobs of one
+volley reached the queue in, and a busy moment that delayed a volley's transfers together,
+which draws would shuffle and scatter, are part of what the campus did. Other jobs draw.
 
 A draw is taken among the samples of jobs that arrived within ``WINDOW_S`` of the job
 being replayed (when there are at least ``MIN_LOCAL`` of them), so the times follow what
