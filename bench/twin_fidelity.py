@@ -11,10 +11,9 @@ offloaded (5 points) and p99 latency (25 %). It also prints the live system's ow
 prediction error from the trace: each local job's predicted completion at admission
 against when it finished (the edges'), and each offloaded job's completion on its worker
 as the broker predicted it when it placed the job against when the worker finished it.
-And the apps' own legs (a job's latency at its app less its latency at its edge): to the
-edge, which the trace records from the request's sent-at, and back, which the replay takes
-from what the app reported of its previous result; with the jobs in time at their edge
-that were late at their app.
+And the apps' own legs, which no trace holds (their publish reaching the edge, the result
+reaching them: a job's latency at its app less its latency at its edge), with the jobs in
+time at their edge that were late at their app.
 
     .venv/bin/python bench/twin_fidelity.py                # about 90 s on 2 cores
     .venv/bin/python bench/twin_fidelity.py --rounds 1 --label-every 0
@@ -119,7 +118,7 @@ def one_round(redis_port: int, db: int, args: argparse.Namespace) -> dict[str, A
     observed["recorded_p99_ms"] = stats.percentile(edge_lat, 99)
     # The apps' own legs, which no trace holds: their publish reaching the edge and the
     # result reaching them (a job's latency at its app less its latency at its edge).
-    legs, inbound, outbound, reported, late_at_app = [], [], [], [], 0
+    legs, inbound, outbound, late_at_app = [], [], [], 0
     for j in trace.jobs:
         seen = tally.by_job.get(j.job_id)
         if seen is None:
@@ -128,8 +127,6 @@ def one_round(redis_port: int, db: int, args: argparse.Namespace) -> dict[str, A
         if j.inbound_ms is not None:  # the app's send to the edge, from its sent-at stamp
             inbound.append(j.inbound_ms)
             outbound.append(seen[0] - j.latency_ms - j.inbound_ms)
-        if j.app_back_ms is not None:  # the app's previous result's, as it reported it
-            reported.append(j.app_back_ms)
         in_time_here = j.status == "ok" and (j.deadline_ms is None or j.latency_ms <= j.deadline_ms)
         late_at_app += in_time_here and not seen[1]
     observed["apps_legs_p50_ms"] = stats.percentile(legs, 50) if legs else nan
@@ -138,8 +135,6 @@ def one_round(redis_port: int, db: int, args: argparse.Namespace) -> dict[str, A
     observed["inbound_p90_ms"] = stats.percentile(inbound, 90) if inbound else nan
     observed["outbound_p50_ms"] = stats.percentile(outbound, 50) if outbound else nan
     observed["outbound_p90_ms"] = stats.percentile(outbound, 90) if outbound else nan
-    observed["reported_p50_ms"] = stats.percentile(reported, 50) if reported else nan
-    observed["reported_p90_ms"] = stats.percentile(reported, 90) if reported else nan
     observed["late_at_app_only"] = late_at_app
     observed["joined"] = len(legs)
     s = summarise(replay(trace))
@@ -225,9 +220,8 @@ def main() -> None:
             f"{'':10}the apps' own legs: p50 {o['apps_legs_p50_ms']:.1f} p90 "
             f"{o['apps_legs_p90_ms']:.1f} ms (to the edge p50 {o['inbound_p50_ms']:.1f} p90 "
             f"{o['inbound_p90_ms']:.1f}, back p50 {o['outbound_p50_ms']:.1f} p90 "
-            f"{o['outbound_p90_ms']:.1f}, as the apps reported it p50 {o['reported_p50_ms']:.1f} "
-            f"p90 {o['reported_p90_ms']:.1f}); {o['late_at_app_only']} jobs in time at their "
-            "edge were late at their app"
+            f"{o['outbound_p90_ms']:.1f}); {o['late_at_app_only']} jobs in time at their edge "
+            "were late at their app"
         )
         for who, key, jobs in (
             ("edges'", "edge_prediction", "jobs run there"),

@@ -46,7 +46,6 @@ class Job:
     received_at: float
     deadline: float | None
     sent_at: float | None = None  # when the app sent it (its ``sent-at``), unix s
-    result_lag_ms: float | None = None  # its app's previous result's way back (result-lag-ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +61,7 @@ class RequestRefusal:
     model: str | None
 
 
-# More than this many user properties on a request is refused: a job needs eight at most.
+# More than this many user properties on a request is refused: a job needs seven at most.
 MAX_USER_PROPERTIES = 32
 
 
@@ -75,7 +74,6 @@ class _Props(BaseModel):
     deadline_ms: float | None = Field(None, alias=topics.PROP_DEADLINE_MS, gt=0)
     deadline_at: float | None = Field(None, alias=topics.PROP_DEADLINE_AT, gt=0)
     sent_at: float | None = Field(None, alias=topics.PROP_SENT_AT, gt=0)
-    result_lag_ms: float | None = Field(None, alias=topics.PROP_RESULT_LAG_MS, ge=0)
     priority: int = Field(DEFAULT_PRIORITY, alias=topics.PROP_PRIORITY, ge=0, le=9)
     data_class: str = Field(
         DEFAULT_DATA_CLASS,
@@ -88,7 +86,7 @@ class _Props(BaseModel):
         None, alias=topics.PROP_JOB_ID, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
     )
 
-    @field_validator("deadline_ms", "deadline_at", "sent_at", "result_lag_ms")
+    @field_validator("deadline_ms", "deadline_at", "sent_at")
     @classmethod
     def _finite(cls, value: float | None) -> float | None:
         if value is not None and not math.isfinite(value):
@@ -101,7 +99,6 @@ _ACCEPTS = {
     topics.PROP_DEADLINE_MS: "milliseconds from receipt, a number > 0",
     topics.PROP_DEADLINE_AT: "unix time in milliseconds, a number > 0",
     topics.PROP_SENT_AT: "unix time in milliseconds, a number > 0",
-    topics.PROP_RESULT_LAG_MS: "milliseconds, a number >= 0",
     topics.PROP_PRIORITY: "an integer 0 (lowest) to 9 (highest)",
     topics.PROP_DATA_CLASS: "lower-case letters, digits, '.', '_' or '-'",
     topics.PROP_JOB_ID: (
@@ -165,7 +162,7 @@ def admit(
             "bad_property",
             f"the request carries {len(msg.user_properties)} user properties; at most "
             f"{MAX_USER_PROPERTIES} are accepted (model, deadline-ms, deadline-at, priority, "
-            "data-class, job-id, sent-at, result-lag-ms and your own)",
+            "data-class, job-id, sent-at and your own)",
             raw.get(topics.PROP_MODEL),
         )
     try:
@@ -198,7 +195,6 @@ def admit(
         received_at=now,
         deadline=deadline,
         sent_at=props.sent_at / 1000.0 if props.sent_at is not None else None,
-        result_lag_ms=props.result_lag_ms,
     )
 
 

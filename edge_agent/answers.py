@@ -18,15 +18,13 @@ first, committed meanwhile; its message is acked only once the commit lands, so 
 between leaves the job awaiting that same attempt and the return unacked, and the same bytes
 go out again. So the only raw duplicate an app can see is the same result published again
 because the agent died before recording it; results carry ``job_id``, and the Python client
-drops them. Publishing waits in tasks of its own, never on the loop's path. Every answer
-carries its publish time (user property ``sent-at``), from which an app measures the way back.
+drops them. Publishing waits in tasks of its own, never on the loop's path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import Counter
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -36,7 +34,7 @@ from edge_agent.admission import Job, RequestRefusal
 from edge_agent.errors import OutboxError
 from edge_agent.outbox import Outbox
 from edge_agent.rules import Declined
-from sluicegate import topics, wire
+from sluicegate import wire
 from sluicegate.errors import PublishRefused, TransportError
 from sluicegate.transport import Message, Transport
 from sluicegate.vision.postprocess import Outputs as VisionOutputs
@@ -153,16 +151,9 @@ class Answers:
             self._transport.ack(msg)
 
     async def _out(
-        self,
-        topic: str,
-        corr: bytes | None,
-        payload: bytes,
-        job_id: str,
-        what: str,
-        left_at: float | None = None,
+        self, topic: str, corr: bytes | None, payload: bytes, job_id: str, what: str
     ) -> Outcome:
-        """Publish an answer QoS 1: acked, refused by the broker (for good), or lost. Its
-        ``sent-at`` is ``left_at`` (when the job's record says its result left), else now."""
+        """Publish an answer QoS 1: acked, refused by the broker (for good), or lost."""
         try:
             await self._transport.publish(
                 Message(
@@ -171,7 +162,6 @@ class Answers:
                     qos=1,
                     correlation_data=corr,
                     content_type=wire.RESULT_CONTENT_TYPE,
-                    user_properties=((topics.PROP_SENT_AT, _stamp(left_at)),),
                 ),
                 wait=True,
             )
@@ -197,29 +187,17 @@ class Answers:
         return self._track(self._send(job, payload))
 
     def publish(
-        self,
-        job: Job,
-        payload: bytes,
-        *,
-        record: bool,
-        sent: asyncio.Task[Outcome] | None = None,
-        left_at: float | None = None,
+        self, job: Job, payload: bytes, *, record: bool, sent: asyncio.Task[Outcome] | None = None
     ) -> None:
         """Publish a committed result to the job's (latest) destination, in a task (or, with
         ``sent``, wait for the forward already publishing it); with ``record``, mark it
-        delivered once the broker acked it. ``left_at``: when the job's record says it left."""
-        self._track(self._deliver(job, payload, record=record, sent=sent, left_at=left_at))
+        delivered once the broker acked it."""
+        self._track(self._deliver(job, payload, record=record, sent=sent))
 
     async def _deliver(
-        self,
-        job: Job,
-        payload: bytes,
-        *,
-        record: bool,
-        sent: asyncio.Task[Outcome] | None,
-        left_at: float | None,
+        self, job: Job, payload: bytes, *, record: bool, sent: asyncio.Task[Outcome] | None
     ) -> None:
-        outcome = await sent if sent is not None else await self._send(job, payload, left_at)
+        outcome = await sent if sent is not None else await self._send(job, payload)
         if not (outcome.final and record):
             return
         try:
@@ -227,11 +205,11 @@ class Answers:
         except OutboxError as exc:
             log.warning("could not record the delivery of job %s: %s", job.job_id, exc)
 
-    async def _send(self, job: Job, payload: bytes, left_at: float | None = None) -> Outcome:
+    async def _send(self, job: Job, payload: bytes) -> Outcome:
         """Publish a result QoS 1 (if lost, it stays undelivered on disk, and is published
         again after a restart)."""
         outcome = await self._out(
-            job.response_topic, job.correlation_data, payload, job.job_id, "result", left_at
+            job.response_topic, job.correlation_data, payload, job.job_id, "result"
         )
         self.undelivered += not outcome.final
         return outcome
@@ -255,9 +233,3 @@ class Answers:
     def cancel(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-
-
-def _stamp(at: float | None) -> str:
-    """``at`` (else now), unix ms: an answer's ``sent-at``, from which the app measures its
-    way back."""
-    return repr(round((time.time() if at is None else at) * 1000.0, 3))

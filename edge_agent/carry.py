@@ -362,8 +362,8 @@ class Carrier:
         if result.status == "ok":
             self._answers.finished[result.ran_on.kind] += 1
         sent = entry.forwarding if effect.sent else None
+        self._answers.publish(entry.job, payload, record=True, sent=sent)
         left_at = (entry.forwarded_at if sent is not None else None) or self._clock()
-        self._answers.publish(entry.job, payload, record=True, sent=sent, left_at=left_at)
         self.figures.concluded(entry.job, result, left_at=left_at)
         if self._trace is not None:
             self._record(entry, result, left_at)

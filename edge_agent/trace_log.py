@@ -63,7 +63,6 @@ def record_of(
         worker=on.node if ran and on.kind == "pool" else placed,
         latency_ms=_ms(left_at, job.received_at),
         inbound_ms=_ms(job.received_at, job.sent_at) if job.sent_at is not None else None,
-        app_back_ms=job.result_lag_ms,
         queue_ms=round(max(0.0, times.queue_ms), 3) if ran else 0.0,
         service_ms=round(max(0.0, times.total_ms - times.queue_ms), 3) if ran else 0.0,
         device_ms=round(times.device_ms, 3) if ran and on.kind == "edge" else None,
@@ -96,7 +95,6 @@ def refusal_of(job: Job, status: wire.Status, code: str, *, now: float) -> wire.
         status=status,
         latency_ms=_ms(now, job.received_at),
         inbound_ms=_ms(job.received_at, job.sent_at) if job.sent_at is not None else None,
-        app_back_ms=job.result_lag_ms,
         code=code,
     )
 

@@ -11,17 +11,12 @@ before dying may be published again after its restart. The client remembers the 
 has handed to callers (the most recent ``remember`` of them) and drops such a second result,
 counting it in ``duplicates``; a result nobody waits for any more (it came after a timeout)
 is counted in ``unmatched``.
-
-Each request carries its send time (``sent-at``) and the way back of the latest result, from
-its edge's publish to this client (``result-lag-ms``): the edge keeps both in the records
-the digital twin replays, so the twin counts deadlines as the app does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import threading
 import time
 import uuid
@@ -87,10 +82,6 @@ class AsyncClient:
         self._lost = asyncio.Event()
         self.unmatched = 0  # results for no waiting call: late, after a timeout
         self.duplicates = 0  # a second result for a job id already handed to a caller
-        # The latest result's way from its edge's publish (its sent-at) to its caller, ms;
-        # told to the edge with the next request (result-lag-ms), for the twin's trace.
-        self.result_lag_ms: float | None = None
-        self._stamps: dict[bytes, str] = {}  # a delivered result's sent-at, by correlation
         self._delivered: OrderedDict[str, None] = OrderedDict()  # job ids, oldest first
         self._remember = remember
 
@@ -127,9 +118,6 @@ class AsyncClient:
                 self.unmatched += 1  # late: the call has already finished
             return
         fut.set_result(result)
-        sent = msg.user_property(topics.PROP_SENT_AT)
-        if sent is not None and key is not None:
-            self._stamps[key] = sent
         self._delivered[result.job_id] = None
         self._delivered.move_to_end(result.job_id)
         if len(self._delivered) > self._remember:
@@ -148,7 +136,6 @@ class AsyncClient:
         timeout: float | None = None,
     ) -> wire.JobResult:
         """Submit one image and wait for its result (whatever its status)."""
-        submitted = repr(round(time.time() * 1000.0, 3))  # its sent-at: the app's clock starts
         payload, sniffed = encode_image(image)
         props: list[tuple[str, str]] = [(topics.PROP_MODEL, model)]
         if deadline_ms is not None:
@@ -160,9 +147,7 @@ class AsyncClient:
         if job_id is not None:
             props.append((topics.PROP_JOB_ID, job_id))
         correlation = uuid.uuid4().bytes
-        if self.result_lag_ms is not None:
-            props.append((topics.PROP_RESULT_LAG_MS, repr(round(self.result_lag_ms, 3))))
-        props.append((topics.PROP_SENT_AT, submitted))
+        props.append((topics.PROP_SENT_AT, repr(round(time.time() * 1000.0, 3))))
         fut: asyncio.Future[wire.JobResult] = asyncio.get_running_loop().create_future()
         self._pending[correlation] = fut
         wait_s = timeout if timeout is not None else self._default_timeout
@@ -178,20 +163,9 @@ class AsyncClient:
                     user_properties=tuple(props),
                 )
             )
-            result = await self._race(fut, wait_s)
-            self._lag(self._stamps.pop(correlation, None))
-            return result
+            return await self._race(fut, wait_s)
         finally:
             self._pending.pop(correlation, None)
-            self._stamps.pop(correlation, None)
-
-    def _lag(self, sent: str | None) -> None:
-        """The result's way from its edge's publish (its ``sent-at``) to the caller's hands,
-        the caller's own wake-up included."""
-        with contextlib.suppress(ValueError):  # an edge that does not stamp: nothing to tell
-            lag = time.time() * 1000.0 - float(sent) if sent is not None else math.nan
-            if math.isfinite(lag):
-                self.result_lag_ms = max(0.0, lag)
 
     async def _race(self, fut: asyncio.Future[wire.JobResult], wait_s: float) -> wire.JobResult:
         lost = asyncio.ensure_future(self._lost.wait())

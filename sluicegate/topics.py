@@ -27,10 +27,6 @@ PROP_JOB_ID = "job-id"
 # When the app sent it, unix ms on the app's clock (the client library stamps it): the edge
 # records the leg from the app to itself in its trace; it changes no decision.
 PROP_SENT_AT = "sent-at"
-# How long the app's previous result took from its edge's publish (the result's own sent-at,
-# which the edge stamps) to the app, ms, as the app reports it with its next request (the
-# client library does): the edge records it in its trace; it changes no decision.
-PROP_RESULT_LAG_MS = "result-lag-ms"
 # Further user properties on a work message (edge -> pool worker).
 PROP_TOKEN = "placement-token"
 PROP_MODEL_SHA256 = "model-sha256"  # the exact model file the edge runs

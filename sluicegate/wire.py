@@ -201,7 +201,6 @@ class TraceJob(_Wire):
     worker: str | None = None  # the pool worker it was last placed on (returned or not)
     latency_ms: float  # arrival to the result leaving this edge
     inbound_ms: float | None = None  # the app's send (its sent-at) to arrival; None: unstamped
-    app_back_ms: float | None = None  # its app's previous result's way back (result-lag-ms)
     queue_ms: float = 0.0  # waiting on the node that ran it
     service_ms: float = 0.0  # computing there
     device_ms: float | None = None  # of a run here: decode, preprocess and inference

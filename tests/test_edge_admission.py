@@ -99,10 +99,7 @@ def test_the_apps_send_time_is_kept_and_changes_no_deadline() -> None:
     assert job.deadline == pytest.approx(NOW + 0.2)  # still from receipt
     unstamped = _admit(_msg())
     assert isinstance(unstamped, Job)
-    assert (unstamped.sent_at, unstamped.result_lag_ms) == (None, None)
-    reported = _admit(_msg(result_lag_ms="3.25"))
-    assert isinstance(reported, Job)
-    assert reported.result_lag_ms == 3.25
+    assert unstamped.sent_at is None
 
 
 JOB_ID_RULE = "1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit"
@@ -156,7 +153,6 @@ def test_job_ids_outside_the_wire_contract_are_refused_naming_the_rule(job_id: s
             "'sent-at'='yesterday' is invalid: expected unix",
         ),
         (_msg(sent_at="inf"), "bad_property", "'sent-at'='inf'"),
-        (_msg(result_lag_ms="-1"), "bad_property", "'result-lag-ms'='-1' is invalid: expected"),
         (_msg(data_class="Wafer Images"), "bad_property", "'data-class'"),
         (_msg(b"GIF89a" + b"\x00" * 40), "bad_image", ""),
         (_msg(b"\xff\xd8\xff\xe0\x00"), "bad_image", ""),

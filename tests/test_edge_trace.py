@@ -134,11 +134,10 @@ def test_a_refused_request_is_recorded_as_an_arrival_that_never_ran() -> None:
 
 
 def test_the_leg_from_the_app_is_recorded_when_the_app_stamped_its_send() -> None:
-    stamped = replace(job(), sent_at=T0 - 0.0062, result_lag_ms=2.5)
+    stamped = replace(job(), sent_at=T0 - 0.0062)
     ran = result(EDGE_ON, queue=1.0, total=2.0)
     got = record_of(stamped, ran, left_at=T0 + 0.01, started=T0, sha256=None, predicted=None)
     assert got.inbound_ms == pytest.approx(6.2)
-    assert got.app_back_ms == 2.5  # the app's report of its previous result's way back
     assert refusal_of(stamped, "rejected", "queue_full", now=T0).inbound_ms == pytest.approx(6.2)
     # Unstamped: unknown, not zero; an app clock ahead of the edge's: no negative leg.
     assert (

@@ -358,11 +358,6 @@ def check_against_the_apps(trace: tr.Trace, seen: Seen) -> None:
         # app waited in all.
         assert job.inbound_ms is not None, job_id
         assert job.inbound_ms + job.latency_ms <= seen.app_ms[job_id], job_id
-    # Results carry their edge's publish time: each client tells its edge, with its next
-    # request, how long its latest result took to reach it.
-    reported = [j.app_back_ms for j in trace.jobs if j.app_back_ms is not None]
-    assert len(reported) >= len(trace.jobs) // 2
-    assert max(reported) < 1000  # ms: a result's way back on one machine
     assert all(j.batch >= 1 and j.service_ms > 0 for j in trace.jobs if j.offloaded)
     assert all(j.service_ms > 0 for j in trace.jobs if j.status == "ok")
     header = trace.header

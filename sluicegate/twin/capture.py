@@ -328,7 +328,6 @@ class Capture:
                 ),
                 latency_ms=rec.latency_ms,
                 inbound_ms=rec.inbound_ms,
-                app_back_ms=rec.app_back_ms,
                 queue_ms=queue_ms,
                 service_ms=service_ms,
                 device_ms=rec.device_ms,

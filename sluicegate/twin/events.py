@@ -155,15 +155,13 @@ class Events:
         self, job: Job, status: str, where: str | None, code: str | None, left_at: float
     ) -> None:
         """The job's result leaves its edge at ``left_at``: the app has its outcome. Its
-        latency is the app's where the trace recorded its legs: from its send (the request's
-        ``sent-at``) to its result's arrival, the way back taken as its app reported its
-        previous result's (``result-lag-ms``)."""
+        latency is the app's: from its send, where the trace recorded the leg to the edge
+        (the request's ``sent-at``); the way back, which no node measures, is not in it."""
         if job.done:
             return
         job.done = True
         self.live -= 1
-        rec = job.rec
-        latency = (left_at - job.at) * 1000.0 + (rec.inbound_ms or 0.0) + (rec.app_back_ms or 0.0)
+        latency = (left_at - job.at) * 1000.0 + (job.rec.inbound_ms or 0.0)
         deadline_ms = job.rec.deadline_ms
         in_time = status == "ok" and (deadline_ms is None or latency <= deadline_ms)
         offloaded = where is not None and where in self.workers

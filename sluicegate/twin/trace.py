@@ -113,9 +113,6 @@ class JobRecord(_Record):
     latency_ms: float = Field(0.0, ge=0.0)  # arrival at the edge to its result leaving the edge
     # Its app's send (the request's sent-at) to its arrival at the edge (None: not stamped).
     inbound_ms: float | None = Field(None, ge=0.0)
-    # Its app's previous result's way from its edge to the app, as the app reported it with
-    # this request (result-lag-ms; None: not reported): the replay's estimate of this job's.
-    app_back_ms: float | None = Field(None, ge=0.0)
     queue_ms: float = Field(0.0, ge=0.0)  # waiting on the node that ran it
     service_ms: float = Field(0.0, ge=0.0)  # computing there (decode, preprocess, its batch)
     # Of a run on its edge, what the agent measured as its compute (decode, preprocess,
