@@ -136,6 +136,7 @@ class AsyncClient:
         timeout: float | None = None,
     ) -> wire.JobResult:
         """Submit one image and wait for its result (whatever its status)."""
+        submitted = repr(round(time.time() * 1000.0, 3))  # its sent-at: the app's clock starts
         payload, sniffed = encode_image(image)
         props: list[tuple[str, str]] = [(topics.PROP_MODEL, model)]
         if deadline_ms is not None:
@@ -147,7 +148,7 @@ class AsyncClient:
         if job_id is not None:
             props.append((topics.PROP_JOB_ID, job_id))
         correlation = uuid.uuid4().bytes
-        props.append((topics.PROP_SENT_AT, repr(round(time.time() * 1000.0, 3))))
+        props.append((topics.PROP_SENT_AT, submitted))
         fut: asyncio.Future[wire.JobResult] = asyncio.get_running_loop().create_future()
         self._pending[correlation] = fut
         wait_s = timeout if timeout is not None else self._default_timeout
