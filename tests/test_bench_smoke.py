@@ -167,6 +167,11 @@ SMOKE = [
     ),
     Smoke("twin_replay.py", "--minutes 0.5 --rounds 1", ("jobs replayed",)),
     Smoke(
+        "learned_placement.py",
+        "--seconds 3 --train-rounds 1 --population 2",
+        ("held-out scenarios", "arms replayed"),
+    ),
+    Smoke(
         "usage_intake.py",
         "--messages 2 --rounds 1",
         ("sliced records acknowledged", "whole records acknowledged"),

@@ -45,6 +45,7 @@ _LOG_RATIO = math.log(BIN_RATIO)
 STAYED_LOCAL: dict[str, str] = {
     "": "not offered: the line PC expected to meet the deadline itself",
     "no_faster_worker": "no pool worker would have finished it sooner than the line PC",
+    "kept_local": "the learned placement policy kept it on the line PC, which had time for it",
     "no_capacity": "every worker allowed to run it was full",
     "seal_unavailable": "its class is confidential; no worker that fits has a listed sealing key",
     "no_worker": "no worker may run the model (none has it, none fits, or all are cordoned)",

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 RefusalCode = Literal[
-    "policy_denied", "no_worker", "no_capacity", "no_faster_worker", "seal_unavailable"
+    "policy_denied",
+    "no_worker",
+    "no_capacity",
+    "no_faster_worker",
+    "seal_unavailable",
+    "kept_local",  # a learned placement policy keeps it on its edge (broker.core.learned)
 ]
 
 # Filter reasons, in the order explanations list them.

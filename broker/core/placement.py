@@ -12,9 +12,10 @@ pool's zone in the policy; it has room (queued + running + reserved < capacity).
 Sub-healthy workers (the policy's rules over their latest telemetry) are candidates only
 when no healthy one is. With ``sealable`` (a confidential class: ``broker.core.sealing``),
 the ranked candidates it rejects are dropped, and a job none of them can be sealed for is
-refused ``seal_unavailable``. The best candidate has the lowest score (``broker.core.scoring``); it
-is taken only if it meets the deadline or beats the edge's own estimate
-(``broker.core.explain``).
+refused ``seal_unavailable``. The best candidate has the lowest score (``broker.core.scoring``), or
+comes first in a learned policy's order (``broker.core.learned``, which sees only the
+candidates every filter passed); it is taken only if it meets the deadline or beats the
+edge's own estimate (``broker.core.explain``).
 
 The fast path never looks at every worker: the fleet index keeps, per (model, zone, device
 class) bucket, its workers sorted by key; a route caches which buckets the policy allows for
@@ -38,6 +39,7 @@ from broker.core.decision import Candidate, Candidates, Decision, Placed, Refuse
 from broker.core.explain import conclude, conclude_ranked
 from broker.core.fleet import Fleet
 from broker.core.index import Bucket, Route, Slot
+from broker.core.learned import LearnedPolicy
 from broker.core.params import PlacementParams
 from broker.core.scoring import NO_NEEDS, OFFLINE, transfer_costs, wait_at
 from broker.core.sealing import SEAL_UNAVAILABLE
@@ -152,8 +154,11 @@ def decide(
     now: float,
     params: PlacementParams,
     sealable: Callable[[str], bool] | None = None,
+    learned: LearnedPolicy | None = None,
 ) -> Decision:
     """Where ``request`` should run under ``policy`` at ``now``; see the module docstring.
+    ``learned``: a learned placement policy orders the candidates that passed every filter,
+    and may keep the job on its edge (``broker.core.learned``).
 
     Syncs the fleet to ``policy`` (cheap when unchanged) and takes offline any worker
     silent for more than ``params.stale_after_s`` before deciding.
@@ -196,7 +201,17 @@ def decide(
         top = kept
     if top:
         # Placed or no_faster_worker: neither needs the refusal context below.
-        return conclude_ranked(request, now, [_candidate(item, now_ms) for item in top], summary)
+        order = [_candidate(item, now_ms) for item in top]
+        if learned is not None:
+            if learned.keeps(request, now):
+                return Refused(
+                    "kept_local",
+                    f"placement policy {learned.version} keeps the job on its edge: the edge "
+                    f"predicts {request.local_estimate_ms:.1f} ms there, within its deadline",
+                    Candidates(tuple(order), summary.eligible, summary.filtered),
+                )
+            order = learned.rank(request, now, order, params)
+        return conclude_ranked(request, now, order, summary)
     return conclude(
         request,
         policy,

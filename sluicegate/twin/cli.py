@@ -312,3 +312,48 @@ def from_audit(
         f"{len(trace.jobs)} offered jobs from {chain.count} verified audit records "
         f"({len(edges)} edges, {len(workers)} workers) -> {out}"
     )
+
+
+@twin_app.command("train")
+def train_policy(
+    trace: Annotated[
+        list[Path], typer.Option(help="A trace to train on (repeat: several); each is perturbed.")
+    ],
+    out: Annotated[Path, typer.Option(help="The policy file to write (its .sha256 beside it).")],
+    rounds: Annotated[int, typer.Option(help="Cross-entropy rounds.")] = 6,
+    population: Annotated[int, typer.Option(help="Policies tried each round.")] = 12,
+    seed: SeedOption = 0,
+    version: Annotated[str, typer.Option(help="The version the policy file names.")] = "1",
+) -> None:
+    """Train a placement policy in the twin on traces and their perturbations (bursts of
+    2x to 6x, a slow or lost worker, a slow link), against the heuristic's figures on the
+    same scenarios; write it with its sha256 manifest."""
+    from broker.core.learned import save
+    from sluicegate.errors import EXPECTED
+    from sluicegate.twin.trace import read
+    from sluicegate.twin.train import perturbations, train
+
+    if rounds < 1 or population < 2:
+        _fail("--rounds is at least 1 and --population at least 2")
+    try:
+        scenarios = [s for path in trace for s in perturbations(read(path)[0], path.name)]
+
+        def say(r: int, reward: float, _policy: object) -> None:
+            typer.echo(f"round {r + 1}/{rounds}: best reward {reward:+.4f}", err=True)
+
+        policy, reward = train(
+            scenarios,
+            rounds=rounds,
+            population=population,
+            elite=max(2, population // 4),
+            seed=seed,
+            version=version,
+            progress=say,
+        )
+        digest = save(policy, out)
+    except EXPECTED as exc:
+        _fail(str(exc))
+    typer.echo(
+        f"{out}: reward {reward:+.4f} over {len(scenarios)} scenarios against the heuristic, "
+        f"sha256 {digest}"
+    )

@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from broker.core.learned import LearnedPolicy
 from broker.core.params import PlacementParams
 from center_pool.batching import BatchQueue
 from center_pool.hardware import Sample
@@ -62,6 +63,7 @@ class Change:
     burst: int = 1  # each arrival this many times, spread over the gap to the next one
     fail: tuple[tuple[str, float], ...] = ()  # (worker, seconds into the trace) it is lost
     strategy: Strategy = "ours"
+    learned: LearnedPolicy | None = None  # ours, ordering its candidates by a learned policy
 
 
 @dataclass(frozen=True, slots=True)
