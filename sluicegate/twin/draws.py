@@ -104,7 +104,6 @@ class Draws:
         for job in trace.jobs:
             if job.accepted_ms is not None:
                 self._admit[job.edge].add(job.at, job.accepted_ms)
-            asked = job.placement_ms or 0.0
             if job.placement_ms is not None:
                 gave_up = 1.0 if job.offload_code == "broker_timeout" else 0.0
                 self._ask[job.edge].add(job.at, job.placement_ms, gave_up)
@@ -114,12 +113,11 @@ class Draws:
                 # Every job a worker ran counts, also one whose result came back too late.
                 spans[(worker_class[worker], job.model)].append((job.at, job.batch, job.service_ms))
                 link = link_class(edge_zone[job.edge], worker_zone[worker], params.campus_prefix)
-                done = job.worker_done_ms
-                if done is not None:
-                    start = done - job.queue_ms - job.service_ms  # on the worker
-                    self._there[link].add(job.at, max(0.0, start - asked))
-                    if job.offloaded and job.status == "ok":
-                        self._back[link].add(job.at, max(0.0, job.latency_ms - done))
+                there, back = _way_there(job), _way_back(job)
+                if there is not None:
+                    self._there[link].add(job.at, there)
+                    if back is not None:
+                        self._back[link].add(job.at, back)
                 elif job.offloaded and job.status == "ok":  # no completion heard: halves
                     half = max(0.0, job.latency_ms - job.queue_ms - job.service_ms) / 2.0
                     self._there[link].add(job.at, half)
@@ -205,9 +203,9 @@ class Draws:
     ) -> float:
         """An offloaded job's way to the worker, from its placement answer: the edge's
         sending and the transfer."""
-        if own is not None and own.worker_done_ms is not None and own.service_ms > 0:
-            start = own.worker_done_ms - own.queue_ms - own.service_ms
-            return max(0.0, start - (own.placement_ms or 0.0))
+        there = _way_there(own) if own is not None else None
+        if there is not None:
+            return there
         return self._leg(self._there, origin_zone, worker_zone, payload_bytes, at)
 
     def back_ms(
@@ -219,13 +217,9 @@ class Draws:
         own: JobRecord | None = None,
     ) -> float:
         """Its result's way back, to when it leaves the edge."""
-        if (
-            own is not None
-            and own.worker_done_ms is not None
-            and own.offloaded
-            and own.status == "ok"
-        ):
-            return max(0.0, own.latency_ms - own.worker_done_ms)
+        back = _way_back(own) if own is not None else None
+        if back is not None:
+            return back
         return self._leg(self._back, origin_zone, worker_zone, payload_bytes, at)
 
     def _leg(
@@ -244,6 +238,23 @@ class Draws:
             "pool": sum(map(len, self._pool.values())),
             "links": sum(map(len, self._there.values())) + sum(map(len, self._back.values())),
         }
+
+
+def _way_there(job: JobRecord) -> float | None:
+    """From its placement answer to its run's start on the worker (from the worker's
+    completion record), or None where no completion was heard."""
+    if job.worker_done_ms is None or job.service_ms <= 0:
+        return None
+    start = job.worker_done_ms - job.queue_ms - job.service_ms
+    return max(0.0, start - (job.placement_ms or 0.0))
+
+
+def _way_back(job: JobRecord) -> float | None:
+    """From its worker's completion to its result leaving the edge, for a job that came back
+    in time; else None."""
+    if job.worker_done_ms is None or not (job.offloaded and job.status == "ok"):
+        return None
+    return max(0.0, job.latency_ms - job.worker_done_ms)
 
 
 def _ran_on(job: JobRecord, edge: str) -> bool:
