@@ -29,14 +29,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import stats
 from broker.core.learned import LearnedPolicy, load
 from sluicegate.app.twin_demo import demo_trace
-from sluicegate.twin.trace import read
+from sluicegate.twin.nodes import STRATEGIES
+from sluicegate.twin.trace import Trace, read
 from sluicegate.twin.train import Scenario, Score, off_site_of, perturbations, run, score, train
 
 ARMS = ("learned", "heuristic", "least-loaded", "round-robin", "edge-only")
 HELD_OUT_SEEDS = (101, 202)  # the training below uses 1 and 2
 
 
-def _demo(seconds: float, seed: int) -> object:
+def _demo(seconds: float, seed: int) -> Trace:
     third = seconds / 3.0
     return demo_trace(
         seconds, bursts=((third * 0.5, third * 0.6), (third * 2.0, third * 0.6)), seed=seed
@@ -47,9 +48,7 @@ def _policy(args: argparse.Namespace) -> LearnedPolicy:
     if args.policy is not None:
         return load(args.policy)
     scenarios = [
-        s
-        for seed in (1, 2)
-        for s in perturbations(_demo(args.seconds, seed), f"train-{seed}")  # type: ignore[arg-type]
+        s for seed in (1, 2) for s in perturbations(_demo(args.seconds, seed), f"train-{seed}")
     ]
     policy, reward = train(scenarios, rounds=args.train_rounds, population=args.population, seed=0)
     print(f"trained here: {len(scenarios)} scenarios, reward {reward:+.4f} against the heuristic")
@@ -60,7 +59,8 @@ def _arm(s: Scenario, arm: str, policy: LearnedPolicy) -> Score:
     off = off_site_of(s.trace)
     if arm == "learned":
         return score(run(s, policy), off)
-    return score(run(s, None, "ours" if arm == "heuristic" else arm), off)
+    strategy = next(x for x in STRATEGIES if x == ("ours" if arm == "heuristic" else arm))
+    return score(run(s, None, strategy), off)
 
 
 def main() -> None:
@@ -75,7 +75,7 @@ def main() -> None:
     policy = _policy(args)
     held: list[Scenario] = []
     for seed in HELD_OUT_SEEDS:
-        held += perturbations(_demo(args.seconds, seed), f"demo seed {seed}")  # type: ignore[arg-type]
+        held += perturbations(_demo(args.seconds, seed), f"demo seed {seed}")
     for path in args.trace:
         held += perturbations(read(path)[0], path.name)
     figures: dict[str, list[Score]] = {arm: [_arm(s, arm, policy) for s in held] for arm in ARMS}

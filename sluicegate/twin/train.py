@@ -28,7 +28,7 @@ import numpy as np
 
 from broker.core.learned import FEATURES, HEURISTIC, LearnedPolicy
 from broker.core.params import PlacementParams
-from sluicegate.twin.nodes import Change, Result
+from sluicegate.twin.nodes import Change, Result, Strategy
 from sluicegate.twin.sim import replay
 from sluicegate.twin.trace import Trace
 
@@ -64,8 +64,8 @@ def score(result: Result, off_site_workers: frozenset[str]) -> Score:
     )
 
 
-def run(scenario: Scenario, policy: LearnedPolicy | None, strategy: str = "ours") -> Result:
-    change = replace(scenario.change, learned=policy, strategy=strategy)  # type: ignore[arg-type]
+def run(scenario: Scenario, policy: LearnedPolicy | None, strategy: Strategy = "ours") -> Result:
+    change = replace(scenario.change, learned=policy, strategy=strategy)
     return replay(scenario.trace, change, seed=scenario.seed)
 
 
