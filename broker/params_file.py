@@ -3,7 +3,9 @@
 Without ``[broker] placement_file`` the parameters come from the broker's settings
 (``PlacementParams.from_settings``). With it, they are that TOML file's: the fields of
 ``broker.core.params.PlacementParams`` (link latency and bandwidth per link class, the
-campus prefix, staleness, explanation depth), each field left out at its default: the file
+campus prefix, staleness, explanation depth, and ``[learned]``: a learned placement policy's
+file and its pinned sha256, ``broker.core.learned.inline``), each field left out at its
+default: the file
 ``sluicegate twin run --params`` rehearses, so the digest a verdict binds is the digest of
 what the broker runs. Its verdict, if any, lies beside it as ``<file>.verdict`` (what
 ``sluicegate twin verdict --params FILE --out FILE.verdict`` writes).
@@ -31,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from broker.core.learned import inline
 from broker.core.params import FleetParams, PlacementParams
 from broker.core.shadow import Shadow
 from broker.errors import InvalidParams
@@ -77,7 +80,7 @@ def read_placement_file(path: Path) -> PlacementParams:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"placement file {path}: not valid TOML ({exc})") from exc
     try:
-        return PlacementParams.from_mapping(data)
+        return PlacementParams.from_mapping(inline(data, path.parent))
     except InvalidParams as exc:
         raise ConfigError(f"placement file {path}: {exc}") from exc
 

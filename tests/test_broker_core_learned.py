@@ -4,6 +4,7 @@ edge, and it is loaded only as the file its manifest names."""
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 
 from broker.core.decision import Placed, Refused
 from broker.core.learned import FEATURES, HEURISTIC, LearnedPolicy, digest_path, load, save
+from broker.core.params import PlacementParams
 from broker.core.placement import decide
 from broker.errors import InvalidParams
 from tests.test_broker_core_kit import (
@@ -28,6 +30,10 @@ from tests.test_broker_core_kit import (
 POLICY = campus_policy()
 OFF_SITE = FEATURES.index("off_site")
 LOAD = FEATURES.index("load")
+
+
+def _with(policy: LearnedPolicy) -> PlacementParams:
+    return replace(PARAMS, learned=policy)
 
 
 def _weights(**named: float) -> tuple[float, ...]:
@@ -52,7 +58,7 @@ def test_the_heuristic_as_a_policy_places_where_the_rules_do() -> None:
         for data_class in ("wafer-image", "ocr-crop"):
             req = request(data_class=data_class, deadline_at=NOW + 0.5)
             plain = decide(_fleet(loads), req, POLICY, now=NOW, params=PARAMS)
-            learned = decide(_fleet(loads), req, POLICY, now=NOW, params=PARAMS, learned=HEURISTIC)
+            learned = decide(_fleet(loads), req, POLICY, now=NOW, params=_with(HEURISTIC))
             assert isinstance(plain, Placed)
             assert isinstance(learned, Placed)
             assert learned.worker_id == plain.worker_id
@@ -62,20 +68,16 @@ def test_weights_reorder_the_allowed_workers_and_never_reach_a_forbidden_one() -
     # A policy that wants off-site workers above all: an ocr crop (allowed off site) goes
     # there; a wafer image (campus only) never does, however much the weights want it.
     keen = LearnedPolicy(_weights(off_site=-100.0))
-    ocr = decide(
-        _fleet(), request(data_class="ocr-crop"), POLICY, now=NOW, params=PARAMS, learned=keen
-    )
+    ocr = decide(_fleet(), request(data_class="ocr-crop"), POLICY, now=NOW, params=_with(keen))
     assert isinstance(ocr, Placed)
     assert ocr.worker_id == "cloud-1"
-    wafer = decide(
-        _fleet(), request(data_class="wafer-image"), POLICY, now=NOW, params=PARAMS, learned=keen
-    )
+    wafer = decide(_fleet(), request(data_class="wafer-image"), POLICY, now=NOW, params=_with(keen))
     assert isinstance(wafer, Placed)
     assert wafer.worker_id != "cloud-1"
     # One that prefers the emptier worker over the faster one.
     light = LearnedPolicy(_weights(load=1.0))
     loads = {"gpu-1": {"queue_depth": 8, "capacity": 16}}
-    chosen = decide(_fleet(loads), request(), POLICY, now=NOW, params=PARAMS, learned=light)
+    chosen = decide(_fleet(loads), request(), POLICY, now=NOW, params=_with(light))
     assert isinstance(chosen, Placed)
     assert chosen.worker_id == "npu-1"
 
@@ -83,17 +85,15 @@ def test_weights_reorder_the_allowed_workers_and_never_reach_a_forbidden_one() -
 def test_a_policy_keeps_a_job_its_edge_meets_with_room_to_spare() -> None:
     keeper = LearnedPolicy(HEURISTIC.weights, keep_share=0.5)
     roomy = request(deadline_at=NOW + 0.2, local_estimate_ms=60.0)
-    kept = decide(_fleet(), roomy, POLICY, now=NOW, params=PARAMS, learned=keeper)
+    kept = decide(_fleet(), roomy, POLICY, now=NOW, params=_with(keeper))
     assert isinstance(kept, Refused)
     assert kept.code == "kept_local"
     assert "60.0 ms" in kept.reason
     tight = request(deadline_at=NOW + 0.2, local_estimate_ms=150.0)
-    assert isinstance(
-        decide(_fleet(), tight, POLICY, now=NOW, params=PARAMS, learned=keeper), Placed
-    )
+    assert isinstance(decide(_fleet(), tight, POLICY, now=NOW, params=_with(keeper)), Placed)
     # The rules come first: a class the policy sends nowhere is refused as before.
     nowhere = request(data_class="secret", deadline_at=NOW + 0.2, local_estimate_ms=1.0)
-    refused = decide(_fleet(), nowhere, POLICY, now=NOW, params=PARAMS, learned=keeper)
+    refused = decide(_fleet(), nowhere, POLICY, now=NOW, params=_with(keeper))
     assert isinstance(refused, Refused)
     assert refused.code == "policy_denied"
 
@@ -136,3 +136,14 @@ def test_a_policy_for_other_features_is_refused(tmp_path: Path) -> None:
     digest_path(path).write_text(f"{hashlib.sha256(text.encode()).hexdigest()}  old.json\n")
     with pytest.raises(InvalidParams, match="retrain it"):
         load(path)
+
+
+def test_a_learned_policy_rides_the_placement_parameters_and_their_digest() -> None:
+    plain = PlacementParams()
+    learned = _with(LearnedPolicy(_weights(predicted=1.0, off_site=0.5), 0.2, "3"))
+    assert "learned" not in plain.describe()  # the digest of a set without one is unchanged
+    again = PlacementParams.from_mapping(learned.describe())
+    assert again == learned
+    assert again.digest() == learned.digest() != replace(PARAMS, learned=None).digest()
+    with pytest.raises(InvalidParams, match="placement policy learned"):
+        PlacementParams.from_mapping({"learned": {"format": "other"}})

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import redis
 
-from broker.params_file import verdict_path
+from broker.core.learned import FEATURES, LearnedPolicy, save
+from broker.params_file import read_placement_file, verdict_path
 from broker.run import serve
 from policies.audit import decode_record
 from policies.redis_stores import RedisStreamAuditStore, audit_stream_key
@@ -24,6 +25,7 @@ from sluicegate.app.broker_http import get_json, token_beside
 from sluicegate.app.campus import Campus, write_campus
 from sluicegate.app.servers import ServerProcess, free_port
 from sluicegate.config import Settings, load_settings
+from sluicegate.errors import ConfigError
 from sluicegate.twin.rehearse import read_params
 from tests.policies.policy_testkit import key
 from tests.support import PlainClient, ServiceThread, params_verdict, wait_until
@@ -161,3 +163,49 @@ def test_a_shadow_candidate_decides_beside_production_and_never_acts(
     ]
     assert all(d["forbidden"] for d in shown["recent_differences"])
     assert "policy v1" in shown["candidate"]
+
+
+def test_a_learned_placement_policy_in_the_placement_file_orders_what_the_rules_allow(
+    tmp_path: Path, mosquitto: ServerProcess, fresh_redis_db: Callable[[], str]
+) -> None:
+    # A policy that wants off-site workers above all, pinned by its sha256 in the placement
+    # file: ocr crops (allowed off site) go to the cloud worker the heuristic would pass
+    # over; wafer images (campus only) still never leave.
+    _, campus = _campus(tmp_path, mosquitto, fresh_redis_db(), workers=WORKERS)
+    away = LearnedPolicy(
+        tuple(-100.0 if f == "off_site" else 0.0 for f in FEATURES), version="away"
+    )
+    digest = save(away, tmp_path / "away.json")
+    placement = tmp_path / "placement.toml"
+    placement.write_text(f'[learned]\nfile = "away.json"\nsha256 = "{digest}"\n')
+    settings = load_settings(
+        campus.node_config("broker-1"),
+        broker={"http_port": free_port(), "placement_file": str(placement)},
+    )
+    thread = _run_broker(settings)
+    workers = WorkerPlayer(mosquitto.port)
+    try:
+        cpu = ["CPUExecutionProvider"]
+        for worker in ("north-a", "cloud-1"):
+            workers.capabilities(worker, providers=cpu)
+            workers.telemetry(worker)
+
+        def both_known() -> bool:
+            listed = {w["id"]: w for w in _get(settings, "/fleet")["workers"]}
+            return all(listed.get(w, {}).get("online") for w in ("north-a", "cloud-1"))
+
+        wait_until(both_known)
+        crop = ask(mosquitto, data_class="ocr-crop")
+        wafer = ask(mosquitto, data_class="wafer-image")
+        shown = _get(settings, "/placement")
+    finally:
+        workers.client.close()
+        thread.stop()
+    assert (crop.status, crop.worker_id) == ("placed", "cloud-1")
+    assert (wafer.status, wafer.worker_id) == ("placed", "north-a")
+    assert shown["params"]["learned"]["version"] == "away"
+    assert shown["digest"] == read_params(placement).digest()
+    # A placement file pinning another sha256 is a configuration error, named.
+    placement.write_text('[learned]\nfile = "away.json"\nsha256 = "00"\n')
+    with pytest.raises(ConfigError, match="pins '00'"):
+        read_placement_file(placement)

@@ -20,7 +20,6 @@ from typing import Generic, TypeVar
 
 from broker.core.decision import Decision
 from broker.core.fleet import Fleet
-from broker.core.learned import LearnedPolicy
 from broker.core.params import PlacementParams
 from broker.core.placement import Placed, decide
 from policies.model import Policy
@@ -72,12 +71,11 @@ def decide_turn(
     hold: Callable[[T, float], bool],
     sealable: Callable[[PlacementRequest], Callable[[str], bool] | None],
     beside: Callable[[PlacementRequest, Decision], None] | None = None,
-    learned: LearnedPolicy | None = None,
 ) -> Turn[T]:
     """Decide ``items`` in order; ``hold(item, now)`` offers one that found no room to the
     waiting room (True: it waits there); ``sealable(request)``: the workers its images may
     be sealed to (``broker.core.sealing.sealable_in``); ``beside`` sees every decision
-    (the shadow candidate); ``learned``: the placement policy ordering the candidates."""
+    (the shadow candidate)."""
     turn: Turn[T] = Turn()
     for item in items:
         if policy is None:
@@ -91,7 +89,6 @@ def decide_turn(
             now=now,
             params=params,
             sealable=sealable(request),
-            learned=learned,
         )
         if beside is not None:
             beside(request, decision)

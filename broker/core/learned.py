@@ -24,14 +24,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from broker.core.decision import Candidate
-from broker.core.params import OFF_SITE, SAME_ZONE, PlacementParams
-from broker.core.scoring import link_class
+from broker.core.links import OFF_SITE, SAME_ZONE, link_class
 from broker.errors import InvalidParams
 from sluicegate.wire_pool import PlacementRequest
 
@@ -77,18 +76,17 @@ class LearnedPolicy:
         request: PlacementRequest,
         now: float,
         ranked: Sequence[Candidate],
-        params: PlacementParams,
+        campus_prefix: str,
     ) -> list[Candidate]:
         """``ranked`` (the rules' survivors) in this policy's order, best first."""
         left = _left_ms(request, now)
-        keyed = [
-            (self.score(c, request.origin_zone, left, params), i, c) for i, c in enumerate(ranked)
-        ]
+        origin = request.origin_zone
+        keyed = [(self.score(c, origin, left, campus_prefix), i, c) for i, c in enumerate(ranked)]
         keyed.sort()
         return [c for _s, _i, c in keyed]
 
-    def score(self, c: Candidate, origin: str, left_ms: float, params: PlacementParams) -> float:
-        link = link_class(origin, c.zone, params.campus_prefix)
+    def score(self, c: Candidate, origin: str, left_ms: float, campus_prefix: str) -> float:
+        link = link_class(origin, c.zone, campus_prefix)
         w = self.weights
         return (
             w[0] * c.predicted_ms / left_ms
@@ -111,6 +109,29 @@ class LearnedPolicy:
         if request.deadline_at is None:
             return False
         return request.local_estimate_ms <= self.keep_share * _left_ms(request, now)
+
+    @classmethod
+    def from_mapping(cls, doc: Any, where: str) -> LearnedPolicy:
+        """A policy from its plain data (:meth:`describe`'s); :class:`InvalidParams` naming
+        ``where`` and the problem."""
+        try:
+            if doc.get("format") != FORMAT:
+                raise InvalidParams(f"placement policy {where}: format {doc.get('format')!r}")
+            if list(doc["features"]) != list(FEATURES):
+                raise InvalidParams(
+                    f"placement policy {where}: features {doc['features']} are not "
+                    f"{list(FEATURES)}; retrain it for this broker"
+                )
+            return cls(
+                tuple(float(w) for w in doc["weights"]),
+                float(doc.get("keep_share", 0.0)),
+                str(doc.get("version", "0")),
+                dict(doc.get("trained", {})),
+            )
+        except (AttributeError, ValueError, KeyError, TypeError) as exc:
+            raise InvalidParams(
+                f"placement policy {where}: not a placement policy ({exc})"
+            ) from exc
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -161,18 +182,28 @@ def load(path: Path) -> LearnedPolicy:
         )
     try:
         doc = json.loads(data)
-        if doc.get("format") != FORMAT:
-            raise InvalidParams(f"placement policy {path}: format {doc.get('format')!r}")
-        if list(doc["features"]) != list(FEATURES):
-            raise InvalidParams(
-                f"placement policy {path}: features {doc['features']} are not "
-                f"{list(FEATURES)}; retrain it for this broker"
-            )
-        return LearnedPolicy(
-            tuple(float(w) for w in doc["weights"]),
-            float(doc.get("keep_share", 0.0)),
-            str(doc.get("version", "0")),
-            dict(doc.get("trained", {})),
+    except ValueError as exc:
+        raise InvalidParams(f"placement policy {path}: not JSON ({exc})") from exc
+    return LearnedPolicy.from_mapping(doc, str(path))
+
+
+def inline(data: Mapping[str, Any], base: Path) -> dict[str, Any]:
+    """A placement file's data (``[learned] file = ..., sha256 = ...``, the file relative to
+    ``base``) with the policy it names loaded inline, once the file matches both its
+    manifest and the sha256 pinned here, so the placement file's digest (what a twin
+    verdict binds) covers the weights. Data without such an entry is returned as it is."""
+    entry = data.get("learned")
+    if not isinstance(entry, Mapping) or "file" not in entry:
+        return dict(data)
+    unknown = sorted(set(entry) - {"file", "sha256"})
+    if unknown:
+        raise InvalidParams(f"[learned]: unknown {', '.join(unknown)}; known: file, sha256")
+    path = base / str(entry["file"])
+    policy = load(path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if entry.get("sha256") != digest:
+        raise InvalidParams(
+            f"[learned] file {path} has sha256 {digest}; the placement file pins "
+            f'{entry.get("sha256")!r}: pin the file you mean (sha256 = "{digest}")'
         )
-    except (ValueError, KeyError, TypeError) as exc:
-        raise InvalidParams(f"placement policy {path}: not a placement policy ({exc})") from exc
+    return {**data, "learned": policy.describe()}

@@ -17,13 +17,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from broker.core.learned import LearnedPolicy
+from broker.core.links import LINK_NAMES
 from broker.errors import InvalidParams
 from policies.canonical import canonical_json
 from sluicegate.config import BrokerSettings
-
-# Link classes between the job's origin zone and a worker's zone.
-SAME_ZONE, SAME_SITE, OFF_SITE = 0, 1, 2
-LINK_NAMES = ("same zone", "on campus", "off site")
 
 
 def _check(name: str, value: float, low: float, high: float = math.inf) -> None:
@@ -95,6 +93,9 @@ class PlacementParams:
     campus_prefix: str = "campus"  # zones under "<campus_prefix>/" are on site
     stale_after_s: float = 3.0  # a worker silent this long is offline (3 intervals)
     top_k: int = 3  # ranked candidates kept in each explanation
+    # A learned placement policy ordering the candidates every filter passed, and keeping a
+    # job on its edge when it says so (broker.core.learned); None: the heuristic alone.
+    learned: LearnedPolicy | None = None
 
     def __post_init__(self) -> None:
         for table in ("link_latency_ms", "link_mb_per_s"):
@@ -130,14 +131,23 @@ class PlacementParams:
         values: dict[str, Any] = {
             k: tuple(v) if isinstance(v, list) else v for k, v in data.items()
         }
+        if values.get("learned") is not None:
+            values["learned"] = LearnedPolicy.from_mapping(values["learned"], "learned")
         try:
             return cls(**values)
         except TypeError as exc:  # a link table of the wrong length, a string for a number
             raise InvalidParams(str(exc)) from exc
 
     def describe(self) -> dict[str, object]:
-        """The parameters as plain data, for the HTTP API and audit records."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The parameters as plain data, for the HTTP API and audit records; a learned
+        policy's weights inline, and none named when there is none (so the digest of a
+        parameter set without one is what it was before policies could be learned)."""
+        out: dict[str, object] = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.learned is None:
+            del out["learned"]
+        else:
+            out["learned"] = self.learned.describe()
+        return out
 
     def digest(self) -> str:
         """The identity of this parameter set (what a twin verdict is bound to): sha256 of

@@ -39,7 +39,6 @@ from broker.core.decision import Candidate, Candidates, Decision, Placed, Refuse
 from broker.core.explain import conclude, conclude_ranked
 from broker.core.fleet import Fleet
 from broker.core.index import Bucket, Route, Slot
-from broker.core.learned import LearnedPolicy
 from broker.core.params import PlacementParams
 from broker.core.scoring import NO_NEEDS, OFFLINE, transfer_costs, wait_at
 from broker.core.sealing import SEAL_UNAVAILABLE
@@ -154,11 +153,10 @@ def decide(
     now: float,
     params: PlacementParams,
     sealable: Callable[[str], bool] | None = None,
-    learned: LearnedPolicy | None = None,
 ) -> Decision:
     """Where ``request`` should run under ``policy`` at ``now``; see the module docstring.
-    ``learned``: a learned placement policy orders the candidates that passed every filter,
-    and may keep the job on its edge (``broker.core.learned``).
+    ``params.learned``: a learned placement policy orders the candidates that passed every
+    filter, and may keep the job on its edge (``broker.core.learned``).
 
     Syncs the fleet to ``policy`` (cheap when unchanged) and takes offline any worker
     silent for more than ``params.stale_after_s`` before deciding.
@@ -202,6 +200,7 @@ def decide(
     if top:
         # Placed or no_faster_worker: neither needs the refusal context below.
         order = [_candidate(item, now_ms) for item in top]
+        learned = params.learned
         if learned is not None:
             if learned.keeps(request, now):
                 return Refused(
@@ -210,7 +209,7 @@ def decide(
                     f"predicts {request.local_estimate_ms:.1f} ms there, within its deadline",
                     Candidates(tuple(order), summary.eligible, summary.filtered),
                 )
-            order = learned.rank(request, now, order, params)
+            order = learned.rank(request, now, order, params.campus_prefix)
         return conclude_ranked(request, now, order, summary)
     return conclude(
         request,

@@ -27,7 +27,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from broker.core.params import OFF_SITE, SAME_SITE, SAME_ZONE, PlacementParams
+from broker.core.links import link_class as link_class
+from broker.core.params import PlacementParams
 from broker.core.state import Capabilities, TelemetrySample
 from sluicegate.vision.manifest import Requirements
 
@@ -157,16 +158,6 @@ def load_key(free: float, since_ms: float, crosses: bool, penalty: float) -> flo
 def wait_at(instant: float, now_ms: float) -> float:
     """Milliseconds from ``now_ms`` until ``instant``, never negative."""
     return instant - now_ms if instant > now_ms else 0.0
-
-
-def link_class(origin_zone: str, zone: str, campus_prefix: str) -> int:
-    """Same zone, both on campus, or off site."""
-    if origin_zone == zone:
-        return SAME_ZONE
-    prefix = campus_prefix + "/"
-    if origin_zone.startswith(prefix) and zone.startswith(prefix):
-        return SAME_SITE
-    return OFF_SITE
 
 
 def transfer_costs(payload_bytes: int, params: PlacementParams) -> tuple[float, float, float]:

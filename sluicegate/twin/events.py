@@ -233,7 +233,6 @@ class Events:
             params=self.params,
             hold=self._hold,
             sealable=_unsealed,
-            learned=self.change.learned,
         )
         granted = [True] * len(turn.placed)  # one replica: nobody takes a slot first
         settled = settle(self.fleet, turn.placed, granted, _request_of, now=now)

@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from broker.core.learned import inline
 from broker.core.params import PlacementParams
 from broker.errors import InvalidParams
 from policies.errors import PolicyError
@@ -51,7 +52,7 @@ def _toml(path: Path, what: str) -> dict[str, Any]:
 def read_params(path: Path) -> PlacementParams:
     data = _toml(path, "placement parameters")
     try:
-        return PlacementParams.from_mapping(data)
+        return PlacementParams.from_mapping(inline(data, path.parent))
     except InvalidParams as exc:
         raise ChangeError(f"placement parameters {path}: {exc}") from exc
 

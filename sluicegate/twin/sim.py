@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from broker.core.fleet import Fleet
@@ -46,6 +47,8 @@ class Simulation:
             PlacementParams.from_mapping(header.params) if header.params else PlacementParams()
         )
         self.params = change.params or recorded
+        if change.learned is not None:  # ours, ordering its candidates by a learned policy
+            self.params = replace(self.params, learned=change.learned)
         self.interval = header.telemetry_interval_s
         self.draws = Draws(trace, self.params, seed)
         factors = dict(change.degrade)
