@@ -4,9 +4,9 @@ and when it keeps a job on its edge instead, from weights trained in the digital
 The hard limits stay outside it. ``placement.decide`` filters first (the policy's zones and
 data classes, sealing, capacity, health); the learned part only orders the survivors (the
 ``top_k`` best by the heuristic's score, 3 by default) and may decline to place at all, so
-no weight can send a job where the rules do not let it go. Each candidate is described by :data:`FEATURES`, each a figure the broker already has
-for it, as a share of the time the job has left (its deadline less now; one second when it
-has none) where it is a time:
+no weight can send a job where the rules do not let it go. Each candidate is described by
+:data:`FEATURES`, each a figure the broker already has for it, as a share of the time
+the job has left (its deadline less now; one second when it has none) where it is a time:
 
     score = sum(weight[f] * feature[f])        the lowest score is placed
     keep  = local estimate <= keep_share * time left   (the edge meets it with room to spare)
