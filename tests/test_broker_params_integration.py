@@ -56,6 +56,19 @@ def _run_broker(settings: Settings) -> ServiceThread:
     return thread
 
 
+def _known(settings: Settings, workers: WorkerPlayer, ids: tuple[str, ...]) -> None:
+    """Announce ``ids`` as CPU workers and wait until the broker lists them online."""
+    for worker in ids:
+        workers.capabilities(worker, providers=["CPUExecutionProvider"])
+        workers.telemetry(worker)
+
+    def known() -> bool:
+        listed = {w["id"]: w for w in _get(settings, "/fleet")["workers"]}
+        return all(listed.get(w, {}).get("online") for w in ids)
+
+    wait_until(known)
+
+
 def _campus(
     root: Path, mosquitto: ServerProcess, url: str, **kw: Any
 ) -> tuple[redis.Redis, Campus]:
@@ -137,16 +150,7 @@ def test_a_shadow_candidate_decides_beside_production_and_never_acts(
     thread = _run_broker(settings)
     workers = WorkerPlayer(mosquitto.port)
     try:
-        cpu = ["CPUExecutionProvider"]
-        for worker in ("north-a", "cloud-1"):
-            workers.capabilities(worker, providers=cpu)
-            workers.telemetry(worker)
-
-        def both_known() -> bool:
-            listed = {w["id"]: w for w in _get(settings, "/fleet")["workers"]}
-            return all(listed.get(w, {}).get("online") for w in ("north-a", "cloud-1"))
-
-        wait_until(both_known)
+        _known(settings, workers, ("north-a", "cloud-1"))
         replies = [ask(mosquitto, data_class="wafer-image") for _ in range(2)]
         shown = _get(settings, "/shadow")
     finally:
@@ -185,16 +189,7 @@ def test_a_learned_placement_policy_in_the_placement_file_orders_what_the_rules_
     thread = _run_broker(settings)
     workers = WorkerPlayer(mosquitto.port)
     try:
-        cpu = ["CPUExecutionProvider"]
-        for worker in ("north-a", "cloud-1"):
-            workers.capabilities(worker, providers=cpu)
-            workers.telemetry(worker)
-
-        def both_known() -> bool:
-            listed = {w["id"]: w for w in _get(settings, "/fleet")["workers"]}
-            return all(listed.get(w, {}).get("online") for w in ("north-a", "cloud-1"))
-
-        wait_until(both_known)
+        _known(settings, workers, ("north-a", "cloud-1"))
         crop = ask(mosquitto, data_class="ocr-crop")
         wafer = ask(mosquitto, data_class="wafer-image")
         shown = _get(settings, "/placement")
