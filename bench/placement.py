@@ -22,6 +22,10 @@ Measured, each as subject vs baseline on the same requests, alternating:
     .venv/bin/python bench/placement.py                     # defaults: < 1 minute on 2 cores
     .venv/bin/python bench/placement.py --workers 2000 --samples 50000
     .venv/bin/python bench/placement.py --top-k 1     # no runner-up candidates explained
+    .venv/bin/python bench/placement.py --policy policies/placement/placement-v1.json
+
+With ``--policy`` the decision (and the reference) orders its survivors by a learned
+placement policy; the scan, which knows none, agrees with it less often.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import stats
 from broker.core.decision import Decision, Placed
 from broker.core.fleet import Fleet
+from broker.core.learned import load
 from broker.core.params import FleetParams, PlacementParams
 from broker.core.placement import decide
 from broker.core.reference import decide_reference
@@ -473,9 +478,13 @@ def main() -> None:
     parser.add_argument("--reference-every", type=int, default=10)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--top-k", type=int, default=3, help="ranked candidates explained")
+    parser.add_argument(
+        "--policy", type=Path, help="a learned placement policy deciding (broker.core.learned)"
+    )
     args = parser.parse_args()
 
-    params = PlacementParams(top_k=args.top_k)
+    learned = load(args.policy) if args.policy is not None else None
+    params = PlacementParams(top_k=args.top_k, learned=learned)
     world = World(args.workers, args.zones, random.Random(args.seed))
     lat = measure_latency(world, args, params)
     check = verify(world, args, params)
@@ -494,6 +503,7 @@ def main() -> None:
         f"placement bench: {args.workers} workers in {n_zones} zones, 3 device classes, "
         f"{len(MODELS)} models; {len(lat['subject'])} timed decisions at a simulated "
         f"{args.rate:g}/s with telemetry from every worker each second; nproc {os.cpu_count()}"
+        + (f"; learned placement policy {learned.version} ({args.policy})" if learned else "")
     )
     outcome = ", ".join(
         f"{k} {v / len(lat['subject']):.1%}" for k, v in sorted(lat["codes"].items())
@@ -558,6 +568,7 @@ def main() -> None:
             }
         ),
         "params": {
+            "policy": learned.version if learned else None,
             "workers": args.workers,
             "zones": n_zones,
             "samples": len(lat["subject"]),

@@ -14,6 +14,7 @@ from broker.core.decision import Placed, Refused
 from broker.core.learned import FEATURES, HEURISTIC, LearnedPolicy, digest_path, load, save
 from broker.core.params import PlacementParams
 from broker.core.placement import decide
+from broker.core.reference import decide_reference
 from broker.errors import InvalidParams
 from tests.test_broker_core_kit import (
     CLOUD,
@@ -147,3 +148,19 @@ def test_a_learned_policy_rides_the_placement_parameters_and_their_digest() -> N
     assert again.digest() == learned.digest() != replace(PARAMS, learned=None).digest()
     with pytest.raises(InvalidParams, match="placement policy learned"):
         PlacementParams.from_mapping({"learned": {"format": "other"}})
+
+
+def test_the_brute_force_reference_decides_the_same_with_a_policy() -> None:
+    policies = (
+        HEURISTIC,
+        LearnedPolicy(_weights(off_site=-100.0)),
+        LearnedPolicy(_weights(load=1.0, predicted=0.2), keep_share=0.5),
+    )
+    busy = {"queue_depth": 8, "capacity": 16}
+    for policy in policies:
+        for loads in (None, {"gpu-1": busy}, {"npu-1": busy, "cloud-1": busy}):
+            for data_class in ("wafer-image", "ocr-crop"):
+                req = request(data_class=data_class, deadline_at=NOW + 0.2, local_estimate_ms=80.0)
+                fleet = _fleet(loads)
+                fast = decide(fleet, req, POLICY, now=NOW, params=_with(policy))
+                assert fast == decide_reference(fleet, req, POLICY, now=NOW, params=_with(policy))

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from broker.core.decision import Candidate, Candidates, Decision, Placed, Refused, Summary
+from broker.core.learned import LearnedPolicy
 from broker.core.scoring import Need
 from policies.model import Policy, Verdict
 from sluicegate.wire_pool import PlacementRequest
@@ -105,6 +106,26 @@ def conclude_ranked(
     if accepts(request, best.predicted_ms, now):
         return Placed(best.worker_id, best.zone, best.predicted_ms, cands)
     return Refused("no_faster_worker", _slower(request, best, now), cands)
+
+
+def conclude_learned(
+    request: PlacementRequest,
+    now: float,
+    ranked: Sequence[Candidate],
+    summary: Summary,
+    learned: LearnedPolicy,
+    campus_prefix: str,
+) -> Decision:
+    """Rule 1 with a learned placement policy: kept on the edge when the policy says so
+    (``kept_local``), else placed on the policy's first, or ``no_faster_worker``."""
+    if learned.keeps(request, now):
+        return Refused(
+            "kept_local",
+            f"placement policy {learned.version} keeps the job on its edge: the edge predicts "
+            f"{request.local_estimate_ms:.1f} ms there, within its deadline",
+            Candidates(tuple(ranked), summary.eligible, summary.filtered),
+        )
+    return conclude_ranked(request, now, learned.rank(request, now, ranked, campus_prefix), summary)
 
 
 def _slower(request: PlacementRequest, best: Candidate, now: float) -> str:

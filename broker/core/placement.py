@@ -36,7 +36,7 @@ from bisect import insort
 from collections.abc import Callable
 
 from broker.core.decision import Candidate, Candidates, Decision, Placed, Refused, as_record
-from broker.core.explain import conclude, conclude_ranked
+from broker.core.explain import conclude, conclude_learned, conclude_ranked
 from broker.core.fleet import Fleet
 from broker.core.index import Bucket, Route, Slot
 from broker.core.params import PlacementParams
@@ -200,16 +200,9 @@ def decide(
     if top:
         # Placed or no_faster_worker: neither needs the refusal context below.
         order = [_candidate(item, now_ms) for item in top]
-        learned = params.learned
-        if learned is not None:
-            if learned.keeps(request, now):
-                return Refused(
-                    "kept_local",
-                    f"placement policy {learned.version} keeps the job on its edge: the edge "
-                    f"predicts {request.local_estimate_ms:.1f} ms there, within its deadline",
-                    Candidates(tuple(order), summary.eligible, summary.filtered),
-                )
-            order = learned.rank(request, now, order, params.campus_prefix)
+        if params.learned is not None:
+            prefix = params.campus_prefix
+            return conclude_learned(request, now, order, summary, params.learned, prefix)
         return conclude_ranked(request, now, order, summary)
     return conclude(
         request,

@@ -12,7 +12,7 @@ only the rule definitions (``broker.core.scoring``, ``broker.core.forecast``) an
 from __future__ import annotations
 
 from broker.core.decision import Candidate, Decision, Summary
-from broker.core.explain import conclude
+from broker.core.explain import conclude, conclude_learned
 from broker.core.fleet import Fleet
 from broker.core.forecast import forecast
 from broker.core.params import PlacementParams
@@ -117,6 +117,9 @@ def decide_reference(
         scored.append((status == SUBHEALTHY, score, key, state.worker_id, candidate))
     scored.sort(key=lambda s: s[:4])
     ranked = [s[4] for s in scored if s[0] == scored[0][0]][: params.top_k] if scored else []
+    if ranked and params.learned is not None:
+        summary = Summary.of(counts)
+        return conclude_learned(request, now, ranked, summary, params.learned, params.campus_prefix)
     return conclude(
         request,
         policy,
