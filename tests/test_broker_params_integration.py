@@ -204,3 +204,35 @@ def test_a_learned_placement_policy_in_the_placement_file_orders_what_the_rules_
     placement.write_text('[learned]\nfile = "away.json"\nsha256 = "00"\n')
     with pytest.raises(ConfigError, match="pins '00'"):
         read_placement_file(placement)
+
+
+def test_a_learned_policy_in_shadow_shows_what_it_would_move_and_acts_on_nothing(
+    tmp_path: Path, mosquitto: ServerProcess, fresh_redis_db: Callable[[], str]
+) -> None:
+    # Production runs the heuristic; the shadow candidate is a learned policy that prefers
+    # off-site workers. An OCR crop (allowed off site) stays on campus in production and would
+    # go to the cloud worker in the shadow: moved, never forbidden, never acted on.
+    _, campus = _campus(tmp_path, mosquitto, fresh_redis_db(), workers=WORKERS)
+    away = LearnedPolicy(
+        tuple(-100.0 if f == "off_site" else 0.0 for f in FEATURES), version="away"
+    )
+    digest = save(away, tmp_path / "away.json")
+    candidate = tmp_path / "candidate-placement.toml"
+    candidate.write_text(f'[learned]\nfile = "away.json"\nsha256 = "{digest}"\n')
+    settings = load_settings(
+        campus.node_config("broker-1"),
+        broker={"http_port": free_port(), "shadow_placement_file": str(candidate)},
+    )
+    thread = _run_broker(settings)
+    workers = WorkerPlayer(mosquitto.port)
+    try:
+        _known(settings, workers, ("north-a", "cloud-1"))
+        reply = ask(mosquitto, data_class="ocr-crop")
+        shown = _get(settings, "/shadow")
+    finally:
+        workers.client.close()
+        thread.stop()
+    assert (reply.status, reply.worker_id) == ("placed", "north-a")
+    assert shown["decisions"] == 1
+    assert shown["moved"] == [{"production": "north-a", "candidate": "cloud-1", "jobs": 1}]
+    assert shown["forbidden"] == []
