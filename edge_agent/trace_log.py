@@ -22,6 +22,11 @@ def _ms(later: float, earlier: float) -> float:
     return round(max(0.0, (later - earlier) * 1000.0), 3)
 
 
+def _inbound(job: Job) -> float | None:
+    """From its app's send (its ``sent-at``) to its arrival here; None: not stamped."""
+    return _ms(job.received_at, job.sent_at) if job.sent_at is not None else None
+
+
 def record_of(
     job: Job,
     result: wire.JobResult,
@@ -62,7 +67,7 @@ def record_of(
         offloaded=ran and on.kind == "pool",
         worker=on.node if ran and on.kind == "pool" else placed,
         latency_ms=_ms(left_at, job.received_at),
-        inbound_ms=_ms(job.received_at, job.sent_at) if job.sent_at is not None else None,
+        inbound_ms=_inbound(job),
         queue_ms=round(max(0.0, times.queue_ms), 3) if ran else 0.0,
         service_ms=round(max(0.0, times.total_ms - times.queue_ms), 3) if ran else 0.0,
         device_ms=round(times.device_ms, 3) if ran and on.kind == "edge" else None,
@@ -94,7 +99,7 @@ def refusal_of(job: Job, status: wire.Status, code: str, *, now: float) -> wire.
         bytes=len(job.payload),
         status=status,
         latency_ms=_ms(now, job.received_at),
-        inbound_ms=_ms(job.received_at, job.sent_at) if job.sent_at is not None else None,
+        inbound_ms=_inbound(job),
         code=code,
     )
 

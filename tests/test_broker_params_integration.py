@@ -69,6 +69,17 @@ def _known(settings: Settings, workers: WorkerPlayer, ids: tuple[str, ...]) -> N
     wait_until(known)
 
 
+def _off_site_policy(placement: Path) -> Path:
+    """A placement file naming, by its pinned sha256, a learned policy that wants off-site
+    workers above all (version "away"), written beside it."""
+    away = LearnedPolicy(
+        tuple(-100.0 if f == "off_site" else 0.0 for f in FEATURES), version="away"
+    )
+    digest = save(away, placement.with_name("away.json"))
+    placement.write_text(f'[learned]\nfile = "away.json"\nsha256 = "{digest}"\n')
+    return placement
+
+
 def _campus(
     root: Path, mosquitto: ServerProcess, url: str, **kw: Any
 ) -> tuple[redis.Redis, Campus]:
@@ -176,12 +187,7 @@ def test_a_learned_placement_policy_in_the_placement_file_orders_what_the_rules_
     # file: ocr crops (allowed off site) go to the cloud worker the heuristic would pass
     # over; wafer images (campus only) still never leave.
     _, campus = _campus(tmp_path, mosquitto, fresh_redis_db(), workers=WORKERS)
-    away = LearnedPolicy(
-        tuple(-100.0 if f == "off_site" else 0.0 for f in FEATURES), version="away"
-    )
-    digest = save(away, tmp_path / "away.json")
-    placement = tmp_path / "placement.toml"
-    placement.write_text(f'[learned]\nfile = "away.json"\nsha256 = "{digest}"\n')
+    placement = _off_site_policy(tmp_path / "placement.toml")
     settings = load_settings(
         campus.node_config("broker-1"),
         broker={"http_port": free_port(), "placement_file": str(placement)},
@@ -213,12 +219,7 @@ def test_a_learned_policy_in_shadow_shows_what_it_would_move_and_acts_on_nothing
     # off-site workers. An OCR crop (allowed off site) stays on campus in production and would
     # go to the cloud worker in the shadow: moved, never forbidden, never acted on.
     _, campus = _campus(tmp_path, mosquitto, fresh_redis_db(), workers=WORKERS)
-    away = LearnedPolicy(
-        tuple(-100.0 if f == "off_site" else 0.0 for f in FEATURES), version="away"
-    )
-    digest = save(away, tmp_path / "away.json")
-    candidate = tmp_path / "candidate-placement.toml"
-    candidate.write_text(f'[learned]\nfile = "away.json"\nsha256 = "{digest}"\n')
+    candidate = _off_site_policy(tmp_path / "candidate-placement.toml")
     settings = load_settings(
         campus.node_config("broker-1"),
         broker={"http_port": free_port(), "shadow_placement_file": str(candidate)},

@@ -169,6 +169,11 @@ def save(policy: LearnedPolicy, path: Path) -> str:
 
 def load(path: Path) -> LearnedPolicy:
     """The policy in ``path``, once its bytes match its manifest's sha256."""
+    return _read(path)[0]
+
+
+def _read(path: Path) -> tuple[LearnedPolicy, str]:
+    """The policy in ``path`` and the sha256 of its bytes, checked against its manifest."""
     try:
         data = path.read_bytes()
         listed = digest_path(path).read_text().split()
@@ -184,7 +189,7 @@ def load(path: Path) -> LearnedPolicy:
         doc = json.loads(data)
     except ValueError as exc:
         raise InvalidParams(f"placement policy {path}: not JSON ({exc})") from exc
-    return LearnedPolicy.from_mapping(doc, str(path))
+    return LearnedPolicy.from_mapping(doc, str(path)), digest
 
 
 def inline(data: Mapping[str, Any], base: Path) -> dict[str, Any]:
@@ -199,8 +204,7 @@ def inline(data: Mapping[str, Any], base: Path) -> dict[str, Any]:
     if unknown:
         raise InvalidParams(f"[learned]: unknown {', '.join(unknown)}; known: file, sha256")
     path = base / str(entry["file"])
-    policy = load(path)
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    policy, digest = _read(path)
     if entry.get("sha256") != digest:
         raise InvalidParams(
             f"[learned] file {path} has sha256 {digest}; the placement file pins "
