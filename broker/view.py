@@ -16,6 +16,7 @@ from dataclasses import asdict
 from typing import Any
 
 from broker.audit_check import AuditChecker
+from broker.core.shadow import Shadow
 from broker.exposition import refresh
 from broker.metering import UsageIngest
 from broker.params_file import ParamsChoice
@@ -157,9 +158,7 @@ class HttpView:
     def shadow(self) -> dict[str, Any] | None:
         """The shadow candidate's comparison with production (None: no candidate)."""
         shadow = self._broker.shadow
-        if shadow is None:
-            return None
-        return {"candidate": shadow.label, **shadow.tally.describe()}
+        return shadow_facts(shadow) if shadow is not None else None
 
     def audit(self) -> dict[str, Any] | None:
         """The audit chain's verified head and when it was last verified:
@@ -184,6 +183,13 @@ def _plain(value: object) -> Any:
         return None
     data = asdict(value)  # type: ignore[call-overload]
     return {k: sorted(v) if isinstance(v, frozenset) else v for k, v in data.items()}
+
+
+def shadow_facts(shadow: Shadow) -> dict[str, Any]:
+    """A shadow candidate's comparison with production, as GET /shadow serves it: its label,
+    decisions, agreement, outcomes, moves, refusal codes, forbidden placements and recent
+    differing decisions."""
+    return {"candidate": shadow.label, **shadow.tally.describe()}
 
 
 def policy_facts(policy: Policy) -> dict[str, Any]:

@@ -5,7 +5,8 @@ and Redis, secured: TLS, certificates, the generated ACL).
 A viewer logs in and sees the campus; counts change as jobs run; a burst shows offloaded
 jobs on the pool the policy allows; a job lookup from a chart point shows its explanation;
 an operator drains a worker from the page and the campus proves it gets no placement
-(its own /metrics count stays); a viewer cannot act and an anonymous caller is refused.
+(its own /metrics count stays); a viewer cannot act and an anonymous caller is refused; the
+broker's shadow candidate shows its agreement with production, as ``/shadow`` counts it.
 Screenshots go to ``$SLUICEGATE_SCREENSHOTS`` when set (``docs/img`` holds the ones in the
 docs), else to the test's own folder.
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from sluicegate.app.campus import BROKER
 from sluicegate.app.localcampus import LocalCampus
 from sluicegate.app.traffic import Tally, stream
 from tests.support import local_campus
@@ -35,13 +37,19 @@ pytestmark = [
     pytest.mark.skipif(CHROMIUM is None, reason="no chromium (scripts/bootstrap installs it)"),
 ]
 TIMEOUT_MS = 30_000
+# The broker's shadow candidate (it never acts): off-site links free, the campus one slow.
+CLOUD_FIRST = "link_latency_ms = [0.2, 500.0, 0.0]\nlink_mb_per_s = [1000.0, 1.0, 1000000.0]\n"
 
 
 @pytest.fixture(scope="module")
 def campus(
     tmp_path_factory: pytest.TempPathFactory, fresh_redis_db: Callable[[], str]
 ) -> Iterator[LocalCampus]:
-    with local_campus(tmp_path_factory.mktemp("console-campus"), fresh_redis_db()) as lc:
+    root = tmp_path_factory.mktemp("console-campus")
+    candidate = root / "shadow-placement.toml"
+    candidate.write_text(CLOUD_FIRST)
+    shadow = {BROKER: {"SLUICEGATE_BROKER__SHADOW_PLACEMENT_FILE": str(candidate)}}
+    with local_campus(root, fresh_redis_db(), node_env=shadow) as lc:
         yield lc
 
 
@@ -214,4 +222,35 @@ def test_the_dashboard_follows_a_burst_explains_a_job_and_drains_a_worker(
     page.wait_for_selector("[data-testid=worker-state-north-cpu-1]:has-text('online')")
     for name in ("console-campus.png", "console-job.png", "console-drained.png"):
         assert (shots / name).stat().st_size > 10_000
+    page.context.close()
+
+
+def test_the_shadow_candidates_panel_shows_its_agreement_with_production(
+    campus: LocalCampus, browser: object, shots: Path
+) -> None:
+    page = _login(browser, campus, "viewer")
+    page.wait_for_selector("[data-testid=shadow-candidate]")  # the panel is shown
+    assert "shadow-placement.toml" in (page.text_content("[data-testid=shadow-candidate]") or "")
+    tally, thread = _traffic(campus, seconds=5.0, burst_for=4.0)
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    assert tally.answered == sum(tally.submitted.values())
+    served = page.evaluate("async () => (await fetch('/shadow')).json()")
+    assert served["decisions"] > 0
+    agreement = f"{100 * served['agreement']:.1f} %"
+    # Every request was answered, so the counts hold still: the page shows what /shadow does.
+    page.wait_for_function(
+        """([n, agreement]) => {
+          const text = (id) => document.querySelector(`[data-testid=${id}]`)?.textContent;
+          return text("shadow-decisions") === String(n) && text("shadow-agreement") === agreement;
+        }""",
+        arg=[served["decisions"], agreement],
+    )
+    for outcome, jobs in served["outcomes"].items():
+        assert _number(page, f"shadow-outcome-{outcome}") == jobs, outcome
+    # The candidate decides under the policy in force, so it can place nothing it forbids.
+    assert served["forbidden"] == []
+    assert _number(page, "shadow-forbidden-count") == 0
+    assert page.get_attribute("[data-testid=shadow-forbidden-count]", "class") == "badge ok"
+    page.locator("#shadow").screenshot(path=str(shots / "console-shadow.png"))
     page.context.close()

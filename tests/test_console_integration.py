@@ -101,6 +101,18 @@ def test_a_viewer_sees_everything_and_cannot_act(held: Settings, fleet: Fleet) -
     assert not get_json(_url(held, "/console/api/snapshot"), viewer)[1]["holds"]
 
 
+def test_without_a_shadow_candidate_the_console_shows_none(
+    held: Settings, fleet: Fleet, mosquitto: ServerProcess
+) -> None:
+    _online(fleet, held)
+    assert ask(mosquitto).status == "placed"  # production decided; nothing was compared
+    viewer = _token(held, "viewer")
+    assert get_json(_url(held, "/shadow"), viewer)[0] == 404
+    snap = get_json(_url(held, "/console/api/snapshot"), viewer)[1]
+    assert "shadow" in snap
+    assert snap["shadow"] is None
+
+
 def test_bad_actions_get_a_clear_error_and_change_nothing(held: Settings) -> None:
     url, operator = _url(held, "/console/api/actions"), _token(held, "operator")
     cases = [

@@ -21,6 +21,10 @@ from broker.console.auth import (
 )
 from broker.console.figures import Window, bin_of, class_matrix, percentile, words_for
 from broker.console.holds import Action, ActionRefused, Hold, act, cordoned, paused
+from broker.console.snapshot import MOVES_SHOWN, shadow_section
+from broker.core.params import FleetParams, PlacementParams
+from broker.core.shadow import Compared, Shadow
+from broker.view import shadow_facts
 from sluicegate import wire
 from sluicegate.errors import ConfigError
 from sluicegate.wire_pool import Completion
@@ -293,3 +297,32 @@ def test_percentiles_come_from_bins_five_percent_wide() -> None:
     assert percentile({bin_of(0.0): 3}, 0.5) == 0.0
     assert words_for("something_new") == "code something_new"
     assert "expected to meet the deadline" in words_for(None)
+
+
+def test_the_consoles_shadow_section_is_shadows_document_less_recent_and_small_moves() -> None:
+    shadow = Shadow(policy=None, params=PlacementParams(), fleet_params=FleetParams(), label="cand")
+    tally = shadow.tally
+    tally.outcomes.update(same=30, moved=MOVES_SHOWN + 3, candidate_refused=3)
+    for i in range(MOVES_SHOWN + 2):  # a pair per worker, the last one moved most
+        tally.moved[(f"w-{i:02}", "cloud-1")] = 1 + (i == MOVES_SHOWN + 1)
+    tally.refusals["no_worker"] = 3
+    tally.forbidden[("wafer-image", "offsite/cloud-east")] = 2
+    compared = Compared("j-1", "m", "wafer-image", "moved", "w-00", "cloud-1", 5.0, 3.0, True)
+    tally.recent.append(compared)
+    served = shadow_facts(shadow)
+    shown = shadow_section(shadow)
+    assert served["recent_differences"] == [compared.as_dict()]
+    assert "recent_differences" not in shown
+    same = ("candidate", "decisions", "agreement", "outcomes", "candidate_refusals", "forbidden")
+    assert {k: shown[k] for k in same} == {k: served[k] for k in same}
+    assert (shown["candidate"], shown["decisions"], shown["agreement"]) == ("cand", 46, 0.6522)
+    assert shown["moved_pairs"] == len(served["moved"]) == MOVES_SHOWN + 2
+    assert len(shown["moved"]) == MOVES_SHOWN
+    assert shown["moved"][0] == {
+        "production": f"w-{MOVES_SHOWN + 1:02}",
+        "candidate": "cloud-1",
+        "jobs": 2,
+    }
+    assert [m["production"] for m in shown["moved"][1:]] == [
+        f"w-{i:02}" for i in range(MOVES_SHOWN - 1)
+    ]

@@ -1,6 +1,7 @@
-"""The dashboard's document: the campus by zone, per line, per pool and compliance, built
-from one replica's view of the fleet, the edges' telemetry, the console's window and the
-policy in force. Plain dictionaries (JSON for the page); reads only.
+"""The dashboard's document: the campus by zone, per line, per pool, compliance and a shadow
+candidate's agreement with production, built from one replica's view of the fleet, the
+edges' telemetry, the console's window and the policy in force. Plain dictionaries (JSON
+for the page); reads only.
 """
 
 from __future__ import annotations
@@ -11,13 +12,16 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from broker.console.figures import class_matrix
+from broker.core.shadow import Shadow
 from broker.service import Broker
-from broker.view import policy_facts
+from broker.view import policy_facts, shadow_facts
 from policies.evaluate import allowed
 from sluicegate.policy_feed import PolicyFeed
 
 if TYPE_CHECKING:
     from broker.console.board import Console
+
+MOVES_SHOWN = 10  # the shadow candidate's largest moves, by jobs, in each snapshot
 
 
 def build(console: Console, broker: Broker, feed: PolicyFeed, now: float) -> dict[str, Any]:
@@ -69,9 +73,22 @@ def build(console: Console, broker: Broker, feed: PolicyFeed, now: float) -> dic
             "audit": console.audit_state(),
             "dead_letters": console.dead_letters,
         },
+        "shadow": shadow_section(broker.shadow) if broker.shadow is not None else None,
         "holds": [asdict(h) for h in sorted(holds.values(), key=lambda h: h.field)],
         "watching": console.watching,
     }
+
+
+def shadow_section(candidate: Shadow) -> dict[str, Any]:
+    """What GET /shadow serves, kept small for a document pushed every second: without the
+    recent differing decisions, and only the ``MOVES_SHOWN`` largest moves (most jobs
+    first; ``moved_pairs`` says how many pairs there are in all)."""
+    facts = shadow_facts(candidate)
+    del facts["recent_differences"]
+    moved = sorted(facts["moved"], key=lambda m: (-m["jobs"], m["production"], m["candidate"]))
+    facts["moved"] = moved[:MOVES_SHOWN]
+    facts["moved_pairs"] = len(moved)
+    return facts
 
 
 def _workers(broker: Broker, holds: dict[str, Any], now: float) -> list[dict[str, Any]]:

@@ -162,10 +162,39 @@ function renderCompliance(s) {
     <p data-testid="dead-letters">Dead letters: <b>${esc(dl.count)}</b></p>${dead ? `<ul>${dead}</ul>` : ""}`;
 }
 
+const OUTCOMES = [["same", "same"], ["moved", "moved"], ["candidate_refused", "candidate refused"],
+  ["candidate_placed", "candidate placed"], ["refused_otherwise", "refused otherwise"]];
+
+function renderShadow(s) {
+  const sh = s.shadow;
+  $("shadow").hidden = !sh;
+  if (!sh) return;
+  const forbidden = sh.forbidden.reduce((n, f) => n + f.jobs, 0);
+  const where = sh.forbidden.map((f) => `<tr><td>${esc(f.data_class)}</td><td>${esc(f.zone)}</td>
+    <td class="num warned" data-testid="shadow-forbidden-${esc(f.data_class)}-${esc(f.zone)}">${esc(f.jobs)}</td></tr>`).join("");
+  const outcomes = OUTCOMES.map(([, label]) => `<th>${esc(label)}</th>`).join("");
+  const counts = OUTCOMES.map(([k]) => `<td class="num" data-testid="shadow-outcome-${esc(k)}">${esc(sh.outcomes[k] || 0)}</td>`).join("");
+  const moves = sh.moved.map((m) => `<li>${esc(m.production)} → ${esc(m.candidate)}: <b>${esc(m.jobs)}</b></li>`).join("");
+  const more = sh.moved_pairs > sh.moved.length ? `<p class="hint">and ${esc(sh.moved_pairs - sh.moved.length)} more pairs</p>` : "";
+  const refusals = Object.entries(sh.candidate_refusals).map(([code, n]) => `<code>${esc(code)}</code> ${esc(n)}`).join(", ") || "none";
+  $("shadow-body").innerHTML = `
+    <p data-testid="shadow-candidate">Candidate: <b>${esc(sh.candidate)}</b></p>
+    <p>Decisions compared: <b data-testid="shadow-decisions">${esc(sh.decisions)}</b> ·
+      agreement with production: <b data-testid="shadow-agreement">${pct(sh.agreement)}</b></p>
+    <p data-testid="shadow-forbidden">Placements the policy in force forbids:
+      <span class="badge ${forbidden ? "warn" : "ok"}" data-testid="shadow-forbidden-count">${esc(forbidden)}</span></p>
+    ${where ? `<table data-testid="shadow-forbidden-where"><tr><th>data class</th><th>zone</th><th>jobs</th></tr>${where}</table>` : ""}
+    <p>Decisions by how they compare with production's:</p>
+    <table data-testid="shadow-outcomes"><tr>${outcomes}</tr><tr>${counts}</tr></table>
+    <p>Largest moves (production worker → candidate worker: jobs):</p>
+    ${moves ? `<ul data-testid="shadow-moves">${moves}</ul>${more}` : "<p data-testid=shadow-moves>none</p>"}
+    <p data-testid="shadow-refusals">The candidate's refusals, by code: ${refusals}</p>`;
+}
+
 function render(s) {
   last = s;
   $("campus").textContent = s.compliance.policy ? `${s.compliance.policy.campus} · broker ${s.broker}` : `broker ${s.broker}`;
-  renderZones(s); renderLines(s); renderPools(s); renderCompliance(s);
+  renderZones(s); renderLines(s); renderPools(s); renderCompliance(s); renderShadow(s);
 }
 
 async function lookup(id) {
