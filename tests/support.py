@@ -293,8 +293,9 @@ class ServiceThread:
         return done.get(timeout=timeout)
 
     def stop(self) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
+        loop = self._loop
+        if loop is not None and self._stop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._stop.set)  # (closed: the service has ended)
         self._thread.join(30)
         if self.error is not None:
             raise self.error

@@ -1,13 +1,16 @@
 """A real broker (``broker.run.serve`` on real Mosquitto and Redis) under a policy whose
 [rollout] requires twin verdicts: a placement file without one is not activated, the
 broker serves on the parameters it held, says which over HTTP and writes the refusal to
-its signed audit log; the same file with a passing verdict for its digest runs. And a
+its signed audit log; the same file with a passing verdict for its digest runs, and so
+does the shipped learned placement policy once ``sluicegate twin verdict`` has passed it. And a
 shadow candidate (policy and parameters) deciding beside production on live requests:
 compared over HTTP, never acted on."""
 
 from __future__ import annotations
 
 import json
+import queue
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +18,7 @@ from typing import Any
 import pytest
 import redis
 
-from broker.core.learned import FEATURES, LearnedPolicy, save
+from broker.core.learned import FEATURES, LearnedPolicy, load, save
 from broker.params_file import read_placement_file, verdict_path
 from broker.run import serve
 from policies.audit import decode_record
@@ -28,7 +31,7 @@ from sluicegate.config import Settings, load_settings
 from sluicegate.errors import ConfigError
 from sluicegate.twin.rehearse import read_params
 from tests.policies.policy_testkit import key
-from tests.support import PlainClient, ServiceThread, params_verdict, wait_until
+from tests.support import PlainClient, ServiceThread, params_verdict, twin, wait_until
 from tests.test_broker_integration import WORKERS, ask
 from tests.test_broker_integration import Fleet as WorkerPlayer
 
@@ -37,6 +40,7 @@ pytestmark = pytest.mark.integration
 TWIN = key("twin-1")
 ROLLOUT = f'[rollout]\nrequire_verdict = true\ntwin_keys = {{ twin-1 = "{TWIN.public_text}" }}\n'
 SLOW_CAMPUS = "link_latency_ms = [0.2, 400.0, 0.0]\n"
+SHIPPED = Path(__file__).resolve().parents[1] / "policies" / "placement" / "placement-v1.json"
 
 
 def _get(settings: Settings, path: str) -> Any:
@@ -50,8 +54,12 @@ def _run_broker(settings: Settings) -> ServiceThread:
     watcher = PlainClient(settings.mqtt.port)
     watcher.subscribe(topics.broker_status(settings.broker.id))
     thread = ServiceThread(lambda stop: serve(settings, stop, connect_timeout=10)).start()
-    while b'"online"' not in watcher.next(timeout=20).payload:
-        pass
+    try:
+        while b'"online"' not in watcher.next(timeout=20).payload:
+            pass
+    except queue.Empty:
+        thread.stop()  # a broker that died at start: its error, not the watcher's
+        raise
     watcher.close()
     return thread
 
@@ -265,3 +273,55 @@ def test_the_console_shows_the_shadow_candidate_as_shadow_serves_it(
     assert served["moved"] == [{"production": "north-a", "candidate": "cloud-1", "jobs": 1}]
     del served["recent_differences"]  # the console leaves them to /shadow
     assert shown == {**served, "moved_pairs": 1}
+
+
+def test_the_shipped_learned_policy_runs_on_a_gated_broker_only_with_the_twins_verdict(
+    tmp_path: Path, mosquitto: ServerProcess, fresh_redis_db: Callable[[], str]
+) -> None:
+    # The rollout path as a platform engineer walks it: the shipped policy, pinned in a
+    # placement file, is refused by a broker whose policy requires verdicts; `twin verdict`
+    # rehearses that very file on a trace and signs; the broker then runs it.
+    _, campus = _campus(tmp_path, mosquitto, fresh_redis_db(), workers=WORKERS, rollout=ROLLOUT)
+    manifest = SHIPPED.with_name(SHIPPED.name + ".sha256")
+    for path in (SHIPPED, manifest):
+        shutil.copy(path, tmp_path / path.name)
+    digest = manifest.read_text().split()[0]
+    placement = tmp_path / "placement.toml"
+    placement.write_text(f'[learned]\nfile = "{SHIPPED.name}"\nsha256 = "{digest}"\n')
+    settings = load_settings(
+        campus.node_config("broker-1"),
+        broker={"http_port": free_port(), "placement_file": str(placement)},
+    )
+    thread = _run_broker(settings)
+    try:
+        refused = _get(settings, "/placement")
+    finally:
+        thread.stop()
+    assert refused["refused"]["code"] == "verdict.missing"
+    assert "learned" not in refused["params"]  # it serves on the heuristic it held
+
+    made = twin("synth", "--out", "t.jsonl.gz", "--seconds", "20", cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    (tmp_path / "twin.key").write_bytes(TWIN.to_pem())
+    signed = twin(
+        "verdict",
+        *("--trace", "t.jsonl.gz", "--burst", "2", "--key", "twin.key", "--key-id", "twin-1"),
+        *("--params", "placement.toml", "--out", str(verdict_path(placement))),
+        cwd=tmp_path,
+    )
+    assert signed.returncode == 0, signed.stdout + signed.stderr
+    assert "passed" in signed.stdout
+
+    thread = _run_broker(settings)
+    workers = WorkerPlayer(mosquitto.port)
+    try:
+        _known(settings, workers, ("north-a", "cloud-1"))
+        reply = ask(mosquitto, data_class="wafer-image")
+        shown = _get(settings, "/placement")
+    finally:
+        workers.client.close()
+        thread.stop()
+    assert shown["refused"] is None
+    assert shown["source"] == str(placement)
+    assert shown["params"]["learned"] == load(SHIPPED).describe()
+    assert (reply.status, reply.worker_id) == ("placed", "north-a")  # campus only, as ever
