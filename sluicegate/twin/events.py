@@ -22,8 +22,9 @@ schedules what follows on the clock of :mod:`sluicegate.twin.sim`, never one of 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 from broker.core import service_rules
@@ -83,7 +84,7 @@ class Events:
     def __init__(
         self,
         at: Schedule,
-        jobs: Iterable[Job],
+        jobs: int,
         *,
         t0: float,
         change: Change,
@@ -94,9 +95,9 @@ class Events:
         workers: dict[str, SimWorker],
         fleet: Fleet,
     ) -> None:
-        """``jobs``: every arrival of the replay."""
+        """``jobs``: how many arrivals the replay makes."""
         self.at = at
-        self._jobs = {job.job_id: job for job in jobs}
+        self._jobs: dict[str, Job] = {}  # those that have arrived
         self.t0 = self.now = t0
         self.change = change
         self.policy = policy
@@ -105,11 +106,12 @@ class Events:
         self.edges = edges
         self.workers = workers
         self.fleet = fleet
-        self.live = len(self._jobs)  # jobs not yet concluded
+        self.live = jobs  # jobs not yet concluded
         self.outcomes: list[Outcome] = []
         self.refusals: Counter[str] = Counter()
         self.counters: Counter[str] = Counter()  # the edges' tallies
         self.violations = 0
+        self.asked = 0  # placement requests the edges sent
         self.zones: dict[str, Counter[str]] = {}
         self._turn: Counter[str] = Counter()  # round-robin position per model
         wait_s = BROKER_MAX_WAIT_MS / 1000.0  # the broker's waiting room, as it sizes it
@@ -118,13 +120,12 @@ class Events:
 
     def _edge(self, edge: SimEdge) -> SimCarrier:
         """The edge's sequencer, as the agent builds it, with the twin's carrier."""
-        offloads = edge.spec.offload and self.change.strategy != "edge-only"
         edge.core = Sequencer(
             edge.spec.id,
             edge.limits,
             queue=JobQueue(edge.spec.queue_size, _entry_key),
             service_s=edge.estimate,
-            offload_open=lambda: offloads,
+            offload_open=partial(self._offloads, edge.spec.offload),
             clock=self._clock,
             defer=self._defer,
             counters=self.counters,
@@ -134,6 +135,11 @@ class Events:
         )
         carrier = edge.core.carrier = SimCarrier(edge, self)
         return carrier
+
+    def _offloads(self, offload: bool) -> bool:
+        """Whether the edge asks for placements: as it is set, and not under edge-only
+        (read at each ask: the oracle changes strategy mid-run)."""
+        return offload and self.change.strategy != "edge-only"
 
     def _clock(self) -> float:
         return self.now
@@ -147,6 +153,7 @@ class Events:
     # -- arrivals and outcomes -------------------------------------------------------------
 
     def arrive(self, now: float, job: Job) -> None:
+        self._jobs[job.job_id] = job
         edge = self.edges[job.rec.edge]
         if edge.core.admit(job.admission(), now) is None:
             self.conclude(job, "rejected", None, "queue_full", now)
@@ -204,6 +211,7 @@ class Events:
         timeout too, where a busy edge took the answer before its timer: the trace says
         which), or, where the edge gave up waiting (``broker_timeout``), never: the job
         stays, and the late placement is handed back."""
+        self.asked += 1
         ms, late = self.draws.ask_ms(job.rec.edge, job.rec.at, job.own)
         delay = ms / 1000.0
         asked = Asked(job, attempt, job.request(reason, local_s), delay, late)

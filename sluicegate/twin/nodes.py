@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal, NamedTuple
 
 from broker.core.learned import LearnedPolicy
 from broker.core.params import PlacementParams
@@ -82,6 +82,9 @@ class Outcome:
     in_time: bool
     code: str | None
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Outcome:
+        return self  # frozen, of immutable fields: a copy of a replay shares it
+
 
 @dataclass(frozen=True)
 class Result:
@@ -97,6 +100,16 @@ class Result:
     duration_s: float
     draws: dict[str, int]
     warnings: tuple[str, ...] = ()  # what in the change cannot work as the engineer meant
+
+
+class Arrival(NamedTuple):
+    """One arrival the replay will make: a recorded job, or a burst's copy of it."""
+
+    rec: JobRecord
+    job_id: str
+    at: float  # absolute, on the virtual clock
+    deadline: float | None
+    origin: str
 
 
 @dataclass(eq=False)
@@ -119,6 +132,10 @@ class Job:
     # The result being committed: status, where it ran, its code, when it leaves the edge.
     result: tuple[str, str | None, str | None, float] | None = None
     done: bool = False
+
+    @classmethod
+    def of(cls, a: Arrival) -> Job:
+        return cls(a.rec, a.job_id, a.at, a.deadline, a.origin)
 
     @property
     def own(self) -> JobRecord | None:

@@ -29,7 +29,16 @@ from broker.core.fleet import Fleet
 from broker.core.params import FleetParams, PlacementParams
 from sluicegate.twin.draws import Draws
 from sluicegate.twin.events import Events
-from sluicegate.twin.nodes import STRATEGIES, Change, Job, Outcome, Result, SimEdge, SimWorker
+from sluicegate.twin.nodes import (
+    STRATEGIES,
+    Arrival,
+    Change,
+    Job,
+    Outcome,
+    Result,
+    SimEdge,
+    SimWorker,
+)
 from sluicegate.twin.trace import JobRecord, Trace, policy_of
 
 __all__ = ["STRATEGIES", "Change", "Outcome", "Result", "Simulation", "digest_of", "replay"]
@@ -63,11 +72,13 @@ class Simulation:
         self.fleet = Fleet(FleetParams(forecast_horizon_s=3.0 * self.interval), None, self.policy)
         self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = 0
+        self._end = self.t0  # the latest event's time
         self._depth: dict[str, list[tuple[float, int]]] = {n: [] for n in self.nodes()}
-        self._arrivals = self._expand(trace.jobs, change.burst)
+        self.arrivals = self._expand(trace.jobs, change.burst)
+        self._next_seq = 0  # the clock's order number of the first arrival (see start)
         self.events = Events(
             self._at,
-            self._arrivals,
+            len(self.arrivals),
             t0=self.t0,
             change=change,
             policy=self.policy,
@@ -87,11 +98,11 @@ class Simulation:
         self._seq += 1
         heapq.heappush(self._heap, (when, self._seq, fn, args))
 
-    def _expand(self, jobs: tuple[JobRecord, ...], burst: int) -> list[Job]:
+    def _expand(self, jobs: tuple[JobRecord, ...], burst: int) -> tuple[Arrival, ...]:
         by_edge: dict[str, list[JobRecord]] = {}
         for rec in jobs:
             by_edge.setdefault(rec.edge, []).append(rec)
-        out: list[Job] = []
+        out: list[Arrival] = []
         for recs in by_edge.values():
             for i, rec in enumerate(recs):
                 gap = min(1.0, recs[i + 1].at - rec.at) if i + 1 < len(recs) else 0.0
@@ -100,27 +111,60 @@ class Simulation:
                     deadline = at + rec.deadline_ms / 1000.0 if rec.deadline_ms else None
                     job_id = rec.job_id if copy == 0 else f"{rec.job_id}#{copy}"
                     origin = self.edges[rec.edge].spec.zone
-                    out.append(Job(rec, job_id, at, deadline, origin))
+                    out.append(Arrival(rec, job_id, at, deadline, origin))
         out.sort(key=lambda j: (j.at, j.job_id))
-        return out
+        return tuple(out)
 
     def run(self) -> Result:
+        self.start()
+        self.advance(float("inf"))
+        return self.result()
+
+    def start(self) -> None:
+        """The workers announce themselves, the first tick, every arrival and worker lost
+        entered on the clock; :meth:`advance` then runs it."""
         now = self.t0
+        self._end = now
         for w in self.workers.values():
             self.fleet.apply_capabilities(w.capabilities(), now)
         events = self.events
         self._tick(now)
-        for job in self._arrivals:
-            self._at(job.at, events.arrive, job)
+        # Each arrival is entered on the clock as the one before it happens (a copy of the
+        # replay then holds only the jobs that have arrived), in the order entering them
+        # all now would give: each its order number, reserved here.
+        self._next_seq = self._seq + 1
+        self._seq += len(self.arrivals)
+        if self.arrivals:
+            self._enter(0)
         for worker_id, at in self.change.fail:
             if worker_id in self.workers:
                 self._at(self.t0 + at, events.lose, self.workers[worker_id])
-        end = now
-        while self._heap:
-            end, _, fn, args = heapq.heappop(self._heap)
-            events.now = end
+
+    def _enter(self, i: int) -> None:
+        heapq.heappush(self._heap, (self.arrivals[i].at, self._next_seq + i, self._arrive, (i,)))
+
+    def _arrive(self, now: float, i: int) -> None:
+        if i + 1 < len(self.arrivals):
+            self._enter(i + 1)
+        self.events.arrive(now, Job.of(self.arrivals[i]))
+
+    def advance(self, until: float) -> None:
+        """Run every event before ``until`` (virtual, absolute). A simulation stopped here
+        can be copied (``copy.deepcopy``) and each copy runs on alike: the twin's oracle
+        tries its futures that way (:mod:`sluicegate.twin.oracle`)."""
+        heap, events = self._heap, self.events
+        while heap and heap[0][0] < until:
+            end, _, fn, args = heapq.heappop(heap)
+            events.now = self._end = end
             fn(end, *args)
-        duration = max(end - self.t0, 1e-9)
+
+    @property
+    def done(self) -> bool:
+        return not self._heap
+
+    def result(self) -> Result:
+        events = self.events
+        duration = max(self._end - self.t0, 1e-9)
         return Result(
             outcomes=tuple(sorted(events.outcomes, key=lambda o: (o.at, o.job_id))),
             refusals=dict(sorted(events.refusals.items())),
