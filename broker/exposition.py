@@ -82,6 +82,7 @@ def refresh(
     for pool in demand:
         m.demand.labels(pool.pool).set(pool.ratio)
         m.desired_workers.labels(pool.pool).set(pool.desired_workers)
+        m.announced.labels(pool.pool).set(pool.announced_jobs_s)
     m.policy_version.set(policy.version if policy is not None else 0)
     m.policy_expiry.set(policy.expires if policy is not None else 0)
     if policy is not None:

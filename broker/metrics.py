@@ -99,6 +99,13 @@ class BrokerMetrics:
             ["pool"],
             registry=r,
         )
+        self.announced = Gauge(
+            "sluicegate_pool_announced_jobs_per_second",
+            "Jobs/s the lines' announced work will send each pool, counted from the lead time "
+            "before each window (part of the predicted demand)",
+            ["pool"],
+            registry=r,
+        )
         self.desired_workers = Gauge(
             "sluicegate_pool_desired_workers",
             "Workers each pool needs for its predicted demand at the target utilisation",

@@ -30,11 +30,12 @@ from typing import Any, Literal, TypeVar
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ValidationError
 
+from broker.announced import Announced
 from broker.answers import Answers
 from broker.core import service_rules
 from broker.core.batch import NO_POLICY, decide_turn, settle
 from broker.core.decision import Decision
-from broker.core.demand import PoolDemand, pool_demand
+from broker.core.demand import PoolDemand, announced_per_pool, pool_demand
 from broker.core.fleet import Fleet
 from broker.core.identity import IdentityRefusal
 from broker.core.params import FleetParams, PlacementParams, ServiceParams
@@ -128,6 +129,7 @@ class Broker:
             gauge=self.metrics.waiting.set,
         )
         self.arrivals: dict[str, float] = {}  # jobs/s placed per pool (moving average)
+        self.announced = Announced(policy)  # the lines' announced work, as their edges say
         self.store = BrokerStore(redis, int(self.params.stale_after_s * 1000))
         self.answers = Answers(
             settings,
@@ -352,7 +354,13 @@ class Broker:
         policy = self._policy()
         if policy is None:
             return ()
-        return pool_demand(self.fleet, policy, arrivals_per_s=self.arrivals)
+        ahead = announced_per_pool(
+            self.announced.schedules.values(),
+            policy,
+            self._clock(),
+            self.settings.announce_lead_s,
+        )
+        return pool_demand(self.fleet, policy, arrivals_per_s=self.arrivals, announced_per_s=ahead)
 
     async def job(self, job_id: str) -> dict[str, Any] | None:
         return await self.store.job(job_id)
@@ -406,6 +414,7 @@ class Broker:
         await t.subscribe(topics.worker_all("status"), self.on_worker_status)
         await t.subscribe(topics.completions_all(), self.on_completion)
         await t.subscribe(topics.placement_releases_all(), self.on_release)
+        await t.subscribe(topics.edge_announced_all(), self.announced.on_message)
         # A share each: no placement needs it (broker.edge_fleet).
         await t.subscribe(topics.edge_telemetry_shared(), self.edge_fleet.offer, qos=0)
         # QoS 0, like the replies (see _reply); and a stale request redelivered to another

@@ -33,6 +33,7 @@ from edge_agent.metrics import EdgeFigures
 from edge_agent.offload import PlacementClient
 from edge_agent.outbox import Outbox
 from edge_agent.reporting import Load, status_message, telemetry
+from edge_agent.schedule import Schedule
 from edge_agent.tally import Tally
 from sluicegate import topics, wire
 from sluicegate.config import EdgeSettings, OffloadSettings
@@ -141,10 +142,24 @@ class EdgeAgent:
             ran_on=ran_on,
             metering=self.metering,
         )
+        self.schedule = Schedule(
+            edge_id=settings.id,
+            zone=settings.zone,
+            transport=transport,
+            models=self._models.names,
+            local_per_s=self._local_per_s,
+            policy=(lambda: feed.current) if feed is not None else (lambda: None),
+            clock=clock,
+        )
         self.counters: Counter[str] = self._jobs.counters
         self.on_message = self._jobs.on_message
         self.on_return = self._jobs.on_return
         self.on_notice = self._jobs.on_notice
+
+    def _local_per_s(self, model: str) -> float:
+        """Images a second of ``model`` this edge runs when busy (0: not measured yet)."""
+        service_s = self.service_times.estimate(model)
+        return self.settings.concurrency / service_s if service_s else 0.0
 
     @property
     def results(self) -> Counter[str]:
@@ -276,6 +291,7 @@ class EdgeAgent:
         submit = topics.edge_submit(edge)
         await self._subscribe(topics.edge_returns_all(edge), self.on_return)
         await self._subscribe(topics.edge_notices(edge), self.on_notice)
+        await self._transport.subscribe(topics.edge_schedule(edge), self.schedule.on_message)
         self._jobs.mode = "serving"
         # Subscribe before announcing: on one connection the broker handles the SUBSCRIBE
         # before the status PUBLISH, so whoever sees "online" can submit at once.

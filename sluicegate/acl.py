@@ -6,7 +6,8 @@ certificate (``use_identity_as_username``), which is also its client id
 
 - **Own topics, for every authenticated user** (``pattern`` lines, ``%u`` = its username):
   a node may write only the topics that carry its own id (telemetry, job records, status,
-  capabilities, placement requests and releases, completions, usage records) and read its
+  announced work, capabilities, placement requests and releases, completions, usage
+  records) and read its
   own inbox, its usage acknowledgements and the policy;
   its probe topic it may both write and read (``sluicegate doctor``'s round trips). So
   a node the policy does not list yet can still ask, and be refused by name, but can speak
@@ -14,11 +15,12 @@ certificate (``use_identity_as_username``), which is also its client id
 - **Between roles, per user, from the policy**: a worker reads its own zone-scoped work
   topic and returns results only to the edges that may place work on it; an edge writes
   work only to workers in zones some data class from its zone may reach, and answers only
-  on the response topics of the apps that may submit to it; an app submits only to its
-  edges; a broker replica reads requests and telemetry (never a work topic: no images),
-  answers edges and publishes the retained policy. Observers (monitoring, the twin's
-  recorder) read status, telemetry, the edges' job records, the workers' completions and
-  the policy: never an image, a result or a token. Broker replicas read every node's usage
+  on the response topics of the apps that may submit to it; an app submits and announces
+  work to come only to its edges; a broker replica reads requests, telemetry and announced
+  work (never a work topic: no images), answers edges and publishes the retained policy.
+  Observers (monitoring, the twin's recorder) read status, telemetry, the edges' job
+  records and announced work, the workers' completions and the policy: never an image, a
+  result or a token. Broker replicas read every node's usage
   records and acknowledge them on each node's own acks topic.
 
 Anonymous clients get nothing (the Mosquitto configuration sets ``allow_anonymous false``).
@@ -55,6 +57,7 @@ def own_topics() -> list[Rule]:
         ("write", topics.edge_telemetry(SELF)),
         ("write", topics.edge_trace(SELF)),
         ("write", topics.edge_status(SELF)),
+        ("write", topics.edge_announced(SELF)),
         ("read", topics.edge_inbox(SELF)),
         ("write", topics.placement_request(SELF)),
         ("write", topics.placement_release(SELF)),
@@ -128,7 +131,11 @@ def app_users(policy: Policy) -> list[UserRules]:
     for app in sorted(policy.apps, key=lambda a: a.app_id):
         rules: list[Rule] = []
         for edge_id in app.edges:
-            rules += [("write", topics.edge_submit(edge_id)), ("read", topics.edge_status(edge_id))]
+            rules += [
+                ("write", topics.edge_submit(edge_id)),
+                ("write", topics.edge_schedule(edge_id)),
+                ("read", topics.edge_status(edge_id)),
+            ]
         rules += [("read", results_filter(prefix)) for prefix in app.results]
         out.append(UserRules(app.app_id, f"vision app on {', '.join(app.edges)}", tuple(rules)))
     return out
@@ -143,6 +150,7 @@ def broker_users(policy: Policy) -> list[UserRules]:
         topics.edge_telemetry_all(),
         topics.edge_trace_all(),  # job records, for the console
         topics.edge_status_all(),
+        topics.edge_announced_all(),  # announced work: the demand signal's leading part
         topics.worker_all("telemetry"),
         topics.worker_all("status"),
         topics.worker_all("capabilities"),
@@ -167,6 +175,7 @@ def observer_users(names: Iterable[str]) -> list[UserRules]:
         topics.edge_status_all(),
         topics.edge_telemetry_all(),
         topics.edge_trace_all(),
+        topics.edge_announced_all(),
         topics.worker_all("telemetry"),
         topics.worker_all("status"),
         topics.worker_all("capabilities"),

@@ -78,6 +78,7 @@ class AsyncClient:
         self.response_topic = response_topic or topics.client_results(self.client_id)
         self._default_timeout = default_timeout
         self._pending: dict[bytes, asyncio.Future[wire.JobResult]] = {}
+        self._announcing: dict[bytes, asyncio.Future[wire.AnnouncementReply]] = {}
         self._transport = MqttTransport(self._mqtt, client_id=self.client_id)
         self._lost = asyncio.Event()
         self.unmatched = 0  # results for no waiting call: late, after a timeout
@@ -104,6 +105,9 @@ class AsyncClient:
 
     def _on_result(self, msg: Message) -> None:
         key = msg.correlation_data
+        if key is not None and key in self._announcing:
+            self._on_reply(self._announcing[key], msg)
+            return
         fut = self._pending.get(key) if key is not None else None
         try:
             result = wire.JobResult.model_validate_json(msg.payload)
@@ -168,7 +172,61 @@ class AsyncClient:
         finally:
             self._pending.pop(correlation, None)
 
-    async def _race(self, fut: asyncio.Future[wire.JobResult], wait_s: float) -> wire.JobResult:
+    async def announce(
+        self,
+        announcement_id: str,
+        *,
+        starts_at: float,
+        ends_at: float,
+        rate_per_s: float,
+        model: str,
+        data_class: str = "generic",
+        reason: str = "",
+        withdraw: bool = False,
+        timeout: float | None = None,
+    ) -> wire.AnnouncementReply:
+        """Tell the edge of work to come (a shift change, a batch start, a faster recipe):
+        ``rate_per_s`` images a second in all, for ``model``, from ``starts_at`` to
+        ``ends_at`` (unix seconds). The same id again replaces it; ``withdraw`` takes it
+        back. Returns the edge's answer: accepted, withdrawn, or refused with a code."""
+        doc = wire.Announcement(
+            announcement_id=announcement_id,
+            starts_at=starts_at,
+            ends_at=ends_at,
+            rate_per_s=rate_per_s,
+            model=model,
+            data_class=data_class,
+            reason=reason,
+            withdraw=withdraw,
+        )
+        correlation = uuid.uuid4().bytes
+        fut: asyncio.Future[wire.AnnouncementReply] = asyncio.get_running_loop().create_future()
+        self._announcing[correlation] = fut
+        try:
+            await self._transport.publish(
+                Message(
+                    topics.edge_schedule(self.edge),
+                    doc.model_dump_json().encode(),
+                    qos=1,
+                    response_topic=self.response_topic,
+                    correlation_data=correlation,
+                    content_type="application/json",
+                )
+            )
+            return await self._race(fut, timeout if timeout is not None else self._default_timeout)
+        finally:
+            self._announcing.pop(correlation, None)
+
+    @staticmethod
+    def _on_reply(fut: asyncio.Future[wire.AnnouncementReply], msg: Message) -> None:
+        if fut.done():
+            return
+        try:
+            fut.set_result(wire.AnnouncementReply.model_validate_json(msg.payload))
+        except ValidationError as exc:
+            fut.set_exception(WireError(f"malformed announcement reply on {msg.topic}: {exc}"))
+
+    async def _race(self, fut: asyncio.Future[T], wait_s: float) -> T:
         lost = asyncio.ensure_future(self._lost.wait())
         waiters: set[asyncio.Future[Any]] = {fut, lost}
         try:
@@ -220,6 +278,10 @@ class Client:
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def announce(self, announcement_id: str, **kwargs: Any) -> wire.AnnouncementReply:
+        """:meth:`AsyncClient.announce`, blocking."""
+        return self._call(self._async.announce(announcement_id, **kwargs), None)
 
     def infer(self, image: Image, *, model: str, **kwargs: Any) -> wire.JobResult:
         """Submit one image and block until its result arrives (or the timeout)."""

@@ -223,6 +223,9 @@ class BrokerSettings(_Section):
     # thousands of edges' telemetry is read a few dozen messages to a wake-up rather than
     # one (docs/performance.md); a placement request waits at most this much longer.
     read_gap_ms: float = Field(2.0, ge=0.0, le=READ_GAP_MS_MOST)
+    # How long before an announced window (sluicegate.schedule) its overflow counts in the
+    # pools' demand signal: about the time a pool takes to add a worker.
+    announce_lead_s: float = Field(120.0, ge=0.0, le=86_400.0)
 
 
 class ConsoleSettings(_Section):

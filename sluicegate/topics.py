@@ -80,6 +80,25 @@ def edge_trace_all() -> str:
     return f"{ROOT}/edge/+/trace"
 
 
+def edge_schedule(edge_id: str) -> str:
+    """Where a vision app (or the plant's MES, enrolled as an app of the line) announces
+    work to come on one edge: a shift change, a batch start, a recipe that doubles the
+    camera rate (``wire.Announcement``, QoS 1; a Response Topic gets the answer)."""
+    return f"{ROOT}/edge/{edge_id}/schedule"
+
+
+def edge_announced(edge_id: str) -> str:
+    """An edge's accepted announcements still ahead or under way, each with what the edge
+    can run of it itself (``wire.EdgeSchedule``; retained, replaced whole on each change,
+    expiring with its last window): the brokers' leading signal."""
+    return f"{ROOT}/edge/{edge_id}/announced"
+
+
+def edge_announced_all() -> str:
+    """Subscription filter for every edge's announced work."""
+    return f"{ROOT}/edge/+/announced"
+
+
 def edge_status(edge_id: str) -> str:
     """Retained online/offline status of an edge agent; its Last Will says offline."""
     return f"{ROOT}/edge/{edge_id}/status"

@@ -151,6 +151,59 @@ class PredictionError(_Wire):
     bias_ms: float
 
 
+class Announcement(_Wire):
+    """App -> edge (``topics.edge_schedule``): work to come on this line, from ``starts_at``
+    to ``ends_at`` (unix seconds), ``rate_per_s`` images a second in all, for ``model`` and
+    of ``data_class`` (as the jobs will say). The same id again replaces it; ``withdraw``
+    takes it back. The edge answers on the message's Response Topic
+    (:class:`AnnouncementReply`)."""
+
+    v: Literal[1] = WIRE_VERSION
+    announcement_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    starts_at: float = Field(gt=0.0, allow_inf_nan=False)
+    ends_at: float = Field(gt=0.0, allow_inf_nan=False)
+    rate_per_s: float = Field(gt=0.0, le=100_000.0, allow_inf_nan=False)
+    model: str = Field(min_length=1, max_length=128)
+    data_class: str = Field("generic", pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")
+    reason: str = Field("", max_length=200)  # shown to people: "recipe 42 at 2x", ...
+    withdraw: bool = False
+
+
+class AnnouncementReply(_Wire):
+    """Edge -> app: what became of an announcement (``code`` and ``reason`` when refused)."""
+
+    v: Literal[1] = WIRE_VERSION
+    announcement_id: str | None
+    status: Literal["accepted", "withdrawn", "refused"]
+    code: str | None = None
+    reason: str | None = None
+
+
+class Announced(_Wire):
+    """One accepted announcement as its edge reports it, with the images a second the edge
+    expects to run of it itself (its compute slots over its service time for the model)."""
+
+    announcement_id: str
+    starts_at: float
+    ends_at: float
+    rate_per_s: float
+    model: str
+    data_class: str
+    local_per_s: float
+    reason: str = ""
+
+
+class EdgeSchedule(_Wire):
+    """Edge -> brokers and observers (``topics.edge_announced``, retained): its accepted
+    announcements still ahead or under way, whole, replaced on every change."""
+
+    v: Literal[1] = WIRE_VERSION
+    node: str
+    zone: str
+    ts: float
+    windows: list[Announced]
+
+
 class EdgeTelemetry(_Wire):
     """What an edge agent reports every interval."""
 

@@ -127,6 +127,15 @@ def test_observers_read_what_the_twins_recorder_needs_and_write_nothing() -> Non
 # function added to sluicegate.topics without a row here fails the coverage test below.
 FLOWS: dict[str, list[tuple[str, str, str]]] = {
     "edge_submit": [("north-inspect", "write", topics.edge_submit("north-l1-pc"))],
+    "edge_schedule": [
+        ("north-inspect", "write", topics.edge_schedule("north-l1-pc")),
+        ("north-l1-pc", "read", topics.edge_schedule("north-l1-pc")),
+    ],
+    "edge_announced": [
+        ("north-l1-pc", "write", topics.edge_announced("north-l1-pc")),
+        ("broker-1", "read", topics.edge_announced("north-l1-pc")),
+        ("ops", "read", topics.edge_announced("north-l1-pc")),
+    ],
     "edge_telemetry": [
         ("north-l1-pc", "write", topics.edge_telemetry("north-l1-pc")),
         ("broker-1", "read", topics.edge_telemetry("north-l1-pc")),
@@ -248,6 +257,9 @@ def test_every_topic_of_the_topics_module_has_its_flows_in_the_acl() -> None:
         ("broker-1", "read", topics.pool_work(NORTH_DC, "north-gpu-1", "north-l1-pc")),
         ("broker-1", "write", topics.edge_returns("north-l1-pc", "broker-1")),
         ("north-inspect", "write", topics.edge_submit("south-l1-pc")),
+        ("north-inspect", "write", topics.edge_schedule("south-l1-pc")),
+        ("north-l1-pc", "write", topics.edge_announced("north-l2-pc")),
+        ("stranger", "write", topics.edge_schedule("north-l1-pc")),
         ("north-inspect", "read", topics.client_results("south-inspect")),
         ("stranger", "read", topics.edge_telemetry("north-l1-pc")),
         ("stranger", "write", topics.edge_submit("north-l1-pc")),

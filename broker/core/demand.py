@@ -5,21 +5,29 @@ For each pool of the policy: how many jobs per second its online workers can ser
 (concurrency over the mean learned service time of their models), how many it is asked
 for (the arrival rate the shell measured, plus the backlog the load forecast expects at
 the horizon, to be cleared within one horizon), their ratio, and how many workers would
-serve that demand at a target utilisation. Pure: the shell passes the arrival rates it
-counted, this module only does arithmetic over the fleet; it never scales anything.
+serve that demand at a target utilisation. Work the lines announced (``sluicegate.schedule``)
+leads it: :func:`announced_per_pool` spreads each edge's announced overflow, from a lead
+time before its window until its end, over the pools its data class may reach from the
+edge's zone, and a pool's arrivals count as the larger of the measured and the announced
+rate, so the signal rises before the burst and the measured rate takes over once it is
+there. Pure: the shell passes the arrival rates it counted and the announcements it holds;
+this module only does arithmetic over the fleet; it never scales anything.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from broker.core import forecast as fc
 from broker.core.fleet import Fleet
 from broker.core.state import WorkerState
 from broker.errors import InvalidParams
+from policies.evaluate import allowed
 from policies.model import Policy
+from sluicegate.schedule import overflow_per_s
+from sluicegate.wire import EdgeSchedule
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +44,7 @@ class PoolDemand:
     forecast_load: float  # expected held / slots at the horizon
     ratio: float  # demand / capacity; inf when there is demand and no capacity
     desired_workers: int  # to serve the demand at the target utilisation
+    announced_jobs_s: float = 0.0  # the lines' announced overflow counted for it now
 
 
 def worker_rate(fleet: Fleet, state: WorkerState) -> float:
@@ -54,11 +63,14 @@ def pool_demand(
     policy: Policy,
     *,
     arrivals_per_s: Mapping[str, float],
+    announced_per_s: Mapping[str, float] | None = None,
     horizon_s: float | None = None,
     target_utilisation: float = 0.7,
 ) -> tuple[PoolDemand, ...]:
     """Demand against capacity for every pool of ``policy``, in pool-name order.
-    ``arrivals_per_s``: jobs/s placed on (or meant for) each pool, by pool name."""
+    ``arrivals_per_s``: jobs/s placed on (or meant for) each pool, by pool name;
+    ``announced_per_s``: what the lines announced for it (:func:`announced_per_pool`)."""
+    announced = announced_per_s or {}
     if not 0.0 < target_utilisation <= 1.0:
         raise InvalidParams(f"target_utilisation = {target_utilisation!r}; accepted: 0 < t <= 1")
     horizon = horizon_s if horizon_s is not None else fleet.params.forecast_horizon_s
@@ -76,7 +88,9 @@ def pool_demand(
             held += sample.queue_depth + sample.in_flight + reserved
             expected += outlook.predicted * sample.capacity
             capacity += worker_rate(fleet, state)
-        demand = arrivals_per_s.get(pool.name, 0.0) + (expected / horizon if horizon > 0 else 0.0)
+        ahead = announced.get(pool.name, 0.0)
+        arriving = max(arrivals_per_s.get(pool.name, 0.0), ahead)
+        demand = arriving + (expected / horizon if horizon > 0 else 0.0)
         known = [r for s in states if (r := worker_rate(fleet, s)) > 0.0]
         per_worker = sum(known) / len(known) if known else 0.0
         if demand <= 0.0:
@@ -99,6 +113,34 @@ def pool_demand(
                 forecast_load=expected / slots if slots else 0.0,
                 ratio=demand / capacity if capacity > 0 else (math.inf if demand > 0 else 0.0),
                 desired_workers=desired,
+                announced_jobs_s=ahead,
             )
         )
     return tuple(out)
+
+
+def announced_per_pool(
+    schedules: Iterable[EdgeSchedule], policy: Policy, now: float, lead_s: float
+) -> dict[str, float]:
+    """Jobs/s the lines' announced work will send to each pool: each window's overflow (its
+    rate beyond what its edge runs itself), from ``lead_s`` before it starts until it ends,
+    split evenly over the pools of the zones its data class may reach from the edge's zone
+    (as the policy lists the edge: a schedule from an edge it does not list counts for
+    nothing)."""
+    out: dict[str, float] = {}
+    for doc in schedules:
+        edge = policy.edge(doc.node)
+        if edge is None:
+            continue
+        for window in doc.windows:
+            extra = overflow_per_s((window,), now, lead_s)
+            if extra <= 0.0:
+                continue
+            pools = [
+                p.name
+                for p in policy.pools
+                if allowed(policy, window.data_class, edge.zone, p.zone).allowed
+            ]
+            for name in pools:
+                out[name] = out.get(name, 0.0) + extra / len(pools)
+    return out
