@@ -75,7 +75,8 @@ def test_an_app_announces_a_burst_and_the_edge_books_and_reports_it(
         )
         assert (reply.status, reply.announcement_id, reply.code) == ("accepted", "recipe-42", None)
         book = _book(watcher)
-        assert book is not None and book["node"] == edge.settings.edge.id
+        assert book is not None
+        assert book["node"] == edge.settings.edge.id
         (window,) = book["windows"]
         assert window["rate_per_s"] == 100.0
         assert window["model"] == "defect-v1"
@@ -138,7 +139,8 @@ def test_a_malformed_announcement_is_refused_naming_the_field_and_the_edge_serve
     reply = wire.AnnouncementReply.model_validate_json(got.payload)
     assert got.correlation_data == b"c-1"
     assert (reply.status, reply.code) == ("refused", "bad_announcement")
-    assert reply.reason is not None and "rate_per_s" in reply.reason
+    assert reply.reason is not None
+    assert "rate_per_s" in reply.reason
     result = app.infer(sample_jpeg()[0], model="defect-v1", deadline_ms=5000)
     assert result.status == "ok"
 

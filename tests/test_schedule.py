@@ -40,7 +40,8 @@ def test_a_window_ahead_is_booked_replaced_by_its_id_and_withdrawn() -> None:
     assert book.take(_a(withdraw=True), NOW, MODELS) is None
     assert book.live(NOW) == []
     refused = book.take(_a(withdraw=True), NOW, MODELS)
-    assert refused is not None and refused.code == "unknown_announcement"
+    assert refused is not None
+    assert refused.code == "unknown_announcement"
 
 
 def test_a_window_leaves_the_book_when_it_ends() -> None:
@@ -80,7 +81,8 @@ def test_an_edge_keeps_a_bounded_number_of_announcements() -> None:
     for i in range(MAX_WINDOWS):
         assert book.take(_a(announcement_id=f"a{i}"), NOW, MODELS) is None
     refused = book.take(_a(announcement_id="one-more"), NOW, MODELS)
-    assert refused is not None and refused.code == "too_many"
+    assert refused is not None
+    assert refused.code == "too_many"
     assert book.take(_a(announcement_id="a0", rate_per_s=7.0), NOW, MODELS) is None  # replace
 
 
@@ -120,7 +122,8 @@ def test_announced_work_leads_the_pools_demand_and_the_measured_rate_takes_over(
     edge = policy.edges[0]
     doc = EdgeSchedule(node=edge.edge_id, zone=edge.zone, ts=NOW, windows=[_window()])
     ahead = announced_per_pool([doc], policy, NOW, lead_s=60.0)
-    assert ahead and abs(sum(ahead.values()) - 80.0) < 1e-9
+    assert ahead
+    assert abs(sum(ahead.values()) - 80.0) < 1e-9
     assert announced_per_pool([doc], policy, NOW, lead_s=10.0) == {}
     stranger = EdgeSchedule(node="not-listed", zone=edge.zone, ts=NOW, windows=[_window()])
     assert announced_per_pool([stranger], policy, NOW, lead_s=60.0) == {}
