@@ -64,31 +64,20 @@ def test_an_app_announces_a_burst_and_the_edge_books_and_reports_it(
     watcher = PlainClient(mosquitto.port)
     watcher.subscribe(topics.edge_announced(edge.settings.edge.id))
     now = time.time()
+    window = {"starts_at": now + 30, "ends_at": now + 90, "rate_per_s": 100.0}
     try:
         reply = app.announce(
-            "recipe-42",
-            starts_at=now + 30,
-            ends_at=now + 90,
-            rate_per_s=100.0,
-            model="defect-v1",
-            reason="recipe 42 doubles the camera rate",
+            "recipe-42", model="defect-v1", reason="recipe 42 doubles the camera rate", **window
         )
         assert (reply.status, reply.announcement_id, reply.code) == ("accepted", "recipe-42", None)
         book = _book(watcher)
         assert book is not None
         assert book["node"] == edge.settings.edge.id
-        (window,) = book["windows"]
-        assert window["rate_per_s"] == 100.0
-        assert window["model"] == "defect-v1"
-        assert window["local_per_s"] >= 0.0
-        gone = app.announce(
-            "recipe-42",
-            starts_at=now + 30,
-            ends_at=now + 90,
-            rate_per_s=100.0,
-            model="defect-v1",
-            withdraw=True,
-        )
+        (booked,) = book["windows"]
+        assert booked["rate_per_s"] == 100.0
+        assert booked["model"] == "defect-v1"
+        assert booked["local_per_s"] >= 0.0
+        gone = app.announce("recipe-42", model="defect-v1", withdraw=True, **window)
         assert gone.status == "withdrawn"
         assert _book(watcher) is None  # the retained book is cleared
     finally:

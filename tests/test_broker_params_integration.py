@@ -220,38 +220,14 @@ def test_a_learned_placement_policy_in_the_placement_file_orders_what_the_rules_
         read_placement_file(placement)
 
 
-def test_a_learned_policy_in_shadow_shows_what_it_would_move_and_acts_on_nothing(
+def test_a_learned_policy_in_shadow_shows_what_it_would_move_in_shadow_and_the_console(
     tmp_path: Path, mosquitto: ServerProcess, fresh_redis_db: Callable[[], str]
 ) -> None:
     # Production runs the heuristic; the shadow candidate is a learned policy that prefers
     # off-site workers. An OCR crop (allowed off site) stays on campus in production and would
-    # go to the cloud worker in the shadow: moved, never forbidden, never acted on.
-    _, campus = _campus(tmp_path, mosquitto, fresh_redis_db(), workers=WORKERS)
-    candidate = _off_site_policy(tmp_path / "candidate-placement.toml")
-    settings = load_settings(
-        campus.node_config("broker-1"),
-        broker={"http_port": free_port(), "shadow_placement_file": str(candidate)},
-    )
-    thread = _run_broker(settings)
-    workers = WorkerPlayer(mosquitto.port)
-    try:
-        _known(settings, workers, ("north-a", "cloud-1"))
-        reply = ask(mosquitto, data_class="ocr-crop")
-        shown = _get(settings, "/shadow")
-    finally:
-        workers.client.close()
-        thread.stop()
-    assert (reply.status, reply.worker_id) == ("placed", "north-a")
-    assert shown["decisions"] == 1
-    assert shown["moved"] == [{"production": "north-a", "candidate": "cloud-1", "jobs": 1}]
-    assert shown["forbidden"] == []
-
-
-def test_the_console_shows_the_shadow_candidate_as_shadow_serves_it(
-    tmp_path: Path, mosquitto: ServerProcess, fresh_redis_db: Callable[[], str]
-) -> None:
-    # The learned candidate that prefers off-site workers: an OCR crop moves to the cloud,
-    # a wafer image (campus only) stays where production puts it. Half agree.
+    # go to the cloud worker in the shadow: moved, never forbidden, never acted on; a wafer
+    # image (campus only) stays where production puts it. Half agree, and the console shows
+    # what /shadow serves.
     _, campus = _campus(tmp_path, mosquitto, fresh_redis_db(), workers=WORKERS)
     candidate = _off_site_policy(tmp_path / "candidate-placement.toml")
     settings = load_settings(
@@ -271,6 +247,7 @@ def test_the_console_shows_the_shadow_candidate_as_shadow_serves_it(
     assert [(r.status, r.worker_id) for r in replies] == [("placed", "north-a")] * 2
     assert (served["decisions"], served["agreement"]) == (2, 0.5)
     assert served["moved"] == [{"production": "north-a", "candidate": "cloud-1", "jobs": 1}]
+    assert served["forbidden"] == []
     del served["recent_differences"]  # the console leaves them to /shadow
     assert shown == {**served, "moved_pairs": 1}
 

@@ -20,15 +20,18 @@ NOW = 1_800_000_000.0
 MODELS = ("defect-v1", "ocr-v1")
 
 
+# A burst of 100 images/s for a minute, starting in 30 s.
+WINDOW: dict[str, Any] = {
+    "announcement_id": "shift-2",
+    "starts_at": NOW + 30,
+    "ends_at": NOW + 90,
+    "rate_per_s": 100.0,
+    "model": "defect-v1",
+}
+
+
 def _a(**kw: Any) -> Announcement:
-    doc: dict[str, Any] = {
-        "announcement_id": "shift-2",
-        "starts_at": NOW + 30,
-        "ends_at": NOW + 90,
-        "rate_per_s": 100.0,
-        "model": "defect-v1",
-    }
-    return Announcement.model_validate(doc | kw)
+    return Announcement.model_validate(WINDOW | kw)
 
 
 def test_a_window_ahead_is_booked_replaced_by_its_id_and_withdrawn() -> None:
@@ -96,15 +99,7 @@ def test_the_wire_refuses_what_no_book_should_see(kw: dict[str, Any]) -> None:
 
 
 def _window(**kw: Any) -> Announced:
-    doc: dict[str, Any] = {
-        "announcement_id": "shift-2",
-        "starts_at": NOW + 30,
-        "ends_at": NOW + 90,
-        "rate_per_s": 100.0,
-        "model": "defect-v1",
-        "data_class": "ocr-crop",
-        "local_per_s": 20.0,
-    }
+    doc = WINDOW | {"data_class": "ocr-crop", "local_per_s": 20.0}
     return Announced.model_validate(doc | kw)
 
 
