@@ -60,10 +60,11 @@ def test_twin_train_writes_a_policy_the_loader_accepts(tmp_path: Path) -> None:
     write(trace, demo_trace(3.0, bursts=((0.5, 1.0),), seed=8))
     out = tmp_path / "placement.json"
     cmd = ["twin", "train", "--trace", str(trace), "--out", str(out), "--rounds", "1"]
-    got = CliRunner().invoke(app, [*cmd, "--population", "2"])
+    got = CliRunner().invoke(app, [*cmd, "--population", "2", "--seeds", "2"])
     assert got.exit_code == 0, got.output
     assert "sha256" in got.output
-    assert load(out).trained["scenarios"][0] == "t.jsonl.gz 2x"
+    assert "over 12 scenarios" in got.output  # six perturbations, each with seeds 0 and 1
+    assert load(out).trained["scenarios"][:2] == ["t.jsonl.gz 2x", "t.jsonl.gz 2x seed 1"]
     bad = CliRunner().invoke(app, [*cmd, "--population", "1"])
     assert bad.exit_code == 2
     assert "--population at least 2" in bad.output

@@ -324,19 +324,30 @@ def train_policy(
     population: Annotated[int, typer.Option(help="Policies tried each round.")] = 12,
     seed: SeedOption = 0,
     version: Annotated[str, typer.Option(help="The version the policy file names.")] = "1",
+    seeds: Annotated[
+        int, typer.Option(help="Replay each scenario with this many seeds (0, 1, ...).")
+    ] = 1,
 ) -> None:
     """Train a placement policy in the twin on traces and their perturbations (bursts of
-    2x to 6x, a slow or lost worker, a slow link), against the heuristic's figures on the
-    same scenarios; write it with its sha256 manifest."""
+    2x to 6x, a slow or lost worker, a slow link), each replayed with ``--seeds`` seeds,
+    against the heuristic's figures on the same scenarios; write it with its sha256
+    manifest."""
+    from dataclasses import replace
+
     from broker.core.learned import save
     from sluicegate.errors import EXPECTED
     from sluicegate.twin.trace import read
     from sluicegate.twin.train import perturbations, train
 
-    if rounds < 1 or population < 2:
-        _fail("--rounds is at least 1 and --population at least 2")
+    if rounds < 1 or population < 2 or seeds < 1:
+        _fail("--rounds and --seeds are at least 1 and --population at least 2")
     try:
-        scenarios = [s for path in trace for s in perturbations(read(path)[0], path.name)]
+        scenarios = [
+            replace(s, name=f"{s.name} seed {k}" if k else s.name, seed=k)
+            for path in trace
+            for s in perturbations(read(path)[0], path.name)
+            for k in range(seeds)
+        ]
 
         def say(r: int, reward: float, _policy: object) -> None:
             typer.echo(f"round {r + 1}/{rounds}: best reward {reward:+.4f}", err=True)
