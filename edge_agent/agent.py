@@ -292,6 +292,7 @@ class EdgeAgent:
         await self._subscribe(topics.edge_returns_all(edge), self.on_return)
         await self._subscribe(topics.edge_notices(edge), self.on_notice)
         await self._transport.subscribe(topics.edge_schedule(edge), self.schedule.on_message)
+        self.schedule.publish(self._clock())  # an empty book: a restarted edge has forgotten
         self._jobs.mode = "serving"
         # Subscribe before announcing: on one connection the broker handles the SUBSCRIBE
         # before the status PUBLISH, so whoever sees "online" can submit at once.

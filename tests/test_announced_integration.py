@@ -32,17 +32,21 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def edge(mosquitto: ServerProcess) -> Iterator[AgentThread]:
-    settings = load_settings(
-        mqtt={"port": mosquitto.port, "plaintext": True},
-        offload={"policy_file": installed_policy()},
-        edge={"id": f"edge-{uuid.uuid4().hex[:8]}", "zone": "campus/test/line-1"},
-    )
+    settings = _edge_settings(mosquitto.port, f"edge-{uuid.uuid4().hex[:8]}")
     watcher = PlainClient(mosquitto.port)
     agent = AgentThread(settings, ModelRegistry.from_dir(default_models_dir()))
     agent.start(watcher)
     watcher.close()
     yield agent
     agent.stop()
+
+
+def _edge_settings(port: int, edge_id: str) -> Any:
+    return load_settings(
+        mqtt={"port": port, "plaintext": True},
+        offload={"policy_file": installed_policy()},
+        edge={"id": edge_id, "zone": "campus/test/line-1"},
+    )
 
 
 @pytest.fixture
@@ -132,6 +136,26 @@ def test_a_malformed_announcement_is_refused_naming_the_field_and_the_edge_serve
     assert "rate_per_s" in reply.reason
     result = app.infer(sample_jpeg()[0], model="defect-v1", deadline_ms=5000)
     assert result.status == "ok"
+
+
+def test_a_restarted_edge_clears_the_book_it_no_longer_holds(mosquitto: ServerProcess) -> None:
+    edge_id = f"edge-{uuid.uuid4().hex[:8]}"
+    stale = _schedule(edge_id, "campus/test/line-1", 30.0, "generic")
+    publisher = PlainClient(mosquitto.port)
+    topic = topics.edge_announced(edge_id)
+    publisher.client.publish(topic, stale, qos=1, retain=True).wait_for_publish(10)
+    publisher.subscribe(topic)
+    assert publisher.next().payload == stale  # retained from before the restart
+    starter = PlainClient(mosquitto.port)
+    registry = ModelRegistry.from_dir(default_models_dir())
+    agent = AgentThread(_edge_settings(mosquitto.port, edge_id), registry)
+    agent.start(starter)
+    try:
+        assert publisher.next().payload == b""  # the edge cleared it as it started
+    finally:
+        agent.stop()
+        starter.close()
+        publisher.close()
 
 
 def _schedule(node: str, zone: str, starts_in: float, data_class: str) -> bytes:
