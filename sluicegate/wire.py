@@ -201,7 +201,7 @@ class EdgeSchedule(_Wire):
     node: str
     zone: str
     ts: float
-    windows: list[Announced]
+    windows: list[Announced] = Field(max_length=64)  # an edge keeps 16 (sluicegate.schedule)
 
 
 class EdgeTelemetry(_Wire):

@@ -134,3 +134,9 @@ def test_announced_work_leads_the_pools_demand_and_the_measured_rate_takes_over(
         d.pool: d for d in pool_demand(fleet, policy, arrivals_per_s=busy, announced_per_s=ahead)
     }
     assert there[pool].demand_jobs_s == pytest.approx(busy[pool])
+
+
+def test_a_book_of_more_windows_than_any_edge_keeps_is_refused_at_the_wire() -> None:
+    many = [_window(announcement_id=f"a{i}") for i in range(65)]
+    with pytest.raises(ValidationError):
+        EdgeSchedule(node="n", zone="z", ts=NOW, windows=many)
