@@ -47,10 +47,11 @@ from bench import stats
 from broker.core.decision import Decision, Placed
 from broker.core.fleet import Fleet
 from broker.core.learned import load
+from broker.core.links import link_class
 from broker.core.params import FleetParams, PlacementParams
 from broker.core.placement import decide
 from broker.core.reference import decide_reference
-from broker.core.scoring import SUBHEALTHY, link_class, transfer_costs, wait_at
+from broker.core.scoring import SUBHEALTHY, transfer_costs, wait_at
 from policies.evaluate import allowed
 from policies.keys import SigningKey
 from policies.loader import parse_policy

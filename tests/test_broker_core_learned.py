@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -17,18 +16,12 @@ from broker.core.placement import decide
 from broker.core.reference import decide_reference
 from broker.errors import InvalidParams
 from tests.test_broker_core_kit import (
-    CLOUD,
-    NDC,
     NOW,
     PARAMS,
-    SDC,
-    campus_policy,
-    caps,
-    fleet_with,
     request,
 )
+from tests.test_broker_core_placement import POLICY, three_workers
 
-POLICY = campus_policy()
 OFF_SITE = FEATURES.index("off_site")
 LOAD = FEATURES.index("load")
 
@@ -41,25 +34,13 @@ def _weights(**named: float) -> tuple[float, ...]:
     return tuple(named.get(f, 0.0) for f in FEATURES)
 
 
-def _fleet(loads: dict[str, dict[str, Any]] | None = None) -> Any:
-    kw = loads or {}
-    return fleet_with(
-        POLICY,
-        [
-            (caps("gpu-1", NDC), kw.get("gpu-1", {})),
-            (caps("npu-1", SDC, device_class="ascend-910b"), kw.get("npu-1", {})),
-            (caps("cloud-1", CLOUD), kw.get("cloud-1", {})),
-        ],
-    )
-
-
 def test_the_heuristic_as_a_policy_places_where_the_rules_do() -> None:
     busy = {"queue_depth": 6, "capacity": 16}
     for loads in (None, {"gpu-1": busy}, {"gpu-1": busy, "npu-1": busy}):
         for data_class in ("wafer-image", "ocr-crop"):
             req = request(data_class=data_class, deadline_at=NOW + 0.5)
-            plain = decide(_fleet(loads), req, POLICY, now=NOW, params=PARAMS)
-            learned = decide(_fleet(loads), req, POLICY, now=NOW, params=_with(HEURISTIC))
+            plain = decide(three_workers(loads), req, POLICY, now=NOW, params=PARAMS)
+            learned = decide(three_workers(loads), req, POLICY, now=NOW, params=_with(HEURISTIC))
             assert isinstance(plain, Placed)
             assert isinstance(learned, Placed)
             assert learned.worker_id == plain.worker_id
@@ -69,16 +50,20 @@ def test_weights_reorder_the_allowed_workers_and_never_reach_a_forbidden_one() -
     # A policy that wants off-site workers above all: an ocr crop (allowed off site) goes
     # there; a wafer image (campus only) never does, however much the weights want it.
     keen = LearnedPolicy(_weights(off_site=-100.0))
-    ocr = decide(_fleet(), request(data_class="ocr-crop"), POLICY, now=NOW, params=_with(keen))
+    ocr = decide(
+        three_workers(), request(data_class="ocr-crop"), POLICY, now=NOW, params=_with(keen)
+    )
     assert isinstance(ocr, Placed)
     assert ocr.worker_id == "cloud-1"
-    wafer = decide(_fleet(), request(data_class="wafer-image"), POLICY, now=NOW, params=_with(keen))
+    wafer = decide(
+        three_workers(), request(data_class="wafer-image"), POLICY, now=NOW, params=_with(keen)
+    )
     assert isinstance(wafer, Placed)
     assert wafer.worker_id != "cloud-1"
     # One that prefers the emptier worker over the faster one.
     light = LearnedPolicy(_weights(load=1.0))
     loads = {"gpu-1": {"queue_depth": 8, "capacity": 16}}
-    chosen = decide(_fleet(loads), request(), POLICY, now=NOW, params=_with(light))
+    chosen = decide(three_workers(loads), request(), POLICY, now=NOW, params=_with(light))
     assert isinstance(chosen, Placed)
     assert chosen.worker_id == "npu-1"
 
@@ -86,15 +71,15 @@ def test_weights_reorder_the_allowed_workers_and_never_reach_a_forbidden_one() -
 def test_a_policy_keeps_a_job_its_edge_meets_with_room_to_spare() -> None:
     keeper = LearnedPolicy(HEURISTIC.weights, keep_share=0.5)
     roomy = request(deadline_at=NOW + 0.2, local_estimate_ms=60.0)
-    kept = decide(_fleet(), roomy, POLICY, now=NOW, params=_with(keeper))
+    kept = decide(three_workers(), roomy, POLICY, now=NOW, params=_with(keeper))
     assert isinstance(kept, Refused)
     assert kept.code == "kept_local"
     assert "60.0 ms" in kept.reason
     tight = request(deadline_at=NOW + 0.2, local_estimate_ms=150.0)
-    assert isinstance(decide(_fleet(), tight, POLICY, now=NOW, params=_with(keeper)), Placed)
+    assert isinstance(decide(three_workers(), tight, POLICY, now=NOW, params=_with(keeper)), Placed)
     # The rules come first: a class the policy sends nowhere is refused as before.
     nowhere = request(data_class="secret", deadline_at=NOW + 0.2, local_estimate_ms=1.0)
-    refused = decide(_fleet(), nowhere, POLICY, now=NOW, params=_with(keeper))
+    refused = decide(three_workers(), nowhere, POLICY, now=NOW, params=_with(keeper))
     assert isinstance(refused, Refused)
     assert refused.code == "policy_denied"
 
@@ -161,6 +146,6 @@ def test_the_brute_force_reference_decides_the_same_with_a_policy() -> None:
         for loads in (None, {"gpu-1": busy}, {"npu-1": busy, "cloud-1": busy}):
             for data_class in ("wafer-image", "ocr-crop"):
                 req = request(data_class=data_class, deadline_at=NOW + 0.2, local_estimate_ms=80.0)
-                fleet = _fleet(loads)
+                fleet = three_workers(loads)
                 fast = decide(fleet, req, POLICY, now=NOW, params=_with(policy))
                 assert fast == decide_reference(fleet, req, POLICY, now=NOW, params=_with(policy))

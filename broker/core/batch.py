@@ -83,12 +83,7 @@ def decide_turn(
             continue
         request = request_of(item)
         decision = decide(
-            fleet,
-            request,
-            policy,
-            now=now,
-            params=params,
-            sealable=sealable(request),
+            fleet, request, policy, now=now, params=params, sealable=sealable(request)
         )
         if beside is not None:
             beside(request, decision)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from broker.core import forecast
 from broker.core.decision import Summary
+from broker.core.links import link_class
 from broker.core.params import FleetParams
 from broker.core.scoring import (
     CORDONED,
@@ -42,7 +43,6 @@ from broker.core.scoring import (
     after_placing,
     classify,
     free_at_ms,
-    link_class,
     load_key,
     step_ms,
 )

@@ -15,6 +15,7 @@ from broker.core.decision import Candidate, Decision, Summary
 from broker.core.explain import conclude, conclude_learned
 from broker.core.fleet import Fleet
 from broker.core.forecast import forecast
+from broker.core.links import link_class
 from broker.core.params import PlacementParams
 from broker.core.scoring import (
     ELIGIBLE,
@@ -24,7 +25,6 @@ from broker.core.scoring import (
     SUBHEALTHY,
     classify,
     free_at_ms,
-    link_class,
     load_key,
     needs_of,
     transfer_costs,

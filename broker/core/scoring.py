@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from broker.core.links import link_class as link_class
 from broker.core.params import PlacementParams
 from broker.core.state import Capabilities, TelemetrySample
 from sluicegate.vision.manifest import Requirements

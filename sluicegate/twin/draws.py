@@ -33,8 +33,9 @@ import random
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
 
+from broker.core.links import link_class
 from broker.core.params import PlacementParams
-from broker.core.scoring import link_class, transfer_costs
+from broker.core.scoring import transfer_costs
 from sluicegate.twin.trace import JobRecord, Trace
 
 DEFAULT_SERVICE_MS = 50.0  # a model nobody measured
