@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 from sluicegate import topics, wire
 from sluicegate.app.campus import LINES, OBSERVER, WORKERS
 from sluicegate.app.localcampus import LocalCampus
-from sluicegate.app.traffic import Sample, Tally, stream
+from sluicegate.app.traffic import BURST_LINE, Sample, Tally, app_client, stream
 from sluicegate.twin import trace as tr
 from sluicegate.twin.capture import Capture, CaptureError
 from sluicegate.twin.record import Recorded, record
@@ -288,6 +289,30 @@ def test_status_changes_while_recording_are_node_events_and_retained_ones_are_no
     ]
 
 
+def test_an_edge_s_book_of_announced_work_is_recorded_retained_or_changed() -> None:
+    window = wire.Announced(
+        announcement_id="shift-b",
+        starts_at=T0 + 30.0,
+        ends_at=T0 + 90.0,
+        rate_per_s=40.0,
+        model="surface-det",
+        data_class="part-image",
+        local_per_s=6.0,
+    )
+    book = wire.EdgeSchedule(node=EDGE, zone=ZONE, ts=T0, windows=[window])
+    capture = fed((topics.edge_telemetry(EDGE), edge_telemetry()))
+    topic = topics.edge_announced(EDGE)
+    assert capture.offer(topic, wire.dump(book), now=T0 + 0.1, retained=True) is None
+    assert capture.offer(topic, b"", now=T0 + 2.0) is None  # the book cleared
+    forged = book.model_copy(update={"node": "line-9"})
+    assert "only 'north-l1-pc'" in (capture.offer(topic, wire.dump(forged), now=T0 + 2.5) or "")
+    announced = capture.trace().announced
+    assert [(a.at, a.edge, [w.announcement_id for w in a.windows]) for a in announced] == [
+        (0.1, EDGE, ["shift-b"]),
+        (2.0, EDGE, []),
+    ]
+
+
 def test_without_a_policy_or_an_edge_there_is_no_trace_and_it_says_why() -> None:
     capture = Capture(T0)
     capture.offer(topics.edge_telemetry(EDGE), edge_telemetry(), now=T0 + 1.0)
@@ -382,6 +407,21 @@ def test_the_recorder_hears_every_job_the_apps_got_a_result_for(
         mqtt = campus.write().mqtt(OBSERVER)
         recorder = asyncio.ensure_future(record(mqtt, out, stop, ready=ready))
         await asyncio.wait_for(ready.wait(), 10)
+        # Line 1's app announces a shift to come: the trace holds the edge's book.
+        app = app_client(campus.write(), BURST_LINE)
+        await app.connect()
+        starts = time.time() + 30.0
+        told = await app.announce(
+            "shift-b",
+            starts_at=starts,
+            ends_at=starts + 60.0,
+            rate_per_s=500.0,
+            model="surface-det",
+            data_class="part-image",
+            timeout=10.0,
+        )
+        await app.close()
+        assert told.status == "accepted", told
         # Steady traffic, and a second's burst on line 1 that its PC passes on to the pool.
         await stream(campus.write(), 5.0, 4.0, asyncio.Event(), seen, burst_at=2.0, burst_for=1.0)
         stop.set()
@@ -393,6 +433,11 @@ def test_the_recorder_hears_every_job_the_apps_got_a_result_for(
     assert (recorded.refused, recorded.unbatched, recorded.edge_dropped) == ({}, 0, 0)
     check_against_the_apps(trace, seen)
     assert any(j.offloaded for j in trace.jobs), "the burst must offload some jobs"
+    books = [a for a in trace.announced if a.edge == BURST_LINE]
+    assert [w.announcement_id for w in books[-1].windows] == ["shift-b"]
+    # the replay hears it as the broker did: announced jobs/s in the scaling signal
+    signal = replay(trace).signal
+    assert sum(max(r.announced_jobs_s for r in rs) for rs in signal.values()) > 0
 
 
 @pytest.mark.integration

@@ -91,6 +91,7 @@ class Capture:
         self._completions: dict[tuple[str, str], Completion] = {}  # (job id, worker) -> it
         self._telemetry: list[tr.TelemetryRecord] = []
         self._events: list[tr.NodeEvent] = []
+        self._announced: list[tr.AnnouncedRecord] = []
         self._state: dict[str, str] = {}  # node -> online / offline, as last heard
         self.left_out: Counter[str] = Counter()  # records not in the trace, by why
         self.refused: Counter[str] = Counter()  # documents refused, by kind
@@ -105,6 +106,7 @@ class Capture:
             (topics.worker_all("status"), self._status),
             (topics.completions_all(), self._completion),
             (topics.policy(), self._policy_message),
+            (topics.edge_announced_all(), self._announced_book),
         ]
 
     def filters(self) -> list[str]:
@@ -213,6 +215,17 @@ class Capture:
         if not retained and before != doc.state and self._in_window(now):
             self._events.append(tr.NodeEvent(at=now - self.started_at, node=node, what=doc.state))
 
+    def _announced_book(self, topic: str, payload: bytes, now: float, retained: bool) -> None:
+        # A retained book is the work announced when recording began: it counts from there.
+        edge = topics.node_of(topic)
+        windows: list[wire.Announced] = []
+        if payload:
+            doc = _read(wire.EdgeSchedule, payload, "announced")
+            edge, windows = _own(doc.node, topic, "announced"), doc.windows
+        if self._in_window(now):
+            at = max(0.0, round(now - self.started_at, 3))
+            self._announced.append(tr.AnnouncedRecord(at=at, edge=edge, windows=windows))
+
     def _completion(self, topic: str, payload: bytes, now: float, retained: bool) -> None:
         doc = _read(Completion, payload, "completion")
         worker = topics.sender(topic)
@@ -296,7 +309,9 @@ class Capture:
         # Set, not added: each call counts what it left out of the trace it returns.
         self.left_out["unknown_edge"], self.left_out["unreadable"] = unlisted, unreadable
         jobs.sort(key=lambda j: j.at)
-        return tr.Trace(header, tuple(jobs), tuple(self._telemetry), tuple(self._events))
+        return tr.Trace(
+            header, tuple(jobs), tuple(self._telemetry), tuple(self._events), tuple(self._announced)
+        )
 
     def _job(self, edge: str, rec: wire.TraceJob) -> tr.JobRecord | None:
         worker = rec.worker or (rec.ran_on if rec.offloaded else None)

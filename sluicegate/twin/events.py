@@ -109,6 +109,8 @@ class Events:
         self.live = jobs  # jobs not yet concluded
         self.outcomes: list[Outcome] = []
         self.refusals: Counter[str] = Counter()
+        self.placed_by_pool: Counter[str] = Counter()  # since the last tick (the signal's)
+        self._pool_of = {w: p.name for p in policy.pools for w in p.workers}
         self.counters: Counter[str] = Counter()  # the edges' tallies
         self.violations = 0
         self.asked = 0  # placement requests the edges sent
@@ -269,6 +271,7 @@ class Events:
 
     def _placed(self, now: float, asked: Asked, worker_id: str, predicted: float | None) -> None:
         job, worker = asked.job, self.workers[worker_id]
+        self.placed_by_pool[self._pool_of.get(worker_id, "?")] += 1
         if not allowed(self.policy, job.rec.data_class, job.origin, worker.spec.zone).allowed:
             self.violations += 1
         if asked.late:  # the edge gave up first: it hands the placement back as it comes

@@ -27,6 +27,7 @@ from edge_agent.sequencer import Sequencer, limits_of
 from policies.model import Policy
 from sluicegate.config import BrokerSettings, EdgeSettings, OffloadSettings, PoolSettings
 from sluicegate.twin.draws import DEFAULT_SERVICE_MS
+from sluicegate.twin.signal import Reading
 from sluicegate.twin.trace import EdgeSpec, JobRecord, WorkerSpec
 from sluicegate.vision.image import ImageInfo
 from sluicegate.wire_pool import (
@@ -100,6 +101,8 @@ class Result:
     duration_s: float
     draws: dict[str, int]
     warnings: tuple[str, ...] = ()  # what in the change cannot work as the engineer meant
+    # pool -> the scaling signal each interval, as the broker's /metrics would say it
+    signal: dict[str, tuple[Reading, ...]] = field(default_factory=dict)
 
 
 class Arrival(NamedTuple):

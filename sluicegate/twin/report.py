@@ -3,10 +3,12 @@
 :func:`summarise` turns a :class:`~sluicegate.twin.sim.Result` into plain figures: deadline
 attainment overall, per line and per data class; latency p50/p99 of the answered jobs;
 the share offloaded; per worker its utilisation (compute time over its slots' time) and the
-peak of the jobs it held; refusals by reason; where each data class ran, by zone; and
-placements the run's policy forbids. :func:`compare` puts a baseline and a candidate side
-by side, with the jobs whose node changed, and :func:`render` prints it as a table. All
-pure and deterministic: equal results give equal text and equal JSON.
+peak of the jobs it held; per pool the peak of the scaling signal's desired workers and when
+it was first reached (:mod:`sluicegate.twin.signal`, announced work included); refusals by
+reason; where each data class ran, by zone; and placements the run's policy forbids.
+:func:`compare` puts a baseline and a candidate side by side, with the jobs whose node
+changed, and :func:`render` prints it as a table. All pure and deterministic: equal results
+give equal text and equal JSON.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
+from sluicegate.twin.signal import Reading
 from sluicegate.twin.sim import Result
 
 
@@ -37,6 +40,8 @@ class Summary:
     refusals: dict[str, int]
     zones: dict[str, dict[str, int]]
     violations: int
+    # pool -> (its peak desired workers, the first s it reached it), from the scaling signal
+    desired_workers: dict[str, tuple[int, float]] = field(default_factory=dict)
 
 
 def _share(hits: int, total: int) -> float:
@@ -74,7 +79,13 @@ def summarise(result: Result) -> Summary:
         refusals=result.refusals,
         zones=result.zones,
         violations=result.violations,
+        desired_workers={pool: _peak(readings) for pool, readings in result.signal.items()},
     )
+
+
+def _peak(readings: tuple[Reading, ...]) -> tuple[int, float]:
+    top = max((r.desired_workers for r in readings), default=0)
+    return top, next((r.at for r in readings if r.desired_workers == top), 0.0)
 
 
 class Move(NamedTuple):
@@ -154,6 +165,15 @@ def _rows(c: Comparison) -> list[tuple[str, str, str]]:
     for n in sorted(set(b.peak_depth) | set(k.peak_depth)):
         rows.append(
             (f"  {n} peak jobs held", str(b.peak_depth.get(n, "-")), str(k.peak_depth.get(n, "-")))
+        )
+    for pool in sorted(set(b.desired_workers) | set(k.desired_workers)):
+        bp, kp = b.desired_workers.get(pool), k.desired_workers.get(pool)
+        rows.append(
+            (
+                f"  {pool} desired workers (peak, at s)",
+                f"{bp[0]} at {bp[1]:g}" if bp else "-",
+                f"{kp[0]} at {kp[1]:g}" if kp else "-",
+            )
         )
     for status in sorted(set(b.statuses) | set(k.statuses)):
         rows.append(

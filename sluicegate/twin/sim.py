@@ -39,7 +39,9 @@ from sluicegate.twin.nodes import (
     SimEdge,
     SimWorker,
 )
-from sluicegate.twin.trace import JobRecord, Trace, policy_of
+from sluicegate.twin.signal import Signal
+from sluicegate.twin.trace import AnnouncedRecord, JobRecord, Trace, policy_of
+from sluicegate.wire import EdgeSchedule
 
 __all__ = ["STRATEGIES", "Change", "Outcome", "Result", "Simulation", "digest_of", "replay"]
 
@@ -75,6 +77,8 @@ class Simulation:
         self._end = self.t0  # the latest event's time
         self._depth: dict[str, list[tuple[float, int]]] = {n: [] for n in self.nodes()}
         self.arrivals = self._expand(trace.jobs, change.burst)
+        self._announced = trace.announced
+        self.signal = Signal()
         self._next_seq = 0  # the clock's order number of the first arrival (see start)
         self.events = Events(
             self._at,
@@ -139,6 +143,8 @@ class Simulation:
         for worker_id, at in self.change.fail:
             if worker_id in self.workers:
                 self._at(self.t0 + at, events.lose, self.workers[worker_id])
+        for rec in self._announced:
+            self._at(self.t0 + rec.at, self._announce, rec)
 
     def _enter(self, i: int) -> None:
         heapq.heappush(self._heap, (self.arrivals[i].at, self._next_seq + i, self._arrive, (i,)))
@@ -147,6 +153,11 @@ class Simulation:
         if i + 1 < len(self.arrivals):
             self._enter(i + 1)
         self.events.arrive(now, Job.of(self.arrivals[i]))
+
+    def _announce(self, now: float, rec: AnnouncedRecord) -> None:
+        edge = self.edges.get(rec.edge)
+        zone = edge.spec.zone if edge is not None else ""
+        self.signal.announced(EdgeSchedule(node=rec.edge, zone=zone, ts=now, windows=rec.windows))
 
     def advance(self, until: float) -> None:
         """Run every event before ``until`` (virtual, absolute). A simulation stopped here
@@ -176,11 +187,13 @@ class Simulation:
             duration_s=duration,
             draws=self.draws.measured(),
             warnings=self.warnings,
+            signal={pool: tuple(r) for pool, r in sorted(self.signal.readings.items())},
         )
 
     def _tick(self, now: float) -> None:
-        """Every interval: each worker's telemetry to the fleet, and the most jobs each node
-        held during the interval."""
+        """Every interval: each worker's telemetry to the fleet, the scaling signal
+        (:mod:`sluicegate.twin.signal`), and the most jobs each node held during the
+        interval."""
         for w in self.workers.values():
             self._depth[w.spec.id].append((round(now - self.t0, 3), max(w.peak, w.held)))
             w.peak = w.held
@@ -188,6 +201,9 @@ class Simulation:
                 self.fleet.apply_telemetry(w.telemetry(now, self.interval), now)
         if len(self.events.room):
             self.events.room_look(now)
+        placed = self.events.placed_by_pool
+        self.signal.tick(now, self.t0, self.interval, placed, self.fleet, self.policy)
+        placed.clear()
         for e in self.edges.values():
             self._depth[e.spec.id].append((round(now - self.t0, 3), max(e.peak, e.held)))
             e.peak = e.held

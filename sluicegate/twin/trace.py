@@ -3,7 +3,8 @@
 A trace is gzip-compressed JSON lines (``sluicegate-trace/1``): one :class:`Header` first
 (the policy and placement parameters in force, the edges and workers with what they hold
 and their measured service times), then :class:`JobRecord` lines in order of arrival, with
-:class:`TelemetryRecord` and :class:`NodeEvent` lines among them. JSON lines rather than
+:class:`TelemetryRecord`, :class:`NodeEvent` and :class:`AnnouncedRecord` (an edge's book of
+announced work, as it published it) lines among them. JSON lines rather than
 columns: a recorder appends as the campus runs, a reader streams it, a person can read it
 with ``zcat | head``, and gzip brings the repetition of keys down to a few bytes a job
 (a 10-minute two-line trace is well under a megabyte); Parquet would need pyarrow in the
@@ -31,6 +32,7 @@ from policies.errors import PolicyError
 from policies.loader import parse_canonical, parse_policy
 from policies.model import Policy
 from sluicegate.errors import SluicegateError
+from sluicegate.wire import Announced
 
 FORMAT: Literal["sluicegate-trace/1"] = "sluicegate-trace/1"
 Status = Literal["ok", "rejected", "failed", "expired"]
@@ -154,8 +156,19 @@ class NodeEvent(_Record):
     what: Literal["offline", "online"]
 
 
-Line = Annotated[Header | JobRecord | TelemetryRecord | NodeEvent, Field(discriminator="type")]
-_LINE: TypeAdapter[Header | JobRecord | TelemetryRecord | NodeEvent] = TypeAdapter(Line)
+class AnnouncedRecord(_Record):
+    """An edge's book of announced work, whole, as it published it (empty: cleared). Its
+    windows keep their unix times, as the brokers read them."""
+
+    type: Literal["announced"] = "announced"
+    at: float = Field(ge=0.0)
+    edge: str
+    windows: list[Announced] = Field(default_factory=list)
+
+
+Record = JobRecord | TelemetryRecord | NodeEvent | AnnouncedRecord
+Line = Annotated[Header | Record, Field(discriminator="type")]
+_LINE: TypeAdapter[Header | Record] = TypeAdapter(Line)
 
 
 @dataclass(frozen=True)
@@ -166,6 +179,7 @@ class Trace:
     jobs: tuple[JobRecord, ...]
     telemetry: tuple[TelemetryRecord, ...] = ()
     events: tuple[NodeEvent, ...] = ()
+    announced: tuple[AnnouncedRecord, ...] = ()
 
     @property
     def duration_s(self) -> float:
@@ -175,11 +189,7 @@ class Trace:
     def lines(self) -> Iterator[str]:
         """The trace as ``sluicegate-trace/1`` lines, records merged in order of time."""
         yield self.header.model_dump_json()
-        records: list[JobRecord | TelemetryRecord | NodeEvent] = [
-            *self.jobs,
-            *self.telemetry,
-            *self.events,
-        ]
+        records: list[Record] = [*self.jobs, *self.telemetry, *self.events, *self.announced]
         records.sort(key=lambda r: r.at)  # stable: same-time records keep their kinds' order
         for record in records:
             # Defaults left out (most of a job's fields), its type kept: it tells the kinds apart.
@@ -216,6 +226,7 @@ def read(path: Path) -> tuple[Trace, str]:
     jobs: list[JobRecord] = []
     telemetry: list[TelemetryRecord] = []
     events: list[NodeEvent] = []
+    announced: list[AnnouncedRecord] = []
     for number, data in _lines(path):
         h.update(data)
         try:
@@ -233,12 +244,20 @@ def read(path: Path) -> tuple[Trace, str]:
             jobs.append(record)
         elif isinstance(record, TelemetryRecord):
             telemetry.append(record)
+        elif isinstance(record, AnnouncedRecord):
+            announced.append(record)
         else:
             events.append(record)
     if header is None:
         raise TraceError(f"{path}: empty trace (no header)")
     check(header, jobs)
-    trace = Trace(header, tuple(sorted(jobs, key=lambda j: j.at)), tuple(telemetry), tuple(events))
+    trace = Trace(
+        header,
+        tuple(sorted(jobs, key=lambda j: j.at)),
+        tuple(telemetry),
+        tuple(events),
+        tuple(announced),
+    )
     return trace, h.hexdigest()
 
 
