@@ -14,7 +14,17 @@ from sluicegate.app.twin_demo import demo_trace
 from sluicegate.twin.nodes import Change
 from sluicegate.twin.sim import replay
 from sluicegate.twin.trace import write
-from sluicegate.twin.train import Scenario, off_site_of, perturbations, run, score, train
+from sluicegate.twin.train import (
+    Scenario,
+    Score,
+    Weights,
+    off_site_of,
+    perturbations,
+    reward,
+    run,
+    score,
+    train,
+)
 
 TRACE = demo_trace(6.0, bursts=((1.0, 3.0),), seed=7)
 
@@ -60,11 +70,25 @@ def test_twin_train_writes_a_policy_the_loader_accepts(tmp_path: Path) -> None:
     write(trace, demo_trace(3.0, bursts=((0.5, 1.0),), seed=8))
     out = tmp_path / "placement.json"
     cmd = ["twin", "train", "--trace", str(trace), "--out", str(out), "--rounds", "1"]
-    got = CliRunner().invoke(app, [*cmd, "--population", "2", "--seeds", "2"])
+    got = CliRunner().invoke(app, [*cmd, "--population", "2", "--seeds", "2", "--worst", "1"])
     assert got.exit_code == 0, got.output
     assert "sha256" in got.output
     assert "over 12 scenarios" in got.output  # six perturbations, each with seeds 0 and 1
-    assert load(out).trained["scenarios"][:2] == ["t.jsonl.gz 2x", "t.jsonl.gz 2x seed 1"]
+    trained = load(out).trained
+    assert trained["scenarios"][:2] == ["t.jsonl.gz 2x", "t.jsonl.gz 2x seed 1"]
+    assert trained["worst"] == 1.0
     bad = CliRunner().invoke(app, [*cmd, "--population", "1"])
     assert bad.exit_code == 2
     assert "--population at least 2" in bad.output
+
+
+def test_the_worst_trace_term_makes_a_loss_on_one_trace_cost_beyond_the_mean() -> None:
+    heuristic = [Score(0.90, 10.0, 0.0, 0)] * 3
+    mine = [Score(0.93, 10.0, 0.0, 0), Score(0.93, 10.0, 0.0, 0), Score(0.87, 10.0, 0.0, 0)]
+    groups = ["recorded", "recorded", "synthetic"]
+    mean_only = reward(mine, heuristic, Weights(), groups)
+    assert round(mean_only, 6) == 0.01  # (3 + 3 - 3) points over three scenarios
+    assert round(reward(mine, heuristic, Weights(worst=1.0), groups), 6) == -0.02
+    # a policy that loses nowhere pays nothing for it
+    better = [Score(0.91, 10.0, 0.0, 0)] * 3
+    assert round(reward(better, heuristic, Weights(worst=1.0), groups), 6) == 0.01

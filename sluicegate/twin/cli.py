@@ -327,6 +327,13 @@ def train_policy(
     seeds: Annotated[
         int, typer.Option(help="Replay each scenario with this many seeds (0, 1, ...).")
     ] = 1,
+    worst: Annotated[
+        float,
+        typer.Option(
+            help="Weight of the worst trace's mean attainment loss against the heuristic "
+            "(0: the mean over every scenario alone)."
+        ),
+    ] = 0.0,
 ) -> None:
     """Train a placement policy in the twin on traces and their perturbations (bursts of
     2x to 6x, a slow or lost worker, a slow link), each replayed with ``--seeds`` seeds,
@@ -337,13 +344,13 @@ def train_policy(
     from broker.core.learned import save
     from sluicegate.errors import EXPECTED
     from sluicegate.twin.trace import read
-    from sluicegate.twin.train import perturbations, train
+    from sluicegate.twin.train import Weights, perturbations, train
 
-    if rounds < 1 or population < 2 or seeds < 1:
-        _fail("--rounds and --seeds are at least 1 and --population at least 2")
+    if rounds < 1 or population < 2 or seeds < 1 or worst < 0:
+        _fail("--rounds and --seeds are at least 1, --population at least 2, --worst at least 0")
     try:
         scenarios = [
-            replace(s, name=f"{s.name} seed {k}" if k else s.name, seed=k)
+            replace(s, name=f"{s.name} seed {k}" if k else s.name, seed=k, group=path.name)
             for path in trace
             for s in perturbations(read(path)[0], path.name)
             for k in range(seeds)
@@ -358,6 +365,7 @@ def train_policy(
             population=population,
             elite=max(2, population // 4),
             seed=seed,
+            weights=Weights(worst=worst),
             version=version,
             progress=say,
         )

@@ -13,7 +13,10 @@ the heuristic replayed on the same scenario:
              - off_site * mean(off-site share - heuristic's)
 
 so it gains by meeting more deadlines, and, at equal attainment, by using fewer pool
-device-seconds and less of the off-site pool. Hard limits are not the policy's to learn:
+device-seconds and less of the off-site pool; with a ``worst`` weight, the trace (of those
+trained on) where it loses most to the heuristic, on average over that trace's scenarios,
+costs it that loss times ``worst`` besides, so a gain on one kind of trace cannot buy a
+loss on another. Hard limits are not the policy's to learn:
 every candidate it sees has passed the rules (``placement.decide``), and a replay counts the
 placements the policy in force forbids (always 0). Pure but for the replays' time; seeded,
 so a training is reproducible.
@@ -41,6 +44,7 @@ class Scenario:
     trace: Trace
     change: Change
     seed: int = 0
+    group: str = ""  # the trace it perturbs, for the reward's worst-trace term
 
 
 @dataclass(frozen=True)
@@ -79,10 +83,18 @@ class Weights:
 
     cost: float = 0.05  # attainment points given for a 100 % rise in device-seconds, /100
     off_site: float = 0.02
+    worst: float = 0.0  # weight of the worst trace's attainment loss against the heuristic
 
 
-def reward(mine: Sequence[Score], base: Sequence[Score], w: Weights) -> float:
-    att = np.mean([m.attainment - b.attainment for m, b in zip(mine, base, strict=True)])
+def reward(
+    mine: Sequence[Score], base: Sequence[Score], w: Weights, groups: Sequence[str] = ()
+) -> float:
+    gains = [m.attainment - b.attainment for m, b in zip(mine, base, strict=True)]
+    att = np.mean(gains)
+    by_trace: dict[str, list[float]] = {}
+    for group, gain in zip(groups, gains, strict=False):
+        by_trace.setdefault(group, []).append(gain)
+    worst = min((float(np.mean(g)) for g in by_trace.values()), default=0.0)
     dev = np.mean(
         [
             m.device_s / b.device_s - 1.0 if b.device_s > 0 else 0.0
@@ -90,7 +102,7 @@ def reward(mine: Sequence[Score], base: Sequence[Score], w: Weights) -> float:
         ]
     )
     off = np.mean([m.off_site - b.off_site for m, b in zip(mine, base, strict=True)])
-    return float(att - w.cost * dev - w.off_site * off)
+    return float(att - w.cost * dev - w.off_site * off + w.worst * min(0.0, worst))
 
 
 def _policy(theta: np.ndarray, version: str) -> LearnedPolicy:
@@ -125,7 +137,7 @@ def train(
         for theta in thetas:
             policy = _policy(theta, version)
             mine = [score(run(s, policy), o) for s, o in zip(scenarios, off, strict=True)]
-            rewards.append(reward(mine, base, weights))
+            rewards.append(reward(mine, base, weights, [s.group for s in scenarios]))
         order = np.argsort(rewards)[::-1]
         if rewards[order[0]] > best_reward:
             best_reward, best = rewards[order[0]], _policy(thetas[order[0]], version)
@@ -144,6 +156,7 @@ def train(
         "reward": round(best_reward, 6),
         "cost": weights.cost,
         "off_site": weights.off_site,
+        **({"worst": weights.worst} if weights.worst else {}),
     }
     return replace(best, version=version, trained=trained), best_reward
 
