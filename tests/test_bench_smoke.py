@@ -52,6 +52,16 @@ CAMPUS_S = 240.0  # benches that start whole campuses (calibration, several node
 
 SMOKE = [
     Smoke(
+        "announced_burst.py",
+        "--smoke --edge-cpu 0",
+        (
+            "announced jobs in the first seconds",
+            "unannounced jobs in the first seconds",
+            "scaling signal reads",
+        ),
+        CAMPUS_S,
+    ),
+    Smoke(
         "audit_verify.py",
         "--records 500 --more 100 --rounds 1 --chunk 100",
         ("records in the full pass", "incremental passes, witnessed"),

@@ -143,6 +143,7 @@ class Tally:
     )
     errors: Counter[str] = field(default_factory=Counter)
     phase: str = "steady"
+    burst_began: float | None = None  # when line 1's burst started (``time.monotonic``)
 
     @property
     def answered(self) -> int:
@@ -234,6 +235,8 @@ async def stream(
             now = time.monotonic()
             burst = burst_at <= now - start < burst_at + burst_for
             tally.phase = "10x burst on line 1" if burst else "steady"
+            if burst and tally.burst_began is None:
+                tally.burst_began = start + burst_at
             for line, client in clients.items():
                 volley = VOLLEY if burst and line == BURST_LINE else 1
                 line_rate = rate * (10.0 if burst and line == BURST_LINE else 1.0)
