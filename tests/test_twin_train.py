@@ -13,7 +13,7 @@ from sluicegate.app.cli import app
 from sluicegate.app.twin_demo import demo_trace
 from sluicegate.twin.nodes import Change
 from sluicegate.twin.sim import replay
-from sluicegate.twin.trace import write
+from sluicegate.twin.trace import read, write
 from sluicegate.twin.train import (
     Scenario,
     Score,
@@ -92,3 +92,22 @@ def test_the_worst_trace_term_makes_a_loss_on_one_trace_cost_beyond_the_mean() -
     # a policy that loses nowhere pays nothing for it
     better = [Score(0.91, 10.0, 0.0, 0)] * 3
     assert round(reward(better, heuristic, Weights(worst=1.0), groups), 6) == 0.01
+
+
+def test_twin_synth_writes_the_training_traces_by_seed_and_burst_length(tmp_path: Path) -> None:
+    def synth(name: str, *extra: str) -> list[tuple[float, str]]:
+        out = tmp_path / name
+        cmd = ["twin", "synth", "--out", str(out), "--seconds", "30", "--burst-every", "15"]
+        got = CliRunner().invoke(app, [*cmd, *extra])
+        assert got.exit_code == 0, got.output
+        return [(j.at, j.data_class) for j in read(out)[0].jobs]
+
+    one = synth("a.jsonl.gz", "--burst-for", "6", "--seed", "1")
+    assert synth("b.jsonl.gz", "--burst-for", "6", "--seed", "1") == one
+    assert synth("c.jsonl.gz", "--burst-for", "6", "--seed", "2") != one
+    # a burst sends volleys from line 1: 6 s long, from 5 s and from 20 s
+    volleys = {round(at) for at, _ in one if sum(a == at for a, _ in one) > 2}
+    assert min(volleys) == 5
+    assert max(volleys) <= 26
+    bad = CliRunner().invoke(app, ["twin", "synth", "--out", "x", "--burst-for", "0"])
+    assert bad.exit_code == 2

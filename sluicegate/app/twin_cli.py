@@ -17,17 +17,19 @@ def register(twin_app: typer.Typer) -> None:
         seconds: Annotated[float, typer.Option(help="Length of the trace.")] = 600.0,
         rate: Annotated[float, typer.Option(help="Images/s per line outside bursts.")] = 10.0,
         burst_every: Annotated[
-            float, typer.Option(help="Line 1 bursts to 10x for 10 s this often, s (0: never).")
+            float, typer.Option(help="Line 1 bursts to 10x this often, s (0: never).")
         ] = 60.0,
+        burst_for: Annotated[float, typer.Option(help="How long each burst lasts, s.")] = 10.0,
+        seed: Annotated[int, typer.Option(help="The traffic's random seed.")] = 2026,
     ) -> None:
         """Write a trace of the demo campus's traffic without running it (arrivals only; the
         nodes' measured figures give every time). For rehearsals at sizes nobody records."""
         from sluicegate.app.twin_demo import demo_trace
         from sluicegate.twin.trace import write
 
-        if not seconds > 0 or not rate > 0 or burst_every < 0:
+        if not seconds > 0 or not rate > 0 or burst_every < 0 or not burst_for > 0:
             typer.secho(
-                "error: --seconds and --rate are > 0, --burst-every >= 0",
+                "error: --seconds, --rate and --burst-for are > 0, --burst-every >= 0",
                 fg=typer.colors.RED,
                 err=True,
             )
@@ -35,7 +37,7 @@ def register(twin_app: typer.Typer) -> None:
         bursts: tuple[tuple[float, float], ...] = ()
         if burst_every > 0:
             n = int(seconds // burst_every)
-            bursts = tuple((k * burst_every + burst_every / 3, 10.0) for k in range(n))
-        trace = demo_trace(seconds, rate=rate, bursts=bursts)
+            bursts = tuple((k * burst_every + burst_every / 3, burst_for) for k in range(n))
+        trace = demo_trace(seconds, rate=rate, bursts=bursts, seed=seed)
         digest = write(out, trace)
         typer.echo(f"{out}: {len(trace.jobs)} jobs over {seconds:g} s, sha256 {digest}")
