@@ -34,7 +34,6 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,18 +43,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import campus_args, stats  # noqa: E402
-from sluicegate import wire  # noqa: E402
+from bench.campus_args import Timed  # noqa: E402
 from sluicegate.app.broker_http import get  # noqa: E402
 from sluicegate.app.campus import Campus  # noqa: E402
-from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto  # noqa: E402
+from sluicegate.app.localcampus import LocalCampus  # noqa: E402
 from sluicegate.app.missed import summary  # noqa: E402
-from sluicegate.app.servers import free_port, running, start_redis  # noqa: E402
+from sluicegate.app.servers import running, start_redis  # noqa: E402
 from sluicegate.app.traffic import (  # noqa: E402
     BURST_LINE,
     KINDS,
     Kind,
-    Sample,
-    Tally,
     app_client,
     samples,
     stream,
@@ -67,19 +64,6 @@ SIGNALS = (
     "sluicegate_pool_predicted_demand",
     "sluicegate_pool_announced_jobs_per_second",
 )
-
-
-@dataclass
-class Timed(Tally):
-    """The apps' tally, and each answer's submission moment, node, and whether in time."""
-
-    answers: list[tuple[float, str, bool]] = field(default_factory=list)
-
-    def record(self, line: str, sample: Sample, result: wire.JobResult, ms: float) -> None:
-        super().record(line, sample, result, ms)
-        in_time = result.status == "ok" and ms <= sample.kind.deadline_ms
-        at = time.monotonic() - ms / 1000.0
-        self.answers.append((at, result.ran_on.node or result.status, in_time))
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -164,30 +148,20 @@ def reached_at(reads: list[tuple[float, dict[str, float]]], name: str, burst: fl
 
 
 def one_run(redis_port: int, db: int, args: argparse.Namespace, announced: bool) -> dict[str, Any]:
+    tally = Timed()
     with tempfile.TemporaryDirectory(prefix="sg-announced-") as tmp:
-        campus = LocalCampus(
-            Path(tmp),
-            mqtt_port=free_port(),
-            redis_url=f"redis://127.0.0.1:{redis_port}/{db}",
-            edge_cpu=args.edge_cpu,
-        )
-        files = campus.write()
-        campus.calibrate()
-        with running(start_campus_mosquitto(files)):
-            campus.start()
-            tally = Timed()
-            try:
-                reads = asyncio.run(drive(campus, tally, args, announced))
-            finally:
-                campus.stop()
+        redis_url = f"redis://127.0.0.1:{redis_port}/{db}"
+        with campus_args.started_campus(Path(tmp), redis_url, args) as campus:
+            reads = asyncio.run(drive(campus, tally, args, announced))
     burst = tally.burst_began
     assert burst is not None, "the stream never reached its burst"
     seconds = [
-        [ok for at, _, ok in tally.answers if burst + s <= at < burst + s + 1]
+        [a.in_time for a in tally.answers if burst + s <= a.at < burst + s + 1]
         for s in range(int(args.first))
     ]
     first = [ok for sec in seconds for ok in sec]
-    whole = [ok for at, _, ok in tally.answers if burst <= at < burst + args.burst]
+    whole = [a.in_time for a in tally.answers if burst <= a.at < burst + args.burst]
+    first_answers = [a for a in tally.answers if burst <= a.at < burst + args.first]
     before = [r for at, r in reads if at < burst][-1:]  # the last read before the burst
     return {
         "submitted": sum(tally.submitted.values()),
@@ -198,12 +172,8 @@ def one_run(redis_port: int, db: int, args: argparse.Namespace, announced: bool)
         "first_attainment": sum(first) / len(first) if first else float("nan"),
         "per_second": [sum(sec) / len(sec) if sec else float("nan") for sec in seconds],
         "burst_attainment": sum(whole) / len(whole) if whole else float("nan"),
-        "first_where": dict(
-            Counter(n for at, n, _ in tally.answers if burst <= at < burst + args.first)
-        ),
-        "first_missed_where": dict(
-            Counter(n for at, n, ok in tally.answers if burst <= at < burst + args.first and not ok)
-        ),
+        "first_where": dict(Counter(a.node for a in first_answers)),
+        "first_missed_where": dict(Counter(a.node for a in first_answers if not a.in_time)),
         "reached_at_s": {name: reached_at(reads, name, burst) for name in SIGNALS},
         "before_burst": {name: before[0][name] if before else float("nan") for name in SIGNALS},
         "reads": len(reads),

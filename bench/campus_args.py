@@ -1,15 +1,26 @@
-"""The options every bench that drives the demo's campus traffic shares (``campus_burst``,
-``frozen_worker``, ``twin_fidelity``): the rate per line, the burst on line 1, the line
-PCs' share of a core and how often an image is a label; and that share as the campus takes
-it (None: uncapped)."""
+"""What the benches that drive the demo's campus traffic share (``campus_burst``,
+``frozen_worker``, ``twin_fidelity``, ``announced_burst``): the options (the rate per line,
+the burst on line 1, the line PCs' share of a core and how often an image is a label; and
+that share as the campus takes it, None: uncapped), a fresh campus timed and started for
+one run (:func:`started_campus`), and the apps' tally with each answer's moment
+(:class:`Timed`)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
 
+from sluicegate import wire
 from sluicegate.app.calibration import cpu_cap_available
 from sluicegate.app.demo import EDGE_CPU
-from sluicegate.app.traffic import LABEL_EVERY
+from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
+from sluicegate.app.servers import free_port, running
+from sluicegate.app.traffic import LABEL_EVERY, Sample, Tally
 
 
 def add_traffic(ap: argparse.ArgumentParser, *, burst: float) -> None:
@@ -37,3 +48,52 @@ def edge_share(args: argparse.Namespace) -> float | None:
         return float(args.edge_cpu)
     print("note: edges run uncapped (no writable CPU cgroup, or --edge-cpu 0)")
     return None
+
+
+@contextlib.contextmanager
+def started_campus(
+    root: Path, redis_url: str, args: argparse.Namespace, env: Mapping[str, str] | None = None
+) -> Iterator[LocalCampus]:
+    """A fresh secured campus in ``root`` on ``redis_url``: written, its models timed on
+    each kind of node (the line PCs under ``args.edge_cpu``), its Mosquitto and every node
+    started; stopped on the way out."""
+    campus = LocalCampus(
+        root,
+        mqtt_port=free_port(),
+        redis_url=redis_url,
+        env=dict(env or {}),
+        edge_cpu=args.edge_cpu,
+    )
+    files = campus.write()
+    campus.calibrate()
+    with running(start_campus_mosquitto(files)):
+        campus.start()
+        try:
+            yield campus
+        finally:
+            campus.stop()
+
+
+class Answered(NamedTuple):
+    """One answer as its app saw it: when the job was submitted (``time.monotonic``), its
+    kind, the node that ran it (its status when none did), and whether it was in time."""
+
+    at: float
+    kind: str
+    node: str
+    in_time: bool
+
+
+@dataclass
+class Timed(Tally):
+    """The apps' tally, and every answer with its submission moment."""
+
+    answers: list[Answered] = field(default_factory=list)
+
+    def record(self, line: str, sample: Sample, result: wire.JobResult, ms: float) -> None:
+        super().record(line, sample, result, ms)
+        in_time = result.status == "ok" and ms <= sample.kind.deadline_ms
+        at = time.monotonic() - ms / 1000.0
+        self.answers.append(
+            Answered(at, sample.kind.name, result.ran_on.node or result.status, in_time)
+        )

@@ -38,7 +38,6 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,31 +45,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import campus_args, stats  # noqa: E402
-from sluicegate import wire  # noqa: E402
+from bench.campus_args import Timed  # noqa: E402
 from sluicegate.app.broker_http import get_json  # noqa: E402
 from sluicegate.app.localcampus import (  # noqa: E402
     LocalCampus,
-    start_campus_mosquitto,
 )
-from sluicegate.app.servers import free_port, running, start_redis  # noqa: E402
-from sluicegate.app.traffic import KINDS, Sample, Tally, stream  # noqa: E402
+from sluicegate.app.servers import running, start_redis  # noqa: E402
+from sluicegate.app.traffic import KINDS, stream  # noqa: E402
 
 FROZEN = "north-cpu-1"  # the on-campus worker: the only place a wafer image may go
 BURST_AT = 1.0  # s into the stream
 TARGET = {"attainment_after_freeze": 0.9}
 EVENTS = ("fenced_returns", "offload_rescues", "offload_timeouts", "workers_lost")
-
-
-@dataclass
-class Timed(Tally):
-    """The apps' tally, and each answer's submission moment and whether it was in time."""
-
-    answers: list[tuple[float, str, bool]] = field(default_factory=list)
-
-    def record(self, line: str, sample: Sample, result: wire.JobResult, ms: float) -> None:
-        super().record(line, sample, result, ms)
-        in_time = result.status == "ok" and ms <= sample.kind.deadline_ms
-        self.answers.append((time.monotonic() - ms / 1000.0, sample.kind.name, in_time))
 
 
 def edge_events(http_port: int, token: str) -> dict[str, int]:
@@ -120,25 +106,13 @@ async def drive(campus: LocalCampus, tally: Timed, args: argparse.Namespace, fau
 
 
 def one_run(redis_port: int, db: int, args: argparse.Namespace, fault: str) -> dict[str, Any]:
+    tally = Timed()
     with tempfile.TemporaryDirectory(prefix="sg-frozen-") as tmp:
-        campus = LocalCampus(
-            Path(tmp),
-            mqtt_port=free_port(),
-            redis_url=f"redis://127.0.0.1:{redis_port}/{db}",
-            edge_cpu=args.edge_cpu,
-        )
-        files = campus.write()
-        campus.calibrate()
-        with running(start_campus_mosquitto(files)):
-            campus.start()
-            tally = Timed()
-            try:
-                frozen_at = asyncio.run(drive(campus, tally, args, fault))
-                token = files.console_token("viewer")
-                events = edge_events(campus.http_port, token)
-            finally:
-                campus.stop()
-    window = [ok for at, _kind, ok in tally.answers if frozen_at <= at < frozen_at + 1.0]
+        redis_url = f"redis://127.0.0.1:{redis_port}/{db}"
+        with campus_args.started_campus(Path(tmp), redis_url, args) as campus:
+            frozen_at = asyncio.run(drive(campus, tally, args, fault))
+            events = edge_events(campus.http_port, campus.campus.console_token("viewer"))
+    window = [a.in_time for a in tally.answers if frozen_at <= a.at < frozen_at + 1.0]
     answered = max(tally.answered, 1)
     return {
         "submitted": sum(tally.submitted.values()),

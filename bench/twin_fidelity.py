@@ -35,8 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import campus_args, stats
 from sluicegate import wire
 from sluicegate.app.campus import OBSERVER
-from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
-from sluicegate.app.servers import free_port, running, start_redis
+from sluicegate.app.servers import running, start_redis
 from sluicegate.app.traffic import Sample, Tally, stream
 from sluicegate.twin import trace as tr
 from sluicegate.twin.record import record
@@ -84,24 +83,13 @@ async def _drive(campus: Any, out: Path, args: argparse.Namespace) -> tuple[_See
 def one_round(redis_port: int, db: int, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="sg-fidelity-") as tmp:
         root = Path(tmp)
-        campus = LocalCampus(
-            root / "campus",
-            mqtt_port=free_port(),
-            redis_url=f"redis://127.0.0.1:{redis_port}/{db}",
-            edge_cpu=args.edge_cpu,
-        )
-        files = campus.write()
-        campus.calibrate()
-        with running(start_campus_mosquitto(files)):
-            campus.start()
-            try:
-                out = root / "trace.jsonl.gz"
-                tally, trace = asyncio.run(_drive(files, out, args))
-                if args.keep is not None:
-                    args.keep.mkdir(parents=True, exist_ok=True)
-                    shutil.copy(out, args.keep / f"round-{db + 1}.jsonl.gz")
-            finally:
-                campus.stop()
+        redis_url = f"redis://127.0.0.1:{redis_port}/{db}"
+        with campus_args.started_campus(root / "campus", redis_url, args) as campus:
+            out = root / "trace.jsonl.gz"
+            tally, trace = asyncio.run(_drive(campus.campus, out, args))
+            if args.keep is not None:
+                args.keep.mkdir(parents=True, exist_ok=True)
+                shutil.copy(out, args.keep / f"round-{db + 1}.jsonl.gz")
     lat = list(tally.latencies_ms)
     observed = {
         "jobs": tally.answered,
