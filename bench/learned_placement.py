@@ -3,11 +3,13 @@ on held-out traces the policy never trained on.
 
 The policy (``--policy FILE``, with its ``.sha256`` beside it; without one, a policy is
 trained first, as ``sluicegate twin train`` does, on demo traces of other seeds and burst
-times) is replayed in the twin on each held-out scenario: a demo-campus trace of
-``--seconds`` (``sluicegate.app.twin_demo``, seeds the training never used) with each
-perturbation of ``sluicegate.twin.train.perturbations`` (bursts of 2x to 6x, the campus
-worker four times slower, the off-site worker lost half-way, an 80 ms link off site), and
-``--trace`` files (recorded campuses) the same way. Beside it, on the same scenarios: the
+times, and on ``--train-trace`` recordings, ``--seeds`` times each, with ``--worst``
+weighing the worst trace's loss, the two demo traces counting as one; ``--save`` keeps it)
+is replayed in the twin on each held-out scenario: a demo-campus trace of ``--seconds``
+(``sluicegate.app.twin_demo``, seeds the training never used) with each perturbation of
+``sluicegate.twin.train.perturbations`` (bursts of 2x to 6x, the campus worker four times
+slower, the off-site worker lost half-way, an 80 ms link off site), and ``--trace`` files
+(recorded campuses) the same way. Beside it, on the same scenarios: the
 heuristic (today's ``placement.decide``), least-loaded, round-robin, edge-only, and the
 hindsight oracle (``sluicegate.twin.oracle``: each second placed by whichever of those
 rules, the learned one included, the real future favours) as the bound. Per arm and per
@@ -16,7 +18,7 @@ compute time), the share run off site; the share of the heuristic-to-oracle gap 
 learned policy closes; placements the policy in force forbids (0 for every arm, or the run
 fails) and scenarios where an arm beat the oracle (where it is no bound).
 
-    .venv/bin/python bench/learned_placement.py --policy policies/placement/placement-v1.json \
+    .venv/bin/python bench/learned_placement.py --policy policies/placement/placement-v5.json \
         --trace bench/traces/recorded-4.jsonl.gz
     .venv/bin/python bench/learned_placement.py --seconds 3 --train-rounds 1 --population 2
 """
@@ -27,18 +29,27 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import stats
-from broker.core.learned import LearnedPolicy, load
+from broker.core.learned import LearnedPolicy, load, save
 from sluicegate.app.twin_demo import demo_trace
 from sluicegate.twin.nodes import STRATEGIES
 from sluicegate.twin.oracle import hindsight, rules_of
 from sluicegate.twin.trace import Trace, read
-from sluicegate.twin.train import Scenario, Score, off_site_of, perturbations, run, score, train
+from sluicegate.twin.train import (
+    Scenario,
+    Score,
+    Weights,
+    off_site_of,
+    perturbations,
+    run,
+    score,
+    train,
+)
 
 ARMS = ("learned", "heuristic", "least-loaded", "round-robin", "edge-only", "oracle")
 HELD_OUT_SEEDS = (101, 202)  # the training below uses 1 and 2
@@ -54,11 +65,26 @@ def _demo(seconds: float, seed: int) -> Trace:
 def _policy(args: argparse.Namespace) -> LearnedPolicy:
     if args.policy is not None:
         return load(args.policy)
+    synthetic = [(_demo(args.seconds, seed), f"train-{seed}", "synthetic") for seed in (1, 2)]
+    traces = [(read(p)[0], p.name, p.name) for p in args.train_trace] + synthetic
     scenarios = [
-        s for seed in (1, 2) for s in perturbations(_demo(args.seconds, seed), f"train-{seed}")
+        replace(s, name=f"{s.name} seed {k}", seed=k, group=group) if args.seeds > 1 else s
+        for k in range(args.seeds)
+        for trace, name, group in traces
+        for s in perturbations(trace, name)
     ]
-    policy, reward = train(scenarios, rounds=args.train_rounds, population=args.population, seed=0)
+    policy, reward = train(
+        scenarios,
+        rounds=args.train_rounds,
+        population=args.population,
+        elite=max(2, args.population // 4) if args.seeds > 1 else 3,
+        seed=0,
+        weights=Weights(worst=args.worst),
+        version=args.version,
+    )
     print(f"trained here: {len(scenarios)} scenarios, reward {reward:+.4f} against the heuristic")
+    if args.save is not None:
+        print(f"saved {args.save}, sha256 {save(policy, args.save)}")
     return policy
 
 
@@ -135,6 +161,17 @@ def main() -> None:
     ap.add_argument("--trace", type=Path, action="append", default=[], help="a recorded trace")
     ap.add_argument("--train-rounds", type=int, default=5)
     ap.add_argument("--population", type=int, default=10)
+    ap.add_argument(
+        "--train-trace",
+        type=Path,
+        action="append",
+        default=[],
+        help="a recorded trace to train on as well (each its own group for --worst)",
+    )
+    ap.add_argument("--seeds", type=int, default=1, help="replay each training scenario so often")
+    ap.add_argument("--worst", type=float, default=0.0, help="the reward's worst-trace weight")
+    ap.add_argument("--version", default="1", help="the version the trained policy names")
+    ap.add_argument("--save", type=Path, help="write the policy trained here (and its sha256)")
     ap.add_argument("--oracle-step", type=float, default=1.0, help="the oracle's step, s")
     args = ap.parse_args()
     t0 = time.perf_counter()

@@ -40,7 +40,7 @@ pytestmark = pytest.mark.integration
 TWIN = key("twin-1")
 ROLLOUT = f'[rollout]\nrequire_verdict = true\ntwin_keys = {{ twin-1 = "{TWIN.public_text}" }}\n'
 SLOW_CAMPUS = "link_latency_ms = [0.2, 400.0, 0.0]\n"
-SHIPPED = Path(__file__).resolve().parents[1] / "policies" / "placement" / "placement-v1.json"
+SHIPPED = Path(__file__).resolve().parents[1] / "policies" / "placement" / "placement-v5.json"
 
 
 def _get(settings: Settings, path: str) -> Any:

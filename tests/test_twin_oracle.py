@@ -15,7 +15,7 @@ from sluicegate.twin.oracle import hindsight, rules_of
 from sluicegate.twin.sim import Simulation, digest_of, replay
 from sluicegate.twin.train import Scenario, off_site_of, run, score
 
-SHIPPED = Path(__file__).resolve().parents[1] / "policies" / "placement" / "placement-v1.json"
+SHIPPED = Path(__file__).resolve().parents[1] / "policies" / "placement" / "placement-v5.json"
 TRACE = demo_trace(8.0, bursts=((2.0, 4.0),), seed=5)
 # A burst while the campus worker runs four times slower: the heuristic misses deadlines.
 SLOW = Scenario("slow", TRACE, Change(burst=2, degrade=(("north-cpu-1", 4.0),)))
