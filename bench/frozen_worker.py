@@ -202,12 +202,20 @@ def main() -> None:
         "machine": stats.machine(),
     }
     if len(faults) == 2:
-        result["baseline"] = {"attainment_after_kill": after["kill"], "runs": runs["kill"]}
-        result["ratio"] = {"freeze_over_kill": after["freeze"] / max(after["kill"], 1e-9)}
+        ceiling = after["kill"]
+        share = after["freeze"] / ceiling if ceiling > 0 else None
+        result["baseline"] = {"attainment_after_kill": ceiling, "runs": runs["kill"]}
+        result["ratio"] = {"freeze_over_kill": share}
+        of_it = f"{share:.2f} of it" if share is not None else "it met none, so no share"
         print(
-            f"  median after the fault: freeze {after['freeze']:.3f}, kill {after['kill']:.3f} "
-            f"(the ceiling): {result['ratio']['freeze_over_kill']:.2f} of it"
+            f"  median after the fault: freeze {after['freeze']:.3f}, kill {ceiling:.3f} "
+            f"(the ceiling): {of_it}"
         )
+        if ceiling < TARGET["attainment_after_freeze"]:
+            print(
+                f"  the target ({TARGET['attainment_after_freeze']}) lies above the ceiling "
+                "measured in this run: no detection of a frozen worker reaches it on this campus"
+            )
     print(stats.result_line(result))
 
 
