@@ -30,7 +30,7 @@ def canonical_bytes(doc: PolicyDocument) -> bytes:
     table has no ``rollout`` key at all, and one without ``min_burst`` or ``max_drop_points``
     no such key in it,
     so policies written before them keep their digests; likewise a pool's empty
-    ``encryption_keys`` and a class's ``confidential = false``."""
+    ``encryption_keys``, a class's ``confidential = false`` and an empty ``[peers]``."""
     data = doc.model_dump(mode="json")
     if doc.rollout is None:
         del data["rollout"]
@@ -44,6 +44,8 @@ def canonical_bytes(doc: PolicyDocument) -> bytes:
     for cls in data["classes"].values():
         if not cls["confidential"]:
             del cls["confidential"]
+    if not doc.peers:
+        del data["peers"]
     return canonical_json(data)
 
 

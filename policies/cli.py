@@ -1,5 +1,6 @@
 """The ``sluicegate policy`` command line: keygen, sign, verify, check, explain, acl,
-audit-verify and schema, for compliance officers and operators.
+audit-verify, schema, and peer-sign and peer-check for agreements with sister campuses, for
+compliance officers and operators.
 
 A thin shell: it reads and writes the files it is told to, reads the wall clock (the library
 never does), calls the library and turns its errors into one line naming the file, the key and
@@ -20,6 +21,7 @@ from typing import Annotated
 
 import typer
 
+from policies.agreement import PeerBook, judge, parse_statement, statement_for
 from policies.audit import verify_chain
 from policies.audit_file import FileAuditStore
 from policies.canonical import digest_text
@@ -226,6 +228,60 @@ def verify(
             f"OK {policy.campus!r} v{policy.version} {digest_text(policy.digest)}, expires "
             f"{format_time(policy.expires)}, threshold {policy.signer_threshold} met"
         )
+
+
+@app.command(name="peer-sign")
+def peer_sign(
+    policy_file: PolicyArg,
+    peer: Annotated[str, typer.Option(help="The sister campus the half is for.")],
+    key: Annotated[Path, typer.Option(help="Your private key file from keygen.")],
+    key_id: Annotated[str | None, typer.Option(help="Label; default: the policy's id.")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Default: CAMPUS.to-PEER.agreement.json beside the policy.")
+    ] = None,
+) -> None:
+    """Add your signature to this campus's half of the agreement with PEER: its [peers]
+    entry's terms, or a withdrawal when the policy no longer lists PEER. Hand the file to
+    PEER's officers (or let the broker publish it)."""
+    with _reported():
+        policy = load_policy(policy_file)
+        signing_key = load_signing_key(key)
+        ids = [r.key_id for r in policy.signers if r.public == signing_key.public]
+        label = key_id or (ids[0] if ids else key.stem)
+        path = out or policy_file.with_name(f"{policy.campus}.to-{peer}.agreement.json")
+        statement = statement_for(policy, peer)
+        if path.exists():
+            held = parse_statement(read_bytes(path), source=str(path))
+            if held.digest == statement.digest:
+                statement = held  # the other officers' signatures stay
+        statement = statement.signed_by(signing_key, label)
+        _write_atomic(path, statement.to_bytes())
+        what = "a withdrawal" if statement.withdrawn else "the terms"
+        have = len(statement.signer_keys() & policy.signer_keys)
+        typer.echo(
+            f"signed {policy.campus!r}'s half for {peer!r} (v{policy.version}, {what}) as "
+            f"{label!r} into {path}; {have} of {policy.signer_threshold} officer keys"
+        )
+        if not ids:
+            typer.echo("note: this key is not a signer of this policy: the peer will refuse it")
+
+
+@app.command(name="peer-check")
+def peer_check(
+    policy_file: PolicyArg,
+    half: Annotated[Path, typer.Argument(help="The peer's signed half (JSON).")],
+    now: Annotated[str | None, typer.Option(help="Evaluate at this time (ISO 8601).")] = None,
+) -> None:
+    """Whether the agreement with the campus that signed HALF is in force under this policy:
+    its officers' signatures, the terms mirrored, expiry. Exit 1 when it is not."""
+    with _reported():
+        policy = load_policy(policy_file)
+        theirs = parse_statement(read_bytes(half), source=str(half))
+        PeerBook().offer(policy, theirs)
+        standing = judge(policy, theirs.campus, theirs, now=_now(now))
+        typer.echo(f"{standing.code}: {standing.reason}")
+        if not standing.in_force:
+            raise typer.Exit(1)
 
 
 @app.command()

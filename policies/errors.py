@@ -50,6 +50,12 @@ parsing messages. A message names the bad value and what would have been accepte
     │           ├── SealUnexpected           seal.unexpected   sealed, the token binds none
     │           ├── SealKeyNotHeld           seal.key_not_held this worker lacks that key
     │           └── SealOpenFailed           seal.open_failed  another placement's, or altered
+    ├── AgreementRefused                     a peer campus's half of an agreement was not kept
+    │   ├── AgreementWrongParties            agreement.wrong_parties  not to us, or not a peer
+    │   ├── AgreementUnknownSigner           agreement.unknown_signer not an officer pinned
+    │   ├── AgreementBadSignature            agreement.bad_signature  or a changed body
+    │   ├── AgreementThresholdNotMet         agreement.threshold_not_met
+    │   └── AgreementReplayed                agreement.replayed  older than the half held
     ├── StoreUnavailable                     store.unavailable   Redis cannot be reached
     └── AuditError                           audit.error
         ├── AuditChainBroken                 audit.chain_broken  names the first bad record
@@ -279,6 +285,32 @@ class SealKeyNotHeld(SealRefused):
 
 class SealOpenFailed(SealRefused):
     reason = "seal.open_failed"
+
+
+class AgreementRefused(PolicyError):
+    """A sister campus's signed half of an agreement was not kept (``policies.agreement``)."""
+
+    reason = "agreement.refused"
+
+
+class AgreementWrongParties(AgreementRefused):
+    reason = "agreement.wrong_parties"
+
+
+class AgreementUnknownSigner(AgreementRefused):
+    reason = "agreement.unknown_signer"
+
+
+class AgreementBadSignature(AgreementRefused):
+    reason = "agreement.bad_signature"
+
+
+class AgreementThresholdNotMet(AgreementRefused):
+    reason = "agreement.threshold_not_met"
+
+
+class AgreementReplayed(AgreementRefused):
+    reason = "agreement.replayed"
 
 
 class StoreUnavailable(PolicyError):

@@ -14,6 +14,7 @@ from typing import Literal
 
 from policies.canonical import canonical_bytes, digest
 from policies.keys import decode_public_key, fingerprint
+from policies.peers import Peer, peers_of
 from policies.schema import PolicyDocument, RolloutDoc
 from policies.sealing import decode_seal_key, seal_key_id
 
@@ -227,6 +228,7 @@ class Policy:
     max_skew_s: int
     canonical: bytes = field(repr=False)
     rollout: Rollout | None = field(default=None, kw_only=True)
+    peers: Mapping[str, Peer] = field(default_factory=dict, kw_only=True)
     digest: bytes = field(repr=False)
     zone_segments: Mapping[str, tuple[str, ...]] = field(repr=False)
     worker_zones: Mapping[str, str] = field(repr=False)
@@ -366,6 +368,7 @@ def policy_from_document(doc: PolicyDocument) -> Policy:
         max_ttl_s=doc.tokens.max_ttl_s,
         max_skew_s=doc.tokens.max_skew_s,
         rollout=rollout_of(doc.rollout),
+        peers=peers_of(doc.peers),
         canonical=canonical,
         digest=digest(canonical),
         zone_segments={zone: tuple(zone.split("/")) for zone in doc.zones},

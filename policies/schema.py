@@ -244,6 +244,33 @@ class RolloutDoc(_Model):
     max_drop_points: float | None = Field(default=None, ge=0.0, le=100.0)
 
 
+class TermsDoc(_Model):
+    """One direction of a peer agreement: which data classes may cross, into which of the
+    receiving campus's zones, how much a second, and what the receiver charges for it."""
+
+    classes: list[Name] = Field(default_factory=list, max_length=128)
+    zones: list[ZoneName] = Field(default_factory=list, max_length=256)
+    max_jobs_per_s: float = Field(default=0.0, ge=0.0, le=1e6, allow_inf_nan=False)
+    max_bytes_per_s: float = Field(default=0.0, ge=0.0, le=1e12, allow_inf_nan=False)
+    currency: str = Field(default="", max_length=16)
+    device_second: float = Field(default=0.0, ge=0.0, le=1e6, allow_inf_nan=False)
+    job: float = Field(default=0.0, ge=0.0, le=1e6, allow_inf_nan=False)
+
+
+class PeerDoc(_Model):
+    """A sister campus this campus may exchange work with (``[peers.<campus>]``): who it is
+    (its CA certificate's fingerprint, its broker replicas' keys, its officers' keys and
+    threshold) and the terms each way. It is in force only while the peer's officers have
+    signed the matching entry for this campus (``policies.agreement``)."""
+
+    description: Text = ""
+    ca_fingerprint: str = Field(pattern=r"^sha256:[0-9a-f]{64}$")
+    brokers: dict[NodeId, KeyText] = Field(min_length=1, max_length=64)
+    officers: SignersDoc
+    send: TermsDoc = Field(default_factory=TermsDoc)  # our jobs on the peer's workers
+    receive: TermsDoc = Field(default_factory=TermsDoc)  # the peer's jobs on our workers
+
+
 class PolicyDocument(_Model):
     """A Sluicegate compliance policy (``sluicegate-policy/1``)."""
 
@@ -262,6 +289,7 @@ class PolicyDocument(_Model):
     subhealth: list[SubhealthDoc] = Field(default_factory=list, max_length=64)
     tokens: TokensDoc = Field(default_factory=TokensDoc)
     rollout: RolloutDoc | None = None
+    peers: dict[Name, PeerDoc] = Field(default_factory=dict, max_length=64)
 
 
 Loc = tuple[str | int, ...]
@@ -315,6 +343,7 @@ def semantic_problems(doc: PolicyDocument) -> list[tuple[Loc, str]]:
                         f"worker {worker!r} lists the same encryption key twice",
                     )
                 )
+    problems.extend(_peer_problems(doc))
     for app_name, app in doc.apps.items():
         for index, edge in enumerate(app.edges):
             if edge not in doc.edges:
@@ -325,6 +354,46 @@ def semantic_problems(doc: PolicyDocument) -> list[tuple[Loc, str]]:
                         f"list; known edges: {', '.join(sorted(doc.edges)) or 'none'}",
                     )
                 )
+    return problems
+
+
+def _peer_problems(doc: PolicyDocument) -> list[tuple[Loc, str]]:
+    """A peer entry names classes this policy defines, our zones for what we receive and
+    the peer's own zones (none of ours) for what we send, and a threshold its officers can
+    meet."""
+    problems: list[tuple[Loc, str]] = []
+    known = ", ".join(sorted(doc.classes))
+    for name, peer in doc.peers.items():
+        if name == doc.campus:
+            problems.append((("peers", name), "a campus is not its own peer"))
+        distinct = len(set(peer.officers.keys.values()))
+        if peer.officers.threshold > distinct:
+            problems.append(
+                (
+                    ("peers", name, "officers", "threshold"),
+                    f"threshold {peer.officers.threshold} can never be met: only {distinct} "
+                    f"distinct officer key(s) listed for {name!r}",
+                )
+            )
+        for way, terms in (("send", peer.send), ("receive", peer.receive)):
+            for index, cls in enumerate(terms.classes):
+                if cls not in doc.classes:
+                    problems.append(
+                        (
+                            ("peers", name, way, "classes", index),
+                            f"class {cls!r} is not a class of this policy; known: {known}",
+                        )
+                    )
+            ours = way == "receive"
+            for index, zone in enumerate(terms.zones):
+                if (zone in doc.zones) != ours:
+                    whose = "ours, where its jobs run" if ours else f"{name}'s, not ours"
+                    problems.append(
+                        (
+                            ("peers", name, way, "zones", index),
+                            f"zone {zone!r}: the zones to {way} in are {whose}",
+                        )
+                    )
     return problems
 
 

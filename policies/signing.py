@@ -180,7 +180,9 @@ def accept_policy(
     return TrustAnchor.of(policy)
 
 
-class _SignatureDoc(BaseModel):
+class SignatureDoc(BaseModel):
+    """One detached signature as files and messages carry it."""
+
     model_config = ConfigDict(strict=True, extra="forbid")
     key_id: NodeId
     key: KeyText
@@ -192,7 +194,7 @@ class _BundleDoc(BaseModel):
     format: str = Field(pattern=f"^{SIGNATURES_FORMAT}$")
     version: int = Field(ge=1)
     digest: str = Field(pattern=r"^sha256:[0-9a-f]{64}$")
-    signatures: list[_SignatureDoc] = Field(max_length=64)
+    signatures: list[SignatureDoc] = Field(max_length=64)
 
 
 class _AnchorDoc(BaseModel):
@@ -208,7 +210,8 @@ class _AnchorDoc(BaseModel):
 _M = TypeVar("_M", bound=BaseModel)
 
 
-def _validate(model: type[_M], data: bytes, source: str) -> _M:
+def validate_json(model: type[_M], data: bytes, source: str) -> _M:
+    """``data`` as ``model``, or the PolicyParseError that names the first bad key."""
     try:
         return model.model_validate(json.loads(data))
     except ValidationError as exc:
@@ -223,7 +226,7 @@ def _validate(model: type[_M], data: bytes, source: str) -> _M:
 
 
 def parse_signatures(data: bytes, *, source: str = "<signatures>") -> SignatureBundle:
-    doc = _validate(_BundleDoc, data, source)
+    doc = validate_json(_BundleDoc, data, source)
     return SignatureBundle(
         doc.version,
         bytes.fromhex(doc.digest.removeprefix("sha256:")),
@@ -251,7 +254,7 @@ def dump_signatures(bundle: SignatureBundle) -> bytes:
 
 
 def parse_anchor(data: bytes, *, source: str = "<anchor>") -> TrustAnchor:
-    doc = _validate(_AnchorDoc, data, source)
+    doc = validate_json(_AnchorDoc, data, source)
     return TrustAnchor(
         doc.version,
         bytes.fromhex(doc.digest.removeprefix("sha256:")),
