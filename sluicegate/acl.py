@@ -22,6 +22,10 @@ certificate (``use_identity_as_username``), which is also its client id
   records and announced work, the workers' completions and the policy: never an image, a
   result or a token. Broker replicas read every node's usage
   records and acknowledge them on each node's own acks topic.
+- **Sister campuses** (``[peers]``): a peer's bridge (``peer.<campus>``, a certificate from
+  this campus's CA) writes only what that campus says to this one and reads only what this
+  one says to it, and may not read this campus's policy; broker replicas write and read
+  those two trees for each peer listed.
 
 Anonymous clients get nothing (the Mosquitto configuration sets ``allow_anonymous false``).
 Every topic comes from ``sluicegate.topics``; none is spelled here. Pure: returns text.
@@ -165,8 +169,32 @@ def broker_users(policy: Policy) -> list[UserRules]:
             ("write", topics.broker_status(ref.key_id)),
             ("write", topics.policy()),
         ]
+        for peer in sorted(policy.peers):
+            rules += [
+                ("write", topics.peer_tree(policy.campus, peer)),
+                ("read", topics.peer_tree(peer, policy.campus)),
+            ]
         out.append(UserRules(ref.key_id, "campus broker replica", tuple(rules)))
     return out
+
+
+def peer_users(policy: Policy) -> list[UserRules]:
+    """Each sister campus's bridge: what it says to us in, what we say to it out."""
+    return [
+        UserRules(
+            topics.peer_bridge_identity(peer),
+            f"the bridge of sister campus {peer!r}: its own tree in, ours to it out",
+            (
+                # Every authenticated user may read the policy (a pattern); not a peer's
+                # bridge: our nodes, zones and keys are this campus's own. A user's deny
+                # line is checked before the patterns.
+                ("deny", topics.policy()),
+                ("write", topics.peer_tree(peer, policy.campus)),
+                ("read", topics.peer_tree(policy.campus, peer)),
+            ),
+        )
+        for peer in sorted(policy.peers)
+    ]
 
 
 def observer_users(names: Iterable[str]) -> list[UserRules]:
@@ -200,6 +228,7 @@ def acl_users(policy: Policy, observers: Sequence[str] = ()) -> list[UserRules]:
         + edge_users(policy)
         + worker_users(policy)
         + app_users(policy)
+        + peer_users(policy)
         + observer_users(observers)
     )
 

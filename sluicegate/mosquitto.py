@@ -1,4 +1,5 @@
-"""The Mosquitto configuration a campus needs, as text: one TLS listener, the generated ACL.
+"""The Mosquitto configuration a campus needs, as text: one TLS listener, the generated ACL,
+and a bridge to each sister campus.
 
 Secure by default: clients must present a certificate from the campus CA; its CN becomes
 the username (``use_identity_as_username``) and the client id (``use_username_as_clientid``,
@@ -6,13 +7,24 @@ so no client can take over another's session by naming its client id, and a seco
 with the same identity takes over the first's: see ``sluicegate.fencing``); anonymous clients
 are refused; the ACL is ``sluicegate policy acl``'s. ``set_tcp_nodelay true`` is not
 optional: a stock Mosquitto delays small packets by Nagle's algorithm, ~40 ms a request
-(``sluicegate doctor`` finds it). Pure: returns text, writes nothing.
+(``sluicegate doctor`` finds it).
+
+A bridge (:func:`bridge_lines`) is Mosquitto's own: TLS 1.3 with the peer campus's CA as its
+trust and a certificate that CA issued to this campus's bridge, and only the two ``peer/``
+trees of the pair (``sluicegate.topics.peer_tree``): what this campus says to the peer out,
+what the peer says to it in. One side of a pair runs it; the other's ACL holds its rights.
+It speaks MQTT 3.1.1 by default: a Mosquitto bridge before 2.0.14 sends an MQTT v5 CONNECT
+the remote refuses as a protocol error (seen with 2.0.11), so every message between campuses
+carries what it needs in its payload and no property has to cross. Pure: returns text,
+writes nothing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+from sluicegate import topics
 
 
 @dataclass(frozen=True)
@@ -72,3 +84,43 @@ def plant_config(
         "log_type notice",
     ]
     return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class BridgeTls:
+    """What this campus's bridge needs to reach a peer's Mosquitto: the peer campus's CA
+    certificate, and the certificate and key that CA issued to this campus's bridge (CN
+    ``peer.<this campus>``)."""
+
+    cafile: Path
+    certfile: Path
+    keyfile: Path
+
+
+def bridge_lines(
+    campus: str, peer: str, address: str, tls: BridgeTls, *, protocol: str = "mqttv311"
+) -> list[str]:
+    """The ``connection`` stanza of the bridge from ``campus``'s Mosquitto to ``peer``'s at
+    ``address`` (``host:port``): QoS 1 both ways, a persistent session (what a link cut
+    holds back is delivered once it is back), announced as a bridge (retained messages keep
+    their flag across), no notification topics, nothing but the pair's two trees.
+    ``protocol``: ``mqttv50`` where both Mosquittos are 2.0.14 or later."""
+    return [
+        f"connection sluicegate-{campus}-to-{peer}",
+        f"address {address}",
+        f"bridge_protocol_version {protocol}",
+        f"remote_clientid {topics.peer_bridge_identity(campus)}",
+        "cleansession false",
+        "notifications false",
+        "try_private true",
+        "start_type automatic",
+        "restart_timeout 1 10",
+        "keepalive_interval 10",
+        f"bridge_cafile {tls.cafile}",
+        f"bridge_certfile {tls.certfile}",
+        f"bridge_keyfile {tls.keyfile}",
+        "bridge_tls_version tlsv1.3",
+        "bridge_insecure false",
+        f"topic {topics.peer_tree(campus, peer)} out 1",
+        f"topic {topics.peer_tree(peer, campus)} in 1",
+    ]

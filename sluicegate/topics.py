@@ -259,6 +259,35 @@ def node_probe(node_id: str) -> str:
     return f"{ROOT}/probe/{node_id}"
 
 
+# -- between sister campuses ---------------------------------------------------------------
+# What campus A says to campus B lives under ``peer/A/B/``; the Mosquitto bridge between the
+# two carries those two trees and nothing else (``sluicegate.mosquitto.bridge_lines``), and
+# on each side the ACL lets only the other campus's bridge write the tree it sends.
+
+PEER_BRIDGE_PREFIX = "peer."  # a bridge's identity: its certificate's CN, from the peer's CA
+
+
+def peer_tree(sender_campus: str, receiver_campus: str) -> str:
+    """Everything campus ``sender_campus`` says to ``receiver_campus`` (a filter)."""
+    return f"{ROOT}/peer/{sender_campus}/{receiver_campus}/#"
+
+
+def peer_agreement(sender_campus: str, receiver_campus: str) -> str:
+    """The sender's signed half of the agreement (``policies.agreement``; retained)."""
+    return f"{ROOT}/peer/{sender_campus}/{receiver_campus}/agreement"
+
+
+def peer_summary(sender_campus: str, receiver_campus: str) -> str:
+    """What the sender offers the receiver, signed by one of its broker replicas every
+    second (retained, expiring): free slots, queue and service time, price per model."""
+    return f"{ROOT}/peer/{sender_campus}/{receiver_campus}/summary"
+
+
+def peer_bridge_identity(campus: str) -> str:
+    """The MQTT identity of campus ``campus``'s bridge on a peer's Mosquitto."""
+    return PEER_BRIDGE_PREFIX + check_id("campus", campus)
+
+
 def sender(topic: str) -> str:
     """Who sent a message on a per-sender topic: the last level of a placement request,
     release, completion, return or work topic (the ACL lets only that node write it)."""

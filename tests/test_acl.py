@@ -17,7 +17,7 @@ from sluicegate import topics
 from sluicegate.acl import render_acl
 from sluicegate.app.campus import Campus
 from sluicegate.app.cli import app
-from tests.policies.policy_testkit import EXAMPLE, base_doc, key, policy_of
+from tests.policies.policy_testkit import EXAMPLE, PARTS_TERMS, base_doc, key, policy_of, site_doc
 from tests.secure_kit import (
     TlsClient,
     foreign_identity,
@@ -36,10 +36,13 @@ def block(text: str, user: str) -> list[str]:
 
 def allows(text: str, user: str, access: str, topic: str) -> bool:
     """Mosquitto's decision for ``user`` (patterns with %u, then its own block)."""
-    rules = [line.split(" ", 2)[1:] for line in text.splitlines() if line.startswith("pattern ")]
-    rules = [[a, t.replace("%u", user)] for a, t in rules]
+    own: list[list[str]] = []
     if f"user {user}\n" in text:
-        rules += [line.split(" ", 2)[1:] for line in block(text, user) if line.startswith("topic")]
+        own = [line.split(" ", 2)[1:] for line in block(text, user) if line.startswith("topic")]
+    if any(a == "deny" and topics.matches(t, topic) for a, t in own):
+        return False  # a user's deny line is checked first
+    rules = [line.split(" ", 2)[1:] for line in text.splitlines() if line.startswith("pattern ")]
+    rules = [[a, t.replace("%u", user)] for a, t in rules] + own
     return any(a in (access, "readwrite") and topics.matches(t, topic) for a, t in rules)
 
 
@@ -219,7 +222,23 @@ FLOWS: dict[str, list[tuple[str, str, str]]] = {
     ],
 }
 # Filters and helpers: they name no topic of their own.
-NOT_TOPICS = {"check_id", "matches", "sender", "node_of"}
+NOT_TOPICS = {"check_id", "matches", "sender", "node_of", "peer_tree", "peer_bridge_identity"}
+
+# Between sister campuses, on the ACL of a campus ("north-site") whose policy names a peer.
+PEERED = policy_of(site_doc("north-site", "south-site", send=PARTS_TERMS, receive={}))
+SOUTH_BRIDGE = topics.peer_bridge_identity("south-site")
+PEER_FLOWS: dict[str, list[tuple[str, str, str]]] = {
+    name: [
+        ("north-site-broker-1", "write", fn("north-site", "south-site")),
+        (SOUTH_BRIDGE, "read", fn("north-site", "south-site")),
+        (SOUTH_BRIDGE, "write", fn("south-site", "north-site")),
+        ("north-site-broker-1", "read", fn("south-site", "north-site")),
+    ]
+    for name, fn in (
+        ("peer_agreement", topics.peer_agreement),
+        ("peer_summary", topics.peer_summary),
+    )
+}
 
 
 def test_every_topic_of_the_topics_module_has_its_flows_in_the_acl() -> None:
@@ -230,11 +249,34 @@ def test_every_topic_of_the_topics_module_has_its_flows_in_the_acl() -> None:
         and name not in NOT_TOPICS
         and not name.endswith(("_all", "_shared", "_inbox"))
     }
-    assert functions == set(FLOWS), "add the new topic's writer and reader to FLOWS"
+    assert functions == set(FLOWS) | set(PEER_FLOWS), "add the topic's writer and reader"
     text = render_acl(POLICY, observers=("ops",))
     for name, flows in FLOWS.items():
         for user, access, topic in flows:
             assert allows(text, user, access, topic), f"{name}: {user} may not {access} {topic}"
+    peered = render_acl(PEERED)
+    for name, flows in PEER_FLOWS.items():
+        for user, access, topic in flows:
+            assert allows(peered, user, access, topic), f"{name}: {user} may not {access} {topic}"
+
+
+@pytest.mark.parametrize(
+    ("user", "access", "topic"),
+    [
+        (SOUTH_BRIDGE, "write", topics.peer_summary("north-site", "south-site")),  # forge ours
+        (SOUTH_BRIDGE, "read", topics.peer_summary("north-site", "west-site")),
+        (SOUTH_BRIDGE, "write", topics.edge_submit("north-l1-pc")),
+        (SOUTH_BRIDGE, "read", topics.edge_telemetry("north-l1-pc")),
+        (SOUTH_BRIDGE, "read", topics.policy()),
+        ("north-l1-pc", "write", topics.peer_summary("north-site", "south-site")),
+        ("north-l1-pc", "read", topics.peer_agreement("south-site", "north-site")),
+        ("north-site-broker-1", "write", topics.peer_summary("south-site", "north-site")),
+    ],
+)
+def test_a_peer_s_bridge_and_the_campus_s_nodes_stay_in_their_lanes(
+    user: str, access: str, topic: str
+) -> None:
+    assert not allows(render_acl(PEERED), user, access, topic)
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
-"""``sluicegate doctor`` and ``sluicegate mosquitto config``: thin shells over
-:func:`sluicegate.doctor.run.diagnose` and :func:`sluicegate.mosquitto.plant_config`.
+"""``sluicegate doctor``, ``sluicegate mosquitto config`` and ``sluicegate mosquitto bridge``:
+thin shells over :func:`sluicegate.doctor.run.diagnose`,
+:func:`sluicegate.mosquitto.plant_config` and :func:`sluicegate.mosquitto.bridge_lines`.
 
 Doctor exits 0 when every check passed (warnings included), 1 when one failed and 2 on a
 usage error of ours, and prints one line per check. The Mosquitto configuration is the one
@@ -113,7 +114,54 @@ def mosquitto_config(
     typer.echo(f"wrote {out}")
 
 
+@mosquitto_app.command("bridge")
+def mosquitto_bridge(
+    policy: Annotated[Path, typer.Option(help="This campus's policy, which lists the peer.")],
+    peer: Annotated[str, typer.Option(help="The sister campus, as [peers] names it.")],
+    address: Annotated[str, typer.Option(help="Its Mosquitto, host:port.")],
+    peer_ca: Annotated[Path, typer.Option(help="The sister campus's CA certificate.")],
+    cert: Annotated[Path, typer.Option(help="Our bridge's certificate, from the peer's CA.")],
+    key: Annotated[Path, typer.Option(help="Its private key (readable by Mosquitto).")],
+    mqtt5: Annotated[
+        bool, typer.Option(help="Bridge with MQTT v5 (both Mosquittos 2.0.14 or later).")
+    ] = False,
+    out: Annotated[Path | None, typer.Option(help="Write here instead of stdout.")] = None,
+) -> None:
+    """Print the bridge from this campus's Mosquitto to a sister campus's, to append to
+    mosquitto.conf: TLS 1.3 with the peer's CA, the certificate it issued to our bridge
+    ('ca issue --role bridge --node peer.<our campus>' on its side), and only the two
+    inter-campus trees of the pair. One side of a pair runs it."""
+    from policies.errors import PolicyError
+    from policies.loader import load_policy
+    from sluicegate.mosquitto import BridgeTls, bridge_lines
+
+    for flag, path in (("--peer-ca", peer_ca), ("--cert", cert), ("--key", key)):
+        if not path.is_file():
+            _usage(f"{flag} {path} is not a file")
+    try:
+        campus = load_policy(policy)
+    except PolicyError as exc:
+        _usage(f"--policy {policy}: {exc}")
+        return
+    if peer not in campus.peers:
+        listed = ", ".join(sorted(campus.peers)) or "none"
+        _usage(f"--peer {peer!r}: policy v{campus.version} does not list it ([peers]: {listed})")
+    tls = BridgeTls(peer_ca.resolve(), cert.resolve(), key.resolve())
+    protocol = "mqttv50" if mqtt5 else "mqttv311"
+    lines = [
+        f"# The bridge from {campus.campus} to sister campus {peer}, written by "
+        "'sluicegate mosquitto bridge'.",
+        *bridge_lines(campus.campus, peer, address, tls, protocol=protocol),
+    ]
+    text = "\n".join(lines) + "\n"
+    if out is None:
+        typer.echo(text, nl=False)
+        return
+    out.write_text(text, encoding="utf-8")
+    typer.echo(f"wrote {out}")
+
+
 def register(app: typer.Typer) -> None:
-    """Add ``doctor`` and ``mosquitto config`` to ``app``."""
+    """Add ``doctor`` and ``mosquitto config|bridge`` to ``app``."""
     app.command()(doctor)
     app.add_typer(mosquitto_app, name="mosquitto")

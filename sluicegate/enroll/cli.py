@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 
 from sluicegate.errors import SluicegateError
+from sluicegate.topics import PEER_BRIDGE_PREFIX
 
 ca_app = typer.Typer(help="The campus certificate authority.", no_args_is_help=True)
 enroll_app = typer.Typer(help="Join tokens and enrolled nodes.", no_args_is_help=True)
@@ -73,7 +74,9 @@ def ca_server_cert(
     typer.echo(f"wrote {out_dir}/server.pem, server.key and ca.pem for {', '.join(host)}")
 
 
-LOCAL_ROLES = ("broker", "observer")  # who 'ca issue' makes identities for
+# Who 'ca issue' makes identities for: the first broker replica, an observer, and a sister
+# campus's bridge (its key and certificate go to that campus's Mosquitto).
+LOCAL_ROLES = ("broker", "observer", "bridge")
 
 
 @ca_app.command("issue")
@@ -81,11 +84,15 @@ def ca_issue(
     ca_dir: CaDir,
     node: Annotated[str, typer.Option(help="The node id (its certificate's CN).")],
     state_dir: Annotated[Path, typer.Option(help="The node's state folder.")],
-    role: Annotated[str, typer.Option(help="broker or observer (a twin recorder).")] = "broker",
+    role: Annotated[
+        str,
+        typer.Option(help="broker, observer (a twin recorder) or bridge (a sister campus's)."),
+    ] = "broker",
 ) -> None:
     """A key made here and its certificate, for a node on this very machine (the first
-    broker replica, which holds the CA, or an observer): node.key, node.pem and ca.pem in
-    STATE_DIR, and the node in the registry 'enroll list' reads."""
+    broker replica, which holds the CA, or an observer), or for a sister campus's bridge
+    (--node peer.<its campus>; hand the three files to its operators): node.key, node.pem
+    and ca.pem in STATE_DIR, and the node in the registry 'enroll list' reads."""
     from policies import SigningKey
     from sluicegate import pki
     from sluicegate.enroll.authority import Authority
@@ -94,6 +101,11 @@ def ca_issue(
         _fail(
             f"--role {role!r}: 'ca issue' makes {' or '.join(LOCAL_ROLES)} identities; "
             "edges, pool workers and apps enroll with a join token ('enroll token')"
+        )
+    if (role == "bridge") != node.startswith(PEER_BRIDGE_PREFIX):
+        _fail(
+            f"--node {node!r} --role {role}: a sister campus's bridge is "
+            f"'{PEER_BRIDGE_PREFIX}<its campus id>' with --role bridge, and only it"
         )
     try:
         authority = Authority(ca_dir)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from policies.keys import public_key_text
 from policies.model import Policy
+from sluicegate import topics
 from sluicegate.policy_standing import add_node_line
 
 
@@ -56,6 +57,11 @@ def _status(policy: Policy, node: str, role: str, key: str) -> tuple[str, bool]:
             f"{node}' lets it read",
             False,
         )
+    if role == "bridge":
+        peer = node.removeprefix(topics.PEER_BRIDGE_PREFIX)
+        if peer in policy.peers:
+            return f"the bridge of sister campus {peer!r}, which [peers] lists", False
+        return f"the bridge of {peer!r}, which [peers] does not list: it may do nothing", False
     if role == "app":
         listed = any(app.app_id == node for app in policy.apps)
         return ("in policy", False) if listed else ("NOT in policy", True)

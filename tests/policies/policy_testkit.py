@@ -147,3 +147,51 @@ def signed(policy: Policy, *names: str, bundle: SignatureBundle | None = None) -
         bundle = add_signature(bundle, policy, sign_policy(policy, key(name), name))
     assert bundle is not None
     return bundle
+
+
+# -- sister campuses -------------------------------------------------------------------------
+
+CA_FINGERPRINTS = {"north-site": "sha256:" + "1" * 64, "south-site": "sha256:" + "2" * 64}
+SITE_OFFICERS = {
+    "north-site": ("officer-alice", "officer-bob", "officer-carol"),
+    "south-site": ("officer-dan", "officer-erin"),
+}
+SITE_ZONES = {"north-site": "campus/north-site/dc", "south-site": "campus/south-site/dc"}
+PARTS_TERMS: dict[str, Any] = {
+    "classes": ["ocr-crop"],
+    "max_jobs_per_s": 50.0,
+    "max_bytes_per_s": 2e7,
+    "currency": "EUR",
+    "device_second": 0.002,
+}
+
+
+def site_doc(
+    name: str,
+    peer: str,
+    *,
+    send: dict[str, Any],
+    receive: dict[str, Any],
+    version: int = 1,
+    expires: str = "2030-01-01T00:00:00Z",
+) -> dict[str, Any]:
+    """A campus policy (``base_doc`` under the campus id ``name``, its own data centre zone
+    added, its broker ``<name>-broker-1``) naming ``peer`` under [peers] with the terms each
+    way, its officers' threshold 2 and its broker ``<peer>-broker-1``."""
+    doc = base_doc(version=version, expires=expires, signers=SITE_OFFICERS[name])
+    doc["campus"] = name
+    doc["broker_signers"] = {"keys": {f"{name}-broker-1": key(f"{name}-broker-1").public_text}}
+    doc["zones"][SITE_ZONES[name]] = f"{name} data centre"
+    doc["peers"] = {
+        peer: {
+            "ca_fingerprint": CA_FINGERPRINTS[peer],
+            "brokers": {f"{peer}-broker-1": key(f"{peer}-broker-1").public_text},
+            "officers": {
+                "threshold": 2,
+                "keys": {n: key(n).public_text for n in SITE_OFFICERS[peer]},
+            },
+            "send": {**send, "zones": [SITE_ZONES[peer]]},
+            "receive": {**receive, "zones": [SITE_ZONES[name]]},
+        }
+    }
+    return doc

@@ -7,7 +7,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from policy_testkit import NOW, base_doc, key, policy_of, to_toml
+from policy_testkit import (
+    NOW,
+    PARTS_TERMS,
+    SITE_OFFICERS,
+    base_doc,
+    key,
+    policy_of,
+    site_doc,
+    to_toml,
+)
 from typer.testing import CliRunner
 
 from policies.agreement import PeerBook, Statement, judge, parse_statement, statement_for
@@ -22,61 +31,14 @@ from policies.errors import (
 )
 from policies.model import Policy
 
-CA_NORTH = "sha256:" + "1" * 64
-CA_SOUTH = "sha256:" + "2" * 64
-PARTS = {
-    "classes": ["ocr-crop"],
-    "max_jobs_per_s": 50.0,
-    "max_bytes_per_s": 2e7,
-    "currency": "EUR",
-    "device_second": 0.002,
-}
-
-
-def campus(
-    name: str,
-    *,
-    own_zone: str,
-    peer: str,
-    peer_zone: str,
-    officers: tuple[str, ...],
-    send: dict[str, Any],
-    receive: dict[str, Any],
-    version: int = 1,
-    expires: str = "2030-01-01T00:00:00Z",
-) -> dict[str, Any]:
-    """A campus policy naming ``peer`` under [peers], its officers ``officers`` (threshold 2)."""
-    doc = base_doc(version=version, expires=expires, signers=officers)
-    doc["campus"] = name
-    doc["zones"][own_zone] = f"{name} data centre"
-    doc["peers"] = {
-        peer: {
-            "ca_fingerprint": CA_SOUTH if peer == "south-site" else CA_NORTH,
-            "brokers": {f"{peer}-broker-1": key(f"{peer}-broker-1").public_text},
-            "officers": {
-                "threshold": 2,
-                "keys": {n: key(n).public_text for n in OFFICERS[peer]},
-            },
-            "send": {**send, "zones": [peer_zone]},
-            "receive": {**receive, "zones": [own_zone]},
-        }
-    }
-    return doc
-
-
-OFFICERS = {
-    "north-site": ("officer-alice", "officer-bob", "officer-carol"),
-    "south-site": ("officer-dan", "officer-erin"),
-}
+OFFICERS = SITE_OFFICERS
+PARTS = PARTS_TERMS
 
 
 def north(**changes: Any) -> Policy:
-    doc = campus(
+    doc = site_doc(
         "north-site",
-        own_zone="campus/north-site/dc",
-        peer="south-site",
-        peer_zone="campus/south-site/dc",
-        officers=OFFICERS["north-site"],
+        "south-site",
         send=PARTS,
         receive={},
     )
@@ -87,12 +49,9 @@ def north(**changes: Any) -> Policy:
 def south(
     *, send: dict[str, Any] | None = None, receive: dict[str, Any] = PARTS, version: int = 1
 ) -> Policy:
-    doc = campus(
+    doc = site_doc(
         "south-site",
-        own_zone="campus/south-site/dc",
-        peer="north-site",
-        peer_zone="campus/north-site/dc",
-        officers=OFFICERS["south-site"],
+        "north-site",
         send=send or {},
         receive=receive,
         version=version,
@@ -201,12 +160,9 @@ def test_a_withdrawal_replaces_the_half_and_an_older_half_is_a_replay() -> None:
 
 
 def _south_without_peers(*, version: int) -> Policy:
-    doc = campus(
+    doc = site_doc(
         "south-site",
-        own_zone="campus/south-site/dc",
-        peer="north-site",
-        peer_zone="campus/north-site/dc",
-        officers=OFFICERS["south-site"],
+        "north-site",
         send={},
         receive=PARTS,
         version=version,
@@ -247,12 +203,9 @@ def test_the_same_version_with_other_terms_is_refused() -> None:
 def test_an_entry_that_names_what_the_policy_does_not_have_is_refused(
     change: dict[str, Any], where: str
 ) -> None:
-    doc = campus(
+    doc = site_doc(
         "north-site",
-        own_zone="campus/north-site/dc",
-        peer="south-site",
-        peer_zone="campus/south-site/dc",
-        officers=OFFICERS["north-site"],
+        "south-site",
         send=PARTS,
         receive={},
     )
@@ -263,12 +216,9 @@ def test_an_entry_that_names_what_the_policy_does_not_have_is_refused(
 
 
 def test_a_campus_is_not_its_own_peer_and_an_officer_threshold_must_be_reachable() -> None:
-    doc = campus(
+    doc = site_doc(
         "north-site",
-        own_zone="campus/north-site/dc",
-        peer="south-site",
-        peer_zone="campus/south-site/dc",
-        officers=OFFICERS["north-site"],
+        "south-site",
         send=PARTS,
         receive={},
     )
@@ -309,21 +259,15 @@ def _cli(*args: str | Path) -> tuple[int, str]:
 
 def test_officers_sign_their_halves_and_each_side_checks_the_other_s(tmp_path: Path) -> None:
     at = "2026-05-28T00:00:00Z"
-    north_doc = campus(
+    north_doc = site_doc(
         "north-site",
-        own_zone="campus/north-site/dc",
-        peer="south-site",
-        peer_zone="campus/south-site/dc",
-        officers=OFFICERS["north-site"],
+        "south-site",
         send=PARTS,
         receive={},
     )
-    south_doc = campus(
+    south_doc = site_doc(
         "south-site",
-        own_zone="campus/south-site/dc",
-        peer="north-site",
-        peer_zone="campus/north-site/dc",
-        officers=OFFICERS["south-site"],
+        "north-site",
         send={},
         receive=PARTS,
     )
