@@ -47,6 +47,7 @@ from broker.gatekeeper import Gatekeeper
 from broker.inbox import Inbox
 from broker.inflight import InflightStore
 from broker.metrics import BrokerMetrics
+from broker.peers import Peers
 from broker.reaper import Reaper
 from broker.reservations import Reservations
 from broker.store import BrokerStore
@@ -130,6 +131,18 @@ class Broker:
         )
         self.arrivals: dict[str, float] = {}  # jobs/s placed per pool (moving average)
         self.announced = Announced(policy)  # the lines' announced work, as their edges say
+        # Sister campuses: our halves and summaries out, theirs in (beside the policy file).
+        halves = settings.policy_file.parent if settings.policy_file is not None else None
+        self.peers = Peers(
+            transport,
+            policy,
+            key,
+            settings.id,
+            self.fleet,
+            halves,
+            clock,
+            interval_s=min(settings.telemetry_interval_s, 1.0),
+        )
         self.store = BrokerStore(redis, int(self.params.stale_after_s * 1000))
         self.answers = Answers(
             settings,
@@ -444,6 +457,7 @@ class Broker:
             asyncio.create_task(self.waiting.run(), name="waiting room"),
             asyncio.create_task(self.reaper.run(), name="reaper"),
             asyncio.create_task(self._stall_watch(), name="stall watch"),
+            asyncio.create_task(self.peers.run(), name="sister campuses"),
         ]
         log.info("broker %s serving placements", self.settings.id)
         try:

@@ -211,6 +211,28 @@ def verify_statement(ours: Policy, statement: Statement) -> Peer:
     return entry
 
 
+def own_half_problem(ours: Policy, statement: Statement) -> str | None:
+    """Why ``statement`` is not this campus's half to publish under policy ``ours`` (None:
+    it is): another campus's, other terms than our entry says now (a withdrawal when the
+    entry is gone), or fewer distinct signatures of our officers than our threshold."""
+    if statement.campus != ours.campus:
+        return f"it is {statement.campus!r}'s half, not {ours.campus!r}'s"
+    now = statement_for(ours, statement.peer)
+    if (statement.send, statement.receive) != (now.send, now.receive):
+        what = "a withdrawal" if now.withdrawn else "other terms"
+        return (
+            f"policy v{ours.version} says {what} for {statement.peer!r} than this half "
+            f"v{statement.version}: have the officers sign it again (policy peer-sign)"
+        )
+    have = len(statement.signer_keys() & ours.signer_keys)
+    if have < ours.signer_threshold:
+        return (
+            f"it carries {have} of the {ours.signer_threshold} officer signatures policy "
+            f"v{ours.version} needs"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class Standing:
     """Where an agreement with one peer stands, and why, in words an officer can act on."""

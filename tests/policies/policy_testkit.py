@@ -176,12 +176,14 @@ def site_doc(
     expires: str = "2030-01-01T00:00:00Z",
 ) -> dict[str, Any]:
     """A campus policy (``base_doc`` under the campus id ``name``, its own data centre zone
-    added, its broker ``<name>-broker-1``) naming ``peer`` under [peers] with the terms each
-    way, its officers' threshold 2 and its broker ``<peer>-broker-1``."""
+    added with a pool of one worker ``<name>-gpu-1``, its broker ``<name>-broker-1``)
+    naming ``peer`` under [peers] with the terms each way, its officers' threshold 2 and its
+    broker ``<peer>-broker-1``."""
     doc = base_doc(version=version, expires=expires, signers=SITE_OFFICERS[name])
     doc["campus"] = name
     doc["broker_signers"] = {"keys": {f"{name}-broker-1": key(f"{name}-broker-1").public_text}}
     doc["zones"][SITE_ZONES[name]] = f"{name} data centre"
+    doc["pools"][f"{name}-dc"] = {"zone": SITE_ZONES[name], "workers": workers(f"{name}-gpu-1")}
     doc["peers"] = {
         peer: {
             "ca_fingerprint": CA_FINGERPRINTS[peer],

@@ -1,0 +1,210 @@
+"""A broker replica's side of the agreements with sister campuses, on the MQTT bridge between
+them (``sluicegate.mosquitto.bridge_lines``).
+
+It publishes, for each peer the policy lists, this campus's signed half of the agreement
+(the file ``<campus>.to-<peer>.agreement.json`` the officers signed beside the policy file;
+retained, again every ``HALF_EVERY_S``) and, every interval, a summary of what the workers
+in the zones the agreement opens can take, signed by this replica's key (retained; a
+receiver keeps it ``ttl_s``). A peer dropped from the policy gets one last summary saying
+no half is in force, so it stops sending within one interval. It hears each peer's half and
+summaries on the peer's tree to this campus: what fails a check is counted by reason and
+logged; the core (``policies.agreement``, ``broker.core.peering``) decides. Loop thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+from broker.core.fleet import Fleet
+from broker.core.peering import PeerOffers, capacities_of, offers_of
+from policies.agreement import (
+    PeerBook,
+    Standing,
+    Statement,
+    own_half_problem,
+    parse_statement,
+)
+from policies.errors import AgreementRefused, PolicyError
+from policies.keys import SigningKey
+from policies.model import Policy
+from sluicegate import topics
+from sluicegate.errors import TransportError, WireError
+from sluicegate.transport import Message, Transport
+from sluicegate.wire_peer import Offer, SummaryBody, parse_summary, sign_summary
+
+log = logging.getLogger(__name__)
+
+HALF_EVERY_S = 30.0  # our half again, for a peer's replica that missed the retained copy
+TTL_INTERVALS = 3.0  # a summary is valid three intervals
+
+
+def half_file(folder: Path, campus: str, peer: str) -> Path:
+    """Where the officers' ``policy peer-sign`` writes a campus's half for ``peer``."""
+    return folder / f"{campus}.to-{peer}.agreement.json"
+
+
+class Peers:
+    """This replica's agreements with sister campuses: halves held, summaries heard and sent."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        policy: Callable[[], Policy | None],
+        key: SigningKey,
+        broker_id: str,
+        fleet: Fleet,
+        halves_dir: Path | None,
+        clock: Callable[[], float],
+        interval_s: float = 1.0,
+    ) -> None:
+        self._transport = transport
+        self._policy = policy
+        self._key = key
+        self._broker_id = broker_id
+        self._fleet = fleet
+        self._halves_dir = halves_dir
+        self._clock = clock
+        self.interval_s = interval_s
+        self.book = PeerBook()
+        self.offers = PeerOffers()
+        self.refused: Counter[str] = Counter()  # malformed messages, by kind
+        self.sent = 0  # summaries published
+        self._seq = int(clock() * 1000)  # increasing across restarts of this replica
+        self._listening: set[str] = set()
+        self._offered: set[str] = set()  # peers last offered anything
+        self._half_sent_at: dict[str, float] = {}
+        self._half_warned: set[str] = set()
+
+    # -- hearing -----------------------------------------------------------------------------
+
+    async def listen(self) -> None:
+        """Subscribe to each listed peer's tree to this campus (once each)."""
+        policy = self._policy()
+        if policy is None:
+            return
+        for peer in sorted(set(policy.peers) - self._listening):
+            await self._transport.subscribe(topics.peer_tree(peer, policy.campus), self.on_message)
+            self._listening.add(peer)
+
+    def on_message(self, msg: Message) -> None:
+        policy = self._policy()
+        if policy is None or not msg.payload:
+            return
+        if msg.topic.endswith("/agreement"):
+            self._hear_half(policy, msg)
+        elif msg.topic.endswith("/summary"):
+            self._hear_summary(policy, msg)
+
+    def _hear_half(self, policy: Policy, msg: Message) -> None:
+        try:
+            statement = parse_statement(msg.payload, source=msg.topic)
+            if self.book.offer(policy, statement):
+                standing = self.standing(statement.campus)
+                log.info("agreement with %s: %s", statement.campus, standing.reason)
+        except AgreementRefused as exc:  # counted by the book
+            log.warning("half on %s refused [%s]: %s", msg.topic, exc.reason, exc)
+        except PolicyError as exc:
+            self.refused["half_malformed"] += 1
+            log.warning("half on %s unreadable: %s", msg.topic, exc)
+
+    def _hear_summary(self, policy: Policy, msg: Message) -> None:
+        try:
+            signed = parse_summary(msg.payload)
+        except WireError as exc:
+            self.refused["summary_malformed"] += 1
+            log.warning("summary on %s unreadable: %s", msg.topic, exc)
+            return
+        refusal = self.offers.hear(policy, signed, now=self._clock())
+        if refusal is not None:
+            log.warning("summary on %s refused [%s]: %s", msg.topic, refusal.code, refusal.reason)
+
+    def standing(self, peer: str) -> Standing:
+        policy = self._policy()
+        if policy is None:
+            return Standing(peer, "not_listed", "no policy in force")
+        return self.book.judge(policy, peer, now=self._clock())
+
+    # -- speaking ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Listen, then every interval: halves when due, a summary to each peer."""
+        while True:
+            try:
+                await self.listen()
+                self.tick()
+            except TransportError as exc:
+                log.warning("sister campuses: %s", exc)
+            await asyncio.sleep(self.interval_s)
+
+    def tick(self) -> None:
+        """Publish what is due now: halves, then summaries."""
+        policy = self._policy()
+        if policy is None:
+            return
+        now = self._clock()
+        for peer in sorted(policy.peers):
+            if now - self._half_sent_at.get(peer, float("-inf")) >= HALF_EVERY_S:
+                self._publish_half(policy, peer, now)
+        for peer in sorted(set(policy.peers) | self._offered):
+            self._publish_summary(policy, peer, now)
+        self._offered = set(policy.peers)
+
+    def own_half(self, policy: Policy, peer: str) -> Statement | None:
+        """Our signed half for ``peer`` as the officers left it, if it is publishable."""
+        if self._halves_dir is None:
+            return None
+        path = half_file(self._halves_dir, policy.campus, peer)
+        try:
+            statement = parse_statement(path.read_bytes(), source=str(path))
+        except (OSError, PolicyError) as exc:
+            self._warn_once(peer, f"no half for {peer!r} to publish ({path}): {exc}")
+            return None
+        problem = own_half_problem(policy, statement)
+        if problem is not None:
+            self._warn_once(peer, f"{path} not published: {problem}")
+            return None
+        self._half_warned.discard(peer)
+        return statement
+
+    def _warn_once(self, peer: str, text: str) -> None:
+        if peer not in self._half_warned:
+            self._half_warned.add(peer)
+            log.warning(text)
+
+    def _publish_half(self, policy: Policy, peer: str, now: float) -> None:
+        statement = self.own_half(policy, peer)
+        if statement is None:
+            return
+        topic = topics.peer_agreement(policy.campus, peer)
+        self._transport.publish_nowait(Message(topic, statement.to_bytes(), qos=1, retain=True))
+        self._half_sent_at[peer] = now
+
+    def _publish_summary(self, policy: Policy, peer: str, now: float) -> None:
+        entry = policy.peers.get(peer)
+        half = self.own_half(policy, peer) if entry is not None else None
+        offers: tuple[Offer, ...] = ()
+        if entry is not None and half is not None:
+            offers = offers_of(
+                capacities_of(self._fleet, entry.receive.zones), entry.receive.device_second
+            )
+        self._seq += 1
+        body = SummaryBody(
+            campus=policy.campus,
+            peer=peer,
+            broker=self._broker_id,
+            seq=self._seq,
+            at=now,
+            ttl_s=min(60.0, TTL_INTERVALS * self.interval_s),
+            agreement_version=half.version if half is not None else 0,
+            currency=entry.receive.currency if entry is not None else "",
+            device_second=entry.receive.device_second if entry is not None else 0.0,
+            offers=offers,
+        )
+        payload = sign_summary(body, self._key)
+        topic = topics.peer_summary(policy.campus, peer)
+        self._transport.publish_nowait(Message(topic, payload, qos=1, retain=True))
+        self.sent += 1

@@ -1,0 +1,181 @@
+"""Two campuses' broker replicas on their bridge (broker.peers): each publishes its signed
+half and a signed summary every interval, and hears the other's; the agreement comes into
+force, the peer's pool becomes a candidate, a withdrawal is heard from the next summary, and
+a forged summary is refused and counted (issue 39, parts 1 and 3). Real processes: two CAs,
+two secured Mosquittos and the bridge; the replicas' fleets are fed as telemetry would."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from broker.core.fleet import Fleet
+from broker.core.peering import SummaryRefused
+from broker.peers import Peers, half_file
+from policies.agreement import statement_for
+from policies.model import Policy
+from sluicegate import topics
+from sluicegate.mqtt.bridge import MqttTransport
+from sluicegate.transport import Message
+from sluicegate.wire_peer import Offer, SummaryBody, sign_summary
+from tests.peer_kit import Site, bridged_sites
+from tests.policies.policy_testkit import PARTS_TERMS, SITE_ZONES, key, policy_of, site_doc
+from tests.test_broker_core_kit import caps, fleet_with
+
+pytestmark = pytest.mark.integration
+
+NORTH, SOUTH = "north-site", "south-site"
+INTERVAL = 0.2
+
+
+@pytest.fixture(scope="module")
+def sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Site, Site]]:
+    with bridged_sites(tmp_path_factory.mktemp("summaries"), send=PARTS_TERMS) as pair:
+        yield pair
+
+
+def sign_half(site: Site, policy: Policy, peer: str, officers: tuple[str, ...]) -> None:
+    half = statement_for(policy, peer)
+    for name in officers:
+        half = half.signed_by(key(name), name)
+    half_file(site.campus.root, policy.campus, peer).write_bytes(half.to_bytes())
+
+
+def south_fleet(policy: Policy) -> Fleet:
+    zone = SITE_ZONES[SOUTH]
+    worker = caps("south-site-gpu-1", zone, device_class="gpu", models=("ocr-rec",))
+    return fleet_with(
+        policy,
+        [(worker, {"capacity": 4, "backlog_ms": 8.0, "service_ms": {"ocr-rec": 6.0}})],
+        now=time.time(),
+    )
+
+
+async def until(check: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def test_halves_and_summaries_cross_and_a_withdrawal_stops_the_offers(
+    sites: tuple[Site, Site],
+) -> None:
+    north, south = sites
+    sign_half(north, north.policy, SOUTH, ("officer-alice", "officer-bob"))
+    sign_half(south, south.policy, NORTH, ("officer-dan", "officer-erin"))
+    south_policy: list[Policy] = [south.policy]
+    n_transport = MqttTransport(north.campus.mqtt(north.broker), client_id=north.broker)
+    s_transport = MqttTransport(south.campus.mqtt(south.broker), client_id=south.broker)
+    async with n_transport, s_transport:
+        n_peers = Peers(
+            n_transport,
+            lambda: north.policy,
+            key(north.broker),
+            north.broker,
+            Fleet(None, None, north.policy),
+            north.campus.root,
+            time.time,
+            INTERVAL,
+        )
+        s_peers = Peers(
+            s_transport,
+            lambda: south_policy[0],
+            key(south.broker),
+            south.broker,
+            south_fleet(south.policy),
+            south.campus.root,
+            time.time,
+            INTERVAL,
+        )
+        tasks = [asyncio.create_task(p.run()) for p in (n_peers, s_peers)]
+        try:
+
+            def offer() -> Offer | SummaryRefused:
+                return n_peers.offers.candidate(
+                    north.policy,
+                    SOUTH,
+                    n_peers.standing(SOUTH),
+                    model="ocr-rec",
+                    data_class="ocr-crop",
+                    now=time.time(),
+                )
+
+            await until(lambda: isinstance(offer(), Offer), "south's offer at north")
+            got = offer()
+            assert isinstance(got, Offer)
+            assert (got.device_class, got.free_slots, got.queue_p50_ms) == ("gpu", 4, 8.0)
+            assert n_peers.standing(SOUTH).code == "in_force"
+            await until(lambda: s_peers.standing(NORTH).in_force, "north's half at south")
+            wafer = n_peers.offers.candidate(
+                north.policy,
+                SOUTH,
+                n_peers.standing(SOUTH),
+                model="ocr-rec",
+                data_class="wafer-image",
+                now=time.time(),
+            )
+            assert isinstance(wafer, SummaryRefused)
+            assert wafer.code == "class_not_listed"
+
+            # A summary signed by a key north's entry does not pin, on south's tree to north
+            # (south's broker may write there): it crosses, and north refuses and counts it.
+            forged = SummaryBody(
+                campus=SOUTH,
+                peer=NORTH,
+                broker="south-site-broker-1",
+                seq=2**40,
+                at=time.time(),
+                ttl_s=3.0,
+                agreement_version=1,
+            )
+            await s_transport.publish(
+                Message(
+                    topics.peer_summary(SOUTH, NORTH), sign_summary(forged, key("intruder")), qos=1
+                ),
+                wait=True,
+            )
+            await until(lambda: n_peers.offers.refused["bad_signature"] >= 1, "the refusal")
+            assert isinstance(offer(), Offer)  # the forged one changed nothing
+
+            # South's officers withdraw: policy v2 without [peers]. Its next summary says so.
+            doc = site_doc(SOUTH, NORTH, send={}, receive=PARTS_TERMS, version=2)
+            doc["peers"] = {}
+            south_policy[0] = policy_of(doc)
+
+            def withdrawn() -> bool:
+                got = offer()
+                return isinstance(got, SummaryRefused) and got.code == "withdrawn"
+
+            await until(withdrawn, "the withdrawal at north")
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def test_a_half_the_officers_did_not_sign_enough_is_not_published(
+    sites: tuple[Site, Site], tmp_path: Path
+) -> None:
+    north, _south = sites
+    policy = north.policy
+    half = statement_for(policy, SOUTH).signed_by(key("officer-alice"), "alice")
+    half_file(tmp_path, policy.campus, SOUTH).write_bytes(half.to_bytes())
+    peers = Peers(
+        MqttTransport(north.campus.mqtt(north.broker), client_id="unused"),
+        lambda: policy,
+        key(north.broker),
+        north.broker,
+        Fleet(None, None, policy),
+        tmp_path,
+        time.time,
+    )
+    assert peers.own_half(policy, SOUTH) is None
+    half = half.signed_by(key("officer-bob"), "bob")
+    half_file(tmp_path, policy.campus, SOUTH).write_bytes(half.to_bytes())
+    assert peers.own_half(policy, SOUTH) == half
