@@ -8,19 +8,22 @@ in the zones the agreement opens can take, signed by this replica's key (retaine
 receiver keeps it ``ttl_s``). A peer dropped from the policy gets one last summary saying
 no half is in force, so it stops sending within one interval. It hears each peer's half and
 summaries on the peer's tree to this campus: what fails a check is counted by reason and
-logged; the core (``policies.agreement``, ``broker.core.peering``) decides. Loop thread only.
+logged; the core (``policies.agreement``, ``broker.core.peering``) decides. Each interval it
+also probes the link to each peer (one probe in ``PAD_EVERY`` padded, to time throughput)
+and echoes the peer's probes. Loop thread only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 from broker.core.fleet import Fleet
-from broker.core.peering import PeerOffers, capacities_of, offers_of
+from broker.core.peering import Link, LinkMeter, PeerOffers, capacities_of, offers_of
 from policies.agreement import (
     PeerBook,
     Standing,
@@ -34,12 +37,21 @@ from policies.model import Policy
 from sluicegate import topics
 from sluicegate.errors import TransportError, WireError
 from sluicegate.transport import Message, Transport
-from sluicegate.wire_peer import Offer, SummaryBody, parse_summary, sign_summary
+from sluicegate.wire_peer import (
+    Offer,
+    Probe,
+    SummaryBody,
+    parse_probe,
+    parse_summary,
+    sign_summary,
+)
 
 log = logging.getLogger(__name__)
 
 HALF_EVERY_S = 30.0  # our half again, for a peer's replica that missed the retained copy
 TTL_INTERVALS = 3.0  # a summary is valid three intervals
+PAD_EVERY = 5  # one probe in five carries PAD_BYTES, to time the link's throughput
+PAD_BYTES = 32 * 1024
 
 
 def half_file(folder: Path, campus: str, peer: str) -> Path:
@@ -78,6 +90,8 @@ class Peers:
         self._offered: set[str] = set()  # peers last offered anything
         self._half_sent_at: dict[str, float] = {}
         self._half_warned: set[str] = set()
+        self.meters: dict[str, LinkMeter] = {}
+        self._probes = 0
 
     # -- hearing -----------------------------------------------------------------------------
 
@@ -98,6 +112,30 @@ class Peers:
             self._hear_half(policy, msg)
         elif msg.topic.endswith("/summary"):
             self._hear_summary(policy, msg)
+        elif msg.topic.endswith("/probe"):
+            self._hear_probe(policy, msg)
+
+    def _hear_probe(self, policy: Policy, msg: Message) -> None:
+        peer = msg.topic.split("/")[-3]  # sluicegate/v1/peer/<peer>/<us>/probe
+        if peer not in policy.peers:
+            return
+        try:
+            probe = parse_probe(msg.payload)
+        except WireError as exc:
+            self.refused["probe_malformed"] += 1
+            log.warning("probe on %s unreadable: %s", msg.topic, exc)
+            return
+        if probe.kind == "echo":
+            self.meters.setdefault(peer, LinkMeter()).echoed(probe.nonce, self._clock())
+            return
+        echo = Probe(kind="echo", broker=self._broker_id, nonce=probe.nonce, sent_at=probe.sent_at)
+        topic = topics.peer_probe(policy.campus, peer)
+        self._transport.publish_nowait(Message(topic, echo.model_dump_json().encode(), qos=0))
+
+    def link(self, peer: str) -> Link | None:
+        """The link to ``peer`` as the probes measured it (None: not known, or stale)."""
+        meter = self.meters.get(peer)
+        return meter.link(self._clock()) if meter is not None else None
 
     def _hear_half(self, policy: Policy, msg: Message) -> None:
         try:
@@ -152,6 +190,17 @@ class Peers:
         for peer in sorted(set(policy.peers) | self._offered):
             self._publish_summary(policy, peer, now)
         self._offered = set(policy.peers)
+        self._probes += 1
+        pad = PAD_BYTES if self._probes % PAD_EVERY == 0 else 0
+        for peer in sorted(policy.peers):
+            self._probe(policy, peer, now, pad)
+
+    def _probe(self, policy: Policy, peer: str, now: float, pad: int) -> None:
+        nonce = secrets.token_hex(16)
+        probe = Probe(kind="probe", broker=self._broker_id, nonce=nonce, sent_at=now, pad="0" * pad)
+        self.meters.setdefault(peer, LinkMeter()).sent(nonce, now, pad)
+        topic = topics.peer_probe(policy.campus, peer)
+        self._transport.publish_nowait(Message(topic, probe.model_dump_json().encode(), qos=0))
 
     def own_half(self, policy: Policy, peer: str) -> Statement | None:
         """Our signed half for ``peer`` as the officers left it, if it is publishable."""

@@ -283,6 +283,12 @@ def peer_summary(sender_campus: str, receiver_campus: str) -> str:
     return f"{ROOT}/peer/{sender_campus}/{receiver_campus}/summary"
 
 
+def peer_probe(sender_campus: str, receiver_campus: str) -> str:
+    """A broker replica's link probes to the receiver, and its echoes of the receiver's
+    probes (``wire_peer.Probe``): the round trip and throughput of the link between them."""
+    return f"{ROOT}/peer/{sender_campus}/{receiver_campus}/probe"
+
+
 def peer_bridge_identity(campus: str) -> str:
     """The MQTT identity of campus ``campus``'s bridge on a peer's Mosquitto."""
     return PEER_BRIDGE_PREFIX + check_id("campus", campus)

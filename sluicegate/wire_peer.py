@@ -10,6 +10,11 @@ broker replicas (the keys the receiver's ``[peers]`` entry pins), numbered per r
 (``seq``) and valid ``ttl_s`` from ``at``: a receiver keeps only fresh, newer summaries.
 It also says which version of the sender's half of the agreement is in force on its side
 (0: none), so a withdrawal is heard within one summary.
+
+A **probe** measures the link: a replica sends one with a random nonce (and, now and then,
+padding), the peer's replica sends back an echo with the same nonce and no padding, and the
+sender times the round trip on its own clock. Only the peer's bridge writes the peer's tree,
+and the nonce cannot be guessed, so an echo needs no signature.
 """
 
 from __future__ import annotations
@@ -90,3 +95,25 @@ def parse_summary(data: bytes) -> SignedSummary:
         first = exc.errors(include_url=False)[0]
         where = ".".join(str(p) for p in first["loc"]) or "the document"
         raise WireError(f"peer summary: {where}: {first['msg']}") from exc
+
+
+MAX_PAD = 1 << 20
+
+
+class Probe(_Wire):
+    """A link probe (``kind`` probe) or its echo: the nonce and the sender's clock back."""
+
+    kind: Literal["probe", "echo"]
+    broker: str = Field(min_length=1, max_length=64)  # who sent this message
+    nonce: str = Field(pattern=r"^[0-9a-f]{32}$")
+    sent_at: float = Field(gt=0.0, allow_inf_nan=False)  # the probing replica's clock
+    pad: str = Field(default="", max_length=MAX_PAD)  # bytes that time the throughput
+
+
+def parse_probe(data: bytes) -> Probe:
+    try:
+        return Probe.model_validate_json(data)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in first["loc"]) or "the document"
+        raise WireError(f"peer probe: {where}: {first['msg']}") from exc

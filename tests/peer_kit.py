@@ -8,9 +8,13 @@ auditor of the bridge would.
 
 from __future__ import annotations
 
+import heapq
+import select
+import socket
+import threading
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +45,7 @@ class Site:
     policy: Policy
     ca: pki.Authority
     server: ServerProcess | None = None
+    relay: DelayRelay | None = None  # the link its bridge crosses, when delayed
 
     @property
     def broker(self) -> str:
@@ -88,6 +93,79 @@ def write_site(
     return site
 
 
+class DelayRelay:
+    """A TCP relay on a free loopback port that holds every byte ``delay_s`` each way, in
+    order: the long link between two campuses, for the bridge to cross. TLS passes through
+    it untouched. ``cut()`` drops every connection and refuses new ones until ``mend()``."""
+
+    def __init__(self, target_port: int, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self._target = target_port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._cut = threading.Event()
+        self._stop = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        self._listener.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if self._cut.is_set():
+                client.close()
+                continue
+            server = socket.create_connection(("127.0.0.1", self._target))
+            with self._lock:
+                self._sockets += [client, server]
+            for src, dst in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        due: list[tuple[float, int, bytes]] = []
+        n = 0
+        while not self._stop.is_set():
+            wait = max(0.0, due[0][0] - time.monotonic()) if due else 0.2
+            try:
+                readable, _, _ = select.select([src], [], [], wait)
+                if readable:
+                    chunk = src.recv(65536)
+                    if not chunk:
+                        break
+                    n += 1
+                    heapq.heappush(due, (time.monotonic() + self.delay_s, n, chunk))
+                while due and due[0][0] <= time.monotonic():
+                    dst.sendall(heapq.heappop(due)[2])
+            except OSError:
+                break
+        for sock in (src, dst):
+            with suppress(OSError):
+                sock.close()
+
+    def cut(self) -> None:
+        self._cut.set()
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            with suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+
+    def mend(self) -> None:
+        self._cut.clear()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.cut()
+        self._listener.close()
+
+
 def cli(*args: str | Path) -> str:
     """Run a ``sluicegate`` command; its output, or AssertionError with it."""
     result = CliRunner().invoke(app, [str(a) for a in args])
@@ -102,10 +180,12 @@ def bridged_sites(
     send: dict[str, Any],
     receive: dict[str, Any] | None = None,
     bridge: bool = True,
+    delay_s: float | None = None,
 ) -> Iterator[tuple[Site, Site]]:
     """north and south, each its Mosquitto running, north's bridged to south's (unless not
     ``bridge``: a test may then log in as the bridge itself). ``send``: what north may send
-    south (and south receive); ``receive``: the other way."""
+    south (and south receive); ``receive``: the other way. With ``delay_s`` the bridge
+    crosses a :class:`DelayRelay` holding every byte that long each way (``north.relay``)."""
     back = receive or {}
     north = write_site(root / "north", "north-site", "south-site", send=send, receive=back)
     south = write_site(root / "south", "south-site", "north-site", send=back, receive=send)
@@ -125,6 +205,10 @@ def bridged_sites(
         "bridge",
     )
     stanza = north.campus.root / "bridge.conf"
+    port = south.campus.mqtt_port
+    if delay_s is not None:
+        north.relay = DelayRelay(port, delay_s)
+        port = north.relay.port
     cli(
         "mosquitto",
         "bridge",
@@ -133,7 +217,7 @@ def bridged_sites(
         "--peer",
         "south-site",
         "--address",
-        f"127.0.0.1:{south.campus.mqtt_port}",
+        f"127.0.0.1:{port}",
         "--peer-ca",
         bridge / "ca.pem",
         "--cert",
@@ -145,6 +229,8 @@ def bridged_sites(
     )
     lines = stanza.read_text().splitlines()
     with ExitStack() as stack:
+        if north.relay is not None:
+            stack.callback(north.relay.close)
         (south.campus.root / "mq").mkdir()
         south.server = stack.enter_context(
             running(start_campus_mosquitto(south.campus, workdir=south.campus.root / "mq"))

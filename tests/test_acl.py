@@ -237,6 +237,7 @@ PEER_FLOWS: dict[str, list[tuple[str, str, str]]] = {
     for name, fn in (
         ("peer_agreement", topics.peer_agreement),
         ("peer_summary", topics.peer_summary),
+        ("peer_probe", topics.peer_probe),
     )
 }
 

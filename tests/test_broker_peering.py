@@ -9,6 +9,7 @@ import pytest
 from broker.core.peering import (
     Capacity,
     Link,
+    LinkMeter,
     PeerOffers,
     SummaryRefused,
     capacities_of,
@@ -17,7 +18,7 @@ from broker.core.peering import (
 )
 from policies.agreement import Standing, judge, statement_for
 from sluicegate.errors import WireError
-from sluicegate.wire_peer import Offer, SummaryBody, parse_summary, sign_summary
+from sluicegate.wire_peer import Offer, SummaryBody, parse_probe, parse_summary, sign_summary
 from tests.policies.policy_testkit import PARTS_TERMS, SITE_ZONES, key, policy_of, site_doc
 from tests.test_broker_core_kit import caps, fleet_with
 
@@ -223,3 +224,32 @@ def test_capacities_come_from_the_workers_in_the_zones_the_agreement_opens() -> 
     assert (only.queue_p50_ms, only.service_ms) == (12.0, 6.0)
     assert {c.device_class for c in capacities_of(fleet, {here, elsewhere})} == {"gpu", "npu"}
     assert capacities_of(fleet, set()) == []
+
+
+def test_a_link_is_known_from_small_and_padded_probes_and_forgotten_when_silent() -> None:
+    meter = LinkMeter()
+    assert meter.link(NOW) is None
+    meter.sent("a" * 32, NOW, 0)
+    assert meter.echoed("a" * 32, NOW + 0.040) == pytest.approx(0.040)
+    assert meter.link(NOW + 0.05) is None  # no throughput yet
+    meter.sent("b" * 32, NOW + 1.0, 32_768)
+    meter.echoed("b" * 32, NOW + 1.0 + 0.040 + 0.0032768)  # 32 KiB at 10 MB/s more
+    link = meter.link(NOW + 1.1)
+    assert link is not None
+    assert link.rtt_s == pytest.approx(0.040)
+    assert link.bytes_per_s == pytest.approx(10e6, rel=1e-4)
+    assert meter.echoed("c" * 32, NOW + 1.2) is None  # not one of ours
+    assert meter.link(NOW + 1.0 + 0.05 + 6.0) is None  # no echo for too long
+
+
+def test_a_probe_never_echoed_is_counted_lost() -> None:
+    meter = LinkMeter()
+    meter.sent("a" * 32, NOW, 0)
+    meter.sent("b" * 32, NOW + 11.0, 0)
+    assert (meter.lost, list(meter.pending)) == (1, ["b" * 32])
+    assert meter.echoed("a" * 32, NOW + 11.1) is None
+
+
+def test_a_malformed_probe_is_a_wire_error() -> None:
+    with pytest.raises(WireError, match="nonce"):
+        parse_probe(b'{"kind": "probe", "broker": "b", "nonce": "xyz", "sent_at": 1.0}')

@@ -30,11 +30,13 @@ pytestmark = pytest.mark.integration
 
 NORTH, SOUTH = "north-site", "south-site"
 INTERVAL = 0.2
+DELAY_S = 0.025  # the relay holds every byte this long each way: a 50 ms round trip at least
 
 
 @pytest.fixture(scope="module")
 def sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Site, Site]]:
-    with bridged_sites(tmp_path_factory.mktemp("summaries"), send=PARTS_TERMS) as pair:
+    root = tmp_path_factory.mktemp("summaries")
+    with bridged_sites(root, send=PARTS_TERMS, delay_s=DELAY_S) as pair:
         yield pair
 
 
@@ -112,6 +114,25 @@ async def test_halves_and_summaries_cross_and_a_withdrawal_stops_the_offers(
             assert (got.device_class, got.free_slots, got.queue_p50_ms) == ("gpu", 4, 8.0)
             assert n_peers.standing(SOUTH).code == "in_force"
             await until(lambda: s_peers.standing(NORTH).in_force, "north's half at south")
+            # The probes measured the link, relay and all: never under its round trip.
+            await until(lambda: n_peers.link(SOUTH) is not None, "the link measured at north")
+            link = n_peers.link(SOUTH)
+            assert link is not None
+            assert link.rtt_s >= 2 * DELAY_S
+            assert link.bytes_per_s > 0
+
+            # The link is cut: south's summaries go stale, the pool is no candidate; the
+            # link is mended: the bridge comes back, and so do the offers.
+            assert north.relay is not None
+            north.relay.cut()
+
+            def stale() -> bool:
+                got = offer()
+                return isinstance(got, SummaryRefused) and got.code == "stale"
+
+            await until(stale, "south's offer going stale at north")
+            north.relay.mend()
+            await until(lambda: isinstance(offer(), Offer), "the offer back", timeout=30.0)
             wafer = n_peers.offers.candidate(
                 north.policy,
                 SOUTH,

@@ -18,7 +18,8 @@ while it is fresh, the agreement is in force, the sender says the same half is i
 its side, the job's class may be sent there, and the offer has a free slot.
 
 A candidate's predicted completion (:func:`remote_completion_s`) is the link time for the
-image there and the result back plus the peer's own estimate (queue p50 and service).
+image there and the result back plus the peer's own estimate (queue p50 and service), the
+link as :class:`LinkMeter` measured it from probes.
 Pure: the clock is passed in; refusals are values, never exceptions.
 """
 
@@ -224,6 +225,56 @@ class Link:
 
     rtt_s: float
     bytes_per_s: float
+
+
+PROBE_ALPHA = 0.3  # weight of a new sample in the moving averages
+PROBE_LOST_S = 10.0  # a probe not echoed by then is lost
+LINK_STALE_S = 5.0  # no echo for this long: the link is not known
+MIN_BYTES_PER_S = 1e3
+
+
+@dataclass
+class LinkMeter:
+    """One peer's link from probes: the round trip of small probes and the throughput of
+    padded ones (their extra time over a small probe's round trip), each a moving average;
+    unknown until both were measured, and again when no echo came for ``LINK_STALE_S``."""
+
+    pending: dict[str, tuple[float, int]] = field(default_factory=dict)  # nonce: (sent, pad)
+    rtt_s: float | None = None
+    bytes_per_s: float | None = None
+    last_echo: float = float("-inf")
+    lost: int = 0
+
+    def sent(self, nonce: str, at: float, pad_bytes: int) -> None:
+        self.pending[nonce] = (at, pad_bytes)
+        for old, (when, _pad) in list(self.pending.items()):
+            if at - when > PROBE_LOST_S:
+                del self.pending[old]
+                self.lost += 1
+
+    def echoed(self, nonce: str, now: float) -> float | None:
+        """A probe's echo came back: its round trip in s (None: not one of ours, or lost)."""
+        probe = self.pending.pop(nonce, None)
+        if probe is None:
+            return None
+        sent_at, pad = probe
+        rtt = max(0.0, now - sent_at)
+        self.last_echo = now
+        if pad == 0:
+            self.rtt_s = _ewma(self.rtt_s, rtt)
+        elif self.rtt_s is not None:
+            extra = max(rtt - self.rtt_s, pad / 1e9)
+            self.bytes_per_s = max(MIN_BYTES_PER_S, _ewma(self.bytes_per_s, pad / extra))
+        return rtt
+
+    def link(self, now: float) -> Link | None:
+        if self.rtt_s is None or self.bytes_per_s is None or now - self.last_echo > LINK_STALE_S:
+            return None
+        return Link(self.rtt_s, self.bytes_per_s)
+
+
+def _ewma(previous: float | None, sample: float) -> float:
+    return sample if previous is None else previous + PROBE_ALPHA * (sample - previous)
 
 
 def remote_completion_s(offer: Offer, link: Link, image_bytes: int, result_bytes: int) -> float:
