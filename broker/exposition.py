@@ -3,8 +3,8 @@ its edges' telemetry and the policy in force: workers by health state, the worke
 depths, the edges' queued and finished jobs summed by policy zone (per edge they are on
 each edge's own ``/metrics``; thousands of edges would be thousands of series here, and a
 slow scrape on the event loop) and the offload ratio, each pool's predicted demand with the
-age of the telemetry it rests on, when each worker last reported, and the policy's version
-and expiry.
+age of the telemetry it rests on, when each worker last reported, the policy's version
+and expiry, and each sister campus's standing, offered slots and link.
 
 Reads only; it sets gauges and changes nothing of the broker. ``signal_ages`` is plain
 arithmetic over the fleet view, kept apart so the tests and the docs can reason about a
@@ -47,8 +47,13 @@ def refresh(
     demand: tuple[PoolDemand, ...],
     policy: Policy | None,
     now: float,
+    peers: dict[str, tuple[bool, int, float | None]] | None = None,
 ) -> None:
-    """Set every scrape-time gauge of ``m``."""
+    """Set every scrape-time gauge of ``m``; ``peers``: ``Peers.facts()``."""
+    for peer, (in_force, free, rtt) in (peers or {}).items():
+        m.peer_in_force.labels(peer).set(1.0 if in_force else 0.0)
+        m.peer_free_slots.labels(peer).set(free)
+        m.peer_rtt.labels(peer).set(rtt if rtt is not None else math.nan)
     states: Counter[str] = Counter()
     for state in fleet.states():
         view = fleet.view(state.worker_id)

@@ -114,6 +114,31 @@ class BrokerMetrics:
         )
         self.workers = Gauge("sluicegate_workers", "Workers by health state", ["state"], registry=r)
         # What became of placed jobs (this replica's share: sum over replicas for the campus).
+        # Sister campuses (broker.peers): what was refused, and where each peer stands.
+        self.peer_refused = Counter(
+            "sluicegate_peer_refused",
+            "Messages from sister campuses refused, by kind (half, summary, probe) and reason",
+            ["kind", "reason"],
+            registry=r,
+        )
+        self.peer_in_force = Gauge(
+            "sluicegate_peer_agreement_in_force",
+            "1 while the agreement with the peer is in force here, else 0",
+            ["peer"],
+            registry=r,
+        )
+        self.peer_free_slots = Gauge(
+            "sluicegate_peer_offered_free_slots",
+            "Free slots the peer's latest fresh summary offers, over every model (0: stale)",
+            ["peer"],
+            registry=r,
+        )
+        self.peer_rtt = Gauge(
+            "sluicegate_peer_link_rtt_seconds",
+            "Round trip to the peer over the bridge, from probes (NaN: not known)",
+            ["peer"],
+            registry=r,
+        )
         self.worker_losses = Counter(
             "sluicegate_worker_losses",
             "Worker deaths this replica acted on (claimed their jobs in flight), by cause",

@@ -72,6 +72,7 @@ class Peers:
         halves_dir: Path | None,
         clock: Callable[[], float],
         interval_s: float = 1.0,
+        on_refused: Callable[[str, str], None] = lambda _kind, _reason: None,
     ) -> None:
         self._transport = transport
         self._policy = policy
@@ -81,6 +82,7 @@ class Peers:
         self._halves_dir = halves_dir
         self._clock = clock
         self.interval_s = interval_s
+        self._on_refused = on_refused  # (kind, reason): a counter, in the service
         self.book = PeerBook()
         self.offers = PeerOffers()
         self.refused: Counter[str] = Counter()  # malformed messages, by kind
@@ -123,6 +125,7 @@ class Peers:
             probe = parse_probe(msg.payload)
         except WireError as exc:
             self.refused["probe_malformed"] += 1
+            self._on_refused("probe", "malformed")
             log.warning("probe on %s unreadable: %s", msg.topic, exc)
             return
         if probe.kind == "echo":
@@ -131,6 +134,21 @@ class Peers:
         echo = Probe(kind="echo", broker=self._broker_id, nonce=probe.nonce, sent_at=probe.sent_at)
         topic = topics.peer_probe(policy.campus, peer)
         self._transport.publish_nowait(Message(topic, echo.model_dump_json().encode(), qos=0))
+
+    def facts(self) -> dict[str, tuple[bool, int, float | None]]:
+        """Per listed peer: agreement in force, free slots its fresh summary offers, the
+        link's round trip (None: not known). For the metrics and the console."""
+        policy = self._policy()
+        if policy is None:
+            return {}
+        now = self._clock()
+        out: dict[str, tuple[bool, int, float | None]] = {}
+        for peer in sorted(policy.peers):
+            body = self.offers.fresh(peer, now=now)
+            free = sum(o.free_slots for o in body.offers) if body is not None else 0
+            link = self.link(peer)
+            out[peer] = (self.standing(peer).in_force, free, link.rtt_s if link else None)
+        return out
 
     def link(self, peer: str) -> Link | None:
         """The link to ``peer`` as the probes measured it (None: not known, or stale)."""
@@ -144,9 +162,11 @@ class Peers:
                 standing = self.standing(statement.campus)
                 log.info("agreement with %s: %s", statement.campus, standing.reason)
         except AgreementRefused as exc:  # counted by the book
+            self._on_refused("half", exc.reason)
             log.warning("half on %s refused [%s]: %s", msg.topic, exc.reason, exc)
         except PolicyError as exc:
             self.refused["half_malformed"] += 1
+            self._on_refused("half", "malformed")
             log.warning("half on %s unreadable: %s", msg.topic, exc)
 
     def _hear_summary(self, policy: Policy, msg: Message) -> None:
@@ -154,10 +174,12 @@ class Peers:
             signed = parse_summary(msg.payload)
         except WireError as exc:
             self.refused["summary_malformed"] += 1
+            self._on_refused("summary", "malformed")
             log.warning("summary on %s unreadable: %s", msg.topic, exc)
             return
         refusal = self.offers.hear(policy, signed, now=self._clock())
         if refusal is not None:
+            self._on_refused("summary", refusal.code)
             log.warning("summary on %s refused [%s]: %s", msg.topic, refusal.code, refusal.reason)
 
     def standing(self, peer: str) -> Standing:

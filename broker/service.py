@@ -142,6 +142,7 @@ class Broker:
             halves,
             clock,
             interval_s=min(settings.telemetry_interval_s, 1.0),
+            on_refused=lambda kind, reason: self.metrics.peer_refused.labels(kind, reason).inc(),
         )
         self.store = BrokerStore(redis, int(self.params.stale_after_s * 1000))
         self.answers = Answers(

@@ -174,6 +174,7 @@ class HttpView:
             broker.demand(),
             self._feed.current,
             time.time(),
+            broker.peers.facts(),
         )
         return broker.metrics.render()
 

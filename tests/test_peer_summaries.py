@@ -75,6 +75,7 @@ async def test_halves_and_summaries_cross_and_a_withdrawal_stops_the_offers(
     n_transport = MqttTransport(north.campus.mqtt(north.broker), client_id=north.broker)
     s_transport = MqttTransport(south.campus.mqtt(south.broker), client_id=south.broker)
     async with n_transport, s_transport:
+        refused: list[tuple[str, str]] = []
         n_peers = Peers(
             n_transport,
             lambda: north.policy,
@@ -84,6 +85,7 @@ async def test_halves_and_summaries_cross_and_a_withdrawal_stops_the_offers(
             north.campus.root,
             time.time,
             INTERVAL,
+            on_refused=lambda kind, reason: refused.append((kind, reason)),
         )
         s_peers = Peers(
             s_transport,
@@ -120,6 +122,10 @@ async def test_halves_and_summaries_cross_and_a_withdrawal_stops_the_offers(
             assert link is not None
             assert link.rtt_s >= 2 * DELAY_S
             assert link.bytes_per_s > 0
+            in_force, free, rtt = n_peers.facts()[SOUTH]  # what /metrics shows
+            assert (in_force, free) == (True, 4)
+            assert rtt is not None
+            assert rtt >= 2 * DELAY_S
 
             # The link is cut: south's summaries go stale, the pool is no candidate; the
             # link is mended: the bridge comes back, and so do the offers.
@@ -162,6 +168,7 @@ async def test_halves_and_summaries_cross_and_a_withdrawal_stops_the_offers(
                 wait=True,
             )
             await until(lambda: n_peers.offers.refused["bad_signature"] >= 1, "the refusal")
+            assert ("summary", "bad_signature") in refused
             assert isinstance(offer(), Offer)  # the forged one changed nothing
 
             # South's officers withdraw: policy v2 without [peers]. Its next summary says so.
