@@ -6,11 +6,12 @@ It publishes, for each peer the policy lists, this campus's signed half of the a
 retained, again every ``HALF_EVERY_S``) and, every interval, a summary of what the workers
 in the zones the agreement opens can take, signed by this replica's key (retained; a
 receiver keeps it ``ttl_s``). A peer dropped from the policy gets one last summary saying
-no half is in force, so it stops sending within one interval. It hears each peer's half and
-summaries on the peer's tree to this campus: what fails a check is counted by reason and
-logged; the core (``policies.agreement``, ``broker.core.peering``) decides. Each interval it
-also probes the link to each peer (one probe in ``PAD_EVERY`` padded, to time throughput)
-and echoes the peer's probes. Loop thread only.
+no half is in force, so it stops sending within one interval, and the officers' signed
+withdrawal (the same file, signed for the new version), if they made one. It hears each
+peer's half and summaries on the peer's tree to this campus: what fails a check is counted
+by reason and logged; the core (``policies.agreement``, ``broker.core.peering``) decides.
+Each interval it also probes the link to each peer (one probe in ``PAD_EVERY`` padded, to
+time throughput) and echoes the peer's probes. Loop thread only.
 """
 
 from __future__ import annotations
@@ -206,8 +207,10 @@ class Peers:
         if policy is None:
             return
         now = self._clock()
-        for peer in sorted(policy.peers):
-            if now - self._half_sent_at.get(peer, float("-inf")) >= HALF_EVERY_S:
+        dropped = self._offered - set(policy.peers)
+        for peer in sorted(set(policy.peers) | dropped):
+            # A dropped peer's half once, now: the officers' signed withdrawal, if any.
+            if peer in dropped or now - self._half_sent_at.get(peer, -1e18) >= HALF_EVERY_S:
                 self._publish_half(policy, peer, now)
         for peer in sorted(set(policy.peers) | self._offered):
             self._publish_summary(policy, peer, now)

@@ -171,16 +171,26 @@ async def test_halves_and_summaries_cross_and_a_withdrawal_stops_the_offers(
             assert ("summary", "bad_signature") in refused
             assert isinstance(offer(), Offer)  # the forged one changed nothing
 
-            # South's officers withdraw: policy v2 without [peers]. Its next summary says so.
+            # South's officers withdraw: policy v2 without [peers], and its half signed for
+            # v2 (a withdrawal). Its next summary says so, and its withdrawal follows.
             doc = site_doc(SOUTH, NORTH, send={}, receive=PARTS_TERMS, version=2)
             doc["peers"] = {}
-            south_policy[0] = policy_of(doc)
+            withdrawn_policy = policy_of(doc)
+            sign_half(south, withdrawn_policy, NORTH, ("officer-dan", "officer-erin"))
+            south_policy[0] = withdrawn_policy
 
-            def withdrawn() -> bool:
-                got = offer()
-                return isinstance(got, SummaryRefused) and got.code == "withdrawn"
+            def refused_now() -> bool:
+                return isinstance(offer(), SummaryRefused)
 
-            await until(withdrawn, "the withdrawal at north")
+            # Whichever comes first, the summary or the half, the offers stop.
+            await until(refused_now, "the withdrawal at north")
+            first = offer()
+            assert isinstance(first, SummaryRefused)
+            assert first.code in ("withdrawn", "no_agreement"), first.reason
+            await until(
+                lambda: n_peers.standing(SOUTH).code == "withdrawn", "south's signed withdrawal"
+            )
+            assert n_peers.standing(SOUTH).version == 2
         finally:
             for task in tasks:
                 task.cancel()
