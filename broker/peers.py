@@ -125,9 +125,7 @@ class Peers:
         try:
             probe = parse_probe(msg.payload)
         except WireError as exc:
-            self.refused["probe_malformed"] += 1
-            self._on_refused("probe", "malformed")
-            log.warning("probe on %s unreadable: %s", msg.topic, exc)
+            self._malformed("probe", msg.topic, exc)
             return
         if probe.kind == "echo":
             self.meters.setdefault(peer, LinkMeter()).echoed(probe.nonce, self._clock())
@@ -166,17 +164,18 @@ class Peers:
             self._on_refused("half", exc.reason)
             log.warning("half on %s refused [%s]: %s", msg.topic, exc.reason, exc)
         except PolicyError as exc:
-            self.refused["half_malformed"] += 1
-            self._on_refused("half", "malformed")
-            log.warning("half on %s unreadable: %s", msg.topic, exc)
+            self._malformed("half", msg.topic, exc)
+
+    def _malformed(self, kind: str, topic: str, exc: Exception) -> None:
+        self.refused[f"{kind}_malformed"] += 1
+        self._on_refused(kind, "malformed")
+        log.warning("%s on %s unreadable: %s", kind, topic, exc)
 
     def _hear_summary(self, policy: Policy, msg: Message) -> None:
         try:
             signed = parse_summary(msg.payload)
         except WireError as exc:
-            self.refused["summary_malformed"] += 1
-            self._on_refused("summary", "malformed")
-            log.warning("summary on %s unreadable: %s", msg.topic, exc)
+            self._malformed("summary", msg.topic, exc)
             return
         refusal = self.offers.hear(policy, signed, now=self._clock())
         if refusal is not None:

@@ -19,7 +19,7 @@ and the nonce cannot be guessed, so an echo needs no signature.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -86,15 +86,22 @@ def sign_summary(body: SummaryBody, key: SigningKey) -> bytes:
     return canonical_json(signed.model_dump(mode="json"))
 
 
-def parse_summary(data: bytes) -> SignedSummary:
-    """A published summary, or WireError naming what is wrong (the signature is the
-    receiver's to check: it alone knows the keys)."""
+M = TypeVar("M", bound=BaseModel)
+
+
+def _parse(model: type[M], data: bytes, what: str) -> M:
     try:
-        return SignedSummary.model_validate_json(data)
+        return model.model_validate_json(data)
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         where = ".".join(str(p) for p in first["loc"]) or "the document"
-        raise WireError(f"peer summary: {where}: {first['msg']}") from exc
+        raise WireError(f"{what}: {where}: {first['msg']}") from exc
+
+
+def parse_summary(data: bytes) -> SignedSummary:
+    """A published summary, or WireError naming what is wrong (the signature is the
+    receiver's to check: it alone knows the keys)."""
+    return _parse(SignedSummary, data, "peer summary")
 
 
 MAX_PAD = 1 << 20
@@ -111,9 +118,4 @@ class Probe(_Wire):
 
 
 def parse_probe(data: bytes) -> Probe:
-    try:
-        return Probe.model_validate_json(data)
-    except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        where = ".".join(str(p) for p in first["loc"]) or "the document"
-        raise WireError(f"peer probe: {where}: {first['msg']}") from exc
+    return _parse(Probe, data, "peer probe")

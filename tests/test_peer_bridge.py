@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.reasoncodes import ReasonCode
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from sluicegate import topics
 from sluicegate.acl import render_acl
@@ -186,81 +186,39 @@ def test_the_bridge_stanza_names_only_the_pair_s_trees(tmp_path: Path) -> None:
     assert f"bridge_cafile {tls.cafile}" in lines
 
 
+def sg(*args: object) -> Result:
+    """A ``sluicegate`` command, its arguments as text."""
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def ca_issue_bridge(site: Site, node: str, state_dir: Path) -> Result:
+    """``sluicegate ca issue --role bridge`` on ``site``'s CA."""
+    ca = ("--ca-dir", site.campus.root, "--state-dir", state_dir)
+    return sg("ca", "issue", *ca, "--node", node, "--role", "bridge")
+
+
 def test_bridge_commands_name_what_is_wrong(tmp_path: Path) -> None:
     site = write_site(tmp_path / "north", NORTH, SOUTH, send=PARTS_TERMS, receive={})
-    runner = CliRunner()
-    wrong_node = runner.invoke(
-        app,
-        [
-            "ca",
-            "issue",
-            "--ca-dir",
-            str(site.campus.root),
-            "--state-dir",
-            str(tmp_path),
-            "--node",
-            "south-bridge",
-            "--role",
-            "bridge",
-        ],
-    )
+    wrong_node = ca_issue_bridge(site, "south-bridge", tmp_path)
     assert wrong_node.exit_code != 0
     assert "'peer.<its campus id>' with --role bridge" in wrong_node.output
-    files = {name: site.campus.root / name for name in ("ca.pem", f"{site.broker}.pem")}
-    unknown_peer = runner.invoke(
-        app,
-        [
-            "mosquitto",
-            "bridge",
-            "--policy",
-            str(site.campus.policy_file),
-            "--peer",
-            "west-site",
-            "--address",
-            "127.0.0.1:8883",
-            "--peer-ca",
-            str(files["ca.pem"]),
-            "--cert",
-            str(files[f"{site.broker}.pem"]),
-            "--key",
-            str(site.campus.key_files[site.broker]),
-        ],
+    files = (
+        ("--peer-ca", site.campus.ca_file),
+        ("--cert", site.campus.cert_file(site.broker)),
+        ("--key", site.campus.key_files[site.broker]),
     )
+    where = ("--policy", site.campus.policy_file, "--address", "127.0.0.1:8883")
+    unknown_peer = sg("mosquitto", "bridge", *where, "--peer", "west-site", *sum(files, ()))
     assert unknown_peer.exit_code == 2
     assert "'west-site': policy v1 does not list it ([peers]: south-site)" in unknown_peer.output
 
 
 def test_enroll_list_says_whose_bridge_an_identity_is(tmp_path: Path) -> None:
     site = write_site(tmp_path / "south", SOUTH, NORTH, send={}, receive=PARTS_TERMS)
-    runner = CliRunner()
     for node in (topics.peer_bridge_identity(NORTH), topics.peer_bridge_identity("west-site")):
-        issued = runner.invoke(
-            app,
-            [
-                "ca",
-                "issue",
-                "--ca-dir",
-                str(site.campus.root),
-                "--state-dir",
-                str(tmp_path / node),
-                "--node",
-                node,
-                "--role",
-                "bridge",
-            ],
-        )
+        issued = ca_issue_bridge(site, node, tmp_path / node)
         assert issued.exit_code == 0, issued.output
-    listed = runner.invoke(
-        app,
-        [
-            "enroll",
-            "list",
-            "--ca-dir",
-            str(site.campus.root),
-            "--policy",
-            str(site.campus.policy_file),
-        ],
-    )
+    listed = sg("enroll", "list", "--ca-dir", site.campus.root, "--policy", site.campus.policy_file)
     assert listed.exit_code == 0, listed.output
     assert "sister campus 'north-site', which [peers] lists" in listed.output
     assert "'west-site', which [peers] does not list: it may do nothing" in listed.output
