@@ -317,7 +317,9 @@ def _zone_of(policy: Policy, name: str) -> str:
 def explain_command(
     policy_file: PolicyArg,
     data_class: Annotated[str, typer.Argument(help="Data class, e.g. wafer-image.")],
-    origin: Annotated[str, typer.Argument(help="Origin zone.")],
+    origin: Annotated[
+        str, typer.Argument(help="Origin zone (peer:<campus> for a sister campus's job).")
+    ],
     target: Annotated[str, typer.Argument(help="Target zone or worker id.")],
 ) -> None:
     """Say in words whether a class may go from one zone to another, and why (exit 1: no)."""

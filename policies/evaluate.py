@@ -1,16 +1,26 @@
 """Evaluation: may data class D from zone O be processed in zone T, and why.
 
 Deny rules are checked first and a matching deny always wins; then allow rules; anything no
-allow rule matches is denied, and so is every unknown data class or zone. Verdicts are
+allow rule matches is denied, and so is every unknown data class or zone. A job from a
+sister campus has the origin ``peer:<campus>`` (no zone of ours can be spelled so): what the
+agreement's ``receive`` terms list (class and zone) is allowed, unless a deny rule of the
+class without an origin (one for every origin) matches the zone; nothing else is. Verdicts are
 memoised per (class, origin, target) in the policy's bounded cache, so a repeated query is a
 dict lookup. Pure: no I/O, no clock, no mutation except that cache.
 """
 
 from __future__ import annotations
 
-from policies.model import Policy, Rule, Verdict
+from policies.model import EVERYWHERE, Policy, Rule, Verdict
 
 VERDICT_CACHE_LIMIT = 65_536
+
+
+PEER_ORIGIN = "peer:"  # the origin of a job a sister campus asks this one to run
+
+
+def peer_origin(campus: str) -> str:
+    return PEER_ORIGIN + campus
 
 
 def decide(policy: Policy, data_class: str, origin_zone: str, target_zone: str) -> Verdict:
@@ -18,6 +28,8 @@ def decide(policy: Policy, data_class: str, origin_zone: str, target_zone: str) 
     cls = policy.classes.get(data_class)
     if cls is None:
         return Verdict(False, "unknown-class", data_class, origin_zone, target_zone)
+    if origin_zone.startswith(PEER_ORIGIN):
+        return _from_peer(policy, data_class, origin_zone, target_zone)
     origin = policy.zone_segments.get(origin_zone)
     if origin is None:
         return Verdict(False, "unknown-origin", data_class, origin_zone, target_zone)
@@ -31,6 +43,22 @@ def decide(policy: Policy, data_class: str, origin_zone: str, target_zone: str) 
         if rule.matches(origin, target):
             return Verdict(True, "allow-rule", data_class, origin_zone, target_zone, rule)
     return Verdict(False, "default-deny", data_class, origin_zone, target_zone)
+
+
+def _from_peer(policy: Policy, data_class: str, origin_zone: str, target_zone: str) -> Verdict:
+    entry = policy.peers.get(origin_zone.removeprefix(PEER_ORIGIN))
+    if entry is None:
+        return Verdict(False, "unknown-origin", data_class, origin_zone, target_zone)
+    target = policy.zone_segments.get(target_zone)
+    if target is None:
+        return Verdict(False, "unknown-target", data_class, origin_zone, target_zone)
+    for rule in policy.classes[data_class].deny:
+        if rule.origin == EVERYWHERE and rule.target.matches(target):
+            return Verdict(False, "deny-rule", data_class, origin_zone, target_zone, rule)
+    terms = entry.receive
+    if data_class in terms.classes and target_zone in terms.zones:
+        return Verdict(True, "peer-agreement", data_class, origin_zone, target_zone)
+    return Verdict(False, "peer-not-agreed", data_class, origin_zone, target_zone)
 
 
 def allowed(policy: Policy, data_class: str, origin_zone: str, target_zone: str) -> Verdict:
@@ -73,8 +101,14 @@ def explain(policy: Policy, data_class: str, origin_zone: str, target_zone: str)
     if cls is None:
         known = ", ".join(sorted(policy.classes))
         lines.append(f"Data class {data_class!r} is not in the policy; known: {known}.")
+    if origin_zone.startswith(PEER_ORIGIN):
+        lines.append(
+            f"The job comes from sister campus {origin_zone.removeprefix(PEER_ORIGIN)!r}: "
+            "what [peers] receive terms list is allowed, unless a deny rule for every origin "
+            "matches the zone."
+        )
     for zone in (origin_zone, target_zone):
-        if zone not in policy.zone_segments:
+        if zone not in policy.zone_segments and not zone.startswith(PEER_ORIGIN):
             lines.append(f"Zone {zone!r} is not declared in the policy; unknown zones are denied.")
     if verdict.decision in ("deny-rule", "allow-rule", "default-deny") and cls is not None:
         origin = policy.zone_segments[origin_zone]

@@ -171,6 +171,8 @@ class Verdict:
         "unknown-class",
         "unknown-origin",
         "unknown-target",
+        "peer-agreement",
+        "peer-not-agreed",
     ]
     data_class: str
     origin: str
@@ -187,6 +189,10 @@ class Verdict:
             return f"{what} denied: no allow rule of the class matches (default deny)"
         if self.decision == "unknown-class":
             return f"{what} denied: unknown data class {self.data_class!r}"
+        if self.decision == "peer-agreement":
+            return f"{what} allowed by the agreement with that campus (its receive terms)"
+        if self.decision == "peer-not-agreed":
+            return f"{what} denied: the agreement with that campus does not list it"
         if self.decision == "unknown-origin":
             return f"{what} denied: unknown origin zone {self.origin!r}"
         return f"{what} denied: unknown target zone {self.target!r}"

@@ -6,21 +6,27 @@ from __future__ import annotations
 
 import pytest
 
+from broker.core.decision import Placed, Refused
 from broker.core.peering import (
     Capacity,
     Link,
     LinkMeter,
+    PeerLimits,
     PeerOffers,
-    SummaryRefused,
+    PeerRefused,
     capacities_of,
     offers_of,
     remote_completion_s,
 )
+from broker.core.placement import decide
+from broker.core.reference import decide_reference
 from policies.agreement import Standing, judge, statement_for
+from policies.evaluate import allowed, peer_origin
 from sluicegate.errors import WireError
 from sluicegate.wire_peer import Offer, SummaryBody, parse_probe, parse_summary, sign_summary
 from tests.policies.policy_testkit import PARTS_TERMS, SITE_ZONES, key, policy_of, site_doc
-from tests.test_broker_core_kit import caps, fleet_with
+from tests.test_broker_core_kit import NOW as NOW_KIT
+from tests.test_broker_core_kit import PARAMS, caps, fleet_with, request
 
 NOW = 1_780_000_000.0
 NORTH = policy_of(site_doc("north-site", "south-site", send=PARTS_TERMS, receive={}))
@@ -117,7 +123,7 @@ def test_a_summary_that_fails_a_check_is_refused_counted_and_not_kept(
 ) -> None:
     book = PeerOffers()
     refusal = book.hear(NORTH, parse_summary(heard(summary, signer)), now=now)
-    assert isinstance(refusal, SummaryRefused)
+    assert isinstance(refusal, PeerRefused)
     assert refusal.code == code, refusal.reason
     assert book.refused == {code: 1}
     assert book.latest == {}
@@ -148,7 +154,7 @@ def test_a_malformed_summary_is_a_wire_error_naming_the_field() -> None:
         parse_summary(b"{not json")
 
 
-def _candidate(book: PeerOffers, standing: Standing, **kw: object) -> Offer | SummaryRefused:
+def _candidate(book: PeerOffers, standing: Standing, **kw: object) -> Offer | PeerRefused:
     args: dict[str, object] = {"model": "ocr-rec", "data_class": "ocr-crop", "now": NOW + 1.0}
     args.update(kw)
     return book.candidate(NORTH, "south-site", standing, **args)  # type: ignore[arg-type]
@@ -159,13 +165,13 @@ def test_a_peer_pool_is_a_candidate_only_for_listed_classes_fresh_offers_and_fre
     book.hear(NORTH, parse_summary(heard(body())), now=NOW)
     standing = in_force()
     wafer = _candidate(book, standing, data_class="wafer-image")
-    assert isinstance(wafer, SummaryRefused)
+    assert isinstance(wafer, PeerRefused)
     assert (wafer.code, "lists ocr-crop" in wafer.reason) == ("class_not_listed", True)
     full = _candidate(book, standing, model="surface-det")
-    assert isinstance(full, SummaryRefused)
+    assert isinstance(full, PeerRefused)
     assert full.code == "no_capacity"
     stale = _candidate(book, standing, now=NOW + 3.0)
-    assert isinstance(stale, SummaryRefused)
+    assert isinstance(stale, PeerRefused)
     assert stale.code == "stale"
 
 
@@ -179,7 +185,7 @@ def test_a_peer_that_withdrew_gets_no_work_from_its_next_summary() -> None:
         NORTH, parse_summary(heard(body(seq=2, at=NOW + 1.0, agreement_version=0))), now=NOW + 1.0
     )
     withdrawn = _candidate(book, standing, now=NOW + 1.2)
-    assert isinstance(withdrawn, SummaryRefused)
+    assert isinstance(withdrawn, PeerRefused)
     assert withdrawn.code == "withdrawn"
 
 
@@ -188,7 +194,7 @@ def test_no_agreement_no_candidate() -> None:
     book.hear(NORTH, parse_summary(heard(body())), now=NOW)
     none = judge(NORTH, "south-site", None, now=NOW)
     refusal = _candidate(book, none)
-    assert isinstance(refusal, SummaryRefused)
+    assert isinstance(refusal, PeerRefused)
     assert refusal.code == "no_agreement"
 
 
@@ -253,3 +259,88 @@ def test_a_probe_never_echoed_is_counted_lost() -> None:
 def test_a_malformed_probe_is_a_wire_error() -> None:
     with pytest.raises(WireError, match="nonce"):
         parse_probe(b'{"kind": "probe", "broker": "b", "nonce": "xyz", "sent_at": 1.0}')
+
+
+# -- a sister campus's job, decided inside this campus's own policy -------------------------
+
+FROM_NORTH = peer_origin("north-site")
+SOUTH_DC = SITE_ZONES["south-site"]
+
+
+@pytest.mark.parametrize(
+    ("data_class", "zone", "decision"),
+    [
+        ("ocr-crop", SOUTH_DC, "peer-agreement"),  # listed class, listed zone
+        ("ocr-crop", "campus/fab-south/dc", "peer-not-agreed"),  # a zone the terms do not open
+        ("wafer-image", SOUTH_DC, "peer-not-agreed"),  # a class the terms do not list
+        ("no-such-class", SOUTH_DC, "unknown-class"),
+        ("ocr-crop", "campus/nowhere", "unknown-target"),
+    ],
+)
+def test_a_peers_job_may_go_where_our_receive_terms_say(
+    data_class: str, zone: str, decision: str
+) -> None:
+    verdict = allowed(SOUTH, data_class, FROM_NORTH, zone)
+    assert (verdict.allowed, verdict.decision) == (decision == "peer-agreement", decision)
+
+
+def test_an_unlisted_campus_is_an_unknown_origin_and_a_deny_for_every_origin_wins() -> None:
+    assert allowed(SOUTH, "ocr-crop", peer_origin("west-site"), SOUTH_DC).decision == (
+        "unknown-origin"
+    )
+    doc = site_doc("south-site", "north-site", send={}, receive=PARTS_TERMS)
+    doc["classes"]["ocr-crop"]["deny"] = [SOUTH_DC, "campus/fab-north/** -> campus/**"]
+    strict = policy_of(doc)
+    verdict = allowed(strict, "ocr-crop", FROM_NORTH, SOUTH_DC)
+    assert (verdict.allowed, verdict.decision) == (False, "deny-rule")
+    doc["classes"]["ocr-crop"]["deny"] = ["campus/fab-north/** -> campus/**"]  # ours only
+    assert allowed(policy_of(doc), "ocr-crop", FROM_NORTH, SOUTH_DC).allowed
+
+
+def test_the_placement_core_places_a_peers_job_only_on_workers_the_terms_open() -> None:
+    fleet = fleet_with(
+        SOUTH,
+        [
+            (
+                caps("south-site-gpu-1", SOUTH_DC, models=("ocr-rec",)),
+                {"service_ms": {"ocr-rec": 6.0}, "capacity": 4},
+            ),
+            (
+                caps("south-npu-1", "campus/fab-south/dc", models=("ocr-rec",)),
+                {"service_ms": {"ocr-rec": 1.0}, "capacity": 16},  # faster, not opened
+            ),
+        ],
+    )
+    job = request(origin_zone=FROM_NORTH, model="ocr-rec", data_class="ocr-crop")
+    got = decide(fleet, job, SOUTH, now=NOW_KIT, params=PARAMS)
+    assert got == decide_reference(fleet, job, SOUTH, now=NOW_KIT, params=PARAMS)
+    assert isinstance(got, Placed), got
+    assert got.worker_id == "south-site-gpu-1"
+    wafer = decide(
+        fleet,
+        request(origin_zone=FROM_NORTH, model="ocr-rec", data_class="wafer-image"),
+        SOUTH,
+        now=NOW_KIT,
+        params=PARAMS,
+    )
+    assert isinstance(wafer, Refused)
+    assert "agreement with that campus does not list it" in wafer.reason
+
+
+def test_a_peer_may_send_no_more_than_the_receive_limits() -> None:
+    limits = PeerLimits()  # PARTS_TERMS: 50 jobs/s, 2e7 bytes/s
+    taken = [limits.admit(SOUTH, "north-site", 100_000, NOW) for _ in range(60)]
+    assert taken[:50] == [None] * 50
+    over = taken[50]
+    assert over is not None
+    assert (over.code, "50 jobs/s" in over.reason) == ("peer_rate_limit", True)
+    assert limits.admit(SOUTH, "north-site", 100_000, NOW + 0.1) is None  # 5 tokens back
+    huge = limits.admit(SOUTH, "north-site", 30_000_000, NOW + 5.0)
+    assert huge is not None
+    assert huge.code == "peer_bytes_limit"
+    closed = limits.admit(NORTH, "south-site", 1, NOW)  # north receives nothing from south
+    assert closed is not None
+    assert closed.code == "peer_rate_limit"
+    stranger = limits.admit(SOUTH, "west-site", 1, NOW)
+    assert stranger is not None
+    assert stranger.code == "no_agreement"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from broker.core.fleet import Fleet
-from broker.core.peering import SummaryRefused
+from broker.core.peering import PeerRefused
 from broker.peers import Peers, half_file
 from policies.agreement import statement_for
 from policies.model import Policy
@@ -100,7 +100,7 @@ async def test_halves_and_summaries_cross_and_a_withdrawal_stops_the_offers(
         tasks = [asyncio.create_task(p.run()) for p in (n_peers, s_peers)]
         try:
 
-            def offer() -> Offer | SummaryRefused:
+            def offer() -> Offer | PeerRefused:
                 return n_peers.offers.candidate(
                     north.policy,
                     SOUTH,
@@ -134,7 +134,7 @@ async def test_halves_and_summaries_cross_and_a_withdrawal_stops_the_offers(
 
             def stale() -> bool:
                 got = offer()
-                return isinstance(got, SummaryRefused) and got.code == "stale"
+                return isinstance(got, PeerRefused) and got.code == "stale"
 
             await until(stale, "south's offer going stale at north")
             north.relay.mend()
@@ -147,7 +147,7 @@ async def test_halves_and_summaries_cross_and_a_withdrawal_stops_the_offers(
                 data_class="wafer-image",
                 now=time.time(),
             )
-            assert isinstance(wafer, SummaryRefused)
+            assert isinstance(wafer, PeerRefused)
             assert wafer.code == "class_not_listed"
 
             # A summary signed by a key north's entry does not pin, on south's tree to north
@@ -180,12 +180,12 @@ async def test_halves_and_summaries_cross_and_a_withdrawal_stops_the_offers(
             south_policy[0] = withdrawn_policy
 
             def refused_now() -> bool:
-                return isinstance(offer(), SummaryRefused)
+                return isinstance(offer(), PeerRefused)
 
             # Whichever comes first, the summary or the half, the offers stop.
             await until(refused_now, "the withdrawal at north")
             first = offer()
-            assert isinstance(first, SummaryRefused)
+            assert isinstance(first, PeerRefused)
             assert first.code in ("withdrawn", "no_agreement"), first.reason
             await until(
                 lambda: n_peers.standing(SOUTH).code == "withdrawn", "south's signed withdrawal"

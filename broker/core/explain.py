@@ -144,6 +144,14 @@ def _slower(request: PlacementRequest, best: Candidate, now: float) -> str:
     )
 
 
+def _why(verdict: Verdict) -> str:
+    if verdict.rule is not None:
+        return str(verdict.rule)
+    if verdict.decision == "peer-not-agreed":
+        return "the agreement with that campus does not list it"
+    return "no allow rule matches"
+
+
 def _denied(
     request: PlacementRequest, policy: Policy, denied: Sequence[Verdict], allowed: Sequence[str]
 ) -> str:
@@ -160,7 +168,7 @@ def _denied(
             f"v{policy.version}, so its data may go nowhere"
         )
     zones = [v.target for v in denied]
-    rules = sorted({str(v.rule) if v.rule else "no allow rule matches" for v in denied})
+    rules = sorted({_why(v) for v in denied})
     may = f"it may go to {_names(list(allowed))}" if allowed else "it may go to no zone"
     return (
         f"policy v{policy.version} keeps data class {request.data_class!r} from "

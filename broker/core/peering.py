@@ -124,9 +124,63 @@ def offers_of(capacities: list[Capacity], device_second: float) -> tuple[Offer, 
 
 
 @dataclass(frozen=True, slots=True)
-class SummaryRefused:
+class PeerRefused:
+    """Why a peer's summary was not kept, its pool is no candidate, or its job not taken."""
+
     code: str
     reason: str
+
+
+@dataclass
+class Bucket:
+    """A token bucket: ``rate`` a second, up to one second's worth held."""
+
+    rate: float
+    tokens: float
+    at: float
+
+    def take(self, amount: float, now: float) -> bool:
+        self.tokens = min(self.rate, self.tokens + max(0.0, now - self.at) * self.rate)
+        self.at = now
+        if amount > self.tokens:
+            return False
+        self.tokens -= amount
+        return True
+
+
+@dataclass
+class PeerLimits:
+    """What each peer may still send this campus: the agreement's ``receive`` limits (jobs
+    and bytes a second) as token buckets holding one second's worth. A job refused here is
+    the peer's to place elsewhere or run at home; the refusal says which limit."""
+
+    jobs: dict[str, Bucket] = field(default_factory=dict)
+    volume: dict[str, Bucket] = field(default_factory=dict)
+
+    def admit(self, ours: Policy, peer: str, payload_bytes: int, now: float) -> PeerRefused | None:
+        entry = ours.peers.get(peer)
+        if entry is None:
+            return PeerRefused("no_agreement", f"policy v{ours.version} does not list {peer!r}")
+        terms = entry.receive
+        jobs = _bucket(self.jobs, peer, terms.max_jobs_per_s, now)
+        volume = _bucket(self.volume, peer, terms.max_bytes_per_s, now)
+        if not jobs.take(0.0, now) or jobs.tokens < 1.0:
+            return PeerRefused(
+                "peer_rate_limit", f"{peer!r} may send {terms.max_jobs_per_s:g} jobs/s here"
+            )
+        if not volume.take(payload_bytes, now):
+            return PeerRefused(
+                "peer_bytes_limit", f"{peer!r} may send {terms.max_bytes_per_s:g} bytes/s here"
+            )
+        jobs.take(1.0, now)
+        return None
+
+
+def _bucket(buckets: dict[str, Bucket], peer: str, rate: float, now: float) -> Bucket:
+    bucket = buckets.get(peer)
+    if bucket is None or bucket.rate != rate:
+        bucket = buckets[peer] = Bucket(rate, rate, now)
+    return bucket
 
 
 @dataclass
@@ -138,7 +192,7 @@ class PeerOffers:
     seqs: dict[tuple[str, str], int] = field(default_factory=dict)
     refused: Counter[str] = field(default_factory=Counter)
 
-    def hear(self, ours: Policy, signed: SignedSummary, *, now: float) -> SummaryRefused | None:
+    def hear(self, ours: Policy, signed: SignedSummary, *, now: float) -> PeerRefused | None:
         """Keep ``signed`` if it passes every check; else the refusal, counted."""
         refusal = _check(ours, signed, now, self.seqs)
         if refusal is not None:
@@ -164,58 +218,58 @@ class PeerOffers:
         model: str,
         data_class: str,
         now: float,
-    ) -> Offer | SummaryRefused:
+    ) -> Offer | PeerRefused:
         """The best offer of ``peer`` for ``model``, or why its pool is not a candidate."""
         entry = ours.peers.get(peer)
         if entry is None or not standing.in_force:
-            return SummaryRefused("no_agreement", standing.reason)
+            return PeerRefused("no_agreement", standing.reason)
         if data_class not in entry.send.classes:
             listed = ", ".join(sorted(entry.send.classes)) or "none"
-            return SummaryRefused(
+            return PeerRefused(
                 "class_not_listed",
                 f"class {data_class!r} may not go to {peer!r} (the agreement lists {listed})",
             )
         body = self.fresh(peer, now=now)
         if body is None:
-            return SummaryRefused("stale", f"no fresh summary from {peer!r}")
+            return PeerRefused("stale", f"no fresh summary from {peer!r}")
         if body.agreement_version != standing.version:
-            return SummaryRefused(
+            return PeerRefused(
                 "withdrawn",
                 f"{peer!r} says v{body.agreement_version} of its half is in force, "
                 f"v{standing.version} is held here",
             )
         offers = [o for o in body.offers if o.model == model and o.free_slots > 0]
         if not offers:
-            return SummaryRefused("no_capacity", f"{peer!r} offers no free slot for {model!r}")
+            return PeerRefused("no_capacity", f"{peer!r} offers no free slot for {model!r}")
         return max(offers, key=lambda o: (o.score, o.free_slots, o.device_class))
 
 
 def _check(
     ours: Policy, signed: SignedSummary, now: float, seqs: dict[tuple[str, str], int]
-) -> SummaryRefused | None:
+) -> PeerRefused | None:
     body = signed.body
     entry = ours.peers.get(body.campus)
     if body.peer != ours.campus or entry is None:
-        return SummaryRefused(
+        return PeerRefused(
             "wrong_parties",
             f"a summary from {body.campus!r} to {body.peer!r}; this is {ours.campus!r}, "
             f"whose peers are {', '.join(sorted(ours.peers)) or 'none'}",
         )
     public = entry.brokers.get(body.broker)
     if public is None:
-        return SummaryRefused(
+        return PeerRefused(
             "unknown_broker",
             f"signed by {body.broker!r}, not a replica [peers.{body.campus}] pins",
         )
     if not signed.verifies(public):
-        return SummaryRefused("bad_signature", f"{body.broker!r}'s signature does not verify")
+        return PeerRefused("bad_signature", f"{body.broker!r}'s signature does not verify")
     last = seqs.get((body.campus, body.broker), 0)
     if body.seq <= last:
-        return SummaryRefused("replayed", f"seq {body.seq} of {body.broker!r}, {last} held")
+        return PeerRefused("replayed", f"seq {body.seq} of {body.broker!r}, {last} held")
     if body.at > now + MAX_AHEAD_S:
-        return SummaryRefused("from_the_future", f"dated {body.at - now:.1f} s ahead of this clock")
+        return PeerRefused("from_the_future", f"dated {body.at - now:.1f} s ahead of this clock")
     if now >= body.at + body.ttl_s:
-        return SummaryRefused("stale", f"{now - body.at:.1f} s old, valid {body.ttl_s:g} s")
+        return PeerRefused("stale", f"{now - body.at:.1f} s old, valid {body.ttl_s:g} s")
     return None
 
 
