@@ -190,8 +190,8 @@ def offload_part(
                 )
                 elapsed = drivers[arm].wait(job.encode())
                 doc = json.loads(drivers[arm].done[job.encode()][1])
-                if doc["status"] != "ok":
-                    raise SystemExit(f"job {job} failed: {doc}")
+                if doc["status"] != "ok" and i >= warmup:  # a warm-up job only warms: on
+                    raise SystemExit(f"job {job} failed: {doc}")  # a loaded machine it may expire
                 node = doc["ran_on"]["node"]
                 where[arm][node] = where[arm].get(node, 0) + 1
                 if i >= warmup:
