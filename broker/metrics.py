@@ -117,7 +117,7 @@ class BrokerMetrics:
         # Sister campuses (broker.peers): what was refused, and where each peer stands.
         self.peer_refused = Counter(
             "sluicegate_peer_refused",
-            "Messages from sister campuses refused, by kind (half, summary, probe) and reason",
+            "Messages from sister campuses refused, by kind (half, summary, probe, ask) and reason",
             ["kind", "reason"],
             registry=r,
         )

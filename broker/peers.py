@@ -11,7 +11,11 @@ withdrawal (the same file, signed for the new version), if they made one. It hea
 peer's half and summaries on the peer's tree to this campus: what fails a check is counted
 by reason and logged; the core (``policies.agreement``, ``broker.core.peering``) decides.
 Each interval it also probes the link to each peer (one probe in ``PAD_EVERY`` padded, to
-time throughput) and echoes the peer's probes. Loop thread only.
+time throughput) and echoes the peer's probes. A peer broker's ask for a placement is taken
+only while the agreement is in force and the peer within its ``receive`` limits, with the
+peer as its origin (``peer:<campus>``), then decided, reserved, signed and answered by the
+production path like an edge's request, the answer on the peer's ``answers`` topic. Loop
+thread only.
 """
 
 from __future__ import annotations
@@ -19,12 +23,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from broker.core.fleet import Fleet
-from broker.core.peering import Link, LinkMeter, PeerOffers, capacities_of, offers_of
+from broker.core.peering import (
+    Link,
+    LinkMeter,
+    PeerLimits,
+    PeerOffers,
+    capacities_of,
+    offers_of,
+)
+from broker.waiting_room import Pending
 from policies.agreement import (
     PeerBook,
     Standing,
@@ -33,6 +48,7 @@ from policies.agreement import (
     parse_statement,
 )
 from policies.errors import AgreementRefused, PolicyError
+from policies.evaluate import peer_origin
 from policies.keys import SigningKey
 from policies.model import Policy
 from sluicegate import topics
@@ -46,6 +62,7 @@ from sluicegate.wire_peer import (
     parse_summary,
     sign_summary,
 )
+from sluicegate.wire_pool import PlacementReply, PlacementRequest
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +91,8 @@ class Peers:
         clock: Callable[[], float],
         interval_s: float = 1.0,
         on_refused: Callable[[str, str], None] = lambda _kind, _reason: None,
+        place: Callable[[Pending], None] | None = None,
+        refuse: Callable[[Pending, str, str], None] | None = None,
     ) -> None:
         self._transport = transport
         self._policy = policy
@@ -84,6 +103,11 @@ class Peers:
         self._clock = clock
         self.interval_s = interval_s
         self._on_refused = on_refused  # (kind, reason): a counter, in the service
+        # A peer's ask goes to the production placement path (the service's inbox), or is
+        # refused there (answered and audited like an edge's); without them, never taken.
+        self._place = place
+        self._refuse = refuse
+        self.limits = PeerLimits()
         self.book = PeerBook()
         self.offers = PeerOffers()
         self.refused: Counter[str] = Counter()  # malformed messages, by kind
@@ -117,6 +141,39 @@ class Peers:
             self._hear_summary(policy, msg)
         elif msg.topic.endswith("/probe"):
             self._hear_probe(policy, msg)
+        elif msg.topic.endswith("/asks"):
+            self._hear_ask(policy, msg)
+
+    def _hear_ask(self, policy: Policy, msg: Message) -> None:
+        """A peer's broker asks for a placement: its origin is the peer (the bridge wrote
+        the topic), the agreement must be in force and the peer within its limits; then
+        the production path decides, inside this campus's policy, and answers the peer."""
+        peer = msg.topic.split("/")[-3]  # sluicegate/v1/peer/<peer>/<us>/asks
+        answers = topics.peer_answers(policy.campus, peer)
+        if peer not in policy.peers or self._place is None or self._refuse is None:
+            return
+        try:
+            request = PlacementRequest.model_validate_json(msg.payload)
+        except ValidationError as exc:
+            self._malformed("ask", msg.topic, exc)
+            bad = PlacementReply(
+                job_id="?", status="refused", code="bad_request", reason=f"{exc}"[:500]
+            )
+            self._transport.publish_nowait(Message(answers, bad.model_dump_json().encode(), qos=1))
+            return
+        request = request.model_copy(update={"origin_zone": peer_origin(peer)})
+        item = Pending(request, answers, None, time.perf_counter())
+        standing = self.standing(peer)
+        if not standing.in_force:
+            self._on_refused("ask", "no_agreement")
+            self._refuse(item, "no_agreement", standing.reason)
+            return
+        limited = self.limits.admit(policy, peer, request.payload_bytes, self._clock())
+        if limited is not None:
+            self._on_refused("ask", limited.code)
+            self._refuse(item, limited.code, limited.reason)
+            return
+        self._place(item)
 
     def _hear_probe(self, policy: Policy, msg: Message) -> None:
         peer = msg.topic.split("/")[-3]  # sluicegate/v1/peer/<peer>/<us>/probe

@@ -143,6 +143,8 @@ class Broker:
             clock,
             interval_s=min(settings.telemetry_interval_s, 1.0),
             on_refused=lambda kind, reason: self.metrics.peer_refused.labels(kind, reason).inc(),
+            place=self._inbox.put,
+            refuse=lambda item, code, reason: self.answers.refuse(item, None, code, reason),
         )
         self.store = BrokerStore(redis, int(self.params.stale_after_s * 1000))
         self.answers = Answers(

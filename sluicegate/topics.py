@@ -289,6 +289,18 @@ def peer_probe(sender_campus: str, receiver_campus: str) -> str:
     return f"{ROOT}/peer/{sender_campus}/{receiver_campus}/probe"
 
 
+def peer_asks(sender_campus: str, receiver_campus: str) -> str:
+    """The sender's brokers ask the receiver's for placements of their jobs
+    (``wire_pool.PlacementRequest``; its origin is the sending campus, whatever it says)."""
+    return f"{ROOT}/peer/{sender_campus}/{receiver_campus}/asks"
+
+
+def peer_answers(sender_campus: str, receiver_campus: str) -> str:
+    """The sender's brokers answer the receiver's asks (``wire_pool.PlacementReply``: a
+    placement signed by the sender's broker, or a refusal that says why)."""
+    return f"{ROOT}/peer/{sender_campus}/{receiver_campus}/answers"
+
+
 def peer_bridge_identity(campus: str) -> str:
     """The MQTT identity of campus ``campus``'s bridge on a peer's Mosquitto."""
     return PEER_BRIDGE_PREFIX + check_id("campus", campus)

@@ -238,6 +238,8 @@ PEER_FLOWS: dict[str, list[tuple[str, str, str]]] = {
         ("peer_agreement", topics.peer_agreement),
         ("peer_summary", topics.peer_summary),
         ("peer_probe", topics.peer_probe),
+        ("peer_asks", topics.peer_asks),
+        ("peer_answers", topics.peer_answers),
     )
 }
 

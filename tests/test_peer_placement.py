@@ -1,0 +1,203 @@
+"""A sister campus's broker asks this campus's broker for a placement, across the bridge:
+the running broker (``sluicegate broker run``'s ``serve``) decides it inside its own policy
+(only where its [peers] receive terms open, as the peer's origin ``peer:<campus>``),
+reserves, signs the token and answers on the peer's topic; it refuses, saying why, what the
+agreement does not list, an ask with no agreement in force, and asks past the peer's limits
+(issue 39, part 4). Real processes: two CAs, two secured Mosquittos, the bridge, Redis, and
+south's broker; south's worker is played by hand (capabilities and telemetry)."""
+
+from __future__ import annotations
+
+import queue
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from broker.peers import half_file
+from broker.run import serve
+from policies import tokens
+from policies.agreement import statement_for
+from policies.model import Policy
+from policies.signing import add_signature, dump_signatures, sign_policy
+from sluicegate import pki, topics, wire
+from sluicegate.config import load_settings
+from sluicegate.wire_pool import (
+    ModelCapability,
+    PlacementReply,
+    WorkerCapabilities,
+    WorkerTelemetry,
+)
+from tests.peer_kit import WIRETAP, Site, bridged_sites
+from tests.policies.policy_testkit import PARTS_TERMS, SITE_ZONES, key
+from tests.secure_kit import TlsClient
+from tests.support import ServiceThread, live_request
+
+pytestmark = pytest.mark.integration
+
+NORTH, SOUTH = "north-site", "south-site"
+WORKER = "south-site-gpu-1"  # in south's data centre, the zone its terms open to north
+TERMS = {**PARTS_TERMS, "max_jobs_per_s": 4.0}  # few, so the limit is reached in the test
+
+
+def sign_half(site: Site, policy: Policy, peer: str, officers: tuple[str, ...]) -> bytes:
+    half = statement_for(policy, peer)
+    for name in officers:
+        half = half.signed_by(key(name), name)
+    half_file(site.campus.root, policy.campus, peer).write_bytes(half.to_bytes())
+    return half.to_bytes()
+
+
+def broker_config(site: Site, redis_url: str) -> Path:
+    """South's broker as an operator configures it: its key, its signed policy, Redis."""
+    root = site.campus.root
+    bundle = None
+    for officer in ("officer-dan", "officer-erin"):
+        bundle = add_signature(bundle, site.policy, sign_policy(site.policy, key(officer), officer))
+    assert bundle is not None
+    (root / "policy.toml.sig").write_bytes(dump_signatures(bundle))
+    signer = root / "broker-signing.key"
+    pki.write_private(signer, key(site.broker).to_pem())
+    config = root / "broker.toml"
+    config.write_text(
+        f"[mqtt]\nport = {site.campus.mqtt_port}\nkeepalive_s = 5\nreconnect_max_s = 2\n"
+        f'tls_ca_file = "{site.campus.ca_file}"\n'
+        f'tls_cert_file = "{site.campus.cert_file(site.broker)}"\n'
+        f'tls_key_file = "{site.campus.key_files[site.broker]}"\n'
+        f'\n[broker]\nid = "{site.broker}"\nredis_url = "{redis_url}"\nhttp_port = 0\n'
+        f'key_file = "{signer}"\npolicy_file = "{site.campus.policy_file}"\n'
+        f'state_dir = "{root / "state"}"\n'
+    )
+    return config
+
+
+@pytest.fixture(scope="module")
+def sites(
+    tmp_path_factory: pytest.TempPathFactory, fresh_redis_db: Callable[[], str]
+) -> Iterator[tuple[Site, Site, TlsClient]]:
+    with bridged_sites(tmp_path_factory.mktemp("placing"), send=TERMS) as (north, south):
+        settings = load_settings(broker_config(south, fresh_redis_db()))
+        sign_half(south, south.policy, NORTH, ("officer-dan", "officer-erin"))
+        watcher = TlsClient(south.campus, WIRETAP)
+        watcher.subscribe(topics.broker_status(south.broker))
+        broker = ServiceThread(lambda stop: serve(settings, stop, connect_timeout=10)).start()
+        try:
+            while b'"online"' not in watcher.get(timeout=30).payload:
+                pass
+        except queue.Empty:
+            broker.stop()
+            raise
+        watcher.close()
+        south.issue(WORKER)
+        worker = TlsClient(south.campus, WORKER)
+        try:
+            play_worker(worker)
+            yield north, south, worker
+        finally:
+            worker.close()
+            broker.stop()
+
+
+def play_worker(client: TlsClient) -> None:
+    caps = WorkerCapabilities(
+        worker_id=WORKER,
+        zone=SITE_ZONES[SOUTH],
+        device_class="cpu",
+        providers=["CPUExecutionProvider"],
+        memory_total_mb=16000,
+        max_batch=8,
+        concurrency=1,
+        models={"defect-v1": ModelCapability(version="1.0.0")},
+    )
+    assert not client.publish(
+        topics.worker_capabilities(WORKER), wire.dump(caps), retain=True
+    ).is_failure
+    tel = WorkerTelemetry(
+        node=WORKER,
+        zone=SITE_ZONES[SOUTH],
+        ts=time.time(),
+        device_class="cpu",
+        utilisation=0.1,
+        memory_used_mb=1000,
+        memory_total_mb=16000,
+        memory_bandwidth=0.1,
+        queue_depth=0,
+        in_flight=0,
+        capacity=16,
+        models={},
+        results={},
+        refused={},
+    )
+    assert not client.publish(topics.worker_telemetry(WORKER), wire.dump(tel)).is_failure
+
+
+class Asker:
+    """North's broker, asking south's across the bridge and reading the answers."""
+
+    def __init__(self, north: Site) -> None:
+        self.client = TlsClient(north.campus, north.broker)
+        self.client.subscribe(topics.peer_answers(SOUTH, NORTH))
+
+    def ask(self, data_class: str = "ocr-crop", payload_bytes: int = 80_000) -> PlacementReply:
+        job = uuid.uuid4().hex
+        request = live_request(
+            "north-l1-pc", job, data_class=data_class, payload_bytes=payload_bytes
+        )
+        sent = self.client.publish(
+            topics.peer_asks(NORTH, SOUTH), request.model_dump_json().encode()
+        )
+        assert not sent.is_failure
+        while True:
+            got = self.client.get(timeout=15)
+            answer = PlacementReply.model_validate_json(got.payload)
+            if answer.job_id == job:
+                return answer
+
+
+def test_a_peer_s_job_is_placed_inside_this_campus_s_policy_and_answered_across(
+    sites: tuple[Site, Site, TlsClient],
+) -> None:
+    north, south, worker = sites
+    asker = Asker(north)
+    try:
+        # No half of north's yet: south has no agreement in force, and says so.
+        refused = asker.ask()
+        assert (refused.status, refused.code) == ("refused", "no_agreement"), refused
+        half = sign_half(north, north.policy, SOUTH, ("officer-alice", "officer-bob"))
+        assert not asker.client.publish(
+            topics.peer_agreement(NORTH, SOUTH), half, retain=True
+        ).is_failure
+        deadline = time.monotonic() + 20
+        answer = asker.ask()
+        while answer.status != "placed" and time.monotonic() < deadline:
+            play_worker(worker)  # telemetry again, as a worker sends it every second
+            answer = asker.ask()
+        assert answer.status == "placed", answer
+        assert (answer.worker_id, answer.broker_id) == (WORKER, south.broker)
+        assert answer.token is not None
+        claims = tokens.verify(
+            answer.token,
+            south.policy,  # what south's worker will check
+            now=time.time(),
+            job_id=answer.job_id,
+            payload_sha256=bytes.fromhex("ab" * 32),
+            worker_id=WORKER,
+            origin_zone="peer:north-site",
+            data_class="ocr-crop",
+        )
+        assert (claims.origin_zone, claims.target_zone) == ("peer:north-site", SITE_ZONES[SOUTH])
+
+        # A class the agreement does not list: refused by south's own policy, in words.
+        wafer = asker.ask(data_class="wafer-image")
+        assert (wafer.status, wafer.code) == ("refused", "policy_denied"), wafer
+        assert "agreement with that campus does not list it" in (wafer.reason or "")
+
+        # Past the receive terms' 4 jobs a second: refused, naming the limit.
+        codes = [asker.ask().code for _ in range(8)]
+        assert "peer_rate_limit" in codes
+        too_big = asker.ask(payload_bytes=30_000_000)
+        assert too_big.code in ("peer_bytes_limit", "peer_rate_limit")
+    finally:
+        asker.client.close()
