@@ -46,6 +46,8 @@ class BrokerView(Protocol):
 
     def shadow(self) -> dict[str, Any] | None: ...
 
+    def peers(self) -> dict[str, Any]: ...
+
     def metrics(self) -> bytes: ...
 
     async def usage_export(self, from_ms: int, to_ms: int) -> bytes | None: ...
@@ -242,6 +244,14 @@ OPENAPI: dict[str, Any] = {
                 },
             }
         },
+        "/peers": {
+            "get": {
+                "summary": "Each sister campus the policy lists: where the agreement stands and "
+                "why, its half's version, what its latest fresh summary offers, the link's "
+                "round trip and throughput, and what was refused from it, by reason",
+                "responses": {"200": {"description": "the peers"}},
+            }
+        },
         "/metrics": {
             "get": {
                 "summary": "Prometheus metrics (text exposition format)",
@@ -401,6 +411,9 @@ def make_app(
             )
         return _json(data)
 
+    async def peers(_request: web.Request) -> web.Response:
+        return _json(view.peers())
+
     async def metrics(_request: web.Request) -> web.Response:
         return web.Response(body=view.metrics(), headers={"Content-Type": CONTENT_TYPE})
 
@@ -431,6 +444,7 @@ def make_app(
     app.router.add_get("/policy", policy)
     app.router.add_get("/placement", placement)
     app.router.add_get("/shadow", shadow)
+    app.router.add_get("/peers", peers)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/enroll", enroll)
     app.router.add_get("/v1/usage/export", usage_export)

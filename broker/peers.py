@@ -27,6 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -110,7 +111,7 @@ class Peers:
         self.limits = PeerLimits()
         self.book = PeerBook()
         self.offers = PeerOffers()
-        self.refused: Counter[str] = Counter()  # malformed messages, by kind
+        self.refused: Counter[str] = Counter()  # "<kind>.<reason>": halves, summaries, asks
         self.sent = 0  # summaries published
         self._seq = int(clock() * 1000)  # increasing across restarts of this replica
         self._listening: set[str] = set()
@@ -165,12 +166,12 @@ class Peers:
         item = Pending(request, answers, None, time.perf_counter())
         standing = self.standing(peer)
         if not standing.in_force:
-            self._on_refused("ask", "no_agreement")
+            self._count("ask", "no_agreement")
             self._refuse(item, "no_agreement", standing.reason)
             return
         limited = self.limits.admit(policy, peer, request.payload_bytes, self._clock())
         if limited is not None:
-            self._on_refused("ask", limited.code)
+            self._count("ask", limited.code)
             self._refuse(item, limited.code, limited.reason)
             return
         self._place(item)
@@ -206,6 +207,32 @@ class Peers:
             out[peer] = (self.standing(peer).in_force, free, link.rtt_s if link else None)
         return out
 
+    def describe(self) -> dict[str, Any]:
+        """Each listed peer for people: standing and why, its half's version, its fresh
+        offers, the link, and what was refused (halves and summaries by reason)."""
+        policy = self._policy()
+        peers = sorted(policy.peers) if policy is not None else []
+        now = self._clock()
+        out: list[dict[str, Any]] = []
+        for peer in peers:
+            standing = self.standing(peer)
+            body = self.offers.fresh(peer, now=now)
+            link = self.link(peer)
+            out.append(
+                {
+                    "peer": peer,
+                    "standing": standing.code,
+                    "reason": standing.reason,
+                    "half_version": standing.version,
+                    "summary_at": body.at if body is not None else None,
+                    "offers": [o.model_dump() for o in body.offers] if body is not None else [],
+                    "link": {"rtt_s": link.rtt_s, "bytes_per_s": link.bytes_per_s}
+                    if link is not None
+                    else None,
+                }
+            )
+        return {"peers": out, "refused": dict(sorted(self.refused.items()))}
+
     def link(self, peer: str) -> Link | None:
         """The link to ``peer`` as the probes measured it (None: not known, or stale)."""
         meter = self.meters.get(peer)
@@ -218,14 +245,18 @@ class Peers:
                 standing = self.standing(statement.campus)
                 log.info("agreement with %s: %s", statement.campus, standing.reason)
         except AgreementRefused as exc:  # counted by the book
-            self._on_refused("half", exc.reason)
+            self._count("half", exc.reason)
             log.warning("half on %s refused [%s]: %s", msg.topic, exc.reason, exc)
         except PolicyError as exc:
             self._malformed("half", msg.topic, exc)
 
+    def _count(self, kind: str, reason: str) -> None:
+        """A refused message from a peer: counted here (``describe``) and by the hook."""
+        self.refused[f"{kind}.{reason}"] += 1
+        self._on_refused(kind, reason)
+
     def _malformed(self, kind: str, topic: str, exc: Exception) -> None:
-        self.refused[f"{kind}_malformed"] += 1
-        self._on_refused(kind, "malformed")
+        self._count(kind, "malformed")
         log.warning("%s on %s unreadable: %s", kind, topic, exc)
 
     def _hear_summary(self, policy: Policy, msg: Message) -> None:
@@ -236,7 +267,7 @@ class Peers:
             return
         refusal = self.offers.hear(policy, signed, now=self._clock())
         if refusal is not None:
-            self._on_refused("summary", refusal.code)
+            self._count("summary", refusal.code)
             log.warning("summary on %s refused [%s]: %s", msg.topic, refusal.code, refusal.reason)
 
     def standing(self, peer: str) -> Standing:

@@ -160,6 +160,10 @@ class HttpView:
         shadow = self._broker.shadow
         return shadow_facts(shadow) if shadow is not None else None
 
+    def peers(self) -> dict[str, Any]:
+        """GET /peers: ``broker.peers.Peers.describe``."""
+        return self._broker.peers.describe()
+
     def audit(self) -> dict[str, Any] | None:
         """The audit chain's verified head and when it was last verified:
         ``{head, records, verified_at, ok, error}`` (None: this broker does not check it)."""

@@ -23,7 +23,10 @@ from policies.agreement import statement_for
 from policies.model import Policy
 from policies.signing import add_signature, dump_signatures, sign_policy
 from sluicegate import pki, topics, wire
-from sluicegate.config import load_settings
+from sluicegate.app.broker_http import get_json, token_beside
+from sluicegate.app.campus import write_console_users
+from sluicegate.app.servers import free_port
+from sluicegate.config import Settings, load_settings
 from sluicegate.wire_pool import (
     ModelCapability,
     PlacementReply,
@@ -66,9 +69,11 @@ def broker_config(site: Site, redis_url: str) -> Path:
         f'tls_ca_file = "{site.campus.ca_file}"\n'
         f'tls_cert_file = "{site.campus.cert_file(site.broker)}"\n'
         f'tls_key_file = "{site.campus.key_files[site.broker]}"\n'
-        f'\n[broker]\nid = "{site.broker}"\nredis_url = "{redis_url}"\nhttp_port = 0\n'
+        f'\n[broker]\nid = "{site.broker}"\nredis_url = "{redis_url}"\n'
+        f"http_port = {free_port()}\n"
         f'key_file = "{signer}"\npolicy_file = "{site.campus.policy_file}"\n'
         f'state_dir = "{root / "state"}"\n'
+        f'\n[console]\nusers_file = "{write_console_users(root)}"\n'
     )
     return config
 
@@ -76,7 +81,7 @@ def broker_config(site: Site, redis_url: str) -> Path:
 @pytest.fixture(scope="module")
 def sites(
     tmp_path_factory: pytest.TempPathFactory, fresh_redis_db: Callable[[], str]
-) -> Iterator[tuple[Site, Site, TlsClient]]:
+) -> Iterator[tuple[Site, Site, TlsClient, Settings]]:
     with bridged_sites(tmp_path_factory.mktemp("placing"), send=TERMS) as (north, south):
         settings = load_settings(broker_config(south, fresh_redis_db()))
         sign_half(south, south.policy, NORTH, ("officer-dan", "officer-erin"))
@@ -94,7 +99,7 @@ def sites(
         worker = TlsClient(south.campus, WORKER)
         try:
             play_worker(worker)
-            yield north, south, worker
+            yield north, south, worker, settings
         finally:
             worker.close()
             broker.stop()
@@ -157,9 +162,9 @@ class Asker:
 
 
 def test_a_peer_s_job_is_placed_inside_this_campus_s_policy_and_answered_across(
-    sites: tuple[Site, Site, TlsClient],
+    sites: tuple[Site, Site, TlsClient, Settings],
 ) -> None:
-    north, south, worker = sites
+    north, south, worker, settings = sites
     asker = Asker(north)
     try:
         # No half of north's yet: south has no agreement in force, and says so.
@@ -199,5 +204,14 @@ def test_a_peer_s_job_is_placed_inside_this_campus_s_policy_and_answered_across(
         assert "peer_rate_limit" in codes
         too_big = asker.ask(payload_bytes=30_000_000)
         assert too_big.code in ("peer_bytes_limit", "peer_rate_limit")
+
+        # What south's operators see of north: GET /peers.
+        url = f"http://127.0.0.1:{settings.broker.http_port}/peers"
+        status, shown = get_json(url, token_beside(settings.console.users_file), timeout=10)
+        assert status == 200, shown
+        (peer,) = shown["peers"]
+        assert (peer["peer"], peer["standing"], peer["half_version"]) == (NORTH, "in_force", 1)
+        assert shown["refused"]["ask.no_agreement"] == 1
+        assert shown["refused"]["ask.peer_rate_limit"] >= 1
     finally:
         asker.client.close()

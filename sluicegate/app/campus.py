@@ -285,7 +285,7 @@ def write_campus(
         )
 
     ca_dir = f'ca_dir = "{root}"\n' if secure else ""
-    users = _console_users(root)
+    users = write_console_users(root)
     (root / f"{BROKER}.toml").write_text(
         mqtt(BROKER)
         + f'\n[broker]\nid = "{BROKER}"\nredis_url = "{redis_url}"\nhttp_port = {http_port}\n'
@@ -313,7 +313,7 @@ def write_campus(
     return campus
 
 
-def _console_users(root: Path) -> Path:
+def write_console_users(root: Path) -> Path:
     """The console's users for a local campus: an operator and a viewer, by token (each
     token in ``console-<role>.token`` beside the campus, read by :meth:`Campus.console_token`)."""
     users = root / "console-users.toml"
