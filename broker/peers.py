@@ -52,7 +52,7 @@ from policies.errors import AgreementRefused, PolicyError
 from policies.evaluate import peer_origin
 from policies.keys import SigningKey
 from policies.model import Policy
-from sluicegate import topics
+from sluicegate import topics, wire
 from sluicegate.errors import TransportError, WireError
 from sluicegate.transport import Message, Transport
 from sluicegate.wire_peer import (
@@ -124,12 +124,17 @@ class Peers:
     # -- hearing -----------------------------------------------------------------------------
 
     async def listen(self) -> None:
-        """Subscribe to each listed peer's tree to this campus (once each)."""
+        """Subscribe to what each listed peer says to this campus (once each): its half,
+        summaries and probes on every replica, its asks shared among the replicas (each
+        ask decided, reserved and answered once)."""
         policy = self._policy()
         if policy is None:
             return
+        us = policy.campus
         for peer in sorted(set(policy.peers) - self._listening):
-            await self._transport.subscribe(topics.peer_tree(peer, policy.campus), self.on_message)
+            for every in (topics.peer_agreement, topics.peer_summary, topics.peer_probe):
+                await self._transport.subscribe(every(peer, us), self.on_message)
+            await self._transport.subscribe(topics.peer_asks_shared(peer, us), self.on_message)
             self._listening.add(peer)
 
     def on_message(self, msg: Message) -> None:
@@ -149,7 +154,7 @@ class Peers:
         """A peer's broker asks for a placement: its origin is the peer (the bridge wrote
         the topic), the agreement must be in force and the peer within its limits; then
         the production path decides, inside this campus's policy, and answers the peer."""
-        peer = msg.topic.split("/")[-3]  # sluicegate/v1/peer/<peer>/<us>/asks
+        peer = topics.peer_of(msg.topic)
         answers = topics.peer_answers(policy.campus, peer)
         if peer not in policy.peers or self._place is None or self._refuse is None:
             return
@@ -160,7 +165,7 @@ class Peers:
             bad = PlacementReply(
                 job_id="?", status="refused", code="bad_request", reason=f"{exc}"[:500]
             )
-            self._transport.publish_nowait(Message(answers, bad.model_dump_json().encode(), qos=1))
+            self._transport.publish_nowait(Message(answers, wire.dump(bad), qos=0))
             return
         request = request.model_copy(update={"origin_zone": peer_origin(peer)})
         item = Pending(request, answers, None, time.perf_counter())
@@ -177,7 +182,7 @@ class Peers:
         self._place(item)
 
     def _hear_probe(self, policy: Policy, msg: Message) -> None:
-        peer = msg.topic.split("/")[-3]  # sluicegate/v1/peer/<peer>/<us>/probe
+        peer = topics.peer_of(msg.topic)
         if peer not in policy.peers:
             return
         try:

@@ -301,6 +301,19 @@ def peer_answers(sender_campus: str, receiver_campus: str) -> str:
     return f"{ROOT}/peer/{sender_campus}/{receiver_campus}/answers"
 
 
+def peer_asks_shared(sender_campus: str, receiver_campus: str, group: str = "brokers") -> str:
+    """The shared subscription the receiver's replicas take a peer's asks on: each ask is
+    decided, reserved and answered by one of them."""
+    return f"$share/{group}/{peer_asks(sender_campus, receiver_campus)}"
+
+
+def peer_of(topic: str) -> str:
+    """The campus that sent a message on a peer topic (``.../peer/<sender>/<receiver>/...``;
+    only its bridge may write there)."""
+    parts = topic.split("/")
+    return parts[3] if len(parts) > 4 and parts[2] == "peer" else ""
+
+
 def peer_bridge_identity(campus: str) -> str:
     """The MQTT identity of campus ``campus``'s bridge on a peer's Mosquitto."""
     return PEER_BRIDGE_PREFIX + check_id("campus", campus)

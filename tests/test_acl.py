@@ -222,7 +222,15 @@ FLOWS: dict[str, list[tuple[str, str, str]]] = {
     ],
 }
 # Filters and helpers: they name no topic of their own.
-NOT_TOPICS = {"check_id", "matches", "sender", "node_of", "peer_tree", "peer_bridge_identity"}
+NOT_TOPICS = {
+    "check_id",
+    "matches",
+    "sender",
+    "node_of",
+    "peer_tree",
+    "peer_of",
+    "peer_bridge_identity",
+}
 
 # Between sister campuses, on the ACL of a campus ("north-site") whose policy names a peer.
 PEERED = policy_of(site_doc("north-site", "south-site", send=PARTS_TERMS, receive={}))

@@ -22,6 +22,7 @@ from broker.core.placement import decide
 from broker.core.reference import decide_reference
 from policies.agreement import Standing, judge, statement_for
 from policies.evaluate import allowed, peer_origin
+from sluicegate import topics
 from sluicegate.errors import WireError
 from sluicegate.wire_peer import Offer, SummaryBody, parse_probe, parse_summary, sign_summary
 from tests.policies.policy_testkit import PARTS_TERMS, SITE_ZONES, key, policy_of, site_doc
@@ -344,3 +345,10 @@ def test_a_peer_may_send_no_more_than_the_receive_limits() -> None:
     stranger = limits.admit(SOUTH, "west-site", 1, NOW)
     assert stranger is not None
     assert stranger.code == "no_agreement"
+
+
+def test_the_sender_of_a_peer_topic_is_read_from_the_topic() -> None:
+    assert topics.peer_of(topics.peer_asks("north-site", "south-site")) == "north-site"
+    assert topics.peer_of(topics.peer_summary("south-site", "north-site")) == "south-site"
+    assert topics.peer_of(topics.edge_telemetry("line-1")) == ""
+    assert topics.peer_asks_shared("a", "b").startswith("$share/brokers/")

@@ -205,6 +205,15 @@ def test_a_peer_s_job_is_placed_inside_this_campus_s_policy_and_answered_across(
         too_big = asker.ask(payload_bytes=30_000_000)
         assert too_big.code in ("peer_bytes_limit", "peer_rate_limit")
 
+        # An ask that is no placement request: answered bad_request, naming the field.
+        asker.client.publish(topics.peer_asks(NORTH, SOUTH), b'{"job_id": 7}')
+        while True:
+            bad = PlacementReply.model_validate_json(asker.client.get(timeout=15).payload)
+            if bad.job_id == "?":
+                break
+        assert (bad.status, bad.code) == ("refused", "bad_request")
+        assert "job_id" in (bad.reason or "")
+
         # What south's operators see of north: GET /peers.
         url = f"http://127.0.0.1:{settings.broker.http_port}/peers"
         status, shown = get_json(url, token_beside(settings.console.users_file), timeout=10)
@@ -213,5 +222,6 @@ def test_a_peer_s_job_is_placed_inside_this_campus_s_policy_and_answered_across(
         assert (peer["peer"], peer["standing"], peer["half_version"]) == (NORTH, "in_force", 1)
         assert shown["refused"]["ask.no_agreement"] == 1
         assert shown["refused"]["ask.peer_rate_limit"] >= 1
+        assert shown["refused"]["ask.malformed"] == 1
     finally:
         asker.client.close()
