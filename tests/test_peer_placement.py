@@ -27,16 +27,13 @@ from sluicegate.app.broker_http import get_json, token_beside
 from sluicegate.app.campus import write_console_users
 from sluicegate.app.servers import free_port
 from sluicegate.config import Settings, load_settings
-from sluicegate.wire_pool import (
-    ModelCapability,
-    PlacementReply,
-    WorkerCapabilities,
-    WorkerTelemetry,
-)
+from sluicegate.wire_pool import PlacementReply
 from tests.peer_kit import WIRETAP, Site, bridged_sites
 from tests.policies.policy_testkit import PARTS_TERMS, SITE_ZONES, key
 from tests.secure_kit import TlsClient
 from tests.support import ServiceThread, live_request
+from tests.test_broker_core_kit import caps as kit_caps
+from tests.test_broker_core_kit import telemetry as kit_telemetry
 
 pytestmark = pytest.mark.integration
 
@@ -106,35 +103,13 @@ def sites(
 
 
 def play_worker(client: TlsClient) -> None:
-    caps = WorkerCapabilities(
-        worker_id=WORKER,
-        zone=SITE_ZONES[SOUTH],
-        device_class="cpu",
-        providers=["CPUExecutionProvider"],
-        memory_total_mb=16000,
-        max_batch=8,
-        concurrency=1,
-        models={"defect-v1": ModelCapability(version="1.0.0")},
-    )
-    assert not client.publish(
-        topics.worker_capabilities(WORKER), wire.dump(caps), retain=True
-    ).is_failure
-    tel = WorkerTelemetry(
-        node=WORKER,
-        zone=SITE_ZONES[SOUTH],
-        ts=time.time(),
-        device_class="cpu",
-        utilisation=0.1,
-        memory_used_mb=1000,
-        memory_total_mb=16000,
-        memory_bandwidth=0.1,
-        queue_depth=0,
-        in_flight=0,
-        capacity=16,
-        models={},
-        results={},
-        refused={},
-    )
+    """South's worker, as it announces itself and reports its load."""
+    zone = SITE_ZONES[SOUTH]
+    providers = ("CPUExecutionProvider",)
+    caps = kit_caps(WORKER, zone, device_class="cpu", providers=providers, concurrency=1)
+    tel = kit_telemetry(WORKER, time.time(), zone=zone, device_class="cpu")
+    topic = topics.worker_capabilities(WORKER)
+    assert not client.publish(topic, wire.dump(caps), retain=True).is_failure
     assert not client.publish(topics.worker_telemetry(WORKER), wire.dump(tel)).is_failure
 
 
