@@ -39,11 +39,6 @@ class Terms:
             doc.job,
         )
 
-    @property
-    def open(self) -> bool:
-        """Anything may cross this way (a class, a zone and a rate above zero)."""
-        return bool(self.classes and self.zones) and self.max_jobs_per_s > 0
-
     def as_json(self) -> dict[str, Any]:
         """Plain JSON, lists sorted: the form a signed statement carries."""
         return {

@@ -19,7 +19,14 @@ from policy_testkit import (
 )
 from typer.testing import CliRunner
 
-from policies.agreement import PeerBook, Statement, judge, parse_statement, statement_for
+from policies.agreement import (
+    PeerBook,
+    Statement,
+    judge,
+    own_half_problem,
+    parse_statement,
+    statement_for,
+)
 from policies.cli import app
 from policies.errors import (
     AgreementBadSignature,
@@ -29,6 +36,7 @@ from policies.errors import (
     AgreementWrongParties,
     PolicyParseError,
 )
+from policies.evaluate import allowed, explain, peer_origin
 from policies.model import Policy
 
 OFFICERS = SITE_OFFICERS
@@ -308,3 +316,45 @@ def test_officers_sign_their_halves_and_each_side_checks_the_other_s(tmp_path: P
     code, out = _cli("peer-check", north_file, half_file, "--now", at)
     assert code == 1
     assert out.startswith("withdrawn: 'south-site' withdrew at its v2"), out
+
+
+def test_only_our_own_half_with_the_terms_in_force_and_our_threshold_is_published() -> None:
+    ours = north()
+    good = half(ours, "south-site", "officer-alice", "officer-bob")
+    assert own_half_problem(ours, good) is None
+    theirs = half(south(), "north-site", "officer-dan", "officer-erin")
+    assert "it is 'south-site''s half" in (own_half_problem(ours, theirs) or "")
+    changed = north(peers={})  # the entry is gone: the v1 half would say what no longer holds
+    assert "says a withdrawal for 'south-site'" in (own_half_problem(changed, good) or "")
+    other = policy_of(
+        site_doc("north-site", "south-site", send={**PARTS, "max_jobs_per_s": 1.0}, receive={})
+    )
+    assert "says other terms" in (own_half_problem(other, good) or "")
+    one = half(ours, "south-site", "officer-alice")
+    assert "carries 1 of the 2 officer signatures" in (own_half_problem(ours, one) or "")
+
+
+def test_a_peers_job_is_explained_in_words() -> None:
+    theirs = south()
+    verdict = allowed(theirs, "ocr-crop", peer_origin("north-site"), "campus/south-site/dc")
+    assert str(verdict).endswith("allowed by the agreement with that campus (its receive terms)")
+    denied = allowed(theirs, "wafer-image", peer_origin("north-site"), "campus/south-site/dc")
+    assert str(denied).endswith("denied: the agreement with that campus does not list it")
+    lines = explain(theirs, "ocr-crop", peer_origin("north-site"), "campus/south-site/dc")
+    assert any("comes from sister campus 'north-site'" in line for line in lines)
+    assert not any("is not declared" in line for line in lines)  # a peer is no zone of ours
+
+
+def test_peer_sign_says_when_the_key_signs_nothing_of_this_policy(tmp_path: Path) -> None:
+    doc = site_doc("north-site", "south-site", send=PARTS, receive={})
+    code, out = _cli(
+        "peer-sign",
+        _write(tmp_path, "north", doc),
+        "--peer",
+        "south-site",
+        "--key",
+        _key_file(tmp_path, "officer-dan"),
+    )
+    assert code == 0, out
+    assert "0 of 2 officer keys" in out
+    assert "not a signer of this policy: the peer will refuse it" in out
