@@ -118,6 +118,8 @@ class Peers:
         self._offered: set[str] = set()  # peers last offered anything
         self._half_sent_at: dict[str, float] = {}
         self._half_warned: set[str] = set()
+        # Our halves as last read: peer -> ((policy digest, file mtime, size), half or None).
+        self._own: dict[str, tuple[tuple[bytes, int, int], Statement | None]] = {}
         self.meters: dict[str, LinkMeter] = {}
         self._probes = 0
 
@@ -320,20 +322,33 @@ class Peers:
         self._transport.publish_nowait(Message(topic, probe.model_dump_json().encode(), qos=0))
 
     def own_half(self, policy: Policy, peer: str) -> Statement | None:
-        """Our signed half for ``peer`` as the officers left it, if it is publishable."""
+        """Our signed half for ``peer`` as the officers left it, if it is publishable. Read
+        and checked again only when the file or the policy changed (it is asked for every
+        interval)."""
         if self._halves_dir is None:
             return None
         path = half_file(self._halves_dir, policy.campus, peer)
         try:
-            statement = parse_statement(path.read_bytes(), source=str(path))
-        except (OSError, PolicyError) as exc:
+            info = path.stat()
+        except OSError as exc:
             self._warn_once(peer, f"no half for {peer!r} to publish ({path}): {exc}")
             return None
-        problem = own_half_problem(policy, statement)
+        stamp = (policy.digest, info.st_mtime_ns, info.st_size)
+        held = self._own.get(peer)
+        if held is not None and held[0] == stamp:
+            return held[1]
+        statement: Statement | None = None
+        try:
+            statement = parse_statement(path.read_bytes(), source=str(path))
+            problem = own_half_problem(policy, statement)
+        except (OSError, PolicyError) as exc:
+            problem = f"unreadable: {exc}"
         if problem is not None:
+            statement = None
             self._warn_once(peer, f"{path} not published: {problem}")
-            return None
-        self._half_warned.discard(peer)
+        else:
+            self._half_warned.discard(peer)
+        self._own[peer] = (stamp, statement)
         return statement
 
     def _warn_once(self, peer: str, text: str) -> None:

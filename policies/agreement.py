@@ -189,6 +189,7 @@ def verify_statement(ours: Policy, statement: Statement) -> Peer:
             f"{', '.join(sorted(ours.peers)) or 'none'}"
         )
     message = DOMAIN + statement.digest
+    valid: set[bytes] = set()
     for n, sig in enumerate(statement.signatures):
         if sig.public not in entry.officer_keys:
             raise AgreementUnknownSigner(
@@ -201,7 +202,8 @@ def verify_statement(ours: Policy, statement: Statement) -> Peer:
                 f"signature {n} (key id {sig.key_id!r}) of {statement.campus!r}'s half does "
                 "not verify over its body"
             )
-    have = len(statement.signer_keys())
+        valid.add(sig.public)
+    have = len(valid)
     if have < entry.officer_threshold:
         raise AgreementThresholdNotMet(
             f"{statement.campus!r}'s half v{statement.version} carries {have} distinct "

@@ -100,13 +100,13 @@ async def test_halves_and_summaries_cross_and_a_withdrawal_stops_the_offers(
         tasks = [asyncio.create_task(p.run()) for p in (n_peers, s_peers)]
         try:
 
-            def offer() -> Offer | PeerRefused:
+            def offer(data_class: str = "ocr-crop") -> Offer | PeerRefused:
                 return n_peers.offers.candidate(
                     north.policy,
                     SOUTH,
                     n_peers.standing(SOUTH),
                     model="ocr-rec",
-                    data_class="ocr-crop",
+                    data_class=data_class,
                     now=time.time(),
                 )
 
@@ -139,14 +139,7 @@ async def test_halves_and_summaries_cross_and_a_withdrawal_stops_the_offers(
             await until(stale, "south's offer going stale at north")
             north.relay.mend()
             await until(lambda: isinstance(offer(), Offer), "the offer back", timeout=30.0)
-            wafer = n_peers.offers.candidate(
-                north.policy,
-                SOUTH,
-                n_peers.standing(SOUTH),
-                model="ocr-rec",
-                data_class="wafer-image",
-                now=time.time(),
-            )
+            wafer = offer("wafer-image")
             assert isinstance(wafer, PeerRefused)
             assert wafer.code == "class_not_listed"
 

@@ -259,6 +259,11 @@ def _key_file(tmp_path: Path, name: str) -> Path:
     return path
 
 
+def _peer_sign(tmp_path: Path, policy_file: Path, peer: str, officer: str) -> tuple[int, str]:
+    """``policy peer-sign`` with ``officer``'s published test key."""
+    return _cli("peer-sign", policy_file, "--peer", peer, "--key", _key_file(tmp_path, officer))
+
+
 def _cli(*args: str | Path) -> tuple[int, str]:
     result = CliRunner().invoke(app, [str(a) for a in args])
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
@@ -283,23 +288,14 @@ def test_officers_sign_their_halves_and_each_side_checks_the_other_s(tmp_path: P
         _write(tmp_path, "north", north_doc),
         _write(tmp_path, "south", south_doc),
     )
-    code, out = _cli(
-        "peer-sign", south_file, "--peer", "north-site", "--key", _key_file(tmp_path, "officer-dan")
-    )
+    code, out = _peer_sign(tmp_path, south_file, "north-site", "officer-dan")
     assert code == 0, out
     assert "1 of 2 officer keys" in out
     half_file = tmp_path / "south-site.to-north-site.agreement.json"
     code, out = _cli("peer-check", north_file, half_file, "--now", at)
     assert code == 1
     assert "agreement.threshold_not_met" in out
-    code, out = _cli(
-        "peer-sign",
-        south_file,
-        "--peer",
-        "north-site",
-        "--key",
-        _key_file(tmp_path, "officer-erin"),
-    )
+    code, out = _peer_sign(tmp_path, south_file, "north-site", "officer-erin")
     assert code == 0, out
     assert "2 of 2 officer keys" in out
     code, out = _cli("peer-check", north_file, half_file, "--now", at)
@@ -308,9 +304,7 @@ def test_officers_sign_their_halves_and_each_side_checks_the_other_s(tmp_path: P
     south_doc.update(version=2, peers={})
     south_file.write_text(to_toml(south_doc))
     for officer in ("officer-dan", "officer-erin"):
-        code, out = _cli(
-            "peer-sign", south_file, "--peer", "north-site", "--key", _key_file(tmp_path, officer)
-        )
+        code, out = _peer_sign(tmp_path, south_file, "north-site", officer)
         assert code == 0, out
     assert "a withdrawal" in out
     code, out = _cli("peer-check", north_file, half_file, "--now", at)
@@ -347,14 +341,7 @@ def test_a_peers_job_is_explained_in_words() -> None:
 
 def test_peer_sign_says_when_the_key_signs_nothing_of_this_policy(tmp_path: Path) -> None:
     doc = site_doc("north-site", "south-site", send=PARTS, receive={})
-    code, out = _cli(
-        "peer-sign",
-        _write(tmp_path, "north", doc),
-        "--peer",
-        "south-site",
-        "--key",
-        _key_file(tmp_path, "officer-dan"),
-    )
+    code, out = _peer_sign(tmp_path, _write(tmp_path, "north", doc), "south-site", "officer-dan")
     assert code == 0, out
     assert "0 of 2 officer keys" in out
     assert "not a signer of this policy: the peer will refuse it" in out
