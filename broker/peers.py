@@ -200,19 +200,16 @@ class Peers:
         self._transport.publish_nowait(Message(topic, echo.model_dump_json().encode(), qos=0))
 
     def facts(self) -> dict[str, tuple[bool, int, float | None]]:
-        """Per listed peer: agreement in force, free slots its fresh summary offers, the
-        link's round trip (None: not known). For the metrics and the console."""
-        policy = self._policy()
-        if policy is None:
-            return {}
-        now = self._clock()
-        out: dict[str, tuple[bool, int, float | None]] = {}
-        for peer in sorted(policy.peers):
-            body = self.offers.fresh(peer, now=now)
-            free = sum(o.free_slots for o in body.offers) if body is not None else 0
-            link = self.link(peer)
-            out[peer] = (self.standing(peer).in_force, free, link.rtt_s if link else None)
-        return out
+        """Per listed peer, from :meth:`describe`: agreement in force, free slots its fresh
+        summary offers, the link's round trip (None: not known). For the metrics."""
+        return {
+            p["peer"]: (
+                p["standing"] == "in_force",
+                sum(o["free_slots"] for o in p["offers"]),
+                p["link"]["rtt_s"] if p["link"] is not None else None,
+            )
+            for p in self.describe()["peers"]
+        }
 
     def describe(self) -> dict[str, Any]:
         """Each listed peer for people: standing and why, its half's version, its fresh
@@ -251,7 +248,7 @@ class Peers:
             if self.book.offer(policy, statement):
                 standing = self.standing(statement.campus)
                 log.info("agreement with %s: %s", statement.campus, standing.reason)
-        except AgreementRefused as exc:  # counted by the book
+        except AgreementRefused as exc:
             self._count("half", exc.reason)
             log.warning("half on %s refused [%s]: %s", msg.topic, exc.reason, exc)
         except PolicyError as exc:

@@ -33,16 +33,18 @@ from policies.errors import (
 )
 from policies.keys import (
     SigningKey,
-    b64u_decode,
-    b64u_encode,
-    decode_public_key,
-    public_key_text,
     signature_valid,
 )
 from policies.model import Policy
 from policies.peers import Peer, Terms
 from policies.schema import Name, TermsDoc, Timestamp, format_time
-from policies.signing import PolicySignature, SignatureDoc, validate_json
+from policies.signing import (
+    PolicySignature,
+    SignatureDoc,
+    signatures_doc,
+    signatures_of,
+    validate_json,
+)
 
 STATEMENT_FORMAT = "sluicegate-peer-agreement/1"
 DOMAIN = b"sluicegate-peer-agreement/1\n"
@@ -110,14 +112,7 @@ class Statement:
         doc = {
             **self.body(),
             "digest": digest_text(self.digest),
-            "signatures": [
-                {
-                    "key_id": s.key_id,
-                    "key": public_key_text(s.public),
-                    "sig": b64u_encode(s.signature),
-                }
-                for s in self.signatures
-            ],
+            "signatures": signatures_doc(self.signatures),
         }
         return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode("ascii")
 
@@ -160,10 +155,7 @@ def parse_statement(data: bytes, *, source: str = "<agreement>") -> Statement:
         doc.expires,
         Terms.of(pair.send) if pair is not None else None,
         Terms.of(pair.receive) if pair is not None else None,
-        tuple(
-            PolicySignature(s.key_id, decode_public_key(s.key), b64u_decode(s.sig))
-            for s in doc.signatures
-        ),
+        signatures_of(doc.signatures),
     )
     if digest_text(statement.digest) != doc.digest:
         raise AgreementBadSignature(

@@ -225,15 +225,27 @@ def validate_json(model: type[_M], data: bytes, source: str) -> _M:
         raise PolicyParseError(f"not JSON: {exc}", source=source) from exc
 
 
+def signatures_of(docs: list[SignatureDoc]) -> tuple[PolicySignature, ...]:
+    """Detached signatures as a file carries them, decoded."""
+    return tuple(
+        PolicySignature(s.key_id, decode_public_key(s.key), b64u_decode(s.sig)) for s in docs
+    )
+
+
+def signatures_doc(signatures: tuple[PolicySignature, ...]) -> list[dict[str, str]]:
+    """Detached signatures as a file carries them."""
+    return [
+        {"key_id": s.key_id, "key": public_key_text(s.public), "sig": b64u_encode(s.signature)}
+        for s in signatures
+    ]
+
+
 def parse_signatures(data: bytes, *, source: str = "<signatures>") -> SignatureBundle:
     doc = validate_json(_BundleDoc, data, source)
     return SignatureBundle(
         doc.version,
         bytes.fromhex(doc.digest.removeprefix("sha256:")),
-        tuple(
-            PolicySignature(s.key_id, decode_public_key(s.key), b64u_decode(s.sig))
-            for s in doc.signatures
-        ),
+        signatures_of(doc.signatures),
     )
 
 
@@ -242,10 +254,7 @@ def signatures_json(bundle: SignatureBundle) -> dict[str, object]:
         "format": SIGNATURES_FORMAT,
         "version": bundle.version,
         "digest": digest_text(bundle.digest),
-        "signatures": [
-            {"key_id": s.key_id, "key": public_key_text(s.public), "sig": b64u_encode(s.signature)}
-            for s in bundle.signatures
-        ],
+        "signatures": signatures_doc(bundle.signatures),
     }
 
 

@@ -121,7 +121,11 @@ class DelayRelay:
             if self._cut.is_set():
                 client.close()
                 continue
-            server = socket.create_connection(("127.0.0.1", self._target))
+            try:
+                server = socket.create_connection(("127.0.0.1", self._target))
+            except OSError:  # the far side is down (stopping, or cut): the link fails
+                client.close()
+                continue
             with self._lock:
                 self._sockets += [client, server]
             for src, dst in ((client, server), (server, client)):
