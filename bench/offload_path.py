@@ -307,8 +307,9 @@ def main() -> None:
                 b = driver.wait(job_b.encode())
                 doc_a = json.loads(driver.done[job_a.encode()][1])
                 doc_b = json.loads(driver.done[job_b.encode()][1])
-                if doc_a["status"] != "ok" or doc_b["status"] != "ok":
-                    raise SystemExit(f"a job failed: {doc_a} / {doc_b}")
+                failed = doc_a["status"] != "ok" or doc_b["status"] != "ok"
+                if failed and i >= args.warmup:  # a warm-up job only warms: it may expire
+                    raise SystemExit(f"a job failed: {doc_a} / {doc_b}")  # on a loaded machine
                 node = doc_a["ran_on"]["node"]
                 if node == EDGE and i >= args.warmup:
                     raise SystemExit(f"job {job_a} was not offloaded: {doc_a.get('offload')}")

@@ -71,24 +71,36 @@ TARGET = {"offload_overhead_p50_ratio": 1.10}
 SERIES = ("bare", "edge", "agent_compute", "offload", "direct", "relay_image", "relay_1kb")
 
 
+def _require(ok: bool, message: str, warming: bool) -> None:
+    """End the run on a job that did not do what it measures; a warm-up job only warms (on
+    a loaded machine the first ones may expire)."""
+    if not ok and not warming:
+        raise SystemExit(message)
+
+
 def one_slot(
-    rig: CampusRig, tag: str, image: bytes, digest: bytes, bare: Callable[[], None]
+    rig: CampusRig,
+    tag: str,
+    image: bytes,
+    digest: bytes,
+    bare: Callable[[], None],
+    warming: bool = False,
 ) -> dict[str, float]:
     """Time one slot's five requests on ``rig`` (see the module docstring)."""
     t0 = time.perf_counter()
     bare()
     out = {"bare": (time.perf_counter() - t0) * 1000.0}
     out["edge"], doc = rig.local_job(f"edge-{tag}", image)
-    if doc["status"] != "ok" or doc["ran_on"]["node"] != LOCAL_EDGE:
-        raise SystemExit(f"{rig.security}: edge job {tag} did not run on {LOCAL_EDGE}: {doc}")
+    ok = doc["status"] == "ok" and doc["ran_on"]["node"] == LOCAL_EDGE
+    _require(ok, f"{rig.security}: edge job {tag} did not run on {LOCAL_EDGE}: {doc}", warming)
     timings = doc["timings_ms"]
     out["agent_compute"] = timings["decode_ms"] + timings["preprocess_ms"] + timings["inference_ms"]
     out["offload"], doc = rig.offloaded_job(f"off-{tag}", image)
-    if doc["status"] != "ok" or doc["ran_on"]["node"] != WORKER:
-        raise SystemExit(f"{rig.security}: job off-{tag} was not offloaded: {doc}")
+    ok = doc["status"] == "ok" and doc["ran_on"]["node"] == WORKER
+    _require(ok, f"{rig.security}: job off-{tag} was not offloaded: {doc}", warming)
     out["direct"], doc = rig.direct_job(f"dir-{tag}", image, digest)
-    if doc["status"] != "ok":
-        raise SystemExit(f"{rig.security}: direct job dir-{tag} failed: {doc}")
+    ok = doc["status"] == "ok"
+    _require(ok, f"{rig.security}: direct job dir-{tag} failed: {doc}", warming)
     out["relay_image"] = rig.floor(f"img-{tag}", image)
     out["relay_1kb"] = rig.floor(f"small-{tag}", SMALL)
     return out
@@ -102,6 +114,7 @@ def run_block(
     image: bytes,
     digest: bytes,
     bare: Callable[[], None],
+    warming: bool = False,
 ) -> dict[str, list[float]]:
     """``slots`` slots on one campus, open-loop at ``rate`` per second."""
     out: dict[str, list[float]] = {key: [] for key in SERIES}
@@ -109,7 +122,7 @@ def run_block(
     next_at = time.perf_counter()
     for i in range(slots):
         next_at += period
-        for key, value in one_slot(rig, f"{name}-{i}", image, digest, bare).items():
+        for key, value in one_slot(rig, f"{name}-{i}", image, digest, bare, warming).items():
             out[key].append(value)
         time.sleep(max(0.0, next_at - time.perf_counter()))  # open-loop pacing
     return out
@@ -203,7 +216,9 @@ def main() -> None:
             tls = rigs["secure"].tls_session()
             meters = {name: CpuMeter(rig.pids()) for name, rig in rigs.items()}
             for name, rig in rigs.items():
-                run_block(rig, f"warm-{name}", args.warmup, args.rate, image, digest, bare)
+                run_block(
+                    rig, f"warm-{name}", args.warmup, args.rate, image, digest, bare, warming=True
+                )
             base, extra = divmod(args.jobs, args.rounds)
             for r in range(args.rounds):
                 slots = base + (1 if r < extra else 0)
