@@ -146,7 +146,7 @@ class DelayRelay:
                     heapq.heappush(due, (time.monotonic() + self.delay_s, n, chunk))
                 while due and due[0][0] <= time.monotonic():
                     dst.sendall(heapq.heappop(due)[2])
-            except OSError:
+            except (OSError, ValueError):  # ValueError: the other direction or cut() closed it
                 break
         for sock in (src, dst):
             with suppress(OSError):
