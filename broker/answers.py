@@ -27,6 +27,8 @@ from broker.store import BrokerStore
 from broker.waiting_room import Pending
 from policies import Policy, SigningKey, mint
 from policies.errors import PolicyError
+from policies.evaluate import peer_of_origin
+from policies.sealing import seal_key_text
 from sluicegate import topics, wire
 from sluicegate.config import BrokerSettings
 from sluicegate.transport import Message, Transport
@@ -125,6 +127,18 @@ class Answers:
             predicted_ms=round(decision.predicted_ms, 3),
             broker_id=self._settings.id,
         )
+        peer = peer_of_origin(req.origin_zone)
+        if peer:  # a sister campus's job: its edge sends the image across the bridge
+            public = policy.seal_key(decision.worker_id, sealing)
+            reply = reply.model_copy(
+                update={
+                    "campus": policy.campus,
+                    "work_topic": topics.peer_work(
+                        peer, policy.campus, decision.worker_id, req.edge_id
+                    ),
+                    "seal_key": seal_key_text(public) if public is not None else None,
+                }
+            )
         self.placed_by_pool[self._pool_of(policy, decision.worker_id)] += 1
         self._finish(item, decision, reply)
 
@@ -132,6 +146,11 @@ class Answers:
         if self._pools[0] != policy.digest:
             self._pools = (policy.digest, {w: p.name for p in policy.pools for w in p.workers})
         return self._pools[1].get(worker_id, "?")
+
+    def relay(self, item: Pending, reply: PlacementReply) -> None:
+        """A sister campus's placement for ``item``, to the edge that asked (audited, timed
+        and counted as this replica's answer; the edge checks the peer's token)."""
+        self._finish(item, None, reply)
 
     def refuse(self, item: Pending, decision: Decision | None, code: str, reason: str) -> None:
         reply = PlacementReply(

@@ -57,6 +57,8 @@ def decision_record(
         "sha256": req.model_sha256,
         "attempt": req.attempt,
     }
+    if reply.campus is not None:  # placed on a sister campus, by its broker
+        record["campus"] = reply.campus
     if decision is not None:
         record["why"] = as_record(decision)
     return record

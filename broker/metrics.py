@@ -139,6 +139,13 @@ class BrokerMetrics:
             ["peer"],
             registry=r,
         )
+        self.peer_asked = Counter(
+            "sluicegate_peer_asked",
+            "Jobs no worker here could take, asked of a sister campus, by how its answer ended "
+            "(placed, refused, timeout)",
+            ["peer", "outcome"],
+            registry=r,
+        )
         self.worker_losses = Counter(
             "sluicegate_worker_losses",
             "Worker deaths this replica acted on (claimed their jobs in flight), by cause",

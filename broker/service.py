@@ -43,6 +43,7 @@ from broker.core.sealing import sealable_in
 from broker.core.shadow import Shadow
 from broker.decision_audit import DecisionAudit
 from broker.edge_fleet import EdgeFleet, EdgeRow
+from broker.forwarding import Forwarder
 from broker.gatekeeper import Gatekeeper
 from broker.inbox import Inbox
 from broker.inflight import InflightStore
@@ -145,6 +146,16 @@ class Broker:
             on_refused=lambda kind, reason: self.metrics.peer_refused.labels(kind, reason).inc(),
             place=self._inbox.put,
             refuse=lambda item, code, reason: self.answers.refuse(item, None, code, reason),
+        )
+        # Jobs no worker here can take, asked of a sister campus that may do better.
+        self.forwarder = Forwarder(
+            transport,
+            policy,
+            self.peers,
+            clock,
+            relay=lambda item, reply: self.answers.relay(item, reply),
+            refuse=lambda item, code, reason: self.answers.refuse(item, None, code, reason),
+            counted=lambda peer, outcome: self.metrics.peer_asked.labels(peer, outcome).inc(),
         )
         self.store = BrokerStore(redis, int(self.params.stale_after_s * 1000))
         self.answers = Answers(
@@ -311,6 +322,7 @@ class Broker:
                 hold=self.waiting.hold,
                 sealable=self._sealable(policy),
                 beside=beside,
+                forward=self.forwarder.forward,
             )
             for refused in turn.refused:
                 self.answers.refuse(refused.item, refused.decision, refused.code, refused.reason)
@@ -461,6 +473,9 @@ class Broker:
             asyncio.create_task(self.reaper.run(), name="reaper"),
             asyncio.create_task(self._stall_watch(), name="stall watch"),
             asyncio.create_task(self.peers.run(), name="sister campuses"),
+            asyncio.create_task(
+                self.forwarder.run(self.peers.interval_s), name="sister campuses' answers"
+            ),
         ]
         log.info("broker %s serving placements", self.settings.id)
         try:

@@ -185,6 +185,7 @@ class Dispatcher:
                 reason=part.reason,
                 outputs=(wire.outputs_of(part.outputs) if part.outputs is not None else None),
                 hold=True,
+                peer=item.peer,
             )
             if out is not None:
                 sends.append(partial(self._replies.send, out))
@@ -239,6 +240,7 @@ class Dispatcher:
             code="expired",
             reason=f"the deadline passed {late:.0f} ms before the job could start; not run",
             timings=wire.Timings(queue_ms=round(queue_ms, 3), total_ms=round(queue_ms, 3)),
+            peer=item.peer,
         )
         self._figures.returned(item.model, "expired")
         self._replies.completion(

@@ -8,7 +8,9 @@
 2. :func:`check_token` runs ``policies.verify`` over the payload's sha256 and this worker's
    id: signature, policy version, expiry, job, payload hash, class, target and zone, and the
    origin zone, which is the sending edge's zone in the policy (an edge the policy does not
-   list is refused), never the zone the message declares.
+   list is refused), never the zone the message declares; for work a sister campus's edge
+   sent across the bridge (``topics.peer_work``, unwrapped by the shell) it is that campus
+   (``peer:<campus>``), and the policy's receive terms decide.
    (The replay check needs state, so the shell runs it next.)
    A sealed image (``topics.PROP_SEALED``) is checked without its hash: a token that binds a
    sealing key with a clear image (``seal.required``), a sealed image under a token that
@@ -22,7 +24,8 @@
 Nothing here decodes an image, does I/O or reads a clock; each refusal carries a code and a
 reason a person can act on, and says whether the token had passed (only then does the broker
 get a completion record: before that, the job was never placed here). Results, refusals
-included, go back to the owning edge (``topics.edge_returns``), never to the app: a refusal
+included, go back to the owning edge (``topics.edge_returns``, or ``topics.peer_returns``
+on its campus), never to the app: a refusal
 whose message names no valid edge cannot be returned, only counted and audited.
 """
 
@@ -35,6 +38,7 @@ from typing import Literal
 
 from policies import PlacementClaims, Policy, payload_digest, verify
 from policies.errors import SealKeyNotHeld, SealRequired, SealUnexpected, TokenRefused
+from policies.evaluate import peer_origin
 from policies.sealing import SEAL_OVERHEAD, SealingKey, open_sealed
 from policies.tokens import check_payload
 from sluicegate import topics
@@ -62,6 +66,8 @@ class Work:
     correlation_data: bytes | None
     content_type: str | None
     received_at: float
+    # The sister campus the work came from (its bridge wrote the topic), "" for this one's.
+    peer: str = ""
 
     def prop(self, name: str) -> str | None:
         return self.props.get(name)
@@ -86,6 +92,7 @@ class WorkRefusal:
     model: str | None
     token_passed: bool
     received_at: float
+    peer: str = ""  # the sister campus its edge is on, "" for this one
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +116,7 @@ class WorkItem:
     token_id: str = ""
     owner: str = ""
     bytes_in: int = 0
+    peer: str = ""  # the sister campus its edge is on, "" for this one
 
 
 def refuse(work: Work, code: str, reason: str, *, token_passed: bool = False) -> WorkRefusal:
@@ -124,6 +132,7 @@ def refuse(work: Work, code: str, reason: str, *, token_passed: bool = False) ->
         work.prop(topics.PROP_MODEL),
         token_passed,
         work.received_at,
+        work.peer,
     )
 
 
@@ -145,6 +154,7 @@ def read_work(msg: Message, *, limits: Limits, now: float, worker_id: str) -> Wo
         correlation_data=msg.correlation_data,
         content_type=msg.content_type,
         received_at=now,
+        peer=topics.peer_of(msg.topic),
     )
     if not work.token:
         return refuse(
@@ -228,15 +238,20 @@ def check_token(
 ) -> PlacementClaims | WorkRefusal:
     """Step 2: the placement token against the policy, this worker and the payload's hash
     (a sealed payload's is checked once opened); the origin is the sending edge's zone in
-    the policy. ``keys``: the sealing keys this worker holds, by key id."""
-    entry = policy.edge(work.edge_id) if work.edge_id is not None else None
-    if entry is None:
-        return refuse(
-            work,
-            "edge.not_in_policy",
-            f"edge {work.edge_id!r} is not listed in policy {policy.campus!r} "
-            f"v{policy.version}; worker {worker_id} runs work only from listed edges",
-        )
+    the policy, or the sister campus's origin (``peer:<campus>``) for a peer's work.
+    ``keys``: the sealing keys this worker holds, by key id."""
+    if work.peer:  # the policy decides whether that campus may send here (verify's verdict)
+        origin = peer_origin(work.peer)
+    else:
+        entry = policy.edge(work.edge_id) if work.edge_id is not None else None
+        if entry is None:
+            return refuse(
+                work,
+                "edge.not_in_policy",
+                f"edge {work.edge_id!r} is not listed in policy {policy.campus!r} "
+                f"v{policy.version}; worker {worker_id} runs work only from listed edges",
+            )
+        origin = entry.zone
     try:
         claims = verify(
             work.token,
@@ -245,7 +260,7 @@ def check_token(
             job_id=work.job_id,
             payload_sha256=None if work.sealed else payload_digest(work.payload),
             worker_id=worker_id,
-            origin_zone=entry.zone,
+            origin_zone=origin,
             data_class=work.prop(topics.PROP_DATA_CLASS),
         )
         _check_sealing(work, claims, keys or {}, worker_id)
@@ -379,4 +394,5 @@ def admit_work(
         token_id=claims.nonce.hex(),
         owner=(work.prop(topics.PROP_OWNER) or "")[:64],
         bytes_in=len(work.payload),
+        peer=work.peer,
     )

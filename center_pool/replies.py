@@ -1,5 +1,6 @@
 """Everything a worker says about a job: the result, returned to the edge agent that placed
-it (``topics.edge_returns``, under this worker's id, never the app's own topic: the edge
+it (``topics.edge_returns``, under this worker's id, or, for a sister campus's edge,
+``topics.peer_returns`` in a ``wire_peer`` envelope; never the app's own topic: the edge
 owns each accepted job until it is terminal, drops duplicates and stale attempts, and
 answers the app), and the completion record for the broker on
 ``sluicegate/v1/broker/completions/<worker id>`` (no outputs, no image). A result carries
@@ -25,6 +26,7 @@ from sluicegate import topics, wire
 from sluicegate.config import PoolSettings
 from sluicegate.errors import TransportError
 from sluicegate.transport import Message, Transport
+from sluicegate.wire_peer import wrap
 from sluicegate.wire_pool import Completion
 
 log = logging.getLogger(__name__)
@@ -40,17 +42,24 @@ class Outgoing:
     correlation: bytes | None
     job_id: str
     props: tuple[tuple[str, str], ...] = ()
+    crosses: bool = False  # to a sister campus's edge: over the bridge, in an envelope
 
 
 class Replies:
     """Results and completion records of one worker, counted by status."""
 
     def __init__(
-        self, settings: PoolSettings, transport: Transport, clock: Callable[[], float]
+        self,
+        settings: PoolSettings,
+        transport: Transport,
+        clock: Callable[[], float],
+        campus: Callable[[], str] = str,
     ) -> None:
+        """``campus``: this campus's name in the policy held now ("" while none is)."""
         self._settings = settings
         self._transport = transport
         self._clock = clock
+        self._campus = campus
         self._ran_on = wire.RanOn(kind="pool", node=settings.id, zone=settings.zone)
         self.results: Counter[str] = Counter()
         self.unreturned = 0  # results with no valid edge id to return them to
@@ -70,11 +79,16 @@ class Replies:
         reason: str | None = None,
         outputs: wire.Outputs | None = None,
         hold: bool = False,
+        peer: str = "",
     ) -> Outgoing | None:
-        """The job's result, back to its edge; counted even when there is no edge to send it
-        to. With ``hold`` it is built and returned, not sent, for the caller to send with
-        :meth:`send` (once its usage record is on disk)."""
+        """The job's result, back to its edge (on sister campus ``peer`` when given); counted
+        even when there is no edge to send it to. With ``hold`` it is built and returned,
+        not sent, for the caller to send with :meth:`send` (once its usage record is on
+        disk)."""
         self.results[status] += 1
+        campus = self._campus() if peer else ""
+        if peer and not campus:  # the work was refused before any policy was held
+            edge_id = None
         if edge_id is None:
             self.unreturned += 1
             log.warning("result %s of job %r has no edge to return to", status, job_id[:128])
@@ -95,12 +109,16 @@ class Replies:
             (topics.PROP_ATTEMPT, str(attempt)),
             (topics.PROP_WORKER, self._settings.id),
         )
+        worker = self._settings.id
         out = Outgoing(
-            topics.edge_returns(edge_id, self._settings.id),
+            topics.peer_returns(campus, peer, edge_id, worker)
+            if peer
+            else topics.edge_returns(edge_id, worker),
             wire.dump(result),
             correlation_data,
             job_id,
             props,
+            crosses=bool(peer),
         )
         if not hold:
             self.send(out)
@@ -108,7 +126,9 @@ class Replies:
 
     def send(self, out: Outgoing) -> None:
         """Publish a result built with ``hold``."""
-        self._publish(out.topic, out.payload, out.correlation, out.job_id, out.props)
+        self._publish(
+            out.topic, out.payload, out.correlation, out.job_id, out.props, crosses=out.crosses
+        )
 
     def completion(
         self,
@@ -150,6 +170,7 @@ class Replies:
             reason=refusal.reason,
             timings=wire.Timings(total_ms=round(elapsed, 3)),
             placed=refusal.token_passed,
+            peer=refusal.peer,
         )
         if refusal.token_passed:
             model = refusal.model or ""
@@ -171,17 +192,18 @@ class Replies:
         correlation: bytes | None,
         job: str,
         props: tuple[tuple[str, str], ...] = (),
+        *,
+        crosses: bool = False,
     ) -> None:
+        msg = Message(
+            topic,
+            payload,
+            qos=1,
+            correlation_data=correlation,
+            content_type=wire.RESULT_CONTENT_TYPE,
+            user_properties=props,
+        )
         try:
-            self._transport.publish_nowait(
-                Message(
-                    topic,
-                    payload,
-                    qos=1,
-                    correlation_data=correlation,
-                    content_type=wire.RESULT_CONTENT_TYPE,
-                    user_properties=props,
-                )
-            )
+            self._transport.publish_nowait(wrap(msg) if crosses else msg)
         except TransportError as exc:
             log.error("could not publish to %s for job %s: %s", topic, job, exc)

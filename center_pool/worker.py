@@ -1,7 +1,8 @@
 """The center pool worker's asyncio shell: it puts a worker together, runs it, and says what
 it is and how it is doing.
 
-It subscribes only to its own work topic, and hands each message to the
+It subscribes only to its own work topics (on campus, and from the sister campuses whose
+receive terms open its zone, unwrapped from their envelopes), and hands each message to the
 :class:`~center_pool.screening.Intake`, which screens it (token, replay, sealing) before
 anything looks at the image and admits it onto the pure
 :class:`~center_pool.batching.BatchQueue`; the :class:`~center_pool.dispatcher.Dispatcher`
@@ -42,7 +43,7 @@ from policies import Policy
 from policies.replay import AsyncReplayCache
 from sluicegate import topics, wire
 from sluicegate.config import PoolSettings
-from sluicegate.errors import TransportError
+from sluicegate.errors import TransportError, WireError
 from sluicegate.metering.meter import Meter
 from sluicegate.node_metrics import MetricsServer
 from sluicegate.policy_feed import PolicyFeed
@@ -53,6 +54,7 @@ from sluicegate.vision.image import PayloadLimits as Limits
 from sluicegate.vision.openvino_session import backend_of
 from sluicegate.vision.runtime import ModelRegistry
 from sluicegate.vision.watch import ModelWatcher
+from sluicegate.wire_peer import unwrap
 from sluicegate.wire_pool import WorkerTelemetry
 
 log = logging.getLogger(__name__)
@@ -92,7 +94,10 @@ class PoolWorker:
         self._clock = clock
         self._limits = Limits(settings.max_payload_bytes, settings.max_pixels, settings.max_side)
         self.seal_keys = seal_keys or SealKeys(KeyFolder(None), now=clock())
-        self.replies = Replies(settings, transport, clock)
+        self.replies = Replies(settings, transport, clock, self._campus)
+        self._peer_work = False  # subscribed to sister campuses' work (once a policy opens it)
+        self._listening: asyncio.Task[None] | None = None
+        self.peer_envelopes_refused = 0  # peer work messages that were no envelope
         self.meter = meter
         self._backend = backend_of(providers[0]) if providers else ""
         self._queue: BatchQueue[WorkItem] = BatchQueue(
@@ -192,6 +197,41 @@ class PoolWorker:
         """Called by the transport for each work message; only queues it."""
         self.intake.take(msg)
         self._idle.clear()
+
+    def on_peer_message(self, msg: Message) -> None:
+        """A sister campus's work, in the envelope it crossed the bridge in: unwrapped, it
+        is screened like any other (its origin is that campus, from the topic)."""
+        try:
+            work = unwrap(msg)
+        except WireError as exc:  # no job id to answer: counted, logged, acked
+            self.peer_envelopes_refused += 1
+            log.warning("work on %s refused: %s", msg.topic, exc)
+            return
+        self.on_message(work)
+
+    def _peers_may_open(self, _policy: Policy) -> None:
+        self._listening = asyncio.get_running_loop().create_task(self._listen_to_peers())
+
+    def _campus(self) -> str:
+        policy = self._feed.current
+        return policy.campus if policy is not None else ""
+
+    async def _listen_to_peers(self) -> None:
+        """Take sister campuses' work once the policy opens this worker's zone to one (the
+        ACL grants the subscription only then)."""
+        policy = self._feed.current
+        if self._peer_work or policy is None or not policy.peers_into(self.settings.zone):
+            return
+        self._peer_work = True
+        topic = topics.peer_work_all(policy.campus, self.settings.id)
+        try:
+            await self._transport.subscribe(topic, self.on_peer_message, qos=1)
+        except TransportError as exc:
+            self._peer_work = False
+            log.warning("not taking sister campuses' work: %s", exc)
+            return
+        peers = ", ".join(policy.peers_into(self.settings.zone))
+        log.info("taking the work of sister campuses %s on %s", peers, topic)
 
     def _emptied(self) -> None:
         """Nothing queued or running: idle too, unless messages wait to be screened."""
@@ -340,6 +380,8 @@ class PoolWorker:
             await self.meter.start()
         work_topic = topics.pool_work_all(self.settings.zone, self.settings.id)
         await self._transport.subscribe(work_topic, self.on_message, qos=1)
+        await self._listen_to_peers()
+        self._feed.on_change(self._peers_may_open)
         self._transport.on_connect(self._announce)
         if self._transport.connected:
             self._announce()

@@ -12,7 +12,9 @@ a job is numbered (``attempt``, in the request and on the work message); the wor
 the result to this edge's returns topic, named as the work message's response topic. A
 placement the edge will not use (answered too late, refused by its own checks, or no longer
 wanted) is handed back (:meth:`PlacementClient.release`), so its worker's slot is free at
-once.
+once. A placement on a sister campus's worker, which this campus's broker relays, is checked
+against that campus's keys and terms in this edge's policy (``policies.tokens.verify_peer``)
+and its work goes across the bridge in a ``wire_peer`` envelope (``topics.peer_work``).
 """
 
 from __future__ import annotations
@@ -33,10 +35,12 @@ from edge_agent.admission import Job, Owners
 from edge_agent.rules import Declined, Placement
 from policies import Policy, verify
 from policies.errors import PolicyError
-from policies.sealing import seal
+from policies.sealing import decode_seal_key, seal, seal_key_id
+from policies.tokens import verify_peer
 from sluicegate import topics, wire
 from sluicegate.errors import TransportError
 from sluicegate.transport import Message, Transport
+from sluicegate.wire_peer import wrap
 from sluicegate.wire_pool import PlacementRelease, PlacementReply, PlacementRequest
 
 log = logging.getLogger(__name__)
@@ -76,6 +80,9 @@ def check_placement(
         return Declined("no_policy", "this edge holds no verified policy yet to check tokens")
     if not (reply.token and reply.worker_id and reply.worker_zone):
         return Declined("bad_reply", "the broker's placement lacks a token, worker or zone")
+    if reply.campus is not None and reply.campus != policy.campus:
+        peer, token = reply.campus, reply.token
+        return _check_peer_placement(reply, peer, token, job, payload_sha256, policy, edge_id, now)
     try:
         claims = verify(
             reply.token,
@@ -109,6 +116,70 @@ def check_placement(
         reply.predicted_ms,
         claims,
         seal_to,
+    )
+
+
+def _placed_on(reply: PlacementReply) -> str:
+    """The worker a placed reply names, as this edge names it."""
+    assert reply.worker_id is not None
+    if reply.campus is None:
+        return reply.worker_id
+    return topics.peer_worker(reply.worker_id, reply.campus)
+
+
+def _check_peer_placement(
+    reply: PlacementReply,
+    peer: str,
+    token: str,
+    job: Job,
+    payload_sha256: bytes,
+    policy: Policy,
+    edge_id: str,
+    now: float,
+) -> Placement | Declined:
+    """A sister campus's placement, relayed by this campus's broker: its broker's token
+    checked against the keys and terms this edge's policy holds for that campus, and the
+    worker's sealing key, which the reply carries, against the id the token binds."""
+    try:
+        claims = verify_peer(
+            token,
+            policy,
+            peer,
+            now=now,
+            job_id=job.job_id,
+            payload_sha256=payload_sha256,
+            data_class=job.data_class,
+        )
+    except PolicyError as exc:
+        return Declined(exc.reason, f"{peer}'s placement token refused by the edge: {exc}")
+    if claims.target_worker != reply.worker_id or claims.target_zone != reply.worker_zone:
+        return Declined(
+            "bad_reply",
+            f"reply names {reply.worker_id}@{reply.worker_zone} but {peer}'s token binds "
+            f"{claims.target_worker}@{claims.target_zone}",
+        )
+    seal_to = None
+    if claims.sealed:
+        try:
+            seal_to = decode_seal_key(reply.seal_key or "")
+        except ValueError as exc:
+            return Declined("token.unknown_seal_key", f"{peer}'s worker key is unreadable: {exc}")
+        if seal_key_id(seal_to) != claims.seal_key_id:
+            return Declined(
+                "token.unknown_seal_key",
+                f"the key {peer}'s reply carries is not the one its token binds "
+                f"({claims.seal_key_id.hex()})",
+            )
+    return Placement(
+        topics.peer_worker(claims.target_worker, peer),
+        claims.target_zone,
+        topics.peer_work(policy.campus, peer, claims.target_worker, edge_id),
+        token,
+        payload_sha256,
+        reply.predicted_ms,
+        claims,
+        seal_to,
+        campus=peer,
     )
 
 
@@ -152,6 +223,10 @@ class PlacementClient:
         configured one while the policy does not list it."""
         entry = policy.edge(self._edge_id) if policy is not None else None
         return entry.zone if entry is not None else self._zone
+
+    def policy(self) -> Policy | None:
+        """The policy placements are checked against now."""
+        return self._policy()
 
     @property
     def broker_available(self) -> bool:
@@ -199,7 +274,7 @@ class PlacementClient:
         )
         if isinstance(checked, Declined) and reply.status == "placed" and reply.worker_id:
             why = f"{checked.code}: {checked.reason}"
-            self.release(asked.job.job_id, reply.worker_id, asked.attempt, why)
+            self.release(asked.job.job_id, _placed_on(reply), asked.attempt, why)
         asked.outcome.set_result(checked)
 
     def _timed_out(self, key: bytes) -> None:
@@ -223,7 +298,7 @@ class PlacementClient:
         if reply.status == "placed" and reply.worker_id and reply.job_id == asked.job.job_id:
             ms = self._timeout_s * 1000.0
             why = f"placed after the edge stopped waiting ({ms:.0f} ms)"
-            self.release(reply.job_id, reply.worker_id, asked.attempt, why)
+            self.release(reply.job_id, _placed_on(reply), asked.attempt, why)
 
     def _give_up(self, key: bytes, asked: _Request) -> None:
         """Stop waiting; an answer that still comes is handed back as it arrives."""
@@ -233,7 +308,11 @@ class PlacementClient:
 
     def release(self, job_id: str, worker_id: str, attempt: int, reason: str) -> None:
         """Hand ``attempt`` of ``job_id``, placed on ``worker_id`` and never sent there,
-        back to the broker. If this is lost, the reservation expires by itself."""
+        back to the broker. If this is lost, the reservation expires by itself, as a sister
+        campus's does (it is not handed back across the bridge)."""
+        if topics.campus_of_worker(worker_id):
+            log.info("job %s: placement %d on %s not used: %s", job_id, attempt, worker_id, reason)
+            return
         self.released += 1
         release = PlacementRelease(
             job_id=job_id,
@@ -335,17 +414,17 @@ class PlacementClient:
             props.append((topics.PROP_SEALED, topics.SEAL_SUITE))
             props.append((topics.PROP_INNER_CONTENT_TYPE, content_type))
             content_type = topics.SEALED_CONTENT_TYPE
-        self._transport.publish_nowait(
-            Message(
-                placement.work_topic,
-                payload,
-                qos=1,
-                response_topic=topics.edge_returns(self._edge_id, placement.worker_id),
-                correlation_data=job.correlation_data,
-                content_type=content_type,
-                user_properties=tuple(props),
-            )
+        work = Message(
+            placement.work_topic,
+            payload,
+            qos=1,
+            response_topic=topics.edge_returns(self._edge_id, placement.worker_id),
+            correlation_data=job.correlation_data,
+            content_type=content_type,
+            user_properties=tuple(props),
         )
+        # To a sister campus's worker: across the bridge, which carries no MQTT property.
+        self._transport.publish_nowait(wrap(work) if placement.campus else work)
 
     def close(self) -> None:
         pending, self._pending = self._pending, {}

@@ -1,5 +1,6 @@
 """What comes back to the edge about the jobs it offloaded, read off the wire: a worker's
-return (:func:`read_return`) and a broker's notice (:func:`read_notice`), each either a
+return (:func:`read_return`; a sister campus's worker's, unwrapped, is named
+``topics.peer_worker``) and a broker's notice (:func:`read_notice`), each either a
 value or the reason it cannot be one, and whether a returned result says the work never ran
 (:func:`not_run`), and the job a released dead letter's retry is (:func:`retry_job`). Pure:
 what the job then does is the lifecycle table's to say.
@@ -44,6 +45,9 @@ def read_return(msg: Message) -> Return | str:
     named = msg.user_property(topics.PROP_WORKER)
     if named is not None and named != worker:
         return f"the return names worker {named!r} but came from {worker!r}"
+    peer = topics.peer_of(msg.topic)
+    if peer:  # a sister campus's worker: named as the placement named it
+        worker = topics.peer_worker(worker, peer)
     if not job_id:
         return f"no {topics.PROP_JOB_ID!r} user property"
     if raw_attempt is None or not raw_attempt.isdigit() or int(raw_attempt) < 1:

@@ -34,6 +34,9 @@ class Placement:
     # policy) the image must be sealed to when they bind one; None: sent in the clear.
     claims: PlacementClaims | None = None
     seal_to: bytes | None = None
+    # The sister campus whose worker it is ("" for this campus's): its work crosses the
+    # bridge in an envelope, and ``worker_id`` is ``topics.peer_worker``'s name for it.
+    campus: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,11 @@ def peer_origin(campus: str) -> str:
     return PEER_ORIGIN + campus
 
 
+def peer_of_origin(origin: str) -> str:
+    """The sister campus a ``peer:<campus>`` origin names; "" for one of our zones."""
+    return origin.removeprefix(PEER_ORIGIN) if origin.startswith(PEER_ORIGIN) else ""
+
+
 def decide(policy: Policy, data_class: str, origin_zone: str, target_zone: str) -> Verdict:
     """The verdict, computed from the rules without the cache."""
     cls = policy.classes.get(data_class)

@@ -264,6 +264,20 @@ class Policy:
         worker = self.workers.get(worker_id)
         return worker.seal_keys.get(key_id) if worker is not None else None
 
+    def peers_out(self) -> tuple[str, ...]:
+        """The sister campuses this campus may send jobs to (their send terms list a class)."""
+        return tuple(sorted(name for name, peer in self.peers.items() if peer.send.classes))
+
+    def peers_into(self, zone: str) -> tuple[str, ...]:
+        """The sister campuses whose jobs may run in ``zone`` (their receive terms open it)."""
+        return tuple(
+            sorted(
+                name
+                for name, peer in self.peers.items()
+                if peer.receive.classes and zone in peer.receive.zones
+            )
+        )
+
     def confidential(self, data_class: str) -> bool:
         cls = self.classes.get(data_class)
         return cls is not None and cls.confidential

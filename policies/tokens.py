@@ -5,7 +5,8 @@ version and (first 16 bytes of the) digest, issue and expiry time, a random nonc
 token's id) and the id of the worker's sealing key the image must be encrypted to (zeros:
 sent in the clear; never for a class the policy marks confidential), signed with a broker
 key the policy trusts. The layout is fixed binary, then base64url: at most 400
-characters. ``verify`` is pure (``now`` passed in); the replay check is separate
+characters. ``verify`` is pure (``now`` passed in), and so is ``verify_peer``, an edge's
+check of a token a sister campus's broker signed; the replay check is separate
 (``policies.replay``) because it needs state. This module never looks at a clock, never
 stores anything, and never accepts a token it has not fully checked.
 
@@ -47,7 +48,7 @@ from policies.errors import (
     TokenWrongTarget,
     TokenZoneDenied,
 )
-from policies.evaluate import allowed
+from policies.evaluate import allowed, peer_origin
 from policies.keys import SIGNATURE_BYTES, SigningKey, fingerprint, signature_valid
 from policies.model import Policy
 from policies.sealing import NO_KEY, work_info
@@ -348,6 +349,64 @@ def verify(
     if not verdict.allowed:
         raise TokenZoneDenied(str(verdict))
     _check_seal(policy, claims.data_class, claims.target_worker, claims.seal_key_id)
+    return claims
+
+
+def verify_peer(
+    token: str,
+    policy: Policy,
+    peer: str,
+    *,
+    now: float,
+    job_id: str,
+    payload_sha256: bytes,
+    data_class: str,
+) -> PlacementClaims:
+    """An edge's check of a placement a sister campus's broker signed for one of this
+    campus's jobs: a broker key this policy's ``[peers.<peer>]`` entry pins, this job and
+    payload, a class the entry's ``send`` terms list, this campus as its origin
+    (``peer:<campus>``), one of the peer's zones the terms list, and sealed when this policy
+    marks the class confidential. The peer's own policy (its version, its workers) is the
+    peer's to check: its worker verifies the same token against it."""
+    entry = policy.peers.get(peer)
+    if entry is None:
+        raise TokenUntrustedSigner(
+            f"a placement from campus {peer!r}: policy v{policy.version} names no such "
+            f"sister campus ({', '.join(sorted(policy.peers)) or 'none'})"
+        )
+    claims, body, signature = _decode(token)
+    keys = [k for k in entry.brokers.values() if fingerprint(k) == claims.signer]
+    if not keys:
+        raise TokenUntrustedSigner(
+            f"token signed by key {claims.signer.hex()}, not a broker of {peer!r} that "
+            f"policy v{policy.version} pins: {', '.join(sorted(entry.brokers)) or 'none'}"
+        )
+    if not any(signature_valid(k, signature, DOMAIN + body) for k in keys):
+        raise TokenBadSignature("the token's signature does not verify: it was altered or forged")
+    _check_time(claims, policy, now)
+    if claims.job_id != job_id:
+        raise TokenWrongJob(f"token is for job {claims.job_id!r}, attached to job {job_id!r}")
+    check_payload(claims, payload_sha256)
+    if claims.data_class != data_class:
+        raise TokenWrongClass(f"token is for class {claims.data_class!r}, job says {data_class!r}")
+    origin = peer_origin(policy.campus)
+    if claims.origin_zone != origin:
+        raise TokenWrongOrigin(
+            f"token is for origin {claims.origin_zone!r}; a job of this campus is {origin!r} "
+            f"on {peer!r}"
+        )
+    terms = entry.send
+    if data_class not in terms.classes or claims.target_zone not in terms.zones:
+        raise TokenZoneDenied(
+            f"class {data_class!r} in {peer!r}'s zone {claims.target_zone!r}: policy "
+            f"v{policy.version} sends it classes {sorted(terms.classes)} in zones "
+            f"{sorted(terms.zones)}"
+        )
+    if claims.seal_key_id == NO_KEY and policy.confidential(data_class):
+        raise TokenNotSealed(
+            f"policy v{policy.version} marks class {data_class!r} confidential: its images "
+            f"travel only sealed, and {peer!r}'s placement binds no sealing key"
+        )
     return claims
 
 

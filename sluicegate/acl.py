@@ -25,7 +25,10 @@ certificate (``use_identity_as_username``), which is also its client id
 - **Sister campuses** (``[peers]``): a peer's bridge (``peer.<campus>``, a certificate from
   this campus's CA) writes only what that campus says to this one and reads only what this
   one says to it, and may not read this campus's policy; broker replicas write and read
-  those two trees for each peer listed.
+  what brokers say to each other there (halves, summaries, probes, asks and answers), never
+  a work or returns topic. An edge writes work to the workers of the peers its
+  campus may send to and reads their results to it; a worker in a zone a peer's receive
+  terms open reads that work and returns its results.
 
 Anonymous clients get nothing (the Mosquitto configuration sets ``allow_anonymous false``).
 Every topic comes from ``sluicegate.topics``; none is spelled here. Pure: returns text.
@@ -105,6 +108,13 @@ def worker_users(policy: Policy) -> list[UserRules]:
             ("write", topics.edge_returns(edge_id, worker_id))
             for edge_id in senders.get(worker.zone, [])
         ]
+        # Work from the sister campuses whose receive terms open its zone, results back.
+        peers = policy.peers_into(worker.zone)
+        if peers:
+            rules.append(("read", topics.peer_work_all(policy.campus, worker_id)))
+        rules += [
+            ("write", topics.peer_returns(policy.campus, peer, "+", worker_id)) for peer in peers
+        ]
         out.append(
             UserRules(
                 worker_id, f"worker of pool {worker.pool!r} in zone {worker.zone}", tuple(rules)
@@ -122,6 +132,11 @@ def edge_users(policy: Policy) -> list[UserRules]:
             for w in sorted(policy.workers.values(), key=lambda w: w.worker_id)
             if w.zone in zones
         ]
+        # Work to the sister campuses its jobs may go to, their results back.
+        peers = policy.peers_out()
+        rules += [("write", topics.peer_work(policy.campus, p, "+", edge.edge_id)) for p in peers]
+        if peers:
+            rules.append(("read", topics.peer_returns_all(policy.campus, edge.edge_id)))
         for app in sorted(policy.apps, key=lambda a: a.app_id):
             if edge.edge_id in app.edges:
                 rules.append(("write", topics.client_results(app.app_id)))
@@ -169,11 +184,18 @@ def broker_users(policy: Policy) -> list[UserRules]:
             ("write", topics.broker_status(ref.key_id)),
             ("write", topics.policy()),
         ]
-        for peer in sorted(policy.peers):
-            rules += [
-                ("write", topics.peer_tree(policy.campus, peer)),
-                ("read", topics.peer_tree(peer, policy.campus)),
-            ]
+        for peer in sorted(policy.peers):  # what brokers say to each other: never a work topic
+            for topic in (
+                topics.peer_agreement,
+                topics.peer_summary,
+                topics.peer_probe,
+                topics.peer_asks,
+                topics.peer_answers,
+            ):
+                rules += [
+                    ("write", topic(policy.campus, peer)),
+                    ("read", topic(peer, policy.campus)),
+                ]
         out.append(UserRules(ref.key_id, "campus broker replica", tuple(rules)))
     return out
 

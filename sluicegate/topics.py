@@ -307,6 +307,41 @@ def peer_asks_shared(sender_campus: str, receiver_campus: str, group: str = "bro
     return f"$share/{group}/{peer_asks(sender_campus, receiver_campus)}"
 
 
+def peer_work(sender_campus: str, receiver_campus: str, worker_id: str, edge_id: str) -> str:
+    """Where edge ``edge_id`` of the sending campus sends a job the receiving campus placed
+    on its worker ``worker_id`` (the image and what the token is checked against, in a
+    ``wire_peer`` envelope: no MQTT property crosses the bridge). The receiver's ACL lets
+    only the sender's bridge write it, and the sender's lets only that edge write it."""
+    return f"{ROOT}/peer/{sender_campus}/{receiver_campus}/work/{worker_id}/{edge_id}"
+
+
+def peer_work_all(receiver_campus: str, worker_id: str) -> str:
+    """Subscription filter for a worker's work from every sister campus."""
+    return f"{ROOT}/peer/+/{receiver_campus}/work/{worker_id}/+"
+
+
+def peer_returns(sender_campus: str, receiver_campus: str, edge_id: str, worker_id: str) -> str:
+    """Where worker ``worker_id`` of the sending campus returns the result of a job that
+    edge ``edge_id`` of the receiving campus sent it (in a ``wire_peer`` envelope)."""
+    return f"{ROOT}/peer/{sender_campus}/{receiver_campus}/returns/{edge_id}/{worker_id}"
+
+
+def peer_returns_all(receiver_campus: str, edge_id: str) -> str:
+    """Subscription filter for the results sister campuses' workers return to one edge."""
+    return f"{ROOT}/peer/+/{receiver_campus}/returns/{edge_id}/+"
+
+
+def peer_worker(worker_id: str, campus: str) -> str:
+    """How an edge names a sister campus's worker among its own: ``<worker>@<campus>`` (no
+    worker id can hold an ``@``, so it is never taken for one of this campus's)."""
+    return f"{worker_id}@{campus}"
+
+
+def campus_of_worker(name: str) -> str:
+    """The sister campus a :func:`peer_worker` name is on; "" for one of this campus's."""
+    return name.partition("@")[2]
+
+
 def peer_of(topic: str) -> str:
     """The campus that sent a message on a peer topic (``.../peer/<sender>/<receiver>/...``;
     only its bridge may write there)."""

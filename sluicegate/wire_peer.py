@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from policies.canonical import canonical_json
 from policies.keys import SigningKey, b64u_decode, b64u_encode, signature_valid
 from sluicegate.errors import WireError
+from sluicegate.transport import Message
 
 SUMMARY_FORMAT: Literal["sluicegate-peer-summary/1"] = "sluicegate-peer-summary/1"
 SUMMARY_DOMAIN = b"sluicegate-peer-summary/1\n"
@@ -119,3 +120,61 @@ class Probe(_Wire):
 
 def parse_probe(data: bytes) -> Probe:
     return _parse(Probe, data, "peer probe")
+
+
+# -- an MQTT v5 message across a 3.1.1 bridge ----------------------------------------------
+# A job's work message (edge -> a peer's worker) and its result (worker -> edge) carry their
+# meaning in MQTT v5 properties on campus. Across the bridge they travel as an envelope: a
+# magic line, the properties as a JSON header of known length, then the payload unchanged.
+# Unwrapped on arrival they are the same message again, read by the same code as on campus.
+
+ENVELOPE_MAGIC = b"sluicegate-peer-envelope/1\n"
+_HEADER_LEN = 4
+MAX_HEADER = 16 * 1024
+
+
+class EnvelopeHead(_Wire):
+    """What a wrapped message keeps of its MQTT v5 properties (never a response topic:
+    where a result goes is the receiver's to derive from the topic)."""
+
+    props: tuple[tuple[str, str], ...] = Field(default=(), max_length=64)
+    correlation: str = Field(default="", max_length=1024)  # base64url, "" for none
+    content_type: str = Field(default="", max_length=256)
+
+
+def wrap(msg: Message) -> Message:
+    """``msg`` as it crosses a bridge: the same topic and QoS, its properties in the payload."""
+    head = EnvelopeHead(
+        props=tuple(msg.user_properties),
+        correlation=b64u_encode(msg.correlation_data) if msg.correlation_data else "",
+        content_type=msg.content_type or "",
+    )
+    text = canonical_json(head.model_dump(mode="json"))
+    payload = ENVELOPE_MAGIC + len(text).to_bytes(_HEADER_LEN, "big") + text + msg.payload
+    return Message(msg.topic, payload, qos=msg.qos)
+
+
+def unwrap(msg: Message) -> Message:
+    """The message a bridge carried, properties restored; WireError if it is not one."""
+    data = msg.payload
+    start = len(ENVELOPE_MAGIC) + _HEADER_LEN
+    if not data.startswith(ENVELOPE_MAGIC) or len(data) < start:
+        raise WireError(f"not a peer envelope: a message on {msg.topic!r} must start with it")
+    size = int.from_bytes(data[len(ENVELOPE_MAGIC) : start], "big")
+    if size > MAX_HEADER or start + size > len(data):
+        raise WireError(f"peer envelope header of {size} bytes: at most {MAX_HEADER}, whole")
+    head = _parse(EnvelopeHead, data[start : start + size], "peer envelope")
+    try:
+        correlation = b64u_decode(head.correlation) if head.correlation else None
+    except ValueError as exc:
+        raise WireError(f"peer envelope: correlation: {exc}") from exc
+    return Message(
+        msg.topic,
+        data[start + size :],
+        qos=msg.qos,
+        correlation_data=correlation,
+        content_type=head.content_type or None,
+        user_properties=head.props,
+        ack_handle=msg.ack_handle,
+        dup=msg.dup,
+    )

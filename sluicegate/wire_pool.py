@@ -68,6 +68,12 @@ class PlacementReply(_Wire):
     code: str | None = None  # for refusals: policy_denied, no_capacity, no_worker, ...
     reason: str | None = None
     broker_id: str | None = None
+    # A placement on a sister campus, relayed by this campus's broker: the campus whose
+    # broker signed the token (None: this campus), and, when the token binds a sealing key,
+    # that worker's public key (its ``policies.sealing`` text: this campus's policy does not
+    # list the peer's workers, and the token binds the key's id).
+    campus: str | None = Field(default=None, max_length=64)
+    seal_key: str | None = Field(default=None, max_length=128)
 
 
 class PlacementRelease(_Wire):

@@ -123,6 +123,10 @@ class FakePlacement:
     predicted_ms: float | None = None  # the broker's predicted completion on w1
     _waiting: list[asyncio.Future[None]] = field(default_factory=list)
 
+    def policy(self) -> None:
+        """No policy: no sister campus to hear from."""
+        return None
+
     async def place(
         self, job: Job, reason: str, local_estimate_s: float, *, attempt: int = 1
     ) -> Placement | Declined:

@@ -230,11 +230,19 @@ NOT_TOPICS = {
     "peer_tree",
     "peer_of",
     "peer_bridge_identity",
+    "peer_worker",
+    "campus_of_worker",
 }
 
 # Between sister campuses, on the ACL of a campus ("north-site") whose policy names a peer.
-PEERED = policy_of(site_doc("north-site", "south-site", send=PARTS_TERMS, receive={}))
+PEERED = policy_of(site_doc("north-site", "south-site", send=PARTS_TERMS, receive=PARTS_TERMS))
 SOUTH_BRIDGE = topics.peer_bridge_identity("south-site")
+N_EDGE, N_WORKER, S_EDGE, S_WORKER = (
+    "north-l1-pc",
+    "north-site-gpu-1",
+    "south-pc",
+    "south-site-gpu-1",
+)
 PEER_FLOWS: dict[str, list[tuple[str, str, str]]] = {
     name: [
         ("north-site-broker-1", "write", fn("north-site", "south-site")),
@@ -250,6 +258,19 @@ PEER_FLOWS: dict[str, list[tuple[str, str, str]]] = {
         ("peer_answers", topics.peer_answers),
     )
 }
+# A job's image and its result, each way: our edge to their worker, their edge to ours.
+PEER_FLOWS["peer_work"] = [
+    (N_EDGE, "write", topics.peer_work("north-site", "south-site", S_WORKER, N_EDGE)),
+    (SOUTH_BRIDGE, "read", topics.peer_work("north-site", "south-site", S_WORKER, N_EDGE)),
+    (SOUTH_BRIDGE, "write", topics.peer_work("south-site", "north-site", N_WORKER, S_EDGE)),
+    (N_WORKER, "read", topics.peer_work("south-site", "north-site", N_WORKER, S_EDGE)),
+]
+PEER_FLOWS["peer_returns"] = [
+    (N_WORKER, "write", topics.peer_returns("north-site", "south-site", S_EDGE, N_WORKER)),
+    (SOUTH_BRIDGE, "read", topics.peer_returns("north-site", "south-site", S_EDGE, N_WORKER)),
+    (SOUTH_BRIDGE, "write", topics.peer_returns("south-site", "north-site", N_EDGE, S_WORKER)),
+    (N_EDGE, "read", topics.peer_returns("south-site", "north-site", N_EDGE, S_WORKER)),
+]
 
 
 def test_every_topic_of_the_topics_module_has_its_flows_in_the_acl() -> None:
@@ -282,6 +303,18 @@ def test_every_topic_of_the_topics_module_has_its_flows_in_the_acl() -> None:
         ("north-l1-pc", "write", topics.peer_summary("north-site", "south-site")),
         ("north-l1-pc", "read", topics.peer_agreement("south-site", "north-site")),
         ("north-site-broker-1", "write", topics.peer_summary("south-site", "north-site")),
+        # an edge sends only its own work, a worker reads only its own and returns as itself
+        (N_EDGE, "write", topics.peer_work("north-site", "south-site", S_WORKER, "other-pc")),
+        (N_EDGE, "read", topics.peer_returns("south-site", "north-site", "other-pc", S_WORKER)),
+        (N_EDGE, "read", topics.peer_work("south-site", "north-site", N_WORKER, S_EDGE)),
+        (N_WORKER, "read", topics.peer_work("south-site", "north-site", "other-gpu", S_EDGE)),
+        (N_WORKER, "write", topics.peer_returns("north-site", "south-site", S_EDGE, "other-gpu")),
+        (N_WORKER, "write", topics.peer_work("north-site", "south-site", S_WORKER, N_WORKER)),
+        (
+            "north-site-broker-1",
+            "read",
+            topics.peer_work("south-site", "north-site", N_WORKER, S_EDGE),
+        ),
     ],
 )
 def test_a_peer_s_bridge_and_the_campus_s_nodes_stay_in_their_lanes(

@@ -25,7 +25,7 @@ from redis.backoff import NoBackoff
 from center_pool.guard import AuditSink, MemoryAsyncReplayCache, MemoryAuditStore
 from center_pool.hardware import HostProbe
 from center_pool.worker import PoolWorker
-from policies import AsyncAuditWriter, SigningKey, verify_chain
+from policies import AsyncAuditWriter, Policy, SigningKey, verify_chain
 from policies.audit import decode_record
 from policies.redis_stores import AsyncRedisReplayCache
 from policies.replay import AsyncReplayCache
@@ -39,6 +39,7 @@ from sluicegate.vision.runtime import LoadedModel, ModelRegistry, default_models
 from tests.pool_kit import (
     EDGE,
     JPEG,
+    POLICY,
     TRUTH,
     WORKER,
     WORKER_ZONE,
@@ -110,12 +111,15 @@ async def start(
     replay: AsyncReplayCache | None = None,
     registry: ModelRegistry = REGISTRY,
     models_dir: Path | None = None,
+    published: Policy = POLICY,
     **pool: Any,
 ) -> Harness:
+    """A worker on an in-memory broker; with ``policy`` the broker holds ``published``
+    (signed by the test officers, whom the worker's pinned anchor trusts)."""
     broker = MemoryBroker()
     if policy:
         MemoryTransport(broker).publish_nowait(
-            Message(topics.policy(), envelope(), qos=1, retain=True)
+            Message(topics.policy(), envelope(published), qos=1, retain=True)
         )
     settings = PoolSettings(id=WORKER, zone=WORKER_ZONE, telemetry_interval_s=0.05, **pool)
     store, key = MemoryAuditStore(), SigningKey.generate()

@@ -20,6 +20,7 @@ from typing import Generic, TypeVar
 
 from broker.core.decision import Decision
 from broker.core.fleet import Fleet
+from broker.core.forwarding import FORWARDABLE
 from broker.core.params import PlacementParams
 from broker.core.placement import Placed, decide
 from policies.model import Policy
@@ -49,6 +50,7 @@ class Turn(Generic[T]):
     placed: list[tuple[T, Placed]] = field(default_factory=list)
     refused: list[Refusal[T]] = field(default_factory=list)
     held: int = 0
+    forwarded: int = 0
 
 
 @dataclass(slots=True)
@@ -71,11 +73,14 @@ def decide_turn(
     hold: Callable[[T, float], bool],
     sealable: Callable[[PlacementRequest], Callable[[str], bool] | None],
     beside: Callable[[PlacementRequest, Decision], None] | None = None,
+    forward: Callable[[T, float], bool] | None = None,
 ) -> Turn[T]:
-    """Decide ``items`` in order; ``hold(item, now)`` offers one that found no room to the
-    waiting room (True: it waits there); ``sealable(request)``: the workers its images may
-    be sealed to (``broker.core.sealing.sealable_in``); ``beside`` sees every decision
-    (the shadow candidate)."""
+    """Decide ``items`` in order; ``forward(item, now)`` offers one refused for want of a
+    worker here to a sister campus (True: asked there; ``broker.core.forwarding``), then
+    ``hold(item, now)`` one that found no room to the waiting room (True: it waits there);
+    ``sealable(request)``: the workers its images may be sealed to
+    (``broker.core.sealing.sealable_in``); ``beside`` sees every decision (the shadow
+    candidate)."""
     turn: Turn[T] = Turn()
     for item in items:
         if policy is None:
@@ -92,6 +97,8 @@ def decide_turn(
                 decision.worker_id, request.job_id, now, request.model, decision.predicted_ms
             )
             turn.placed.append((item, decision))
+        elif forward is not None and decision.code in FORWARDABLE and forward(item, now):
+            turn.forwarded += 1
         elif decision.code == "no_capacity" and hold(item, now):
             turn.held += 1
         else:

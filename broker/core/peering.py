@@ -58,7 +58,8 @@ class Capacity:
 def capacities_of(fleet: Fleet, zones: Collection[str]) -> list[Capacity]:
     """What the fleet's workers in ``zones`` (their zones as the policy says) have now, per
     model and device class: free slots and slots summed, the shortest and longest work
-    ahead among them as queue p50 and p99, the mean of their reported service times."""
+    ahead among them as queue p50 and p99, the mean of their service times (as each reports
+    it, else as the fleet estimates it)."""
     policy = fleet.policy
     groups: dict[tuple[str, str], list[tuple[int, int, float, float]]] = {}
     for state in fleet.states():
@@ -70,11 +71,16 @@ def capacities_of(fleet: Fleet, zones: Collection[str]) -> list[Capacity]:
         free = fleet.headroom(state.worker_id)
         backlog = latest.backlog_ms or 0.0
         for model in caps.models:
-            service = latest.service_ms.get(model)
-            if service:
-                groups.setdefault((model, caps.device_class), []).append(
-                    (free, latest.capacity, backlog, service)
-                )
+            if "@" in model:  # a version kept beside the current one: offered by its name
+                continue
+            # What it reports, else the fleet's estimate (a worker that has run nothing yet
+            # still offers its slots, at the time placement itself would predict).
+            service = latest.service_ms.get(model) or fleet.service.estimate(
+                model, caps.device_class
+            )
+            groups.setdefault((model, caps.device_class), []).append(
+                (free, latest.capacity, backlog, service)
+            )
     out = []
     for (model, device_class), rows in sorted(groups.items()):
         backlogs = sorted(b for _f, _c, b, _s in rows)

@@ -31,7 +31,7 @@ from policies.signing import add_signature, dump_signatures, sign_policy
 from sluicegate import pki
 from sluicegate.acl import render_acl
 from sluicegate.config import MqttSettings
-from sluicegate.enroll.authority import init_folder
+from sluicegate.enroll.authority import Authority, init_folder
 from sluicegate.mosquitto import ListenerTls
 
 FAB = "campus/fab-north"
@@ -55,7 +55,7 @@ MOSQUITTO = "mosquitto"  # the server certificate's file stem
 POLICY_TEMPLATE = """\
 # Sluicegate demo campus, written by sluicegate.app.campus with keys made for this run.
 format = "sluicegate-policy/1"
-campus = "demo-campus"
+campus = "{campus}"
 version = {version}
 expires = {expires}
 description = "Two inspection lines and a data centre on campus; an off-site cloud pool"
@@ -182,11 +182,14 @@ def _app_tables(apps: Mapping[str, AppSpec]) -> str:
     return "\n".join(out)
 
 
-def _write_pki(root: Path, keys: dict[str, SigningKey], now: float) -> dict[str, Path]:
+def _write_pki(root: Path, keys: dict[str, SigningKey], now: float, campus: str) -> dict[str, Path]:
     """The campus CA (with its join-token key: ``root`` is an enrollment authority folder
-    the broker serves), Mosquitto's server certificate and one client certificate per
-    identity in ``keys``; returns the key files written besides the node keys."""
-    ca = init_folder(root, "demo-campus", now=now)
+    the broker serves; one already there is kept, e.g. made first so that a sister campus's
+    policy can pin its fingerprint), Mosquitto's server certificate and one client
+    certificate per identity in ``keys``; returns the key files written besides the node
+    keys."""
+    made = (root / pki.CA_KEY).exists()
+    ca = Authority(root).ca if made else init_folder(root, campus, now=now)
     server_key, server = pki.server_identity(ca, ("127.0.0.1", "localhost"), now=now)
     key_file = root / f"{MOSQUITTO}.key"
     pki.write_private(key_file, pki.key_pem(server_key))
@@ -213,19 +216,29 @@ def write_campus(
     apps: Mapping[str, AppSpec] | None = None,
     rollout: str = "",
     confidential: bool = True,
+    campus: str = "demo-campus",
+    fab: str = FAB,
+    peers: str = "",
 ) -> Campus:
     """Write the policy (signed by the officer), node keys and node configs under ``root``;
     with ``secure``, also the CA, every identity's certificate and the Mosquitto ACL.
     ``apps``: the vision apps the policy lists (default :data:`APPS`); ``rollout``: a
     ``[rollout]`` table (TOML) for the policy, none by default; ``confidential``: wafer
     images travel only sealed (the default; off for tests whose workers are played by hand
-    and hold no key)."""
+    and hold no key). ``campus`` names it and ``fab`` is the zone its lines and data centre
+    are under (a sister campus is another fab: ``campus/fab-south``); ``peers``: its
+    ``[peers]`` tables (TOML), none by default."""
     apps = APPS if apps is None else apps
+    lines = {edge: zone.replace(FAB, fab, 1) for edge, zone in LINES.items()}
     root.mkdir(parents=True, exist_ok=True)
     now_s = now if now is not None else dt.datetime.now(dt.UTC).timestamp()
     stamp = dt.datetime.fromtimestamp(now, dt.UTC) if now is not None else dt.datetime.now(dt.UTC)
     expires = (stamp + dt.timedelta(days=30)).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
-    workers = WORKERS if workers is None else workers
+    workers = (
+        {w: (zone.replace(FAB, fab, 1), device) for w, (zone, device) in WORKERS.items()}
+        if workers is None
+        else workers
+    )
     names = [OFFICER, BROKER, *LINES, *workers]
     by_zone: dict[str, list[str]] = {}
     for worker, (zone, _device_class) in workers.items():
@@ -254,33 +267,36 @@ def write_campus(
     text = POLICY_TEMPLATE.format(
         version=version,
         expires=expires,
+        campus=campus,
         officer=OFFICER,
         officer_key=keys[OFFICER].public_text,
         broker=BROKER,
         broker_key=keys[BROKER].public_text,
-        fab=FAB,
+        fab=fab,
         line1_key=keys["line-1-pc"].public_text,
         line2_key=keys["line-2-pc"].public_text,
         pools=pools,
         apps=_app_tables(apps),
         wafer_confidential="confidential = true\n" if confidential else "",
-    ) + (f"\n{rollout}" if rollout else "")
+    ) + "".join(f"\n{table}" for table in (rollout, peers) if table)
     policy_file = root / "policy.toml"
     policy_file.write_text(text)
     policy = parse_policy(text.encode(), source=str(policy_file))
     bundle = add_signature(None, policy, sign_policy(policy, keys[OFFICER], OFFICER))
     policy_file.with_name("policy.toml.sig").write_bytes(dump_signatures(bundle))
     if secure:
-        key_files |= _write_pki(root, {n: k for n, k in keys.items() if n != OFFICER}, now_s)
+        nodes = {n: k for n, k in keys.items() if n != OFFICER}
+        key_files |= _write_pki(root, nodes, now_s, campus)
         (root / "mosquitto.acl").write_text(render_acl(policy, observers=(OBSERVER,)))
-    campus = Campus(root, policy_file, key_files, mqtt_port, secure, sealing)
+    written = Campus(root, policy_file, key_files, mqtt_port, secure, sealing)
 
     def mqtt(node: str) -> str:
         text = f"[mqtt]\nport = {mqtt_port}\nkeepalive_s = 5\nreconnect_max_s = 2\n"
         if not secure:
             return text + "plaintext = true\n"
         return (
-            text + f'tls_ca_file = "{campus.ca_file}"\ntls_cert_file = "{campus.cert_file(node)}"\n'
+            text
+            + f'tls_ca_file = "{written.ca_file}"\ntls_cert_file = "{written.cert_file(node)}"\n'
             f'tls_key_file = "{key_files[node]}"\n'
         )
 
@@ -293,24 +309,24 @@ def write_campus(
         f'state_dir = "{root / "state" / BROKER}"\n{ca_dir}'
         f'\n[console]\nusers_file = "{users}"\n'
     )
-    for edge, zone in LINES.items():
+    for edge, zone in lines.items():
         # A line PC is modest: one job at a time, and more than a few waiting is a burst.
-        campus.node_config(edge).write_text(
+        written.node_config(edge).write_text(
             mqtt(edge) + f'\n[edge]\nid = "{edge}"\nzone = "{zone}"\nconcurrency = 1\n'
             f'key_file = "{key_files[edge]}"\n'
             f"\n[offload]\nqueue_bound = 4\n"
             f'state_dir = "{root / "state" / edge}"\npolicy_file = "{policy_file}"\n'
         )
     # The observer's: what 'sluicegate twin record --config observer.toml' connects with.
-    campus.node_config(OBSERVER).write_text(mqtt(OBSERVER))
+    written.node_config(OBSERVER).write_text(mqtt(OBSERVER))
     for worker, (zone, device_class) in workers.items():
-        campus.node_config(worker).write_text(
+        written.node_config(worker).write_text(
             mqtt(worker)
             + f'\n[pool]\nid = "{worker}"\nzone = "{zone}"\ndevice_class = "{device_class}"\n'
             f'redis_url = "{redis_url}"\nkey_file = "{key_files[worker]}"\n'
             f'state_dir = "{root / "state" / worker}"\npolicy_file = "{policy_file}"\n'
         )
-    return campus
+    return written
 
 
 def write_console_users(root: Path) -> Path:

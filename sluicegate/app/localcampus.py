@@ -32,7 +32,16 @@ from policies import SigningKey
 from sluicegate import topics, wire
 from sluicegate.app.broker_http import get_json
 from sluicegate.app.calibration import calibrate, cap_cpu, cpu_cap_available, named_threads
-from sluicegate.app.campus import BROKER, LINES, OBSERVER, WORKERS, AppSpec, Campus, write_campus
+from sluicegate.app.campus import (
+    BROKER,
+    FAB,
+    LINES,
+    OBSERVER,
+    WORKERS,
+    AppSpec,
+    Campus,
+    write_campus,
+)
 from sluicegate.app.servers import ServerProcess, free_port, start_mosquitto
 from sluicegate.errors import SluicegateError
 from sluicegate.mqtt import MqttTransport
@@ -71,6 +80,9 @@ class LocalCampus:
         servers: Mapping[str, ServerProcess] | None = None,
         secure: bool = True,
         apps: Mapping[str, AppSpec] | None = None,
+        campus: str = "demo-campus",
+        fab: str = FAB,
+        peers: str = "",
     ) -> None:
         """``edge_cpu``: emulate line PCs with a modest inference budget by capping each
         edge agent's compute threads to this share of one core (a CPU cgroup, which leaves
@@ -80,7 +92,8 @@ class LocalCampus:
         ``servers``: the ``mosquitto`` / ``redis`` processes the campus runs on, so that
         :meth:`kill` and :meth:`restart` reach them too. ``secure=False``: no TLS, anonymous
         MQTT, for debugging only. ``apps``: the vision apps its policy lists (default
-        :data:`~sluicegate.app.campus.APPS`)."""
+        :data:`~sluicegate.app.campus.APPS`). ``campus``, ``fab``, ``peers``: its name, the
+        zone its lines are under and its ``[peers]`` tables (``write_campus``)."""
         unknown = set(nodes or ()) - set(ROLE)
         if unknown:
             raise SluicegateError(f"unknown nodes {sorted(unknown)}; known: {', '.join(ROLE)}")
@@ -101,6 +114,7 @@ class LocalCampus:
         self.campus: Campus | None = None
         self.secure = secure
         self._apps = apps
+        self._campus_name, self._fab, self._peers = campus, fab, peers
         self.models_dirs: dict[str, Path] = {}  # by role, once calibrated
         self.http_port = free_port()  # the broker's HTTP API
         # Each edge's and worker's /metrics, on 127.0.0.1 (kept across restarts).
@@ -122,6 +136,9 @@ class LocalCampus:
                 http_port=self.http_port,
                 secure=self.secure,
                 apps=self._apps,
+                campus=self._campus_name,
+                fab=self._fab,
+                peers=self._peers,
             )
         return self.campus
 

@@ -1,0 +1,155 @@
+"""A replica's asks to sister campuses for the jobs no worker here can take, and the peers'
+answers relayed to the edges that asked.
+
+The placement turn (``broker.core.batch``) offers each request the local decision refused
+for want of a worker to :meth:`Forwarder.forward`; ``broker.core.forwarding`` says whether a
+peer may do better and which. The request goes to that peer's brokers on
+``topics.peer_asks`` (its origin is ours; the peer's broker makes it ``peer:<campus>``)
+and waits, at most until the edge stops waiting, for the answer on ``topics.peer_answers``
+(every replica hears each answer; the one that asked relays it). A placement goes to the
+edge as the peer's broker signed it, named with the peer's campus: the edge checks the
+token against the peer's keys in its own policy and sends the image across itself. A
+refusal, a malformed answer or no answer in time answers the edge with a refusal naming the
+peer, so the job runs on its edge. Each ask ends counted by peer and outcome
+(``sluicegate_peer_asked_total``) and audited like any answer. Loop thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from pydantic import ValidationError
+
+from broker.core.forwarding import forward_to
+from broker.core.peering import PeerRefused
+from broker.peers import Peers
+from broker.waiting_room import Pending
+from policies.model import Policy
+from sluicegate import topics, wire
+from sluicegate.errors import TransportError
+from sluicegate.transport import Message, Transport
+from sluicegate.wire_pool import PlacementReply
+
+log = logging.getLogger(__name__)
+
+
+class Forwarder:
+    """This replica's asks to sister campuses waiting for their answers."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        policy: Callable[[], Policy | None],
+        peers: Peers,
+        clock: Callable[[], float],
+        *,
+        relay: Callable[[Pending, PlacementReply], None],
+        refuse: Callable[[Pending, str, str], None],
+        counted: Callable[[str, str], None] = lambda _peer, _outcome: None,
+    ) -> None:
+        self._transport = transport
+        self._policy = policy
+        self._peers = peers
+        self._clock = clock
+        self._relay = relay
+        self._refuse = refuse
+        self._counted = counted  # (peer, outcome): the service's counter
+        self._waiting: dict[tuple[str, str], tuple[Pending, asyncio.TimerHandle]] = {}
+        self._listening: set[str] = set()
+        self.outcomes: Counter[str] = Counter()  # "<peer>.<outcome>"
+        self.why_not = ""  # why the last request offered went to no peer, for the log
+
+    def forward(self, item: Pending, now: float) -> bool:
+        """Ask a sister campus for ``item`` if one may do better than this campus; False
+        leaves the request to the local answer."""
+        policy = self._policy()
+        if policy is None or not policy.peers_out():
+            return False
+        peers = policy.peers_out()
+        choice = forward_to(
+            policy,
+            item.request,
+            self._peers.offers,
+            self._peers.standing,
+            {peer: self._peers.link(peer) for peer in peers},
+            now=now,
+            waited_s=time.perf_counter() - item.arrived,
+        )
+        if isinstance(choice, PeerRefused):
+            self.why_not = choice.reason
+            return False
+        request = item.request
+        topic = topics.peer_asks(policy.campus, choice.peer)
+        try:
+            self._transport.publish_nowait(Message(topic, wire.dump(request), qos=1))
+        except TransportError as exc:
+            self.why_not = f"{choice.peer}: could not ask: {exc}"
+            return False
+        key = (choice.peer, request.job_id)
+        earlier = self._waiting.pop(key, None)
+        if earlier is not None:  # the edge asked again for the same job: the newer ask wins
+            earlier[1].cancel()
+            self._end(choice.peer, "superseded")
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(max(0.0, choice.answer_by - now), self._timed_out, key)
+        self._waiting[key] = (item, timer)
+        return True
+
+    def on_answer(self, msg: Message) -> None:
+        """A peer's broker answers one of our asks."""
+        peer = topics.peer_of(msg.topic)
+        try:
+            reply = PlacementReply.model_validate_json(msg.payload)
+        except ValidationError as exc:
+            log.warning("answer on %s unreadable: %s", msg.topic, exc)
+            self._end(peer, "malformed")
+            return
+        waiting = self._waiting.pop((peer, reply.job_id), None)
+        if waiting is None:  # another replica asked, or the edge stopped waiting
+            return
+        item, timer = waiting
+        timer.cancel()
+        if reply.status == "placed":
+            self._end(peer, "placed")
+            self._relay(item, reply.model_copy(update={"campus": peer}))
+        else:
+            self._end(peer, "refused")
+            why = f"sister campus {peer} refused it [{reply.code}]: {reply.reason}"
+            self._refuse(item, "peer_refused", why)
+
+    def _timed_out(self, key: tuple[str, str]) -> None:
+        waiting = self._waiting.pop(key, None)
+        if waiting is None:
+            return
+        peer = key[0]
+        self._end(peer, "timeout")
+        why = f"sister campus {peer} did not answer before the edge stops waiting"
+        self._refuse(waiting[0], "peer_timeout", why)
+
+    def _end(self, peer: str, outcome: str) -> None:
+        self.outcomes[f"{peer}.{outcome}"] += 1
+        self._counted(peer, outcome)
+
+    async def listen(self) -> None:
+        """Hear the answers of each peer this campus may send to (once each)."""
+        policy = self._policy()
+        if policy is None:
+            return
+        for peer in sorted(set(policy.peers_out()) - self._listening):
+            await self._transport.subscribe(
+                topics.peer_answers(peer, policy.campus), self.on_answer
+            )
+            self._listening.add(peer)
+
+    async def run(self, interval_s: float) -> None:
+        """Listen to newly listed peers every interval."""
+        while True:
+            try:
+                await self.listen()
+            except TransportError as exc:
+                log.warning("sister campuses' answers: %s", exc)
+            await asyncio.sleep(interval_s)

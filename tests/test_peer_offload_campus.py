@@ -1,0 +1,77 @@
+"""A burst on a line of campus north that north's own pool cannot take runs on campus south's
+pool, across the bridge, inside the agreement (issue 39, part 4), end to end as two plants
+run it: two CAs, two secured Mosquittos bridged through a delaying link, two Redis
+databases, each campus's broker, north's line PC and south's pool worker as processes
+(``tests/two_campus_kit.py``). North's broker asks south's, relays south's signed placement;
+north's edge checks it against south's keys in its own policy, sends the image across and
+takes the result back; a class the agreement does not list stays on north's line PC."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from sluicegate import wire
+from sluicegate.client import AsyncClient
+from tests.image_bytes import sample_jpeg
+from tests.two_campus_kit import SOUTH_DC, TwoCampuses, two_campuses
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+LINE, APP, RESULTS = "line-1-pc", "app-line-1", "app/line-1/results"
+JPEG, _TRUTH = sample_jpeg(5)
+
+
+@pytest.fixture(scope="module")
+def rig(
+    tmp_path_factory: pytest.TempPathFactory, fresh_redis_db: Callable[[], str]
+) -> Iterator[TwoCampuses]:
+    with two_campuses(
+        tmp_path_factory.mktemp("two-campuses"),
+        fresh_redis_db,
+        north_nodes=("broker-1", LINE),  # no worker of north's own runs
+        south_nodes=("broker-1", "north-cpu-1"),  # south's one worker, in its data centre
+        delay_s=0.005,
+        # The edge waits for an answer from across the link (the default suits a campus).
+        node_env={LINE: {"SLUICEGATE_OFFLOAD__PLACEMENT_TIMEOUT_MS": "500"}},
+    ) as made:
+        yield made
+
+
+async def burst(rig: TwoCampuses, classes: list[str], deadline_ms: float) -> list[wire.JobResult]:
+    north = rig.north.campus
+    assert north is not None
+    async with AsyncClient(
+        north.mqtt(APP), edge=LINE, response_topic=RESULTS, default_timeout=60
+    ) as app:
+        return list(
+            await asyncio.gather(
+                *(
+                    app.infer(JPEG, model="defect-v1", data_class=c, deadline_ms=deadline_ms)
+                    for c in classes
+                )
+            )
+        )
+
+
+def test_a_burst_north_cannot_take_runs_on_south_and_what_may_not_leave_stays(
+    rig: TwoCampuses,
+) -> None:
+    offered = rig.wait_offered()
+    assert offered["link"]["rtt_s"] >= 0.010  # the relay's 5 ms each way, measured
+    classes = ["ocr-crop"] * 24 + ["wafer-image"] * 4
+    results = asyncio.run(burst(rig, classes, deadline_ms=1500))
+    assert [r.status for r in results] == ["ok"] * len(classes), [
+        (r.status, r.code, r.reason) for r in results if r.status != "ok"
+    ]
+    crossed = [r for r, c in zip(results, classes, strict=True) if r.ran_on.zone == SOUTH_DC]
+    assert crossed, [r.offload for r in results]  # some of the burst ran on south's pool
+    assert all(r.offload is not None and r.offload.placed for r in crossed)
+    # The result is south's worker's own document, forwarded to the app unchanged.
+    assert {r.ran_on.node for r in crossed} == {"north-cpu-1"}
+    wafers = [r for r, c in zip(results, classes, strict=True) if c == "wafer-image"]
+    assert all(r.ran_on.kind == "edge" for r in wafers)  # the agreement lists no wafer
+    shown = rig.peers_seen(rig.south)
+    assert shown["peers"][0]["standing"] == "in_force"
