@@ -125,7 +125,6 @@ class FakePlacement:
 
     def policy(self) -> None:
         """No policy: no sister campus to hear from."""
-        return None
 
     async def place(
         self, job: Job, reason: str, local_estimate_s: float, *, attempt: int = 1

@@ -1,0 +1,82 @@
+"""The link between two campuses cut mid-burst and restored (issue 39): nothing lost, nothing
+twice. North's line PC sends part of a burst to south's pool; the bridge's link is cut while
+jobs are out there; their results cannot come, so each is re-placed or run on the line PC
+once its result is overdue, and whatever south still returns once the link is back (the
+bridge's session holds it) is fenced as a stale attempt. Two whole campuses as processes
+(``tests/two_campus_kit.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from sluicegate import wire
+from sluicegate.client import AsyncClient
+from tests.image_bytes import sample_jpeg
+from tests.two_campus_kit import SOUTH_DC, TwoCampuses, two_campuses
+
+pytestmark = [pytest.mark.integration, pytest.mark.faults]
+
+LINE, APP, RESULTS = "line-1-pc", "app-line-1", "app/line-1/results"
+JPEG, _TRUTH = sample_jpeg(9)
+
+
+@pytest.fixture(scope="module")
+def rig(
+    tmp_path_factory: pytest.TempPathFactory, fresh_redis_db: Callable[[], str]
+) -> Iterator[TwoCampuses]:
+    env = {"SLUICEGATE_OFFLOAD__PLACEMENT_TIMEOUT_MS": "500"}
+    env["SLUICEGATE_OFFLOAD__RESULT_TIMEOUT_S"] = "1.0"  # a result overdue after a second
+    with two_campuses(
+        tmp_path_factory.mktemp("cut"),
+        fresh_redis_db,
+        north_nodes=("broker-1", LINE),
+        south_nodes=("broker-1", "north-cpu-1"),
+        delay_s=0.005,
+        node_env={LINE: env},
+    ) as made:
+        yield made
+
+
+async def burst_through_a_cut(rig: TwoCampuses, jobs: int) -> tuple[list[wire.JobResult], int]:
+    """The burst; the link cut once a first job came back from south, mended once a job
+    ran on the line PC after the cut. Returns the results and the app's count of results
+    it got twice."""
+    north = rig.north.campus
+    assert north is not None
+    async with AsyncClient(
+        north.mqtt(APP), edge=LINE, response_topic=RESULTS, default_timeout=90
+    ) as app:
+        calls = [
+            asyncio.ensure_future(
+                app.infer(JPEG, model="defect-v1", data_class="ocr-crop", deadline_ms=20_000)
+            )
+            for _ in range(jobs)
+        ]
+        pending = set(calls)
+        cut = False
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            zones = {task.result().ran_on.zone for task in done}
+            if not cut and SOUTH_DC in zones:
+                rig.relay.cut()
+                cut = True
+            elif cut and any(task.result().ran_on.kind == "edge" for task in done):
+                rig.relay.mend()
+        results = [task.result() for task in calls]
+        return results, app.duplicates + app.unmatched
+
+
+def test_a_link_cut_mid_burst_loses_nothing_and_answers_each_job_once(rig: TwoCampuses) -> None:
+    rig.wait_offered()
+    results, twice = asyncio.run(burst_through_a_cut(rig, 40))
+    assert [r.status for r in results] == ["ok"] * len(results), [
+        (r.status, r.code, r.reason) for r in results if r.status != "ok"
+    ]
+    assert len({r.job_id for r in results}) == len(results)
+    assert twice == 0  # no job answered twice, however late south's returns came
+    where = {r.ran_on.kind + ":" + r.ran_on.zone for r in results}
+    assert f"pool:{SOUTH_DC}" in where  # some went across before the cut
+    assert any(w.startswith("edge:") for w in where)  # and some ran here
