@@ -50,7 +50,7 @@ class BrokerView(Protocol):
 
     def metrics(self) -> bytes: ...
 
-    async def usage_export(self, from_ms: int, to_ms: int) -> bytes | None: ...
+    async def usage_export(self, from_ms: int, to_ms: int, peer: str = "") -> bytes | None: ...
 
 
 class Enrollment(Protocol):
@@ -327,10 +327,21 @@ OPENAPI: dict[str, Any] = {
                 "description": "Viewer. One line per record whose at_ms falls in [from, to] "
                 "(ordered by node, then seq), each signed by its node and countersigned by the "
                 "replica that stored it; the last line is this replica's signed manifest "
-                "(each node's head, the records' sha256). 'sluicegate meter verify' checks it.",
+                "(each node's head, the records' sha256). 'sluicegate meter verify' checks it. "
+                "With peer=<campus>: the settlement export with that sister campus (our records "
+                "of the jobs between us, then theirs as their broker countersigned them; "
+                "'sluicegate meter peer-report' checks and settles it).",
                 "parameters": [
-                    {"name": n, "in": "query", "required": True, "schema": {"type": "number"}}
-                    for n in ("from", "to")
+                    *(
+                        {"name": n, "in": "query", "required": True, "schema": {"type": "number"}}
+                        for n in ("from", "to")
+                    ),
+                    {
+                        "name": "peer",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "string"},
+                    },
                 ],
                 "responses": {
                     "200": {"description": "the export"},
@@ -424,7 +435,11 @@ def make_app(
         period = export_period(request.query.get("from"), request.query.get("to"))
         if isinstance(period, str):
             return _error(400, period)
-        body = await view.usage_export(*period)
+        peer = request.query.get("peer", "")
+        try:
+            body = await view.usage_export(*period, peer)
+        except KeyError:
+            return _error(404, f"no sister campus {peer[:64]!r} in the policy in force")
         if body is None:
             return _error(404, "this broker takes no usage records")
         return web.Response(body=body, content_type="application/x-ndjson")

@@ -91,6 +91,18 @@ def usage_heads() -> str:
     return f"{PREFIX}:usage:heads"
 
 
+def usage_peer_records(peer: str) -> str:
+    """Hash: the usage records sister campus ``peer`` sent that concern this campus, by
+    ``<node>:<seq>`` (its nodes' names, not ours), each its countersigned line, the first held."""
+    return f"{PREFIX}:usage:peer:{peer}:records"
+
+
+def usage_peer_by_time(peer: str) -> str:
+    """Sorted set: ``<node>:<seq>`` of each record of :func:`usage_peer_records`, scored by
+    its ``at_ms``."""
+    return f"{PREFIX}:usage:peer:{peer}:by-time"
+
+
 def usage_conflicts(node_id: str) -> str:
     """Hash: usage records of a node that differ from the one held for their seq, by their
     digest, as they came (kept aside for an investigation, capped)."""

@@ -74,6 +74,8 @@ class UsageIngest:
         self._inbox: deque[Message] = deque()
         self._wake = asyncio.Event()
         self.stored = 0  # new records this replica stored
+        # Told of each record this replica stored first (the sister campuses' exchange).
+        self.on_new: Callable[[SignedUsage, Policy | None], None] = lambda _s, _p: None
 
     def on_usage(self, msg: Message) -> None:
         self._inbox.append(msg)
@@ -148,6 +150,7 @@ class UsageIngest:
         self, signed: SignedUsage, before: str | None, after: str | None, policy: Policy | None
     ) -> None:
         self.stored += 1
+        self.on_new(signed, policy)
         r = signed.record
         c = counted(signed, policy)
         self._metrics.usage_records.labels(c.line, c.pool, r.event).inc()

@@ -23,6 +23,7 @@ from broker.enrollment import EnrollmentDesk
 from broker.lease import ReplicaLease
 from broker.metering import UsageIngest
 from broker.params_file import ParamsChoice, ParamsRefused, choose_params, shadow_of
+from broker.peer_usage import PeerUsage
 from broker.service import Broker, status_message
 from broker.view import HttpView
 from policies import AsyncAuditWriter, SigningKey, load_signing_key
@@ -191,8 +192,18 @@ async def _serve(
         broker.gate,
         broker.audit,
     )
+    # Records of jobs between this campus and a sister campus: ours out, theirs in.
+    peer_usage = PeerUsage(
+        cfg.id,
+        transport,
+        usage.store,
+        key,
+        lambda: feed.current,
+        on_refused=lambda reason: broker.metrics.peer_refused.labels("usage", reason).inc(),
+    )
+    usage.on_new = peer_usage.send_ours
     await transport.subscribe(topics.usage_all(), usage.on_usage, qos=1)
-    view = HttpView(broker, feed, transport, placement, checker, usage=usage)
+    view = HttpView(broker, feed, transport, placement, checker, usage=usage, peer_usage=peer_usage)
     runner, port = await start_http(
         view, desk, cfg.http_host, cfg.http_port, (board, access_for(settings))
     )
@@ -203,6 +214,7 @@ async def _serve(
     verifier = asyncio.ensure_future(checker.run())
     console = asyncio.ensure_future(board.run())
     metering = asyncio.ensure_future(usage.run())
+    peer_metering = asyncio.ensure_future(peer_usage.run(broker.peers.interval_s))
     try:
         await identity.serve_until_fenced(stop, lease.lost, lambda: lease.reason, broker.run)
     finally:
@@ -210,6 +222,7 @@ async def _serve(
         verifier.cancel()
         console.cancel()
         metering.cancel()
+        peer_metering.cancel()
         board.close()
         await runner.cleanup()
         await transport.close()

@@ -1,5 +1,6 @@
 """The broker's usage records in Redis: one atomic insert per record, keyed by (node, seq),
-that never overwrites, and the reads an export makes.
+that never overwrites, and the reads an export makes; and, apart, the records sister
+campuses sent that concern this campus (kept once each, never over another).
 
 :data:`INSERT` stores a record only when its (node, seq) holds none, indexes it by time and
 raises the node's head seq, all in one script, so replicas that each receive every record
@@ -148,6 +149,33 @@ class UsageStore:
                     keys.usage_records(node), seqs[start : start + PAGE]
                 )
                 out += [from_line(_raw(v)[_PREFIX:]) for v in values if v is not None]
+        return out
+
+    @reaching("store a sister campus's usage records")
+    async def insert_theirs(self, peer: str, records: Sequence[SignedUsage]) -> list[bool]:
+        """Each record of ``peer`` kept if its (node, seq) holds none; whether it was new."""
+        if not records:
+            return []
+        pipe = self._client.pipeline(transaction=True)
+        for signed in records:
+            r = signed.record
+            member = f"{r.node}:{r.seq}"
+            pipe.hsetnx(keys.usage_peer_records(peer), member, to_line(signed))
+            pipe.zadd(keys.usage_peer_by_time(peer), {member: r.at_ms}, nx=True)
+        replies = await pipe.execute()
+        return [bool(replies[i]) for i in range(0, len(replies), 2)]
+
+    @reaching("read a sister campus's usage records")
+    async def theirs_between(self, peer: str, from_ms: int, to_ms: int) -> list[SignedUsage]:
+        """Every record of ``peer`` held whose ``at_ms`` is in ``[from_ms, to_ms]``."""
+        raw = await self._client.zrangebyscore(keys.usage_peer_by_time(peer), from_ms, to_ms)
+        members = [_raw(m) for m in raw]
+        out: list[SignedUsage] = []
+        for start in range(0, len(members), PAGE):
+            values = await self._client.hmget(
+                keys.usage_peer_records(peer), members[start : start + PAGE]
+            )
+            out += [from_line(_raw(v)) for v in values if v is not None]
         return out
 
     @reaching("read the usage heads")

@@ -20,6 +20,7 @@ from broker.core.shadow import Shadow
 from broker.exposition import refresh
 from broker.metering import UsageIngest
 from broker.params_file import ParamsChoice
+from broker.peer_usage import PeerUsage
 from broker.service import Broker
 from policies import Policy
 from sluicegate.policy_feed import PolicyFeed
@@ -39,19 +40,26 @@ class HttpView:
         audit: AuditChecker | None = None,
         *,
         usage: UsageIngest | None = None,
+        peer_usage: PeerUsage | None = None,
     ) -> None:
         self._broker = broker
         self._usage = usage
+        self._peer_usage = peer_usage
         self._audit = audit
         self._feed = feed
         self._transport = transport
         self._placement = placement
 
-    async def usage_export(self, from_ms: int, to_ms: int) -> bytes | None:
-        """The signed export of the usage records of ``[from_ms, to_ms]``; None when this
-        broker takes no usage records."""
+    async def usage_export(self, from_ms: int, to_ms: int, peer: str = "") -> bytes | None:
+        """The signed export of the usage records of ``[from_ms, to_ms]`` (with ``peer``,
+        the settlement export with that sister campus); None when this broker takes no
+        usage records; ``KeyError`` for a peer the policy does not list."""
         if self._usage is None:
             return None
+        if peer:
+            if self._peer_usage is None:
+                return None
+            return await self._peer_usage.export(peer, from_ms, to_ms)
         return await self._usage.export(from_ms, to_ms)
 
     def health(self) -> dict[str, Any]:

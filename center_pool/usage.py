@@ -61,6 +61,7 @@ def attempt_record(
             bytes_in=item.bytes_in,
             result_sha256=hashlib.sha256(result).hexdigest() if result is not None else "",
             status=status,
+            campus=item.peer,
         )
     except ValueError as exc:  # pydantic's ValidationError, naming the field
         log.error("job %s ran unmetered: its usage record is invalid: %s", item.job_id, exc)

@@ -328,6 +328,7 @@ class Carrier:
                 times,
                 placed=entry.life.attempt > 0,
                 settled_attempt=attempt or 0,
+                worker=(entry.life.worker or "") if attempt == entry.life.attempt else "",
             )
             metered = self.metering.record(done)
         if metered is None:

@@ -45,6 +45,9 @@ class Concluded:
     times: StageTimes | None  # set when the job ran here
     placed: bool  # it was placed on a worker at least once
     settled_attempt: int  # the attempt whose return is delivered; 0: none
+    # The worker that attempt went to, as this edge named it (``<worker>@<campus>`` on a
+    # sister campus: the result's own ``ran_on`` names it as its campus does); "": not known.
+    worker: str = ""
 
 
 def edge_record(
@@ -88,7 +91,8 @@ def edge_record(
         )
     if not done.placed:
         return None
-    worker = result.ran_on.node if done.settled_attempt and result.ran_on.kind == "pool" else ""
+    delivered = done.settled_attempt and result.ran_on.kind == "pool"
+    worker = (done.worker or result.ran_on.node) if delivered else ""
     return draft(
         event="settled",
         attempt=done.settled_attempt,

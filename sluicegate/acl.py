@@ -25,7 +25,8 @@ certificate (``use_identity_as_username``), which is also its client id
 - **Sister campuses** (``[peers]``): a peer's bridge (``peer.<campus>``, a certificate from
   this campus's CA) writes only what that campus says to this one and reads only what this
   one says to it, and may not read this campus's policy; broker replicas write and read
-  what brokers say to each other there (halves, summaries, probes, asks and answers), never
+  what brokers say to each other there (halves, summaries, probes, asks and answers, usage
+  records), never
   a work or returns topic. An edge writes work to the workers of the peers its
   campus may send to and reads their results to it; a worker in a zone a peer's receive
   terms open reads that work and returns its results.
@@ -191,6 +192,7 @@ def broker_users(policy: Policy) -> list[UserRules]:
                 topics.peer_probe,
                 topics.peer_asks,
                 topics.peer_answers,
+                topics.peer_usage,
             ):
                 rules += [
                     ("write", topic(policy.campus, peer)),

@@ -301,6 +301,13 @@ def peer_answers(sender_campus: str, receiver_campus: str) -> str:
     return f"{ROOT}/peer/{sender_campus}/{receiver_campus}/answers"
 
 
+def peer_usage(sender_campus: str, receiver_campus: str) -> str:
+    """Usage records that concern the receiver, countersigned by the sender's broker (QoS 1):
+    its workers' runs of the receiver's jobs, its edges' settlements of jobs the receiver's
+    workers ran. Each side keeps the other's, so both settle the same jobs."""
+    return f"{ROOT}/peer/{sender_campus}/{receiver_campus}/usage"
+
+
 def peer_asks_shared(sender_campus: str, receiver_campus: str, group: str = "brokers") -> str:
     """The shared subscription the receiver's replicas take a peer's asks on: each ask is
     decided, reserved and answered by one of them."""

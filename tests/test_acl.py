@@ -256,6 +256,7 @@ PEER_FLOWS: dict[str, list[tuple[str, str, str]]] = {
         ("peer_probe", topics.peer_probe),
         ("peer_asks", topics.peer_asks),
         ("peer_answers", topics.peer_answers),
+        ("peer_usage", topics.peer_usage),
     )
 }
 # A job's image and its result, each way: our edge to their worker, their edge to ours.

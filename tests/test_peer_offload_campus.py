@@ -9,14 +9,20 @@ takes the result back; a class the agreement does not list stays on north's line
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from sluicegate import wire
+from sluicegate.app.localcampus import LocalCampus
 from sluicegate.client import AsyncClient
 from tests.image_bytes import sample_jpeg
-from tests.two_campus_kit import SOUTH_DC, TwoCampuses, two_campuses
+from tests.peer_kit import cli
+from tests.two_campus_kit import NORTH, SOUTH, SOUTH_DC, TwoCampuses, two_campuses
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -75,3 +81,43 @@ def test_a_burst_north_cannot_take_runs_on_south_and_what_may_not_leave_stays(
     assert all(r.ran_on.kind == "edge" for r in wafers)  # the agreement lists no wafer
     shown = rig.peers_seen(rig.south)
     assert shown["peers"][0]["standing"] == "in_force"
+
+
+def settlement(rig: TwoCampuses, side: LocalCampus, peer: str, folder: Path) -> dict[str, Any]:
+    """``side``'s settlement export with ``peer``, fetched as an operator does (``meter
+    export --peer``), checked and settled offline (``meter peer-report``)."""
+    written = side.campus
+    assert written is not None
+    token = folder / f"{peer}.token"
+    token.write_text(written.console_token("viewer"))
+    out = folder / f"settle-{peer}.jsonl"
+    broker = f"http://127.0.0.1:{side.http_port}"
+    now = time.time()
+    cli("meter", "export", "--broker", broker, "--token-file", token, "--from", now - 3600,
+        "--to", now + 60, "--out", out, "--peer", peer)  # fmt: skip
+    report = cli("meter", "peer-report", out, "--policy", written.policy_file, "--peer", peer,
+                 "--format", "json")  # fmt: skip
+    return dict(json.loads(report))
+
+
+def test_both_campuses_settle_the_jobs_between_them_alike(rig: TwoCampuses, tmp_path: Path) -> None:
+    """South's worker's records of north's jobs, countersigned by south's broker, reach
+    north; north's edge's settlements reach south; each side's export verifies offline
+    against its own policy, and what north owes is what south is owed, job for job."""
+    rig.wait_offered()
+    results = asyncio.run(burst(rig, ["ocr-crop"] * 12, deadline_ms=1500))
+    crossed = {r.job_id for r in results if r.ran_on.zone == SOUTH_DC}
+    assert crossed
+    deadline = time.monotonic() + 60
+    while True:  # the nodes ship their records every few seconds; the brokers pass them on
+        owes = settlement(rig, rig.north, SOUTH, tmp_path)
+        owed = settlement(rig, rig.south, NORTH, tmp_path)
+        billed = {i["job_id"] for i in owes["owed_by_us"]["items"]}
+        if crossed <= billed and owes["owed_by_us"] == owed["owed_to_us"]:
+            break
+        assert time.monotonic() < deadline, (crossed - billed, owes, owed)
+        time.sleep(0.5)
+    assert owes["owed_by_us"]["device_s"] == owed["owed_to_us"]["device_s"]
+    assert float(owes["owed_by_us"]["device_s"]) > 0
+    assert owes["currency"] == owed["currency"] == "EUR"
+    assert owes["owed_to_us"]["jobs"] == owed["owed_by_us"]["jobs"] == 0  # south sent nothing

@@ -214,8 +214,12 @@ def export(
     policy: Annotated[
         Path | None, typer.Option("--policy", "-p", help="Verify it with this policy too.")
     ] = None,
+    peer: Annotated[
+        str, typer.Option(help="The settlement export with this sister campus instead.")
+    ] = "",
 ) -> None:
-    """Fetch the signed export of the usage records of a period from a broker replica."""
+    """Fetch the signed export of the usage records of a period from a broker replica
+    (with --peer, the records of the jobs between this campus and that sister campus)."""
     from sluicegate.errors import SluicegateError
     from sluicegate.files import write_atomic
     from sluicegate.metering.fetch import fetch_export
@@ -225,7 +229,7 @@ def export(
         _fail(f"--from {from_} is after --to {to}")
     token = _read(token_file).decode(errors="replace").strip()
     try:
-        body = fetch_export(broker, token or None, start, end)
+        body = fetch_export(broker, token or None, start, end, peer=peer)
         write_atomic(out, body)
     except SluicegateError as exc:
         _fail(str(exc))
@@ -233,7 +237,41 @@ def export(
         _fail(f"cannot write {out}: {exc.strerror}")
     records = max(0, body.count(b"\n") - 1)
     typer.echo(f"wrote {out}: {records} records, {len(body)} bytes, from {broker}")
-    if policy is not None:
+    if policy is not None and peer:
+        peer_report(out, policy, peer)
+    elif policy is not None:
         verify(out, policy)
+    elif peer:
+        typer.echo(f"check it: sluicegate meter peer-report {out} --policy <policy> --peer {peer}")
     else:
         typer.echo(f"check it: sluicegate meter verify {out} --policy <policy file>")
+
+
+@meter_app.command("peer-report")
+def peer_report(
+    file: FileArg,
+    policy: PolicyOpt,
+    peer: Annotated[str, typer.Option(help="The sister campus the export settles with.")],
+    fmt: Annotated[str, typer.Option("--format", help="table or json.")] = "table",
+) -> None:
+    """Check a settlement export with a sister campus, then what this campus owes it and is
+    owed by it, job by job; exit 1 naming every problem when it does not verify.
+
+    Our records by their nodes' keys and our broker's receipt; theirs by the receipt of a
+    broker our [peers] entry pins. Each job billed once: the attempt its edge settled."""
+    from sluicegate.metering.peering import settle_peer, verify_peer_export
+    from sluicegate.metering.render import peer_json, peer_table
+
+    if fmt not in ("table", "json"):
+        raise typer.BadParameter(f"{fmt!r}: give table or json", param_hint="--format")
+    loaded = _policy(policy)
+    if peer not in loaded.peers:
+        _fail(f"policy {policy} names no sister campus {peer!r}")
+    checked = verify_peer_export(_read(file), loaded, peer)
+    for problem in checked.verification.problems:
+        typer.echo(f"{file}:{problem}", err=True)
+    if not checked.ok:
+        typer.echo(checked.verification.summary(), err=True)
+        raise typer.Exit(1)
+    settlement = settle_peer(checked, loaded, peer)
+    typer.echo(peer_json(settlement) if fmt == "json" else peer_table(settlement), nl=False)

@@ -17,17 +17,24 @@ class ExportError(SluicegateError):
     """The broker could not be reached, or refused the export (its reason included)."""
 
 
-def export_url(broker: str, from_s: float, to_s: float) -> str:
-    query = urllib.parse.urlencode({"from": f"{from_s:.3f}", "to": f"{to_s:.3f}"})
-    return f"{broker.rstrip('/')}/v1/usage/export?{query}"
+def export_url(broker: str, from_s: float, to_s: float, peer: str = "") -> str:
+    args = {"from": f"{from_s:.3f}", "to": f"{to_s:.3f}"} | ({"peer": peer} if peer else {})
+    return f"{broker.rstrip('/')}/v1/usage/export?{urllib.parse.urlencode(args)}"
 
 
 def fetch_export(
-    broker: str, token: str | None, from_s: float, to_s: float, *, timeout: float = 60.0
+    broker: str,
+    token: str | None,
+    from_s: float,
+    to_s: float,
+    *,
+    timeout: float = 60.0,
+    peer: str = "",
 ) -> bytes:
     """The export of the records whose ``at_ms`` falls in ``[from_s, to_s]`` (unix
-    seconds) from ``broker`` (its base URL, e.g. ``http://broker.campus:8780``)."""
-    url = export_url(broker, from_s, to_s)
+    seconds) from ``broker`` (its base URL, e.g. ``http://broker.campus:8780``); with
+    ``peer``, the settlement export with that sister campus."""
+    url = export_url(broker, from_s, to_s, peer)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         with urllib.request.urlopen(

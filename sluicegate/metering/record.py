@@ -7,7 +7,9 @@ under which placement token, for which line (the edge that owns the job) and own
 app), on which model file, backend and device class, how long it took on the device (the
 job's share of its batch), how long it queued, the bytes it took in, the digest of the
 result, and the status. An edge also writes a ``settled`` record when it delivers an
-offloaded job's result: which worker's attempt it delivered. Billing takes, for each job,
+offloaded job's result: which worker's attempt it delivered (a sister campus's worker named
+``<worker>@<campus>``; a worker's record of a sister campus's job names that campus in
+``campus``). Billing takes, for each job,
 the attempt its edge settled; every other attempt that ran is waste (a lost worker, a
 fenced return), recorded but not billed to the line.
 
@@ -74,11 +76,17 @@ class Usage(_Doc):
     status: str = Field(max_length=16)
     settled_node: str = Field("", max_length=64)
     settled_attempt: int = Field(0, ge=0, le=1000)
+    # The sister campus whose job a pool worker ran ("" for this campus's; left out of the
+    # signed bytes then, so records written before it keep their signatures).
+    campus: str = Field("", max_length=64)
 
     def canonical(self) -> bytes:
-        return json.dumps(
-            self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=True
-        ).encode("ascii")
+        body = self.model_dump(mode="json")
+        if not body["campus"]:
+            del body["campus"]
+        return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode(
+            "ascii"
+        )
 
 
 class Receipt(_Doc):
@@ -181,9 +189,14 @@ class Manifest(_Doc):
     heads: list[NodeHead]
     records_sha256: str = Field(pattern=_HEX64)
     sig: str = ""
+    # A settlement export with a sister campus: the records of both campuses that concern
+    # the jobs between them (``sluicegate.metering.peering``); "" for a campus's own export.
+    peer: str = Field("", max_length=64)
 
     def signed_bytes(self) -> bytes:
         body = self.model_copy(update={"sig": ""}).model_dump(mode="json")
+        if not body["peer"]:  # left out: a campus's own exports keep their signed bytes
+            del body["peer"]
         return MANIFEST_DOMAIN + json.dumps(
             body, sort_keys=True, separators=(",", ":"), ensure_ascii=True
         ).encode("ascii")
@@ -207,14 +220,17 @@ def export_lines(
     exported_ms: int,
     from_ms: int,
     to_ms: int,
+    peer: str = "",
 ) -> list[bytes]:
     """An export: one line per record (ordered by node, then seq), then the signed manifest.
-    Each returned line has no newline; join them with ``b"\\n"`` and end with one."""
-    ordered = sorted(records, key=lambda s: (s.record.node, s.record.seq))
+    Each returned line has no newline; join them with ``b"\\n"`` and end with one. With
+    ``peer``, a settlement export with that sister campus (``records`` in the order given:
+    ours, then theirs; no heads, since neither side's chains are whole in it)."""
+    ordered = records if peer else sorted(records, key=lambda s: (s.record.node, s.record.seq))
     lines = [to_line(s) for s in ordered]
     digest = hashlib.sha256(b"".join(line + b"\n" for line in lines)).hexdigest()
     heads: dict[str, NodeHead] = {}
-    for signed in ordered:
+    for signed in [] if peer else ordered:
         r = signed.record
         first = heads[r.node].first_seq if r.node in heads else r.seq
         heads[r.node] = NodeHead(
@@ -227,6 +243,7 @@ def export_lines(
         to_ms=to_ms,
         heads=list(heads.values()),
         records_sha256=digest,
+        peer=peer,
     )
     manifest = manifest.model_copy(update={"sig": _b64(key.sign(manifest.signed_bytes()))})
     return [*lines, ManifestLine(manifest=manifest).model_dump_json().encode("utf-8")]

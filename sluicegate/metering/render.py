@@ -13,6 +13,7 @@ import json
 from decimal import Decimal
 from typing import Any
 
+from sluicegate.metering.peering import DIRECTIONS, PeerSettlement
 from sluicegate.metering.prices import Invoice
 from sluicegate.metering.report import Attempt, By, Settlement, Totals, overall, totals
 
@@ -223,3 +224,51 @@ def _more(count: int) -> list[str]:
 
 def _n(count: int, noun: str) -> str:
     return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+def peer_table(settlement: PeerSettlement) -> str:
+    """What a campus owes its sister campus and is owed by it, as a table, job by job."""
+    s = settlement
+    out = [f"settlement of {s.campus} with {s.peer} (verified)", ""]
+    words = {
+        "owed_by_us": f"{s.campus} owes {s.peer}: its jobs {s.peer} ran",
+        "owed_to_us": f"{s.peer} owes {s.campus}: {s.peer}'s jobs {s.campus} ran",
+    }
+    for direction in DIRECTIONS:
+        jobs, device_s, amount = s.totals(direction)
+        out.append(
+            f"{words[direction]}: {jobs} jobs, {device_s:.6f} device-s, {amount:.6f} {s.currency}"
+        )
+        for b in s.jobs(direction):
+            out.append(
+                f"  {b.line} {b.job_id} attempt {b.attempt} on {b.worker}: "
+                f"{Decimal(b.device_us) / Decimal(1_000_000):.6f} s"
+            )
+    out.append(f"unsettled runs: {s.unsettled}; waste runs: {s.waste} (neither billed)")
+    return "\n".join(out) + "\n"
+
+
+def peer_json(settlement: PeerSettlement) -> str:
+    """The same as JSON: each direction's totals (decimal strings) and jobs."""
+    s = settlement
+    doc: dict[str, object] = {"campus": s.campus, "peer": s.peer, "currency": s.currency}
+    for direction in DIRECTIONS:
+        jobs, device_s, amount = s.totals(direction)
+        doc[direction] = {
+            "jobs": jobs,
+            "device_s": f"{device_s:.6f}",
+            "amount": f"{amount:.6f}",
+            "items": [
+                {
+                    "line": b.line,
+                    "job_id": b.job_id,
+                    "worker": b.worker,
+                    "attempt": b.attempt,
+                    "device_us": b.device_us,
+                    "owner": b.owner,
+                }
+                for b in s.jobs(direction)
+            ],
+        }
+    doc["unsettled"], doc["waste"] = s.unsettled, s.waste
+    return json.dumps(doc, indent=2, sort_keys=True) + "\n"

@@ -122,7 +122,7 @@ def verify_export(data: bytes, policy: Policy) -> Verification:
         problems.append(
             Problem("unreadable", "the export does not end with a newline (cut short?)", len(lines))
         )
-    manifest, record_lines = _manifest(lines, policy, problems)
+    manifest, record_lines = read_manifest(lines, policy, problems)
     altered: set[int] = set()
     records = _records(record_lines, policy, manifest, problems, altered)
     if manifest is not None:
@@ -139,7 +139,7 @@ def verify_export(data: bytes, policy: Policy) -> Verification:
     )
 
 
-def _manifest(
+def read_manifest(
     lines: list[bytes], policy: Policy, problems: list[Problem]
 ) -> tuple[Manifest | None, list[bytes]]:
     """The manifest (checked) and the record lines before it."""
@@ -207,7 +207,7 @@ def _records(
             continue
         r = signed.record
         here = (r.node, r.seq)
-        if _signatures(n, signed, policy, problems):
+        if signature_problems(n, signed, policy, problems):
             altered.add(n)
         if manifest is not None and not manifest.from_ms <= r.at_ms <= manifest.to_ms:
             problems.append(
@@ -251,7 +251,9 @@ def _records(
     return out
 
 
-def _signatures(n: int, signed: SignedUsage, policy: Policy, problems: list[Problem]) -> bool:
+def signature_problems(
+    n: int, signed: SignedUsage, policy: Policy, problems: list[Problem]
+) -> bool:
     """The node's signature and the broker's receipt, at most one problem of each kind;
     True when the record is not as its node and broker signed it."""
     r = signed.record
