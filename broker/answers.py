@@ -61,6 +61,8 @@ class Answers:
         self._clock = clock
         self._decided = {s: metrics.decisions.labels(s) for s in ("placed", "refused")}
         self.placed_by_pool: Counter[str] = Counter()  # grants since the last tick, per pool
+        # Sister campuses' asks answered here: (peer, "placed" or the refusal's code).
+        self.for_peers: Counter[tuple[str, str]] = Counter()
         self._pools: tuple[bytes, dict[str, str]] = (b"", {})  # policy digest, worker -> pool
 
     def hold(self, request: PlacementRequest, decision: Placed, now: float) -> Hold:
@@ -165,6 +167,9 @@ class Answers:
 
     def _finish(self, item: Pending, decision: Decision | None, reply: PlacementReply) -> None:
         self.reply(item.reply_topic, item.correlation, reply)
+        peer = peer_of_origin(item.request.origin_zone)
+        if peer:
+            self.for_peers[(peer, reply.code or reply.status)] += 1
         self._decided[reply.status].inc()
         self._metrics.decision_seconds.observe(time.perf_counter() - item.arrived)
         req = item.request

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -121,3 +122,39 @@ def test_both_campuses_settle_the_jobs_between_them_alike(rig: TwoCampuses, tmp_
     assert float(owes["owed_by_us"]["device_s"]) > 0
     assert owes["currency"] == owed["currency"] == "EUR"
     assert owes["owed_to_us"]["jobs"] == owed["owed_by_us"]["jobs"] == 0  # south sent nothing
+
+
+def test_the_console_shows_the_sister_campus_and_the_jobs_between_them(
+    rig: TwoCampuses, tmp_path: Path
+) -> None:
+    """North's console, in headless Chromium: south in force, its offer, the link, the jobs
+    north sent it; south's console: the jobs it took from north."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("no chromium (scripts/bootstrap installs it)")
+    rig.wait_offered()
+    results = asyncio.run(burst(rig, ["ocr-crop"] * 12, deadline_ms=1500))
+    assert any(r.ran_on.zone == SOUTH_DC for r in results)
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            for side, peer, column in ((rig.north, SOUTH, "sent"), (rig.south, NORTH, "received")):
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                page.set_default_timeout(30_000)
+                written = side.campus
+                assert written is not None
+                page.goto(f"http://127.0.0.1:{side.http_port}/console")
+                page.fill("[data-testid=login-password]", written.console_token("viewer"))
+                page.click("[data-testid=login-submit]")
+                page.wait_for_selector("[data-testid=live]:has-text('live')")
+                row = page.wait_for_selector(f"[data-testid=peer-{peer}]")
+                assert row is not None
+                standing = page.text_content(f"[data-testid=peer-standing-{peer}]")
+                assert standing == "in_force"
+                page.wait_for_selector(f"[data-testid=peer-{column}-{peer}]:has-text('placed')")
+                shown = page.text_content(f"[data-testid=peer-{column}-{peer}]") or ""
+                assert int(shown.split("placed", 1)[1].split(",")[0]) > 0, shown
+                page.screenshot(path=str(tmp_path / f"console-{peer}.png"), full_page=True)
+        finally:
+            browser.close()

@@ -74,9 +74,36 @@ def build(console: Console, broker: Broker, feed: PolicyFeed, now: float) -> dic
             "dead_letters": console.dead_letters,
         },
         "shadow": shadow_section(broker.shadow) if broker.shadow is not None else None,
+        "peers": peers_section(broker),
         "holds": [asdict(h) for h in sorted(holds.values(), key=lambda h: h.field)],
         "watching": console.watching,
     }
+
+
+def peers_section(broker: Broker) -> dict[str, Any]:
+    """Each sister campus the policy lists: where the agreement stands, what it offers and
+    the link (``GET /peers``), the jobs this campus sent it (its asks, by outcome) and took
+    from it (by answer: placed, or the refusal's code); and the sister campuses' messages
+    refused here, by kind and reason."""
+    described = broker.peers.describe()
+    sent: dict[str, dict[str, int]] = defaultdict(dict)
+    for key, n in broker.forwarder.outcomes.items():
+        peer, _, outcome = key.rpartition(".")
+        sent[peer][outcome] = n
+    taken: dict[str, dict[str, int]] = defaultdict(dict)
+    for (peer, answer), n in broker.answers.for_peers.items():
+        taken[peer][answer] = n
+    peers = [
+        {
+            **p,
+            # The most any one model is offered (the same slots serve every model).
+            "free_slots": max((o["free_slots"] for o in p["offers"]), default=0),
+            "sent": dict(sorted(sent[p["peer"]].items())),
+            "received": dict(sorted(taken[p["peer"]].items())),
+        }
+        for p in described["peers"]
+    ]
+    return {"peers": peers, "refused": described["refused"]}
 
 
 def shadow_section(candidate: Shadow) -> dict[str, Any]:

@@ -191,10 +191,31 @@ function renderShadow(s) {
     <p data-testid="shadow-refusals">The candidate's refusals, by code: ${refusals}</p>`;
 }
 
+const counts = (o) => Object.entries(o || {}).map(([k, n]) => `${esc(k)} <b>${esc(n)}</b>`).join(", ") || "none";
+
+function renderPeers(s) {
+  const pe = s.peers || {peers: [], refused: {}};
+  $("peers").hidden = !pe.peers.length;
+  const rows = pe.peers.map((p) => {
+    const offers = p.offers.map((o) => `${esc(o.model)} on ${esc(o.device_class)}: ${esc(o.free_slots)} free, queue ${num(o.queue_p50_ms)} ms, score ${esc(o.score)}`).join("<br>") || "none (stale or full)";
+    const link = p.link ? `${num(1000 * p.link.rtt_s)} ms round trip` : "not measured";
+    return `<tr data-testid="peer-${esc(p.peer)}"><th>${esc(p.peer)}</th>
+      <td><span class="badge ${p.standing === "in_force" ? "ok" : "warn"}" data-testid="peer-standing-${esc(p.peer)}">${esc(p.standing)}</span>
+        <small>${esc(p.reason)}</small></td>
+      <td>${link}</td>
+      <td data-testid="peer-free-${esc(p.peer)}" class="num">${esc(p.free_slots)}</td><td><small>${offers}</small></td>
+      <td data-testid="peer-sent-${esc(p.peer)}">${counts(p.sent)}</td>
+      <td data-testid="peer-received-${esc(p.peer)}">${counts(p.received)}</td></tr>`;
+  }).join("");
+  $("peer-list").innerHTML = `<table><tr><th>campus</th><th>agreement</th><th>link</th><th>free slots</th>
+    <th>offers</th><th>jobs sent (by answer)</th><th>jobs taken (by answer)</th></tr>${rows}</table>
+    <p data-testid="peer-refused">Their messages refused here: ${counts(pe.refused)}</p>`;
+}
+
 function render(s) {
   last = s;
   $("campus").textContent = s.compliance.policy ? `${s.compliance.policy.campus} · broker ${s.broker}` : `broker ${s.broker}`;
-  renderZones(s); renderLines(s); renderPools(s); renderCompliance(s); renderShadow(s);
+  renderZones(s); renderLines(s); renderPools(s); renderCompliance(s); renderShadow(s); renderPeers(s);
 }
 
 async function lookup(id) {
