@@ -8,13 +8,9 @@ auditor of the bridge would.
 
 from __future__ import annotations
 
-import heapq
-import select
-import socket
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +23,7 @@ from sluicegate import pki, topics
 from sluicegate.acl import render_acl
 from sluicegate.app.campus import MOSQUITTO, PROBE, Campus
 from sluicegate.app.cli import app
+from sluicegate.app.link import DelayRelay
 from sluicegate.app.localcampus import start_campus_mosquitto
 from sluicegate.app.servers import ServerProcess, free_port, running, start_mosquitto
 from sluicegate.enroll.authority import init_folder
@@ -91,83 +88,6 @@ def write_site(
     for identity in (f"{name}-broker-1", WIRETAP, PROBE):
         site.issue(identity)
     return site
-
-
-class DelayRelay:
-    """A TCP relay on a free loopback port that holds every byte ``delay_s`` each way, in
-    order: the long link between two campuses, for the bridge to cross. TLS passes through
-    it untouched. ``cut()`` drops every connection and refuses new ones until ``mend()``."""
-
-    def __init__(self, target_port: int, delay_s: float) -> None:
-        self.delay_s = delay_s
-        self._target = target_port
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self._cut = threading.Event()
-        self._stop = threading.Event()
-        self._sockets: list[socket.socket] = []
-        self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        self._listener.settimeout(0.2)
-        while not self._stop.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            if self._cut.is_set():
-                client.close()
-                continue
-            try:
-                server = socket.create_connection(("127.0.0.1", self._target))
-            except OSError:  # the far side is down (stopping, or cut): the link fails
-                client.close()
-                continue
-            with self._lock:
-                self._sockets += [client, server]
-            for src, dst in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        due: list[tuple[float, int, bytes]] = []
-        n = 0
-        while not self._stop.is_set():
-            wait = max(0.0, due[0][0] - time.monotonic()) if due else 0.2
-            try:
-                readable, _, _ = select.select([src], [], [], wait)
-                if readable:
-                    chunk = src.recv(65536)
-                    if not chunk:
-                        break
-                    n += 1
-                    heapq.heappush(due, (time.monotonic() + self.delay_s, n, chunk))
-                while due and due[0][0] <= time.monotonic():
-                    dst.sendall(heapq.heappop(due)[2])
-            except (OSError, ValueError):  # ValueError: the other direction or cut() closed it
-                break
-        for sock in (src, dst):
-            with suppress(OSError):
-                sock.close()
-
-    def cut(self) -> None:
-        self._cut.set()
-        with self._lock:
-            sockets, self._sockets = self._sockets, []
-        for sock in sockets:
-            with suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-                sock.close()
-
-    def mend(self) -> None:
-        self._cut.clear()
-
-    def close(self) -> None:
-        self._stop.set()
-        self.cut()
-        self._listener.close()
 
 
 def cli(*args: str | Path) -> str:

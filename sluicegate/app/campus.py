@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import datetime as dt
 import ssl
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,11 +90,11 @@ deny = ["offsite/**"]
 
 [classes.part-image]
 description = "Images of machined metal parts, no process data: may go off-site"
-allow = ["campus/**", "campus/** -> offsite/cloud-east"]
+{part_confidential}allow = ["campus/**", "campus/** -> offsite/cloud-east"]
 
 [classes.ocr-crop]
 description = "Generic OCR crops of carrier labels: may go off-site"
-allow = ["campus/**", "campus/** -> offsite/cloud-east"]
+{ocr_confidential}allow = ["campus/**", "campus/** -> offsite/cloud-east"]
 
 [[subhealth]]
 name = "memory-bound"
@@ -219,6 +219,7 @@ def write_campus(
     campus: str = "demo-campus",
     fab: str = FAB,
     peers: str = "",
+    also_confidential: Collection[str] = (),
 ) -> Campus:
     """Write the policy (signed by the officer), node keys and node configs under ``root``;
     with ``secure``, also the CA, every identity's certificate and the Mosquitto ACL.
@@ -227,7 +228,8 @@ def write_campus(
     images travel only sealed (the default; off for tests whose workers are played by hand
     and hold no key). ``campus`` names it and ``fab`` is the zone its lines and data centre
     are under (a sister campus is another fab: ``campus/fab-south``); ``peers``: its
-    ``[peers]`` tables (TOML), none by default."""
+    ``[peers]`` tables (TOML), none by default; ``also_confidential``: ``part-image`` or
+    ``ocr-crop``, to travel only sealed too."""
     apps = APPS if apps is None else apps
     lines = {edge: zone.replace(FAB, fab, 1) for edge, zone in LINES.items()}
     root.mkdir(parents=True, exist_ok=True)
@@ -278,6 +280,8 @@ def write_campus(
         pools=pools,
         apps=_app_tables(apps),
         wafer_confidential="confidential = true\n" if confidential else "",
+        part_confidential="confidential = true\n" if "part-image" in also_confidential else "",
+        ocr_confidential="confidential = true\n" if "ocr-crop" in also_confidential else "",
     ) + "".join(f"\n{table}" for table in (rollout, peers) if table)
     policy_file = root / "policy.toml"
     policy_file.write_text(text)

@@ -83,6 +83,7 @@ class LocalCampus:
         campus: str = "demo-campus",
         fab: str = FAB,
         peers: str = "",
+        also_confidential: Collection[str] = (),
     ) -> None:
         """``edge_cpu``: emulate line PCs with a modest inference budget by capping each
         edge agent's compute threads to this share of one core (a CPU cgroup, which leaves
@@ -93,7 +94,8 @@ class LocalCampus:
         :meth:`kill` and :meth:`restart` reach them too. ``secure=False``: no TLS, anonymous
         MQTT, for debugging only. ``apps``: the vision apps its policy lists (default
         :data:`~sluicegate.app.campus.APPS`). ``campus``, ``fab``, ``peers``: its name, the
-        zone its lines are under and its ``[peers]`` tables (``write_campus``)."""
+        zone its lines are under and its ``[peers]`` tables; ``also_confidential``: classes
+        besides wafer images that travel only sealed (``write_campus``)."""
         unknown = set(nodes or ()) - set(ROLE)
         if unknown:
             raise SluicegateError(f"unknown nodes {sorted(unknown)}; known: {', '.join(ROLE)}")
@@ -115,6 +117,7 @@ class LocalCampus:
         self.secure = secure
         self._apps = apps
         self._campus_name, self._fab, self._peers = campus, fab, peers
+        self._also_confidential = tuple(also_confidential)
         self.models_dirs: dict[str, Path] = {}  # by role, once calibrated
         self.http_port = free_port()  # the broker's HTTP API
         # Each edge's and worker's /metrics, on 127.0.0.1 (kept across restarts).
@@ -139,6 +142,7 @@ class LocalCampus:
                 campus=self._campus_name,
                 fab=self._fab,
                 peers=self._peers,
+                also_confidential=self._also_confidential,
             )
         return self.campus
 

@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.keys import public_key_text
+from policies.keys import SigningKey, public_key_text
 from sluicegate import pki
 from sluicegate.enroll.token import JoinClaims, check_request
 from sluicegate.errors import EnrollmentRefused, IdentityError
@@ -175,6 +175,20 @@ class Authority:
             },
             now,
         )
+
+    def issue_here(self, node: str, role: str, state_dir: Path, *, now: float) -> str:
+        """A key made on this machine and its certificate for ``node`` (``ca issue``):
+        ``node.key``, ``node.pem`` and ``ca.pem`` in ``state_dir``, the node in the
+        registry; its public key text."""
+        key = SigningKey.generate()
+        cert = pki.issue(
+            self.ca, key.private.public_key(), node, purpose="client", now=now, days=365
+        )
+        pki.write_private(state_dir / "node.key", key.to_pem())
+        (state_dir / "node.pem").write_bytes(pki.cert_pem(cert))
+        (state_dir / "ca.pem").write_bytes(pki.cert_pem(self.ca.cert))
+        self.record_issued_here(node, role, cert, key.public_text, now=now)
+        return key.public_text
 
     def _append(self, line: dict[str, object], now: float | None) -> None:
         line["at"] = round(now if now is not None else time.time(), 3)

@@ -93,8 +93,6 @@ def ca_issue(
     broker replica, which holds the CA, or an observer), or for a sister campus's bridge
     (--node peer.<its campus>; hand the three files to its operators): node.key, node.pem
     and ca.pem in STATE_DIR, and the node in the registry 'enroll list' reads."""
-    from policies import SigningKey
-    from sluicegate import pki
     from sluicegate.enroll.authority import Authority
 
     if role not in LOCAL_ROLES:
@@ -108,20 +106,11 @@ def ca_issue(
             f"'{PEER_BRIDGE_PREFIX}<its campus id>' with --role bridge, and only it"
         )
     try:
-        authority = Authority(ca_dir)
-        key = SigningKey.generate()
-        now = time.time()
-        cert = pki.issue(
-            authority.ca, key.private.public_key(), node, purpose="client", now=now, days=365
-        )
-        pki.write_private(state_dir / "node.key", key.to_pem())
-        (state_dir / "node.pem").write_bytes(pki.cert_pem(cert))
-        (state_dir / "ca.pem").write_bytes(pki.cert_pem(authority.ca.cert))
-        authority.record_issued_here(node, role, cert, key.public_text, now=now)
+        public = Authority(ca_dir).issue_here(node, role, state_dir, now=time.time())
     except (SluicegateError, OSError) as exc:
         _fail(str(exc))
         return
-    typer.echo(f"{node}: key and certificate in {state_dir}; its key {key.public_text}")
+    typer.echo(f"{node}: key and certificate in {state_dir}; its key {public}")
 
 
 @enroll_app.command("token")

@@ -1,0 +1,185 @@
+"""Two whole campuses on one machine, north and south, as two plants run them: each written
+by ``write_campus`` (its own CA, officer, broker key, policy, ACL) and run by ``LocalCampus``
+(each node its own process) on a Mosquitto of its own and a Redis database of its own. Each
+policy names the other under ``[peers]`` with mirrored terms (north sends the classes
+``sent`` to south's data centre), each campus's half of the agreement is signed by its
+officer beside its policy, and north's Mosquitto is bridged to south's (a certificate from
+south's CA, ``sluicegate.mosquitto.bridge_lines``) through a
+:class:`~sluicegate.app.link.DelayRelay` that holds every byte ``delay_s`` each way: the
+long link between two fabs. With ``wiretap``, an identity of south's CA may read everything
+that crossed to south (``peer/#``) and nothing else: what a test or a benchmark watches the
+bridge with. The peering tests and ``bench/peering.py`` run on it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from broker.peers import half_file
+from policies import SigningKey, parse_policy
+from policies.agreement import statement_for
+from sluicegate import topics
+from sluicegate.app.broker_http import get_json
+from sluicegate.app.link import DelayRelay
+from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
+from sluicegate.app.servers import free_port, running, start_mosquitto
+from sluicegate.enroll.authority import Authority, init_folder
+from sluicegate.mosquitto import BridgeTls, bridge_lines
+
+NORTH, SOUTH = "north-site", "south-site"
+FABS = {NORTH: "campus/fab-north", SOUTH: "campus/fab-south"}
+SOUTH_DC = "campus/fab-south/dc"
+WIRETAP = "wiretap"  # south's identity that reads what crossed (``wiretap=True``)
+
+
+def peer_table(
+    peer: str,
+    fingerprint: str,
+    key_for: Callable[[str], SigningKey],
+    *,
+    sends: bool,
+    sent: Collection[str],
+) -> str:
+    """One campus's ``[peers.<peer>]``: the peer's CA, broker and officer; the terms, the
+    sender's ``send`` mirrored by the receiver's ``receive``."""
+    classes = ", ".join(f'"{c}"' for c in sorted(sent))
+    officer = key_for("officer").public_text
+    terms = (
+        f'classes = [{classes}]\nzones = ["{SOUTH_DC}"]\n'
+        "max_jobs_per_s = 500.0\nmax_bytes_per_s = 1e9\n"
+        'currency = "EUR"\ndevice_second = 0.002\n'
+    )
+    return (
+        f"[peers.{peer}]\n"
+        f'ca_fingerprint = "{fingerprint}"\n'
+        f'brokers = {{ broker-1 = "{key_for("broker-1").public_text}" }}\n'
+        f'officers = {{ threshold = 1, keys = {{ officer = "{officer}" }} }}\n'
+        f"\n[peers.{peer}.{'send' if sends else 'receive'}]\n{terms}"
+    )
+
+
+@dataclass
+class Pair:
+    north: LocalCampus
+    south: LocalCampus
+    relay: DelayRelay
+    wiretap: Path | None  # south's wiretap identity's folder (node.key, node.pem, ca.pem)
+
+    def peers_seen(self, campus: LocalCampus) -> dict[str, Any]:
+        """What ``campus``'s broker shows on ``GET /peers`` now."""
+        assert campus.campus is not None
+        url = f"http://127.0.0.1:{campus.http_port}/peers"
+        status, shown = get_json(url, campus.campus.console_token("viewer"), timeout=10)
+        if status != 200:
+            raise RuntimeError(f"GET {url}: HTTP {status}: {shown}")
+        return dict(shown)
+
+    def wait_offered(self, timeout: float = 60.0, *, offered: bool = True) -> dict[str, Any]:
+        """Once north holds south's agreement in force, a fresh offer and the link measured
+        (with ``offered=False``: once it holds no fresh offer, as after a cut)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            (peer,) = self.peers_seen(self.north)["peers"]
+            ready = peer["standing"] == "in_force" and peer["offers"] and peer["link"]
+            if bool(ready) == offered:
+                return dict(peer)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"south is {'not ' if offered else ''}offered to north: {peer}")
+            time.sleep(0.2)
+
+
+@contextmanager
+def local_pair(
+    root: Path,
+    redis_url: Callable[[], str],
+    key_for: Callable[[str, str], SigningKey],
+    *,
+    north_nodes: Collection[str],
+    south_nodes: Collection[str],
+    delay_s: float = 0.005,
+    sent: Collection[str] = ("ocr-crop",),
+    north_confidential: Collection[str] = (),
+    node_env: dict[str, dict[str, str]] | None = None,
+    wiretap: bool = False,
+    edge_cpu: float | None = None,
+) -> Iterator[Pair]:
+    """North and south running ``north_nodes`` and ``south_nodes``, bridged and agreed;
+    ``key_for(campus, name)`` gives each campus's keys; ``north_confidential``: classes
+    besides wafer images north keeps sealed; ``edge_cpu``: north's line PCs capped to this
+    share of a core (``LocalCampus``)."""
+    now = time.time()
+    roots = {NORTH: root / "north", SOUTH: root / "south"}
+    prints: dict[str, str] = {}
+    for campus, folder in roots.items():  # the CAs first: each policy pins the other's
+        folder.mkdir(parents=True)
+        init_folder(folder, campus, now=now)
+        prints[campus] = Authority(folder).ca_fingerprint
+    ports = {campus: free_port() for campus in roots}
+    keys = {c: (lambda name, c=c: key_for(c, name)) for c in roots}
+    sides = {
+        campus: LocalCampus(
+            roots[campus],
+            mqtt_port=ports[campus],
+            redis_url=redis_url(),
+            key_for=keys[campus],
+            nodes=north_nodes if campus == NORTH else south_nodes,
+            node_env=node_env,
+            campus=campus,
+            fab=FABS[campus],
+            peers=peer_table(other, prints[other], keys[other], sends=campus == NORTH, sent=sent),
+            also_confidential=north_confidential if campus == NORTH else (),
+            edge_cpu=edge_cpu if campus == NORTH else None,
+        )
+        for campus, other in ((NORTH, SOUTH), (SOUTH, NORTH))
+    }
+    for campus, side in sides.items():
+        written = side.write()
+        policy = parse_policy(written.policy_file.read_bytes(), source=str(written.policy_file))
+        peer = SOUTH if campus == NORTH else NORTH
+        half = statement_for(policy, peer).signed_by(keys[campus]("officer"), "officer")
+        half_file(roots[campus], campus, peer).write_bytes(half.to_bytes())
+    bridge = roots[NORTH] / "bridge"
+    bridge.mkdir()
+    south_ca = Authority(roots[SOUTH])
+    south_ca.issue_here(topics.peer_bridge_identity(NORTH), "bridge", bridge, now=now)
+    tap: Path | None = None
+    if wiretap:
+        tap = roots[SOUTH] / WIRETAP
+        tap.mkdir()
+        south_ca.issue_here(WIRETAP, "observer", tap, now=now)
+        acl = roots[SOUTH] / "mosquitto.acl"
+        acl.write_text(acl.read_text() + f"\nuser {WIRETAP}\ntopic read {topics.ROOT}/peer/#\n")
+    relay = DelayRelay(ports[SOUTH], delay_s)
+    tls = BridgeTls(bridge / "ca.pem", bridge / "node.pem", bridge / "node.key")
+    stanza = bridge_lines(NORTH, SOUTH, f"127.0.0.1:{relay.port}", tls)
+    for folder in roots.values():
+        (folder / "mq").mkdir()
+    north, south = sides[NORTH], sides[SOUTH]
+    with ExitStack() as stack:
+        stack.callback(relay.close)
+        written_south = south.write()
+        south.servers["mosquitto"] = stack.enter_context(
+            running(start_campus_mosquitto(written_south, workdir=roots[SOUTH] / "mq"))
+        )
+        written_north = north.write()
+        north.servers["mosquitto"] = stack.enter_context(
+            running(
+                start_mosquitto(
+                    port=ports[NORTH],
+                    workdir=roots[NORTH] / "mq",
+                    tls=written_north.listener_tls(),
+                    probe=written_north.client_context(),
+                    extra_config=tuple(stanza),
+                )
+            )
+        )
+        stack.callback(south.stop)
+        south.start()
+        stack.callback(north.stop)
+        north.start()
+        yield Pair(north, south, relay, tap)
