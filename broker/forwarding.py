@@ -84,8 +84,9 @@ class Forwarder:
             return False
         request = item.request
         topic = topics.peer_asks(policy.campus, choice.peer)
-        try:
-            self._transport.publish_nowait(Message(topic, wire.dump(request), qos=1))
+        try:  # QoS 0, as an edge's request: an ask is worth something only while the edge
+            # waits; one held across a link cut would reserve a slot there for nothing
+            self._transport.publish_nowait(Message(topic, wire.dump(request), qos=0))
         except TransportError as exc:
             self.why_not = f"{choice.peer}: could not ask: {exc}"
             return False

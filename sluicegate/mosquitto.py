@@ -98,13 +98,25 @@ class BridgeTls:
 
 
 def bridge_lines(
-    campus: str, peer: str, address: str, tls: BridgeTls, *, protocol: str = "mqttv311"
+    campus: str,
+    peer: str,
+    address: str,
+    tls: BridgeTls,
+    *,
+    protocol: str = "mqttv311",
+    pull: bool = False,
 ) -> list[str]:
     """The ``connection`` stanza of the bridge from ``campus``'s Mosquitto to ``peer``'s at
     ``address`` (``host:port``): QoS 1 both ways, a persistent session (what a link cut
     holds back is delivered once it is back), announced as a bridge (retained messages keep
     their flag across), no notification topics, nothing but the pair's two trees.
-    ``protocol``: ``mqttv50`` where both Mosquittos are 2.0.14 or later."""
+    ``protocol``: ``mqttv50`` where both Mosquittos are 2.0.14 or later. With ``pull``,
+    only what ``peer`` says to ``campus`` comes in, and the peer runs the mirror bridge: so
+    every message crosses on a connection the sending Mosquitto accepted, where its
+    ``set_tcp_nodelay`` holds (Mosquitto 2.0.11 leaves Nagle on for a bridge's own
+    connection: a small message behind an unacknowledged one waits for the far side's
+    delayed ACK, up to 40 ms)."""
+    out_line = [] if pull else [f"topic {topics.peer_tree(campus, peer)} out 1"]
     return [
         f"connection sluicegate-{campus}-to-{peer}",
         f"address {address}",
@@ -121,6 +133,6 @@ def bridge_lines(
         f"bridge_keyfile {tls.keyfile}",
         "bridge_tls_version tlsv1.3",
         "bridge_insecure false",
-        f"topic {topics.peer_tree(campus, peer)} out 1",
+        *out_line,
         f"topic {topics.peer_tree(peer, campus)} in 1",
     ]

@@ -148,6 +148,7 @@ def bridged_sites(
         bridge / "node.pem",
         "--key",
         bridge / "node.key",
+        "--both-ways",  # one bridge, north's, carries both trees
         "--out",
         stanza,
     )

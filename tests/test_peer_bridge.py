@@ -182,6 +182,11 @@ def test_the_bridge_stanza_names_only_the_pair_s_trees(tmp_path: Path) -> None:
     ]
     assert "bridge_protocol_version mqttv311" in lines  # Mosquitto < 2.0.14 bridges no v5
     assert "try_private true" in lines  # retained messages keep their flag across
+    # Pulled: only the peer's tree to us comes in (the peer runs the mirror bridge).
+    pulled = bridge_lines(NORTH, SOUTH, "fab-south.example:8883", tls, pull=True)
+    assert [line for line in pulled if line.startswith("topic ")] == [
+        f"topic {topics.peer_tree(SOUTH, NORTH)} in 1",
+    ]
     v5 = bridge_lines(NORTH, SOUTH, "fab-south.example:8883", tls, protocol="mqttv50")
     assert "bridge_protocol_version mqttv50" in v5
     assert "bridge_insecure false" in lines

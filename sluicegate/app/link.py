@@ -48,6 +48,8 @@ class DelayRelay:
             except OSError:  # the far side is down (stopping, or cut): the link fails
                 client.close()
                 continue
+            for sock in (client, server):  # each chunk out when due: no Nagle wait on top
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self._sockets += [client, server]
             for src, dst in ((client, server), (server, client)):

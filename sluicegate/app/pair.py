@@ -3,10 +3,11 @@ by ``write_campus`` (its own CA, officer, broker key, policy, ACL) and run by ``
 (each node its own process) on a Mosquitto of its own and a Redis database of its own. Each
 policy names the other under ``[peers]`` with mirrored terms (north sends the classes
 ``sent`` to south's data centre), each campus's half of the agreement is signed by its
-officer beside its policy, and north's Mosquitto is bridged to south's (a certificate from
-south's CA, ``sluicegate.mosquitto.bridge_lines``) through a
-:class:`~sluicegate.app.link.DelayRelay` that holds every byte ``delay_s`` each way: the
-long link between two fabs. With ``wiretap``, an identity of south's CA may read everything
+officer beside its policy, and each campus's Mosquitto pulls what the other says to it over
+a bridge of its own (a certificate from the other's CA, ``sluicegate.mosquitto.bridge_lines``
+with ``pull``), each through a :class:`~sluicegate.app.link.DelayRelay` that holds every
+byte ``delay_s`` each way: the long link between two fabs (:class:`Link` cuts and mends
+both). With ``wiretap``, an identity of south's CA may read everything
 that crossed to south (``peer/#``) and nothing else: what a test or a benchmark watches the
 bridge with. The peering tests and ``bench/peering.py`` run on it.
 """
@@ -26,7 +27,7 @@ from policies.agreement import statement_for
 from sluicegate import topics
 from sluicegate.app.broker_http import get_json
 from sluicegate.app.link import DelayRelay
-from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
+from sluicegate.app.localcampus import LocalCampus
 from sluicegate.app.servers import free_port, running, start_mosquitto
 from sluicegate.enroll.authority import Authority, init_folder
 from sluicegate.mosquitto import BridgeTls, bridge_lines
@@ -63,11 +64,27 @@ def peer_table(
     )
 
 
+@dataclass(frozen=True)
+class Link:
+    """The link between the two campuses: one relay each way (each campus's bridge pulls
+    through its own), cut and mended together."""
+
+    relays: tuple[DelayRelay, ...]
+
+    def cut(self) -> None:
+        for relay in self.relays:
+            relay.cut()
+
+    def mend(self) -> None:
+        for relay in self.relays:
+            relay.mend()
+
+
 @dataclass
 class Pair:
     north: LocalCampus
     south: LocalCampus
-    relay: DelayRelay
+    relay: Link
     wiretap: Path | None  # south's wiretap identity's folder (node.key, node.pem, ca.pem)
 
     def peers_seen(self, campus: LocalCampus) -> dict[str, Any]:
@@ -143,10 +160,15 @@ def local_pair(
         peer = SOUTH if campus == NORTH else NORTH
         half = statement_for(policy, peer).signed_by(keys[campus]("officer"), "officer")
         half_file(roots[campus], campus, peer).write_bytes(half.to_bytes())
-    bridge = roots[NORTH] / "bridge"
-    bridge.mkdir()
+    # Each campus pulls what the other says to it: a bridge on each side, with a
+    # certificate from the other's CA, each through a link of its own.
     south_ca = Authority(roots[SOUTH])
-    south_ca.issue_here(topics.peer_bridge_identity(NORTH), "bridge", bridge, now=now)
+    for campus, other in ((NORTH, SOUTH), (SOUTH, NORTH)):
+        bridge = roots[campus] / "bridge"
+        bridge.mkdir()
+        Authority(roots[other]).issue_here(
+            topics.peer_bridge_identity(campus), "bridge", bridge, now=now
+        )
     tap: Path | None = None
     if wiretap:
         tap = roots[SOUTH] / WIRETAP
@@ -154,32 +176,37 @@ def local_pair(
         south_ca.issue_here(WIRETAP, "observer", tap, now=now)
         acl = roots[SOUTH] / "mosquitto.acl"
         acl.write_text(acl.read_text() + f"\nuser {WIRETAP}\ntopic read {topics.ROOT}/peer/#\n")
-    relay = DelayRelay(ports[SOUTH], delay_s)
-    tls = BridgeTls(bridge / "ca.pem", bridge / "node.pem", bridge / "node.key")
-    stanza = bridge_lines(NORTH, SOUTH, f"127.0.0.1:{relay.port}", tls)
+    relays = {
+        campus: DelayRelay(ports[other], delay_s)
+        for campus, other in ((NORTH, SOUTH), (SOUTH, NORTH))
+    }
+    stanzas: dict[str, tuple[str, ...]] = {}
+    for campus, other in ((NORTH, SOUTH), (SOUTH, NORTH)):
+        bridge = roots[campus] / "bridge"
+        tls = BridgeTls(bridge / "ca.pem", bridge / "node.pem", bridge / "node.key")
+        address = f"127.0.0.1:{relays[campus].port}"
+        stanzas[campus] = tuple(bridge_lines(campus, other, address, tls, pull=True))
     for folder in roots.values():
         (folder / "mq").mkdir()
     north, south = sides[NORTH], sides[SOUTH]
     with ExitStack() as stack:
-        stack.callback(relay.close)
-        written_south = south.write()
-        south.servers["mosquitto"] = stack.enter_context(
-            running(start_campus_mosquitto(written_south, workdir=roots[SOUTH] / "mq"))
-        )
-        written_north = north.write()
-        north.servers["mosquitto"] = stack.enter_context(
-            running(
-                start_mosquitto(
-                    port=ports[NORTH],
-                    workdir=roots[NORTH] / "mq",
-                    tls=written_north.listener_tls(),
-                    probe=written_north.client_context(),
-                    extra_config=tuple(stanza),
+        for relay in relays.values():
+            stack.callback(relay.close)
+        for campus, side in sides.items():
+            written = side.write()
+            side.servers["mosquitto"] = stack.enter_context(
+                running(
+                    start_mosquitto(
+                        port=ports[campus],
+                        workdir=roots[campus] / "mq",
+                        tls=written.listener_tls(),
+                        probe=written.client_context(),
+                        extra_config=stanzas[campus],
+                    )
                 )
             )
-        )
         stack.callback(south.stop)
         south.start()
         stack.callback(north.stop)
         north.start()
-        yield Pair(north, south, relay, tap)
+        yield Pair(north, south, Link(tuple(relays.values())), tap)

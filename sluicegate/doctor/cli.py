@@ -125,12 +125,23 @@ def mosquitto_bridge(
     mqtt5: Annotated[
         bool, typer.Option(help="Bridge with MQTT v5 (both Mosquittos 2.0.14 or later).")
     ] = False,
+    pull: Annotated[
+        bool,
+        typer.Option(
+            "--pull/--both-ways",
+            help="Only what the peer says to us comes in; the peer runs the mirror bridge.",
+        ),
+    ] = True,
     out: Annotated[Path | None, typer.Option(help="Write here instead of stdout.")] = None,
 ) -> None:
     """Print the bridge from this campus's Mosquitto to a sister campus's, to append to
     mosquitto.conf: TLS 1.3 with the peer's CA, the certificate it issued to our bridge
-    ('ca issue --role bridge --node peer.<our campus>' on its side), and only the two
-    inter-campus trees of the pair. One side of a pair runs it."""
+    ('ca issue --role bridge --node peer.<our campus>' on its side), and only the
+    inter-campus trees of the pair. By default it pulls what the peer says to this campus,
+    and each side runs one: every message then crosses on a connection its sender's
+    Mosquitto accepted, with set_tcp_nodelay (Mosquitto 2.0.11 leaves Nagle on for a
+    bridge's own connection: up to 40 ms a message). --both-ways carries both trees on one
+    bridge, which only one side runs."""
     from policies.errors import PolicyError
     from policies.loader import load_policy
     from sluicegate.mosquitto import BridgeTls, bridge_lines
@@ -151,7 +162,7 @@ def mosquitto_bridge(
     lines = [
         f"# The bridge from {campus.campus} to sister campus {peer}, written by "
         "'sluicegate mosquitto bridge'.",
-        *bridge_lines(campus.campus, peer, address, tls, protocol=protocol),
+        *bridge_lines(campus.campus, peer, address, tls, protocol=protocol, pull=pull),
     ]
     text = "\n".join(lines) + "\n"
     if out is None:
