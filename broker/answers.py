@@ -95,6 +95,7 @@ class Answers:
             advertised_key(self._fleet, decision.worker_id),
             req.data_class,
             seal_all=self._settings.seal_all,
+            sealed=req.sealed,
         )
         if isinstance(sealing, SealUnavailable):
             self._fleet.release(req.job_id)

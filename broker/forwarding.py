@@ -83,6 +83,8 @@ class Forwarder:
             self.why_not = choice.reason
             return False
         request = item.request
+        if policy.confidential(request.data_class):  # the peer must bind its worker's key
+            request = request.model_copy(update={"sealed": True})
         topic = topics.peer_asks(policy.campus, choice.peer)
         try:  # QoS 0, as an edge's request: an ask is worth something only while the edge
             # waits; one held across a link cut would reserve a slot there for nothing

@@ -351,7 +351,9 @@ class Broker:
         fleet = self.fleet
 
         def sealable(request: PlacementRequest) -> Callable[[str], bool] | None:
-            return None if policy is None else sealable_in(fleet, policy, request.data_class)
+            if policy is None:
+                return None
+            return sealable_in(fleet, policy, request.data_class, sealed=request.sealed)
 
         return sealable
 

@@ -52,6 +52,9 @@ class PlacementRequest(_Wire):
     # 1 for a job's first placement, one more each time the edge asks again for the same
     # job (its worker was lost, or no result came back in time).
     attempt: int = Field(1, ge=1, le=1000)
+    # The asking campus keeps this class confidential (a sister campus's ask): the placement
+    # must bind the worker's sealing key whatever this campus's policy says of the class.
+    sealed: bool = False
 
 
 class PlacementReply(_Wire):

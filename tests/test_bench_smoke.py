@@ -188,6 +188,19 @@ SMOKE = [
     ),
     # Comes with its own change; skipped until the file is in the checkout.
     Smoke("peers.py", "--smoke", timeout_s=CAMPUS_S),
+    Smoke(
+        "peering.py",
+        "--smoke --edge-cpu 0",
+        (
+            "burst jobs with the peer",
+            "burst jobs alone",
+            "jobs that ran on south",
+            "work messages the wiretap saw",
+            "local offloads timed",
+            "crossing offloads timed",
+        ),
+        CAMPUS_S,
+    ),
 ]
 
 # Modules the benches import or start, not benches: each says why it has no row.

@@ -14,7 +14,7 @@ from broker.core.peering import Link, PeerOffers, PeerRefused
 from policies.agreement import Standing
 from sluicegate.wire_peer import parse_summary
 from sluicegate.wire_pool import PlacementRequest
-from tests.test_broker_core_kit import PARAMS, fleet_with
+from tests.test_broker_core_kit import PARAMS, caps, fleet_with
 from tests.test_broker_peering import NORTH, NOW, body, heard, in_force
 
 LINK = Link(rtt_s=0.040, bytes_per_s=10e6)  # 20 ms each way, 10 MB/s
@@ -135,3 +135,36 @@ def test_the_turn_asks_a_peer_for_what_found_no_worker_before_the_waiting_room()
     assert turn.forwarded == 1
     assert [r.item.job_id for r in turn.refused] == ["stays"]
     assert turn.refused[0].code == "no_worker"
+
+
+def test_a_job_a_worker_here_would_finish_late_is_asked_of_the_peer() -> None:
+    """North's one worker would take it, behind 2 s of work: the peer answers in time."""
+    worker = "north-site-gpu-1"
+    zone = "campus/north-site/dc"
+    busy = fleet_with(
+        NORTH,
+        [
+            (
+                caps(worker, zone, models=("ocr-rec",)),
+                {"backlog_ms": 2000.0, "service_ms": {"ocr-rec": 10.0}},
+            )
+        ],
+        now=NOW,
+    )
+    asked: list[str] = []
+    early = ask(job_id="early", deadline_at=NOW + 5.0)  # 2 s of work ahead is in time
+    late = ask(job_id="late", deadline_at=NOW + 0.5)
+    turn = decide_turn(
+        busy,
+        [early, late],
+        lambda r: r,
+        NORTH,
+        now=NOW,
+        params=PARAMS,
+        hold=lambda _item, _now: False,
+        sealable=lambda _r: None,
+        forward=lambda item, _now: asked.append(item.job_id) is None,
+    )
+    assert asked == ["late"]
+    assert turn.forwarded == 1
+    assert [item.job_id for item, _placed in turn.placed] == ["early"]

@@ -35,7 +35,7 @@ def rig(
         north_nodes=("broker-1", LINE),
         south_nodes=("broker-1", "north-cpu-1"),
         delay_s=0.005,
-        node_env={LINE: env},
+        north_env={LINE: env},
     ) as made:
         yield made
 

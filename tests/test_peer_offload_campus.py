@@ -42,7 +42,7 @@ def rig(
         south_nodes=("broker-1", "north-cpu-1"),  # south's one worker, in its data centre
         delay_s=0.005,
         # The edge waits for an answer from across the link (the default suits a campus).
-        node_env={LINE: {"SLUICEGATE_OFFLOAD__PLACEMENT_TIMEOUT_MS": "500"}},
+        north_env={LINE: {"SLUICEGATE_OFFLOAD__PLACEMENT_TIMEOUT_MS": "500"}},
     ) as made:
         yield made
 

@@ -76,7 +76,8 @@ def decide_turn(
     forward: Callable[[T, float], bool] | None = None,
 ) -> Turn[T]:
     """Decide ``items`` in order; ``forward(item, now)`` offers one refused for want of a
-    worker here to a sister campus (True: asked there; ``broker.core.forwarding``), then
+    worker here, or placed where it would finish after its deadline, to a sister campus
+    (True: asked there; ``broker.core.forwarding``); then
     ``hold(item, now)`` one that found no room to the waiting room (True: it waits there);
     ``sealable(request)``: the workers its images may be sealed to
     (``broker.core.sealing.sealable_in``); ``beside`` sees every decision (the shadow
@@ -93,6 +94,11 @@ def decide_turn(
         if beside is not None:
             beside(request, decision)
         if isinstance(decision, Placed):
+            deadline = request.deadline_at
+            late = deadline is not None and now + decision.predicted_ms / 1000.0 > deadline
+            if late and forward is not None and forward(item, now):
+                turn.forwarded += 1  # a sister campus answers in time where this one cannot
+                continue
             fleet.reserve(
                 decision.worker_id, request.job_id, now, request.model, decision.predicted_ms
             )

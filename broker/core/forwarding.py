@@ -1,13 +1,15 @@
-"""Whether a job no worker here can take goes to a sister campus, and to which: pure.
+"""Whether a job no worker here can take in time goes to a sister campus, and to which:
+pure.
 
 A request the local decision refused for want of a worker (none, none with room, none faster
-than the edge, none the policy or sealing allows here) is offered to the peers this campus
-may send to. A peer is a candidate only as ``broker.core.peering.PeerOffers.candidate``
-says (the agreement in force, the class listed, a fresh summary from the same half, a free
-slot for the model), and only while its link is measured. Its answer must reach the edge
-before the edge stops waiting (the link's round trip and ``ASK_MARGIN_S``, within twice the
-request's ``max_wait_ms``, which is half the edge's own wait, less what the request already
-waited here), and its result must come before the deadline (the ask, then
+than the edge, none the policy or sealing allows here), or placed on a worker here that
+would finish it after its deadline, is offered to the peers this campus may send to. A peer
+is a candidate only as ``broker.core.peering.PeerOffers.candidate`` says (the agreement in
+force, the class listed, a fresh summary from the same half, a free slot for the model), and
+only while its link is measured. Its answer must reach the edge before the edge stops
+waiting (the link's round trip and ``ASK_MARGIN_S``, within twice the request's
+``max_wait_ms``, which is half the edge's own wait, less what the request already waited
+here), and its result must come before the deadline (the ask, then
 ``peering.remote_completion_s``). The candidate whose result would come first wins; with
 none, the refusal says each peer's reason. No clock, no I/O: ``now`` is an argument.
 """

@@ -42,10 +42,13 @@ def advertised_key(fleet: Fleet, worker_id: str) -> bytes | None:
     return caps.seal_key if caps is not None else None
 
 
-def sealable_in(fleet: Fleet, policy: Policy, data_class: str) -> Callable[[str], bool] | None:
-    """For a confidential class, which of ``fleet``'s workers its images can be sealed to
-    (``placement.decide(sealable=)``); None for any other class: every worker will do."""
-    if not policy.confidential(data_class):
+def sealable_in(
+    fleet: Fleet, policy: Policy, data_class: str, *, sealed: bool = False
+) -> Callable[[str], bool] | None:
+    """For a confidential class (or a job ``sealed`` asks to travel sealed: a sister
+    campus's), which of ``fleet``'s workers its images can be sealed to
+    (``placement.decide(sealable=)``); None for any other: every worker will do."""
+    if not (sealed or policy.confidential(data_class)):
         return None
 
     def sealable(worker_id: str) -> bool:
@@ -61,22 +64,26 @@ def seal_binding(
     data_class: str,
     *,
     seal_all: bool,
+    sealed: bool = False,
 ) -> bytes | SealUnavailable:
-    """The key id the token binds (``NO_KEY``: clear), or why a confidential job cannot go."""
+    """The key id the token binds (``NO_KEY``: clear), or why a confidential job (or one
+    ``sealed`` asks to travel sealed) cannot go."""
     usable = None
     if advertised is not None and can_seal(policy, worker_id, advertised):
         usable = seal_key_id(advertised)
-    if usable is not None and (seal_all or policy.confidential(data_class)):
+    must = sealed or policy.confidential(data_class)
+    if usable is not None and (seal_all or must):
         return usable
-    if not policy.confidential(data_class):
+    if not must:
         return NO_KEY
     if advertised is None:
         why = "advertises no sealing key"
     else:
         why = f"advertises sealing key {seal_key_id(advertised).hex()}, not one the policy lists"
+    whose = "" if policy.confidential(data_class) else ", or to the campus that asks"
     return SealUnavailable(
         SEAL_UNAVAILABLE,
-        f"class {data_class!r} is confidential (policy v{policy.version}): its images travel "
-        f"only sealed to the worker's key, and worker {worker_id} {why}; the job runs on "
+        f"class {data_class!r} is confidential (policy v{policy.version}{whose}): its images "
+        f"travel only sealed to the worker's key, and worker {worker_id} {why}; the job runs on "
         "the edge, or list the worker's key ('sluicegate pool seal-key list') in the policy",
     )

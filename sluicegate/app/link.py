@@ -18,7 +18,8 @@ from contextlib import suppress
 class DelayRelay:
     """A TCP relay on a free loopback port that holds every byte ``delay_s`` each way, in
     order: the long link between two campuses, for the bridge to cross. TLS passes through
-    it untouched. ``cut()`` drops every connection and refuses new ones until ``mend()``."""
+    it untouched. ``cut()`` drops every connection and refuses new ones (no listener: a
+    connect is refused, as across a link that is down) until ``mend()``."""
 
     def __init__(self, target_port: int, delay_s: float) -> None:
         self.delay_s = delay_s
@@ -26,23 +27,36 @@ class DelayRelay:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self._cut = threading.Event()
+        self._mended = threading.Event()
         self._stop = threading.Event()
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
-        self._listener.settimeout(0.2)
+        listener: socket.socket | None = self._listener
         while not self._stop.is_set():
+            if self._cut.is_set():
+                if listener is not None:
+                    listener.close()
+                    listener = None
+                self._mended.wait(0.2)
+                continue
+            if listener is None:
+                try:
+                    listener = self._listener = socket.create_server(("127.0.0.1", self.port))
+                except OSError:  # the port not free again yet
+                    self._stop.wait(0.05)
+                    continue
+            listener.settimeout(0.2)
             try:
-                client, _ = self._listener.accept()
+                client, _ = listener.accept()
             except TimeoutError:
                 continue
             except OSError:
+                if self._stop.is_set() or self._cut.is_set():
+                    continue
                 return
-            if self._cut.is_set():
-                client.close()
-                continue
             try:
                 server = socket.create_connection(("127.0.0.1", self._target))
             except OSError:  # the far side is down (stopping, or cut): the link fails
@@ -77,6 +91,7 @@ class DelayRelay:
                 sock.close()
 
     def cut(self) -> None:
+        self._mended.clear()
         self._cut.set()
         with self._lock:
             sockets, self._sockets = self._sockets, []
@@ -87,8 +102,10 @@ class DelayRelay:
 
     def mend(self) -> None:
         self._cut.clear()
+        self._mended.set()
 
     def close(self) -> None:
         self._stop.set()
         self.cut()
-        self._listener.close()
+        with suppress(OSError):
+            self._listener.close()

@@ -121,14 +121,17 @@ def local_pair(
     delay_s: float = 0.005,
     sent: Collection[str] = ("ocr-crop",),
     north_confidential: Collection[str] = (),
-    node_env: dict[str, dict[str, str]] | None = None,
+    north_env: dict[str, dict[str, str]] | None = None,
     wiretap: bool = False,
     edge_cpu: float | None = None,
+    pull: bool = True,
 ) -> Iterator[Pair]:
     """North and south running ``north_nodes`` and ``south_nodes``, bridged and agreed;
     ``key_for(campus, name)`` gives each campus's keys; ``north_confidential``: classes
-    besides wafer images north keeps sealed; ``edge_cpu``: north's line PCs capped to this
-    share of a core (``LocalCampus``)."""
+    besides wafer images north keeps sealed; ``north_env``: extra environment for one of
+    north's nodes; ``edge_cpu``: north's line PCs capped to this share of a core
+    (``LocalCampus``); ``pull``: each campus pulls through a bridge of its own (else one
+    bridge, north's, carries both trees)."""
     now = time.time()
     roots = {NORTH: root / "north", SOUTH: root / "south"}
     prints: dict[str, str] = {}
@@ -145,7 +148,7 @@ def local_pair(
             redis_url=redis_url(),
             key_for=keys[campus],
             nodes=north_nodes if campus == NORTH else south_nodes,
-            node_env=node_env,
+            node_env=north_env if campus == NORTH else None,
             campus=campus,
             fab=FABS[campus],
             peers=peer_table(other, prints[other], keys[other], sends=campus == NORTH, sent=sent),
@@ -176,16 +179,14 @@ def local_pair(
         south_ca.issue_here(WIRETAP, "observer", tap, now=now)
         acl = roots[SOUTH] / "mosquitto.acl"
         acl.write_text(acl.read_text() + f"\nuser {WIRETAP}\ntopic read {topics.ROOT}/peer/#\n")
-    relays = {
-        campus: DelayRelay(ports[other], delay_s)
-        for campus, other in ((NORTH, SOUTH), (SOUTH, NORTH))
-    }
-    stanzas: dict[str, tuple[str, ...]] = {}
-    for campus, other in ((NORTH, SOUTH), (SOUTH, NORTH)):
+    bridging = ((NORTH, SOUTH), (SOUTH, NORTH)) if pull else ((NORTH, SOUTH),)
+    relays = {campus: DelayRelay(ports[other], delay_s) for campus, other in bridging}
+    stanzas: dict[str, tuple[str, ...]] = {NORTH: (), SOUTH: ()}
+    for campus, other in bridging:
         bridge = roots[campus] / "bridge"
         tls = BridgeTls(bridge / "ca.pem", bridge / "node.pem", bridge / "node.key")
         address = f"127.0.0.1:{relays[campus].port}"
-        stanzas[campus] = tuple(bridge_lines(campus, other, address, tls, pull=True))
+        stanzas[campus] = tuple(bridge_lines(campus, other, address, tls, pull=pull))
     for folder in roots.values():
         (folder / "mq").mkdir()
     north, south = sides[NORTH], sides[SOUTH]
