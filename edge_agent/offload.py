@@ -33,7 +33,7 @@ from pydantic import ValidationError
 
 from edge_agent.admission import Job, Owners
 from edge_agent.rules import Declined, Placement
-from policies import Policy, verify
+from policies import PlacementClaims, Policy, verify
 from policies.errors import PolicyError
 from policies.sealing import decode_seal_key, seal, seal_key_id
 from policies.tokens import verify_peer
@@ -95,12 +95,9 @@ def check_placement(
         )
     except PolicyError as exc:
         return Declined(exc.reason, f"placement token refused by the edge: {exc}")
-    if claims.target_worker != reply.worker_id or claims.target_zone != reply.worker_zone:
-        return Declined(
-            "bad_reply",
-            f"reply names {reply.worker_id}@{reply.worker_zone} but the token binds "
-            f"{claims.target_worker}@{claims.target_zone}",
-        )
+    mismatch = _target_mismatch(reply, claims, "the token")
+    if mismatch is not None:
+        return mismatch
     work_topic = topics.pool_work(claims.target_zone, claims.target_worker, edge_id)
     seal_to = None
     if claims.sealed:  # verify checked that this edge's policy lists the key for the worker
@@ -116,6 +113,17 @@ def check_placement(
         reply.predicted_ms,
         claims,
         seal_to,
+    )
+
+
+def _target_mismatch(reply: PlacementReply, claims: PlacementClaims, whose: str) -> Declined | None:
+    """A reply naming another worker or zone than the token it carries binds."""
+    if claims.target_worker == reply.worker_id and claims.target_zone == reply.worker_zone:
+        return None
+    return Declined(
+        "bad_reply",
+        f"reply names {reply.worker_id}@{reply.worker_zone} but {whose} binds "
+        f"{claims.target_worker}@{claims.target_zone}",
     )
 
 
@@ -152,12 +160,9 @@ def _check_peer_placement(
         )
     except PolicyError as exc:
         return Declined(exc.reason, f"{peer}'s placement token refused by the edge: {exc}")
-    if claims.target_worker != reply.worker_id or claims.target_zone != reply.worker_zone:
-        return Declined(
-            "bad_reply",
-            f"reply names {reply.worker_id}@{reply.worker_zone} but {peer}'s token binds "
-            f"{claims.target_worker}@{claims.target_zone}",
-        )
+    mismatch = _target_mismatch(reply, claims, f"{peer}'s token")
+    if mismatch is not None:
+        return mismatch
     seal_to = None
     if claims.sealed:
         try:

@@ -38,6 +38,7 @@ from sluicegate.metering.verify import (
     Located,
     Problem,
     Verification,
+    export_lines_of,
     read_manifest,
     signature_problems,
 )
@@ -121,13 +122,7 @@ class PeerVerification:
 def verify_peer_export(data: bytes, policy: Policy, peer: str) -> PeerVerification:
     """Check a settlement export with ``peer`` against ``policy``; never raises."""
     problems: list[Problem] = []
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    elif lines:
-        problems.append(
-            Problem("unreadable", "the export does not end with a newline (cut short?)", len(lines))
-        )
+    lines = export_lines_of(data, problems)
     manifest, record_lines = read_manifest(lines, policy, problems)
     if manifest is not None and manifest.peer != peer:
         said = f"with {manifest.peer!r}" if manifest.peer else "of a campus's own records"

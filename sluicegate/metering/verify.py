@@ -111,10 +111,8 @@ class Verification:
         return f"NOT VERIFIED: {len(self.problems)} problems ({kinds}) in {self.lines} lines"
 
 
-def verify_export(data: bytes, policy: Policy) -> Verification:
-    """Check ``data``, an export as written (records, then the manifest line), against the
-    node and broker keys ``policy`` lists."""
-    problems: list[Problem] = []
+def export_lines_of(data: bytes, problems: list[Problem]) -> list[bytes]:
+    """An export's lines, without the newline that ends it (a missing one is a problem)."""
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
@@ -122,6 +120,14 @@ def verify_export(data: bytes, policy: Policy) -> Verification:
         problems.append(
             Problem("unreadable", "the export does not end with a newline (cut short?)", len(lines))
         )
+    return lines
+
+
+def verify_export(data: bytes, policy: Policy) -> Verification:
+    """Check ``data``, an export as written (records, then the manifest line), against the
+    node and broker keys ``policy`` lists."""
+    problems: list[Problem] = []
+    lines = export_lines_of(data, problems)
     manifest, record_lines = read_manifest(lines, policy, problems)
     altered: set[int] = set()
     records = _records(record_lines, policy, manifest, problems, altered)
