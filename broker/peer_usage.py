@@ -3,9 +3,10 @@ concern us in, and the settlement export that holds both (``sluicegate.metering.
 
 When this replica stores a new record of ours (``broker.metering``: once across replicas)
 that concerns a peer (a run of its job here, a settlement here of a job its pool ran), the
-record goes, countersigned, to that peer on ``topics.peer_usage`` (QoS 1; the bridge's
-persistent session holds it through a link cut). Every replica hears each peer's records on
-the peer's tree; one is kept once per (node, seq), whichever replica comes first, only as
+record goes, countersigned, to that peer on ``topics.peer_usage`` (QoS 1, a line each, those
+stored in the same turn of the loop in one message; the bridge's persistent session holds
+them through a link cut). Every replica hears each peer's records on the peer's tree; one is
+kept once per (node, seq), whichever replica comes first, only as
 ``peering.theirs_problem`` allows (the receipt of a broker our ``[peers]`` entry pins, about
 a job between us); the rest are counted by reason and logged. The export puts ours and
 theirs of a period together under this replica's signed manifest. Loop thread only.
@@ -56,56 +57,71 @@ class PeerUsage:
         self._on_refused = on_refused  # the service's counter: kind "usage", the reason
         self._listening: set[str] = set()
         self._inbox: deque[Message] = deque()
+        self._outbox: dict[str, list[bytes]] = {}  # lines to each peer, this turn
         self._wake = asyncio.Event()
         self.sent: Counter[str] = Counter()  # records sent, by peer
         self.kept: Counter[str] = Counter()  # records of each peer kept (new here)
         self.refused: Counter[str] = Counter()
 
     def send_ours(self, signed: SignedUsage, policy: Policy | None) -> None:
-        """A record of ours just stored: to each peer it concerns."""
+        """A record of ours just stored: to each peer it concerns, with the others stored in
+        the same turn of the loop (one message a peer, a record a line)."""
         if policy is None or not policy.peers:
             return
         for peer in policy.peers:
             if not concerns(signed.record, peer):
                 continue
-            topic = topics.peer_usage(policy.campus, peer)
+            if not self._outbox:
+                asyncio.get_running_loop().call_soon(self._flush, policy.campus)
+            self._outbox.setdefault(peer, []).append(to_line(signed))
+
+    def _flush(self, campus: str) -> None:
+        outbox, self._outbox = self._outbox, {}
+        for peer, lines in outbox.items():
+            topic = topics.peer_usage(campus, peer)
             try:
-                self._transport.publish_nowait(Message(topic, to_line(signed), qos=1))
+                self._transport.publish_nowait(Message(topic, b"\n".join(lines), qos=1))
             except TransportError as exc:
-                log.warning("usage record %d of %s not sent to %s: %s",
-                            signed.record.seq, signed.record.node, peer, exc)  # fmt: skip
+                log.warning("%d usage records not sent to %s: %s", len(lines), peer, exc)
                 continue
-            self.sent[peer] += 1
+            self.sent[peer] += len(lines)
 
     def on_message(self, msg: Message) -> None:
-        """A record a peer sent: kept in order, taken by :meth:`run`."""
+        """Records a peer sent: kept in order, taken by :meth:`run`."""
         self._inbox.append(msg)
         self._wake.set()
 
-    async def _take(self, msg: Message) -> None:
-        """A record a peer sent: checked, then kept once."""
+    async def _take(self, messages: list[Message]) -> None:
+        """Records peers sent: each checked, then those that pass kept once, one round
+        trip to Redis a peer."""
         policy = self._policy()
-        peer = topics.peer_of(msg.topic)
-        if policy is None or peer not in policy.peers:
+        if policy is None:
             return
-        try:
-            signed = from_line(msg.payload)
-        except ValidationError as exc:
-            self._refuse(peer, "malformed", f"not a usage record: {exc.error_count()} error(s)")
-            return
-        why = theirs_problem(policy, peer, signed)
-        if why is not None:
-            self._refuse(peer, "refused", why)
-            return
-        try:
-            (new,) = await self._store.insert_theirs(peer, [signed])
-        except StoreUnavailable as exc:  # the peer's broker sent it once: say so loudly
-            log.error("usage record %d of %s from %s not kept: %s",
-                      signed.record.seq, signed.record.node, peer, exc)  # fmt: skip
-            self._refuse(peer, "store_unavailable", str(exc))
-            return
-        if new:
-            self.kept[peer] += 1
+        keep: dict[str, list[SignedUsage]] = {}
+        for msg in messages:
+            peer = topics.peer_of(msg.topic)
+            if peer not in policy.peers:
+                continue
+            for line in msg.payload.split(b"\n"):
+                try:
+                    signed = from_line(line)
+                except ValidationError as exc:
+                    bad = f"not a usage record: {exc.error_count()} error(s)"
+                    self._refuse(peer, "malformed", bad)
+                    continue
+                why = theirs_problem(policy, peer, signed)
+                if why is not None:
+                    self._refuse(peer, "refused", why)
+                    continue
+                keep.setdefault(peer, []).append(signed)
+        for peer, records in keep.items():
+            try:
+                new = await self._store.insert_theirs(peer, records)
+            except StoreUnavailable as exc:  # the peer's broker sent them once: say so loudly
+                log.error("%d usage records from %s not kept: %s", len(records), peer, exc)
+                self._refuse(peer, "store_unavailable", str(exc))
+                continue
+            self.kept[peer] += sum(new)
 
     def _refuse(self, peer: str, reason: str, why: str) -> None:
         self.refused[f"{peer}.{reason}"] += 1
@@ -134,7 +150,8 @@ class PeerUsage:
                 await asyncio.wait_for(self._wake.wait(), interval_s)
             self._wake.clear()
             while self._inbox:
-                await self._take(self._inbox.popleft())
+                batch = [self._inbox.popleft() for _ in range(min(len(self._inbox), 64))]
+                await self._take(batch)
 
     async def export(self, peer: str, from_ms: int, to_ms: int) -> bytes:
         """The settlement export with ``peer`` of ``[from_ms, to_ms]``."""
