@@ -4,14 +4,14 @@ answers relayed to the edges that asked.
 The placement turn (``broker.core.batch``) offers each request the local decision refused
 for want of a worker to :meth:`Forwarder.forward`; ``broker.core.forwarding`` says whether a
 peer may do better and which. The request goes to that peer's brokers on
-``topics.peer_asks`` (its origin is ours; the peer's broker makes it ``peer:<campus>``)
-and waits, at most until the edge stops waiting, for the answer on ``topics.peer_answers``
-(every replica hears each answer; the one that asked relays it). A placement goes to the
-edge as the peer's broker signed it, named with the peer's campus: the edge checks the
-token against the peer's keys in its own policy and sends the image across itself. A
-refusal, a malformed answer or no answer in time answers the edge with a refusal naming the
-peer, so the job runs on its edge. Each ask ends counted by peer and outcome
-(``sluicegate_peer_asked_total``) and audited like any answer. Loop thread only.
+``topics.peer_asks`` (its origin is ours; the peer's broker makes it ``peer:<campus>``) and
+waits, at most until the edge stops waiting, for the answer on ``topics.peer_answers``
+(every replica hears each answer, ``broker.peers.Peers.hear``; the one that asked relays
+it). A placement goes to the edge as the peer's broker signed it, named with the peer's
+campus: the edge checks the token against the peer's keys in its own policy and sends the
+image across itself. A refusal, a malformed answer or no answer in time answers the edge
+with a refusal naming the peer, so the job runs on its edge. Each ask ends counted by peer
+and outcome (``sluicegate_peer_asked_total``) and audited like any answer. Loop thread only.
 """
 
 from __future__ import annotations
@@ -59,17 +59,15 @@ class Forwarder:
         self._refuse = refuse
         self._counted = counted  # (peer, outcome): the service's counter
         self._waiting: dict[tuple[str, str], tuple[Pending, asyncio.TimerHandle]] = {}
-        self._listening: set[str] = set()
         self.outcomes: Counter[str] = Counter()  # "<peer>.<outcome>"
-        self.why_not = ""  # why the last request offered went to no peer, for the log
 
     def forward(self, item: Pending, now: float) -> bool:
         """Ask a sister campus for ``item`` if one may do better than this campus; False
         leaves the request to the local answer."""
         policy = self._policy()
-        if policy is None or not policy.peers_out():
+        peers = policy.peers_out() if policy is not None else ()
+        if policy is None or not peers:
             return False
-        peers = policy.peers_out()
         choice = forward_to(
             policy,
             item.request,
@@ -79,8 +77,7 @@ class Forwarder:
             now=now,
             waited_s=time.perf_counter() - item.arrived,
         )
-        if isinstance(choice, PeerRefused):
-            self.why_not = choice.reason
+        if isinstance(choice, PeerRefused):  # the local answer says why it stays
             return False
         request = item.request
         if policy.confidential(request.data_class):  # the peer must bind its worker's key
@@ -90,7 +87,7 @@ class Forwarder:
             # waits; one held across a link cut would reserve a slot there for nothing
             self._transport.publish_nowait(Message(topic, wire.dump(request), qos=0))
         except TransportError as exc:
-            self.why_not = f"{choice.peer}: could not ask: {exc}"
+            log.warning("could not ask %s for job %s: %s", choice.peer, request.job_id, exc)
             return False
         key = (choice.peer, request.job_id)
         earlier = self._waiting.pop(key, None)
@@ -136,23 +133,3 @@ class Forwarder:
     def _end(self, peer: str, outcome: str) -> None:
         self.outcomes[f"{peer}.{outcome}"] += 1
         self._counted(peer, outcome)
-
-    async def listen(self) -> None:
-        """Hear the answers of each peer this campus may send to (once each)."""
-        policy = self._policy()
-        if policy is None:
-            return
-        for peer in sorted(set(policy.peers_out()) - self._listening):
-            await self._transport.subscribe(
-                topics.peer_answers(peer, policy.campus), self.on_answer
-            )
-            self._listening.add(peer)
-
-    async def run(self, interval_s: float) -> None:
-        """Listen to newly listed peers every interval."""
-        while True:
-            try:
-                await self.listen()
-            except TransportError as exc:
-                log.warning("sister campuses' answers: %s", exc)
-            await asyncio.sleep(interval_s)

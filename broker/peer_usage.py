@@ -15,7 +15,6 @@ theirs of a period together under this replica's signed manifest. Loop thread on
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import Counter, deque
@@ -55,7 +54,6 @@ class PeerUsage:
         self._policy = policy
         self._clock = clock
         self._on_refused = on_refused  # the service's counter: kind "usage", the reason
-        self._listening: set[str] = set()
         self._inbox: deque[Message] = deque()
         self._outbox: dict[str, list[bytes]] = {}  # lines to each peer, this turn
         self._wake = asyncio.Event()
@@ -128,26 +126,11 @@ class PeerUsage:
         self._on_refused(reason)
         log.warning("usage record from %s not kept [%s]: %s", peer, reason, why)
 
-    async def listen(self) -> None:
-        """Hear each listed peer's records (once each; every replica)."""
-        policy = self._policy()
-        if policy is None:
-            return
-        for peer in sorted(set(policy.peers) - self._listening):
-            await self._transport.subscribe(
-                topics.peer_usage(peer, policy.campus), self.on_message, qos=1
-            )
-            self._listening.add(peer)
-
-    async def run(self, interval_s: float) -> None:
-        """Take what peers sent as it comes; listen to newly listed peers every interval."""
+    async def run(self) -> None:
+        """Take what peers sent as it comes (``on_message``: subscribed by
+        ``broker.peers.Peers.hear``)."""
         while True:
-            try:
-                await self.listen()
-            except TransportError as exc:
-                log.warning("sister campuses' usage records: %s", exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), interval_s)
+            await self._wake.wait()
             self._wake.clear()
             while self._inbox:
                 batch = [self._inbox.popleft() for _ in range(min(len(self._inbox), 64))]

@@ -114,7 +114,8 @@ class Peers:
         self.refused: Counter[str] = Counter()  # "<kind>.<reason>": halves, summaries, asks
         self.sent = 0  # summaries published
         self._seq = int(clock() * 1000)  # increasing across restarts of this replica
-        self._listening: set[str] = set()
+        self._listening: set[tuple[int, str]] = set()  # (what, peer) subscribed
+        self._hearing: list[tuple[Callable[[str, str], str], Callable[[Message], None], bool]] = []
         self._offered: set[str] = set()  # peers last offered anything
         self._half_sent_at: dict[str, float] = {}
         self._half_warned: set[str] = set()
@@ -125,19 +126,39 @@ class Peers:
 
     # -- hearing -----------------------------------------------------------------------------
 
+    def hear(
+        self,
+        topic: Callable[[str, str], str],
+        handler: Callable[[Message], None],
+        *,
+        sending_only: bool = False,
+    ) -> None:
+        """Also subscribe ``handler`` to ``topic(peer, this campus)`` of each listed peer
+        (only those this campus may send to, with ``sending_only``), as :meth:`listen`
+        finds them: the asks' answers, the usage records."""
+        self._hearing.append((topic, handler, sending_only))
+
     async def listen(self) -> None:
         """Subscribe to what each listed peer says to this campus (once each): its half,
         summaries and probes on every replica, its asks shared among the replicas (each
-        ask decided, reserved and answered once)."""
+        ask decided, reserved and answered once), and what :meth:`hear` added."""
         policy = self._policy()
         if policy is None:
             return
         us = policy.campus
-        for peer in sorted(set(policy.peers) - self._listening):
-            for every in (topics.peer_agreement, topics.peer_summary, topics.peer_probe):
-                await self._transport.subscribe(every(peer, us), self.on_message)
-            await self._transport.subscribe(topics.peer_asks_shared(peer, us), self.on_message)
-            self._listening.add(peer)
+        mine = (
+            (topics.peer_agreement, self.on_message, False),
+            (topics.peer_summary, self.on_message, False),
+            (topics.peer_probe, self.on_message, False),
+            (topics.peer_asks_shared, self.on_message, False),
+        )
+        sending = set(policy.peers_out())
+        for n, (topic, handler, sending_only) in enumerate((*mine, *self._hearing)):
+            for peer in sorted(policy.peers):
+                if (n, peer) in self._listening or (sending_only and peer not in sending):
+                    continue
+                await self._transport.subscribe(topic(peer, us), handler)
+                self._listening.add((n, peer))
 
     def on_message(self, msg: Message) -> None:
         policy = self._policy()

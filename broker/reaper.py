@@ -10,14 +10,15 @@ dead worker the atomic claim hands the jobs to exactly one replica, which asks
 fenced by :func:`broker.core.recovery.judge_completion` against the job's record. Every outcome
 is counted, written to the job's record and audited. The edge also re-offers a job whose
 result does not come back in time, which covers a replica that dies between its claim and
-its notices. It never decides a placement.
+its notices. A worker that holds jobs and makes no progress (frozen) is found by
+:meth:`Reaper.watch_progress` and goes the same way. It never decides a placement.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -31,6 +32,7 @@ from broker.core.recovery import (
     judge_completion,
     worker_gone,
 )
+from broker.core.shadow import Shadow
 from broker.decision_audit import DecisionAudit, encode
 from broker.inflight import InflightStore
 from broker.lua import check_cancelled
@@ -44,6 +46,7 @@ from sluicegate.transport import Message, Transport
 from sluicegate.wire_pool import Completion, JobNotice, PlacementRelease
 
 log = logging.getLogger(__name__)
+STALL_CHECK_S = 0.02  # how often workers holding jobs are checked for progress
 
 AUDIT_KINDS = {
     "worker_lost": "job.worker_lost",
@@ -83,6 +86,34 @@ class Reaper:
         self._wake = asyncio.Event()
         self._started: float | None = None
         self.carried_over = (0, 0)  # (workers, jobs) in flight found in Redis at start
+
+    async def watch_progress(self, views: Sequence[Fleet | Shadow]) -> None:
+        """Every ``STALL_CHECK_S``, the workers holding jobs placed here are checked for
+        progress (``Fleet.check_progress``: frozen, a hung driver), in ``views`` (the
+        production fleet, and the shadow's). One with a job long
+        overdue takes no new placement until its next completion or telemetry; one still
+        silent past its next batch's time is out of placement in every view and its jobs
+        in flight go back to their edges through the lost-worker path (placed again, or
+        run on the line PC, the stale attempt fenced), long before its telemetry would go
+        stale."""
+        while True:
+            await asyncio.sleep(STALL_CHECK_S)
+            now = self._clock()
+            found = self._fleet.check_progress(now)
+            for worker_id in found.suspected:
+                self._metrics.worker_suspicions.inc()
+                log.debug("worker %s has a job overdue: no new placement there for now", worker_id)
+            for worker_id in found.stalled:
+                log.warning(
+                    "worker %s completed nothing while holding %d job(s) placed here, long "
+                    "past what their placements expected: out of placement until it shows a "
+                    "sign of life, its jobs placed again",
+                    worker_id,
+                    self._fleet.reserved(worker_id),
+                )
+                for view in views:
+                    view.mark_stalled(worker_id, now)
+                self.worker_gone(worker_id, "stalled")
 
     # -- events (event loop, quick) ------------------------------------------------------------
 

@@ -202,6 +202,7 @@ async def _serve(
         on_refused=lambda reason: broker.metrics.peer_refused.labels("usage", reason).inc(),
     )
     usage.on_new = peer_usage.send_ours
+    broker.peers.hear(topics.peer_usage, peer_usage.on_message)
     await transport.subscribe(topics.usage_all(), usage.on_usage, qos=1)
     view = HttpView(broker, feed, transport, placement, checker, usage=usage, peer_usage=peer_usage)
     runner, port = await start_http(
@@ -214,7 +215,7 @@ async def _serve(
     verifier = asyncio.ensure_future(checker.run())
     console = asyncio.ensure_future(board.run())
     metering = asyncio.ensure_future(usage.run())
-    peer_metering = asyncio.ensure_future(peer_usage.run(broker.peers.interval_s))
+    peer_metering = asyncio.ensure_future(peer_usage.run())
     try:
         await identity.serve_until_fenced(stop, lease.lost, lambda: lease.reason, broker.run)
     finally:

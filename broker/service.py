@@ -73,7 +73,6 @@ log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 BROKER_FAILED = "the broker failed; run locally"
 FILLED_UP = "workers filled up while placing; run locally"
-STALL_CHECK_S = 0.02  # how often workers holding jobs are checked for progress
 
 
 def status_message(settings: BrokerSettings, state: Literal["online", "offline"]) -> bytes:
@@ -157,6 +156,7 @@ class Broker:
             refuse=lambda item, code, reason: self.answers.refuse(item, None, code, reason),
             counted=lambda peer, outcome: self.metrics.peer_asked.labels(peer, outcome).inc(),
         )
+        self.peers.hear(topics.peer_answers, self.forwarder.on_answer, sending_only=True)
         self.store = BrokerStore(redis, int(self.params.stale_after_s * 1000))
         self.answers = Answers(
             settings,
@@ -395,33 +395,6 @@ class Broker:
     async def job(self, job_id: str) -> dict[str, Any] | None:
         return await self.store.job(job_id)
 
-    async def _stall_watch(self) -> None:
-        """Every ``STALL_CHECK_S``, the workers holding jobs placed here are checked for
-        progress (``Fleet.check_progress``: frozen, a hung driver). One with a job long
-        overdue takes no new placement until its next completion or telemetry; one still
-        silent past its next batch's time is out of placement in every view and its jobs
-        in flight go back to their edges through the lost-worker path (placed again, or
-        run on the line PC, the stale attempt fenced), long before its telemetry would go
-        stale."""
-        while True:
-            await asyncio.sleep(STALL_CHECK_S)
-            now = self._clock()
-            found = self.fleet.check_progress(now)
-            for worker_id in found.suspected:
-                self.metrics.worker_suspicions.inc()
-                log.debug("worker %s has a job overdue: no new placement there for now", worker_id)
-            for worker_id in found.stalled:
-                log.warning(
-                    "worker %s completed nothing while holding %d job(s) placed here, long "
-                    "past what their placements expected: out of placement until it shows a "
-                    "sign of life, its jobs placed again",
-                    worker_id,
-                    self.fleet.reserved(worker_id),
-                )
-                for view in self._views:
-                    view.mark_stalled(worker_id, now)
-                self.reaper.worker_gone(worker_id, "stalled")
-
     async def _housekeeping(self) -> None:
         interval = self.settings.telemetry_interval_s
         while True:
@@ -473,11 +446,8 @@ class Broker:
             asyncio.create_task(self.edge_fleet.run(), name="edge telemetry"),
             asyncio.create_task(self.waiting.run(), name="waiting room"),
             asyncio.create_task(self.reaper.run(), name="reaper"),
-            asyncio.create_task(self._stall_watch(), name="stall watch"),
+            asyncio.create_task(self.reaper.watch_progress(self._views), name="stall watch"),
             asyncio.create_task(self.peers.run(), name="sister campuses"),
-            asyncio.create_task(
-                self.forwarder.run(self.peers.interval_s), name="sister campuses' answers"
-            ),
         ]
         log.info("broker %s serving placements", self.settings.id)
         try:
