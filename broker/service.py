@@ -322,7 +322,8 @@ class Broker:
                 hold=self.waiting.hold,
                 sealable=self._sealable(policy),
                 beside=beside,
-                forward=self.forwarder.forward,
+                # Only where a sister campus may take work: no cost per request elsewhere.
+                forward=self.forwarder.forward if policy and policy.peers_out() else None,
             )
             for refused in turn.refused:
                 self.answers.refuse(refused.item, refused.decision, refused.code, refused.reason)

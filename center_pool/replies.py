@@ -53,7 +53,7 @@ class Replies:
         settings: PoolSettings,
         transport: Transport,
         clock: Callable[[], float],
-        campus: Callable[[], str] = str,
+        campus: Callable[[], str] = lambda: "",
     ) -> None:
         """``campus``: this campus's name in the policy held now ("" while none is)."""
         self._settings = settings

@@ -44,6 +44,7 @@ from policies.replay import AsyncReplayCache
 from sluicegate import topics, wire
 from sluicegate.config import PoolSettings
 from sluicegate.errors import TransportError, WireError
+from sluicegate.late_subscription import LateSubscription
 from sluicegate.metering.meter import Meter
 from sluicegate.node_metrics import MetricsServer
 from sluicegate.policy_feed import PolicyFeed
@@ -95,8 +96,10 @@ class PoolWorker:
         self._limits = Limits(settings.max_payload_bytes, settings.max_pixels, settings.max_side)
         self.seal_keys = seal_keys or SealKeys(KeyFolder(None), now=clock())
         self.replies = Replies(settings, transport, clock, self._campus)
-        self._peer_work = False  # subscribed to sister campuses' work (once a policy opens it)
-        self._listening: asyncio.Task[None] | None = None
+        # Sister campuses' work, once a policy opens this worker's zone to one.
+        self._peer_work = LateSubscription(
+            transport, self._peer_work_topic, self.on_peer_message, what="sister campuses' work"
+        )
         self.peer_envelopes_refused = 0  # peer work messages that were no envelope
         self.meter = meter
         self._backend = backend_of(providers[0]) if providers else ""
@@ -209,29 +212,17 @@ class PoolWorker:
             return
         self.on_message(work)
 
-    def _peers_may_open(self, _policy: Policy) -> None:
-        self._listening = asyncio.get_running_loop().create_task(self._listen_to_peers())
-
     def _campus(self) -> str:
         policy = self._feed.current
         return policy.campus if policy is not None else ""
 
-    async def _listen_to_peers(self) -> None:
-        """Take sister campuses' work once the policy opens this worker's zone to one (the
-        ACL grants the subscription only then)."""
+    def _peer_work_topic(self) -> str | None:
+        """Where sister campuses' work for this worker comes, once the policy opens its
+        zone to one (the ACL grants the subscription only then)."""
         policy = self._feed.current
-        if self._peer_work or policy is None or not policy.peers_into(self.settings.zone):
-            return
-        self._peer_work = True
-        topic = topics.peer_work_all(policy.campus, self.settings.id)
-        try:
-            await self._transport.subscribe(topic, self.on_peer_message, qos=1)
-        except TransportError as exc:
-            self._peer_work = False
-            log.warning("not taking sister campuses' work: %s", exc)
-            return
-        peers = ", ".join(policy.peers_into(self.settings.zone))
-        log.info("taking the work of sister campuses %s on %s", peers, topic)
+        if policy is None or not policy.peers_into(self.settings.zone):
+            return None
+        return topics.peer_work_all(policy.campus, self.settings.id)
 
     def _emptied(self) -> None:
         """Nothing queued or running: idle too, unless messages wait to be screened."""
@@ -380,8 +371,8 @@ class PoolWorker:
             await self.meter.start()
         work_topic = topics.pool_work_all(self.settings.zone, self.settings.id)
         await self._transport.subscribe(work_topic, self.on_message, qos=1)
-        await self._listen_to_peers()
-        self._feed.on_change(self._peers_may_open)
+        await self._peer_work.ensure()
+        self._feed.on_change(self._peer_work.soon)
         self._transport.on_connect(self._announce)
         if self._transport.connected:
             self._announce()

@@ -35,10 +35,10 @@ from edge_agent.outbox import Outbox
 from edge_agent.reporting import Load, status_message, telemetry
 from edge_agent.schedule import Schedule
 from edge_agent.tally import Tally
-from policies import Policy
 from sluicegate import topics, wire
 from sluicegate.config import EdgeSettings, OffloadSettings
 from sluicegate.errors import TransportError, WireError
+from sluicegate.late_subscription import LateSubscription
 from sluicegate.metering.meter import Meter
 from sluicegate.node_metrics import MetricsServer
 from sluicegate.policy_feed import PolicyFeed
@@ -104,8 +104,14 @@ class EdgeAgent:
         self._cpu_percent = 0.0  # the last telemetry's reading
         self._halted = asyncio.Event()
         self._placement = offload
-        self._peer_returns = False  # subscribed to sister campuses' returns
-        self._hearing: asyncio.Task[None] | None = None
+        # Sister campuses' workers' returns, once the policy lets this campus send them work.
+        self._peer_returns = LateSubscription(
+            transport,
+            self._peer_returns_topic,
+            self.on_peer_return,
+            what="sister campuses' returns",
+            manual_ack=True,
+        )
         self.ready = asyncio.Event()  # set once subscribed and announced online
         self.metrics: MetricsServer | None = None  # its /metrics, while the service serves it
         self.outbox = outbox or Outbox(
@@ -296,9 +302,9 @@ class EdgeAgent:
         submit = topics.edge_submit(edge)
         await self._subscribe(topics.edge_returns_all(edge), self.on_return)
         await self._subscribe(topics.edge_notices(edge), self.on_notice)
-        await self._hear_peers()
+        await self._peer_returns.ensure()
         if self._feed is not None:
-            self._feed.on_change(self._peers_may_open)
+            self._feed.on_change(self._peer_returns.soon)
         await self._transport.subscribe(topics.edge_schedule(edge), self.schedule.on_message)
         self.schedule.publish(self._clock())  # an empty book: a restarted edge has forgotten
         self._jobs.mode = "serving"
@@ -354,22 +360,13 @@ class EdgeAgent:
             return
         self.on_return(ret)
 
-    async def _hear_peers(self) -> None:
-        """Hear sister campuses' workers once the policy lets this campus send them work
-        (the ACL grants the subscription only then)."""
+    def _peer_returns_topic(self) -> str | None:
+        """Where sister campuses' workers return this edge's jobs, once the policy lets this
+        campus send them work (the ACL grants the subscription only then)."""
         policy = self._placement.policy() if self._placement is not None else None
-        if self._peer_returns or policy is None or not policy.peers_out():
-            return
-        self._peer_returns = True
-        topic = topics.peer_returns_all(policy.campus, self.settings.id)
-        try:
-            await self._subscribe(topic, self.on_peer_return)
-        except TransportError as exc:
-            self._peer_returns = False
-            log.warning("not hearing sister campuses' workers: %s", exc)
-
-    def _peers_may_open(self, _policy: Policy) -> None:
-        self._hearing = asyncio.get_running_loop().create_task(self._hear_peers())
+        if policy is None or not policy.peers_out():
+            return None
+        return topics.peer_returns_all(policy.campus, self.settings.id)
 
     async def _shut_down(self, drain_timeout: float) -> None:
         self._jobs.mode = "stopping"  # new requests are refused; jobs in hand finish
