@@ -37,8 +37,7 @@ from broker.core.peering import (
     LinkMeter,
     PeerLimits,
     PeerOffers,
-    capacities_of,
-    offers_of,
+    summary_of,
 )
 from broker.waiting_room import Pending
 from policies.agreement import (
@@ -56,9 +55,7 @@ from sluicegate import topics, wire
 from sluicegate.errors import TransportError, WireError
 from sluicegate.transport import Message, Transport
 from sluicegate.wire_peer import (
-    Offer,
     Probe,
-    SummaryBody,
     parse_probe,
     parse_summary,
     sign_summary,
@@ -68,7 +65,6 @@ from sluicegate.wire_pool import PlacementReply, PlacementRequest
 log = logging.getLogger(__name__)
 
 HALF_EVERY_S = 30.0  # our half again, for a peer's replica that missed the retained copy
-TTL_INTERVALS = 3.0  # a summary is valid three intervals
 PAD_EVERY = 5  # one probe in five carries PAD_BYTES, to time the link's throughput
 PAD_BYTES = 32 * 1024
 
@@ -383,25 +379,17 @@ class Peers:
         self._half_sent_at[peer] = now
 
     def _publish_summary(self, policy: Policy, peer: str, now: float) -> None:
-        entry = policy.peers.get(peer)
-        half = self.own_half(policy, peer) if entry is not None else None
-        offers: tuple[Offer, ...] = ()
-        if entry is not None and half is not None:
-            offers = offers_of(
-                capacities_of(self._fleet, entry.receive.zones), entry.receive.device_second
-            )
+        half = self.own_half(policy, peer) if peer in policy.peers else None
         self._seq += 1
-        body = SummaryBody(
-            campus=policy.campus,
-            peer=peer,
+        body = summary_of(
+            policy,
+            peer,
+            self._fleet,
+            half.version if half is not None else None,
             broker=self._broker_id,
             seq=self._seq,
             at=now,
-            ttl_s=min(60.0, TTL_INTERVALS * self.interval_s),
-            agreement_version=half.version if half is not None else 0,
-            currency=entry.receive.currency if entry is not None else "",
-            device_second=entry.receive.device_second if entry is not None else 0.0,
-            offers=offers,
+            interval_s=self.interval_s,
         )
         payload = sign_summary(body, self._key)
         topic = topics.peer_summary(policy.campus, peer)

@@ -182,6 +182,41 @@ class PeerLimits:
         return None
 
 
+TTL_INTERVALS = 3.0  # a summary is valid three of its sender's intervals
+
+
+def summary_of(
+    ours: Policy,
+    peer: str,
+    fleet: Fleet,
+    half_version: int | None,
+    *,
+    broker: str,
+    seq: int,
+    at: float,
+    interval_s: float,
+) -> SummaryBody:
+    """What replica ``broker`` tells ``peer`` this campus offers now (unsigned): the offers
+    of the workers in the zones the agreement opens, at its price, while ``half_version``
+    of our half is in force (None: none is; then no offer, and version 0 says so)."""
+    entry = ours.peers.get(peer)
+    offers: tuple[Offer, ...] = ()
+    if entry is not None and half_version is not None:
+        offers = offers_of(capacities_of(fleet, entry.receive.zones), entry.receive.device_second)
+    return SummaryBody(
+        campus=ours.campus,
+        peer=peer,
+        broker=broker,
+        seq=seq,
+        at=at,
+        ttl_s=min(60.0, TTL_INTERVALS * interval_s),
+        agreement_version=half_version if half_version is not None else 0,
+        currency=entry.receive.currency if entry is not None else "",
+        device_second=entry.receive.device_second if entry is not None else 0.0,
+        offers=offers,
+    )
+
+
 def _bucket(buckets: dict[str, Bucket], peer: str, rate: float, now: float) -> Bucket:
     bucket = buckets.get(peer)
     if bucket is None or bucket.rate != rate:
@@ -204,10 +239,14 @@ class PeerOffers:
         if refusal is not None:
             self.refused[refusal.code] += 1
             return refusal
-        body = signed.body
+        self.keep(signed.body)
+        return None
+
+    def keep(self, body: SummaryBody) -> None:
+        """Keep a summary that passed the checks (the twin's, which models no keys, are
+        taken as they are made)."""
         self.seqs[(body.campus, body.broker)] = body.seq
         self.latest[body.campus] = body
-        return None
 
     def fresh(self, peer: str, *, now: float) -> SummaryBody | None:
         body = self.latest.get(peer)

@@ -45,14 +45,15 @@ def peer_table(
     *,
     sends: bool,
     sent: Collection[str],
+    max_jobs_per_s: float = 500.0,
 ) -> str:
     """One campus's ``[peers.<peer>]``: the peer's CA, broker and officer; the terms, the
-    sender's ``send`` mirrored by the receiver's ``receive``."""
+    sender's ``send`` mirrored by the receiver's ``receive`` (at most ``max_jobs_per_s``)."""
     classes = ", ".join(f'"{c}"' for c in sorted(sent))
     officer = key_for("officer").public_text
     terms = (
         f'classes = [{classes}]\nzones = ["{SOUTH_DC}"]\n'
-        "max_jobs_per_s = 500.0\nmax_bytes_per_s = 1e9\n"
+        f"max_jobs_per_s = {max_jobs_per_s!r}\nmax_bytes_per_s = 1e9\n"
         'currency = "EUR"\ndevice_second = 0.002\n'
     )
     return (

@@ -21,15 +21,32 @@ def register(twin_app: typer.Typer) -> None:
         ] = 60.0,
         burst_for: Annotated[float, typer.Option(help="How long each burst lasts, s.")] = 10.0,
         seed: Annotated[int, typer.Option(help="The traffic's random seed.")] = 2026,
+        sister: Annotated[
+            Path | None,
+            typer.Option(
+                help="Also write here a candidate policy agreeing with a sister campus "
+                "(north/policy.toml) and its --peer file (south-site.toml)."
+            ),
+        ] = None,
+        sister_jobs_per_s: Annotated[
+            float, typer.Option(help="The agreement's limit, both halves, jobs/s.")
+        ] = 500.0,
     ) -> None:
         """Write a trace of the demo campus's traffic without running it (arrivals only; the
         nodes' measured figures give every time). For rehearsals at sizes nobody records."""
-        from sluicegate.app.twin_demo import demo_trace
+        from sluicegate.app.twin_demo import demo_trace, write_sister
         from sluicegate.twin.trace import write
 
-        if not seconds > 0 or not rate > 0 or burst_every < 0 or not burst_for > 0:
+        if (
+            not seconds > 0
+            or not rate > 0
+            or burst_every < 0
+            or not burst_for > 0
+            or not sister_jobs_per_s > 0
+        ):
             typer.secho(
-                "error: --seconds, --rate and --burst-for are > 0, --burst-every >= 0",
+                "error: --seconds, --rate, --burst-for and --sister-jobs-per-s are > 0, "
+                "--burst-every >= 0",
                 fg=typer.colors.RED,
                 err=True,
             )
@@ -41,3 +58,7 @@ def register(twin_app: typer.Typer) -> None:
         trace = demo_trace(seconds, rate=rate, bursts=bursts, seed=seed)
         digest = write(out, trace)
         typer.echo(f"{out}: {len(trace.jobs)} jobs over {seconds:g} s, sha256 {digest}")
+        if sister is not None:
+            policy, peer = write_sister(sister, max_jobs_per_s=sister_jobs_per_s)
+            typer.echo(f"{policy}: the demo campus's policy agreeing with south-site")
+            typer.echo(f"{peer}: south-site for --peer (its policy, two workers lent, 10 ms)")

@@ -114,6 +114,10 @@ BurstOption = Annotated[int, typer.Option(help="Each arrival this many times (2,
 FailOption = Annotated[
     list[str] | None, typer.Option(help="A worker lost at a moment: worker@seconds.")
 ]
+PeerOption = Annotated[
+    list[Path] | None,
+    typer.Option(help="A sister campus to rehearse with (TOML: its policy, workers, link)."),
+]
 SeedOption = Annotated[int, typer.Option(help="The seed of the times drawn.")]
 
 
@@ -124,11 +128,18 @@ def _change(
     burst: int,
     fail: list[str] | None,
     strategy: str,
+    peer: list[Path] | None = None,
 ) -> Change:
     from sluicegate.twin.rehearse import build_change
 
     return build_change(
-        policy=policy, params=params, fleet=fleet, burst=burst, fail=fail or [], strategy=strategy
+        policy=policy,
+        params=params,
+        fleet=fleet,
+        burst=burst,
+        fail=fail or [],
+        strategy=strategy,
+        peers=peer,
     )
 
 
@@ -140,6 +151,7 @@ def run(
     fleet: FleetOption = None,
     burst: BurstOption = 1,
     fail: FailOption = None,
+    peer: PeerOption = None,
     strategy: Annotated[
         str, typer.Option(help="ours, edge-only, round-robin or least-loaded.")
     ] = "ours",
@@ -157,7 +169,7 @@ def run(
     from sluicegate.twin.rehearse import rehearse, write_report
 
     try:
-        change = _change(policy, params, fleet, burst, fail, strategy)
+        change = _change(policy, params, fleet, burst, fail, strategy, peer)
         rehearsal = rehearse(trace, change, seed=seed, strategies=strategies)
         typer.echo(rehearsal.text)
         if out is not None:
@@ -178,6 +190,7 @@ def verdict(
     fleet: FleetOption = None,
     burst: BurstOption = 1,
     fail: FailOption = None,
+    peer: PeerOption = None,
     seed: SeedOption = 0,
 ) -> None:
     """Rehearse a candidate policy or placement parameters on a trace, judge it against
@@ -195,7 +208,7 @@ def verdict(
     if (policy is None) == (params is None):
         _fail("give the candidate: --policy FILE or --params FILE (one of them)")
     try:
-        change = _change(policy, params, fleet, burst, fail, "ours")
+        change = _change(policy, params, fleet, burst, fail, "ours", peer)
         rehearsal = rehearse(trace, change, seed=seed)
         recorded = rehearsal.trace
         signed = judge.verdict_for(

@@ -10,6 +10,9 @@ the production code, not here:
   policy and parameters of the run; a request that finds no room waits in the broker's
   waiting-room order (``broker.core.mlfq``) for as long as ``service_rules.answer_by``
   allows. One broker replica: every placement it reserves is granted;
+* a job no worker here can take in time may be asked of a sister campus the change names,
+  as the broker's forwarder asks (:mod:`sluicegate.twin.peering`, whose peers decide with
+  their own broker's code), and its image then crosses the link to the peer's worker;
 * a worker batches with the worker's :class:`~center_pool.batching.BatchQueue` and
   ``start_by``, and starts its batches by ``ready_batches``, as the worker's dispatcher
   does; its completions feed the fleet.
@@ -33,6 +36,7 @@ from broker.core.fleet import Fleet
 from broker.core.mlfq import MLFQ
 from broker.core.mlfq import Waiting as WaitingJob
 from broker.core.params import PlacementParams
+from broker.core.peering import PeerRefused
 from center_pool.batching import Entry as Waiting
 from center_pool.batching import ready_batches, start_by
 from edge_agent import events as ev
@@ -44,6 +48,7 @@ from edge_agent.rules import Declined, Placement
 from edge_agent.sequencer import Sequencer
 from policies.evaluate import allowed
 from policies.model import Policy
+from sluicegate import topics
 from sluicegate.twin import strategies
 from sluicegate.twin.carrier import SimCarrier
 from sluicegate.twin.draws import Draws
@@ -58,6 +63,7 @@ from sluicegate.twin.nodes import (
     SimEdge,
     SimWorker,
 )
+from sluicegate.twin.peering import PeerPlaced, Sisters
 from sluicegate.wire_pool import Completion, PlacementRequest
 
 
@@ -94,8 +100,10 @@ class Events:
         edges: dict[str, SimEdge],
         workers: dict[str, SimWorker],
         fleet: Fleet,
+        sisters: Sisters | None = None,
     ) -> None:
-        """``jobs``: how many arrivals the replay makes."""
+        """``jobs``: how many arrivals the replay makes; ``sisters``: the sister campuses
+        the broker may ask (:mod:`sluicegate.twin.peering`)."""
         self.at = at
         self._jobs: dict[str, Job] = {}  # those that have arrived
         self.t0 = self.now = t0
@@ -106,6 +114,7 @@ class Events:
         self.edges = edges
         self.workers = workers
         self.fleet = fleet
+        self.sisters = sisters
         self.live = jobs  # jobs not yet concluded
         self.outcomes: list[Outcome] = []
         self.refusals: Counter[str] = Counter()
@@ -173,7 +182,8 @@ class Events:
         latency = (left_at - job.at) * 1000.0 + (job.rec.inbound_ms or 0.0)
         deadline_ms = job.rec.deadline_ms
         in_time = status == "ok" and (deadline_ms is None or latency <= deadline_ms)
-        offloaded = where is not None and where in self.workers
+        ran = self.worker(where) if where is not None else None
+        offloaded = ran is not None
         self.outcomes.append(
             Outcome(
                 job.rec.edge,
@@ -190,7 +200,9 @@ class Events:
             )
         )
         if where is not None:
-            zone = self.workers[where].spec.zone if offloaded else self.edges[where].spec.zone
+            zone = self.edges[where].spec.zone if ran is None else ran.spec.zone
+            if ran is not None and ran.home:  # named as its campus names its workers
+                zone = topics.peer_worker(zone, ran.home)
             self.zones.setdefault(job.rec.data_class, Counter())[zone] += 1
 
     # -- what the edges' effects take (sluicegate.twin.carrier.World) ----------------------
@@ -226,7 +238,19 @@ class Events:
         self._offer(now, asked)
 
     def release(self, job: Job, worker: str) -> None:
-        self.fleet.release(job.job_id)
+        if not topics.campus_of_worker(worker):  # a peer's placement is not handed back
+            self.fleet.release(job.job_id)
+
+    def worker(self, name: str) -> SimWorker | None:
+        """The worker the edges call ``name``: this campus's, or a sister campus's."""
+        ours = self.workers.get(name)
+        if ours is not None or self.sisters is None:
+            return ours
+        return self.sisters.worker(name)
+
+    def _fleet_of(self, worker: SimWorker) -> Fleet:
+        """The fleet of the broker that placed on ``worker``."""
+        return self.sisters.fleet_of(worker.name) if worker.home and self.sisters else self.fleet
 
     # -- the broker ------------------------------------------------------------------------
 
@@ -243,6 +267,7 @@ class Events:
             params=self.params,
             hold=self._hold,
             sealable=_unsealed,
+            forward=self._forward if self.sisters and self.policy.peers_out() else None,
         )
         granted = [True] * len(turn.placed)  # one replica: nobody takes a slot first
         settled = settle(self.fleet, turn.placed, granted, _request_of, now=now)
@@ -281,6 +306,31 @@ class Events:
             self.fleet.release(job.job_id)
             return
         placement = Placement(worker_id, worker.spec.zone, "", "", b"", predicted)
+        self._answer(now, asked, placement)
+
+    def _forward(self, asked: Asked, now: float) -> bool:
+        """The broker asks a sister campus for a job it cannot take in time, as its
+        forwarder does (:meth:`~sluicegate.twin.peering.Sisters.forward`)."""
+        assert self.sisters is not None
+        job = asked.job
+        waited = now - job.waiting_since if job.waiting_since is not None else 0.0
+        return self.sisters.forward(asked.request, now, waited, partial(self._relay, asked))
+
+    def _relay(self, asked: Asked, now: float, answer: PeerPlaced | PeerRefused) -> None:
+        """A sister campus's answer, relayed to the edge (a refusal or no answer in time:
+        the edge runs the job); nothing hands back a placement the edge stopped waiting for."""
+        assert self.sisters is not None
+        if isinstance(answer, PeerRefused):
+            self._declined(now, asked, answer.code, answer.reason)
+            return
+        if self.sisters.broke_agreement(asked.job.rec.data_class, answer.worker):
+            self.violations += 1
+        if asked.late or asked.job.cancelled == asked.attempt:
+            return
+        campus = topics.campus_of_worker(answer.worker)
+        placement = Placement(
+            answer.worker, answer.zone, "", "", b"", answer.predicted_ms, campus=campus
+        )
         self._answer(now, asked, placement)
 
     def _hand_back(self, now: float, job: Job) -> None:
@@ -332,12 +382,18 @@ class Events:
     # -- the network and the workers -------------------------------------------------------
 
     def send(self, now: float, job: Job, attempt: int, worker_id: str) -> None:
-        worker = self.workers[worker_id]
+        worker = self.worker(worker_id)
+        assert worker is not None
         job.attempt, job.worker = attempt, worker_id
-        args = (job.origin, worker.spec.zone, job.rec.bytes, job.rec.at)
+        zone = worker.spec.zone
+        crossing = (0.0, 0.0)
+        if worker.home and self.sisters is not None:  # the campus's leg, then the link's
+            zone = job.origin
+            crossing = self.sisters.sent(worker_id, job.rec.bytes)
+        args = (job.origin, zone, job.rec.bytes, job.rec.at)
         own = job.own if job.rec.worker == worker_id and attempt == 1 else None
-        there = self.draws.there_ms(*args, own) / 1000.0
-        job.back_s = self.draws.back_ms(*args, own) / 1000.0
+        there = self.draws.there_ms(*args, own) / 1000.0 + crossing[0]
+        job.back_s = self.draws.back_ms(*args, own) / 1000.0 + crossing[1]
         self.at(now + there, self._reach, worker, job, attempt)
 
     def _back(self, now: float, job: Job, attempt: int, worker: str, status: str) -> None:
@@ -357,7 +413,7 @@ class Events:
         start = start_by(job.deadline, now, estimate)
         entry = Waiting((job, attempt), job.rec.model, now, job.rec.priority, start)
         if not worker.queue.push(entry):
-            self.at(now + job.back_s, self._back, job, attempt, worker.spec.id, "queue_full")
+            self.at(now + job.back_s, self._back, job, attempt, worker.name, "queue_full")
             return
         worker.note()
         self._dispatch(now, worker)
@@ -365,7 +421,7 @@ class Events:
     def _dispatch(self, now: float, worker: SimWorker) -> None:
         if worker.timer is not None and worker.timer <= now:
             worker.timer = None
-        wid = worker.spec.id
+        wid = worker.name
         free = worker.spec.concurrency - worker.running
         for ready in ready_batches(worker.queue, now, free, _deadline):
             for job, attempt in ready.expired:
@@ -397,6 +453,7 @@ class Events:
         worker.stats.observe(model, ms, len(live))
         worker.busy_s += ms / 1000.0
         worker.busy_tick += ms / 1000.0
+        fleet = self._fleet_of(worker)
         for job, attempt in live:
             done = Completion(
                 job_id=job.job_id,
@@ -410,8 +467,8 @@ class Events:
                 attempt=attempt,
                 edge_id=job.rec.edge,
             )
-            self.fleet.apply_completion(done, now)
-            self.at(now + job.back_s, self._back, job, attempt, worker.spec.id, "ok")
+            fleet.apply_completion(done, now)
+            self.at(now + job.back_s, self._back, job, attempt, worker.name, "ok")
         self._dispatch(now, worker)
         if len(self.room):
             self.room_look(now)

@@ -154,6 +154,12 @@ def conditions_of(change: Change) -> dict[str, str]:
         out["slowed"] = ", ".join(f"{w} x{f:g}" for w, f in change.degrade)
     if change.add:
         out["added"] = ", ".join(w.id for w in change.add)
+    if change.peers:
+        out["sister campuses"] = ", ".join(
+            f"{p.campus} ({len(p.workers)} workers, {p.rtt_s * 1000:g} ms round trip, "
+            f"{p.bytes_per_s / 1e6:g} MB/s)"
+            for p in change.peers
+        )
     return out
 
 

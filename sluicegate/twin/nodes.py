@@ -25,6 +25,7 @@ from edge_agent.events import Event
 from edge_agent.load import ServiceTimes
 from edge_agent.sequencer import Sequencer, limits_of
 from policies.model import Policy
+from sluicegate import topics
 from sluicegate.config import BrokerSettings, EdgeSettings, OffloadSettings, PoolSettings
 from sluicegate.twin.draws import DEFAULT_SERVICE_MS
 from sluicegate.twin.signal import Reading
@@ -53,6 +54,24 @@ DEFAULT_LIMITS = limits_of(EdgeSettings(), OffloadSettings())
 
 
 @dataclass(frozen=True)
+class PeerSpec:
+    """A sister campus as a replay simulates it: its policy (whose ``[peers]`` entry for
+    this campus is its half of the agreement: the twin takes both halves as signed), the
+    workers it would lend, the link's round trip and throughput, and the placement
+    parameters of its broker."""
+
+    policy: Policy
+    workers: tuple[WorkerSpec, ...]
+    rtt_s: float
+    bytes_per_s: float
+    params: PlacementParams = field(default_factory=PlacementParams)
+
+    @property
+    def campus(self) -> str:
+        return self.policy.campus
+
+
+@dataclass(frozen=True)
 class Change:
     """What a candidate changes against the trace as recorded (nothing, by default)."""
 
@@ -65,6 +84,7 @@ class Change:
     fail: tuple[tuple[str, float], ...] = ()  # (worker, seconds into the trace) it is lost
     strategy: Strategy = "ours"
     learned: LearnedPolicy | None = None  # ours, ordering its candidates by a learned policy
+    peers: tuple[PeerSpec, ...] = ()  # sister campuses the campus may ask
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +123,9 @@ class Result:
     warnings: tuple[str, ...] = ()  # what in the change cannot work as the engineer meant
     # pool -> the scaling signal each interval, as the broker's /metrics would say it
     signal: dict[str, tuple[Reading, ...]] = field(default_factory=dict)
+    # sister campus -> its asks' outcomes (asked, placed, refused codes, timeout), images
+    # sent there, and violations of its agreement (always 0)
+    peers: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class Arrival(NamedTuple):
@@ -178,6 +201,7 @@ class Job:
             deadline_at=self.deadline,
             submitted_at=self.at,
             local_estimate_ms=local_s * 1000.0,
+            max_wait_ms=EDGE_MAX_WAIT_MS,
             reason="deadline" if reason == "deadline" else "queue",
         )
 
@@ -215,8 +239,13 @@ class SimEdge:
 
 
 class SimWorker:
-    def __init__(self, spec: WorkerSpec, factor: float) -> None:
+    """A simulated worker: ``name`` is how the edges name it (``<worker>@<campus>`` for a
+    sister campus's, whose ``home`` it is; "" for this campus's)."""
+
+    def __init__(self, spec: WorkerSpec, factor: float, home: str = "") -> None:
         self.spec = spec
+        self.home = home
+        self.name = topics.peer_worker(spec.id, home) if home else spec.id
         self.settings = PoolSettings(
             id=spec.id,
             zone=spec.zone,

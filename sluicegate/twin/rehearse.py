@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from broker.core.learned import inline
 from broker.core.params import PlacementParams
@@ -28,7 +28,7 @@ from policies.loader import load_policy
 from policies.verdict import Moved, describe
 from sluicegate.errors import SluicegateError
 from sluicegate.twin import trace as tr
-from sluicegate.twin.nodes import STRATEGIES, Change, Result, Strategy
+from sluicegate.twin.nodes import STRATEGIES, Change, PeerSpec, Result, Strategy
 from sluicegate.twin.report import Comparison, compare, render, strategy_table
 from sluicegate.twin.sim import replay
 
@@ -83,6 +83,62 @@ def read_fleet(path: Path) -> dict[str, Any]:
     }
 
 
+class PeerFile(BaseModel):
+    """A sister campus to rehearse with (``--peer FILE``): its policy (its ``[peers]`` entry
+    for this campus is its half), the workers it would lend (tables as a trace header
+    writes them, or the workers of a trace it recorded), the link, and, from its trace,
+    its broker's placement parameters."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    policy: str | None = None
+    trace: str | None = None
+    rtt_ms: float = Field(gt=0.0, le=10_000.0)
+    mb_per_s: float = Field(gt=0.0, le=100_000.0)
+    workers: list[dict[str, Any]] = []
+
+
+def read_peer(path: Path) -> PeerSpec:
+    """A ``--peer`` file, its relative paths read from beside it."""
+    data = _toml(path, "sister campus")
+    try:
+        doc = PeerFile.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ChangeError(f"sister campus {path}: {where}: {first['msg']}") from exc
+    header = None
+    if doc.trace is not None:
+        try:
+            header = tr.read(path.parent / doc.trace)[0].header
+        except SluicegateError as exc:
+            raise ChangeError(f"sister campus {path}: its trace: {exc}") from exc
+    if doc.policy is not None:
+        try:
+            policy = load_policy(path.parent / doc.policy)
+        except PolicyError as exc:
+            raise ChangeError(f"sister campus {path}: its policy: {exc}") from exc
+    elif header is not None:
+        policy = tr.policy_of(header)
+    else:
+        raise ChangeError(f"sister campus {path}: name its policy (policy = FILE) or a trace")
+    for w in doc.workers:  # a list of the models it holds, where no trace gave their files
+        if isinstance(w.get("models"), list):
+            w["models"] = dict.fromkeys(w["models"])
+    try:
+        workers = tuple(tr.WorkerSpec.model_validate(w) for w in doc.workers)
+    except ValidationError as exc:
+        raise ChangeError(f"sister campus {path}: a worker: {exc.errors()[0]['msg']}") from exc
+    if not workers and header is not None:
+        workers = tuple(header.workers)
+    if not workers:
+        raise ChangeError(f"sister campus {path}: list the workers it lends ([[workers]])")
+    params = PlacementParams()
+    if header is not None and header.params:
+        params = PlacementParams.from_mapping(header.params)
+    return PeerSpec(policy, workers, doc.rtt_ms / 1000.0, doc.mb_per_s * 1e6, params)
+
+
 def read_fail(texts: list[str]) -> tuple[tuple[str, float], ...]:
     out = []
     for text in texts:
@@ -101,6 +157,7 @@ def build_change(
     burst: int,
     fail: list[str],
     strategy: str,
+    peers: list[Path] | None = None,
 ) -> Change:
     if strategy not in STRATEGIES:
         raise ChangeError(f"--strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
@@ -111,6 +168,10 @@ def build_change(
     except PolicyError as exc:
         raise ChangeError(f"candidate policy: {exc}") from exc
     fleet_change = read_fleet(fleet) if fleet is not None else {}
+    sisters = tuple(read_peer(p) for p in peers or [])
+    campuses = [s.campus for s in sisters]
+    if len(set(campuses)) < len(campuses):
+        raise ChangeError(f"--peer: one file per sister campus ({', '.join(sorted(campuses))})")
     chosen: Strategy = next(s for s in STRATEGIES if s == strategy)
     return Change(
         policy=candidate,
@@ -118,6 +179,7 @@ def build_change(
         burst=burst,
         fail=read_fail(fail),
         strategy=chosen,
+        peers=sisters,
         **fleet_change,
     )
 
@@ -149,11 +211,12 @@ def rehearse(
             f"the trace has no worker {', '.join(unknown)}; it has "
             + ", ".join(w.id for w in trace.header.workers)
         )
-    baseline = replay(trace, seed=seed)
+    world = Change(peers=change.peers)  # sister campuses are there in every replay
+    baseline = replay(trace, world, seed=seed)
     candidate = replay(trace, change, seed=seed)
     comparison = compare(baseline, candidate)
     conditions = replace(change, policy=None, params=None, strategy="ours")
-    in_force = baseline if conditions == Change() else replay(trace, conditions, seed=seed)
+    in_force = baseline if conditions == world else replay(trace, conditions, seed=seed)
     judged = comparison if in_force is baseline else compare(in_force, candidate)
     lines = [
         f"trace {trace_path} (sha256 {digest[:16]}…, {len(trace.jobs)} jobs, "
@@ -164,6 +227,13 @@ def rehearse(
     if moves:
         lines.append("largest moves:")
         lines += [f"  {describe(Moved(**m._asdict()))}" for m in moves]
+    if judged is not comparison and judged.baseline != judged.candidate:
+        # The conditions moved the baseline too: what the candidate itself changes.
+        lines += [
+            "",
+            "under the same conditions, the policy in force beside the candidate:",
+            render(judged, ("in force", "candidate")),
+        ]
     lines += [f"warning: {w}" for w in candidate.warnings]
     if strategies:
         runs: dict[str, Result] = {

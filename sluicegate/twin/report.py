@@ -5,7 +5,9 @@ attainment overall, per line and per data class; latency p50/p99 of the answered
 the share offloaded; per worker its utilisation (compute time over its slots' time) and the
 peak of the jobs it held; per pool the peak of the scaling signal's desired workers and when
 it was first reached (:mod:`sluicegate.twin.signal`, announced work included); refusals by
-reason; where each data class ran, by zone; and placements the run's policy forbids.
+reason; where each data class ran, by zone (a sister campus's as ``<zone>@<campus>``); what
+was asked of each sister campus and what it answered; and placements the run's policy or
+an agreement forbids.
 :func:`compare` puts a baseline and a candidate side by side, with the jobs whose node
 changed, and :func:`render` prints it as a table. All pure and deterministic: equal results
 give equal text and equal JSON.
@@ -42,6 +44,8 @@ class Summary:
     violations: int
     # pool -> (its peak desired workers, the first s it reached it), from the scaling signal
     desired_workers: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # sister campus -> its asks' outcomes and the images sent there
+    peers: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def _share(hits: int, total: int) -> float:
@@ -80,6 +84,7 @@ def summarise(result: Result) -> Summary:
         zones=result.zones,
         violations=result.violations,
         desired_workers={pool: _peak(readings) for pool, readings in result.signal.items()},
+        peers=result.peers,
     )
 
 
@@ -192,6 +197,10 @@ def _rows(c: Comparison) -> list[tuple[str, str, str]]:
                     str(k.zones.get(cls, {}).get(zone, 0)),
                 )
             )
+    for peer in sorted(set(b.peers) | set(k.peers)):
+        was, now = b.peers.get(peer, {}), k.peers.get(peer, {})
+        for what in sorted(set(was) | set(now)):
+            rows.append((f"sister {peer}: {what}", str(was.get(what, 0)), str(now.get(what, 0))))
     rows += [
         ("placements the policy forbids", str(b.violations), str(k.violations)),
         ("jobs that ran elsewhere", "", str(c.changed)),

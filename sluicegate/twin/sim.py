@@ -39,6 +39,7 @@ from sluicegate.twin.nodes import (
     SimEdge,
     SimWorker,
 )
+from sluicegate.twin.peering import Sisters, undescribed
 from sluicegate.twin.signal import Signal
 from sluicegate.twin.trace import AnnouncedRecord, JobRecord, Trace, policy_of
 from sluicegate.wire import EdgeSchedule
@@ -66,11 +67,18 @@ class Simulation:
         specs = [w for w in header.workers if w.id not in change.remove] + list(change.add)
         self.workers = {w.id: SimWorker(w, factors.get(w.id, 1.0)) for w in specs}
         self.edges = {e.id: SimEdge(e) for e in header.edges}
+        self.sisters: Sisters | None = None
+        if change.peers:
+            self.sisters = Sisters(
+                change.peers, self.policy, self.interval, self._at, lambda: self.events.live > 0
+            )
         self.warnings = tuple(
             f"{w.id} is in no pool of the policy: nothing is placed there"
             for w in change.add
             if self.policy.worker(w.id) is None
-        )
+        ) + tuple(undescribed(self.policy, change.peers))
+        if self.sisters is not None:
+            self.warnings += self.sisters.warnings
         self.fleet = Fleet(FleetParams(forecast_horizon_s=3.0 * self.interval), None, self.policy)
         self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = 0
@@ -91,10 +99,17 @@ class Simulation:
             edges=self.edges,
             workers=self.workers,
             fleet=self.fleet,
+            sisters=self.sisters,
         )
 
     def nodes(self) -> list[str]:
-        return [*self.edges, *self.workers]
+        return [*self.edges, *self.workers, *self._lent()]
+
+    def _lent(self) -> dict[str, SimWorker]:
+        """The sister campuses' workers, by the names the edges give them."""
+        if self.sisters is None:
+            return {}
+        return {n: w for p in self.sisters.peers.values() for n, w in p.workers.items()}
 
     # -- the clock -------------------------------------------------------------------------
 
@@ -131,6 +146,8 @@ class Simulation:
         self._end = now
         for w in self.workers.values():
             self.fleet.apply_capabilities(w.capabilities(), now)
+        if self.sisters is not None:
+            self.sisters.start(now)
         events = self.events
         self._tick(now)
         # Each arrival is entered on the clock as the one before it happens (a copy of the
@@ -176,18 +193,20 @@ class Simulation:
     def result(self) -> Result:
         events = self.events
         duration = max(self._end - self.t0, 1e-9)
+        workers = [*self.workers.values(), *self._lent().values()]
         return Result(
             outcomes=tuple(sorted(events.outcomes, key=lambda o: (o.at, o.job_id))),
             refusals=dict(sorted(events.refusals.items())),
             violations=events.violations,
             zones={k: dict(sorted(v.items())) for k, v in sorted(events.zones.items())},
             depth={n: tuple(s) for n, s in self._depth.items()},
-            busy_s={w.spec.id: w.busy_s for w in self.workers.values()},
-            slots={w.spec.id: w.spec.concurrency for w in self.workers.values()},
+            busy_s={w.name: w.busy_s for w in workers},
+            slots={w.name: w.spec.concurrency for w in workers},
             duration_s=duration,
             draws=self.draws.measured(),
             warnings=self.warnings,
             signal={pool: tuple(r) for pool, r in sorted(self.signal.readings.items())},
+            peers=self.sisters.result() if self.sisters is not None else {},
         )
 
     def _tick(self, now: float) -> None:
@@ -199,6 +218,11 @@ class Simulation:
             w.peak = w.held
             if w.alive:
                 self.fleet.apply_telemetry(w.telemetry(now, self.interval), now)
+        if self.sisters is not None:
+            for name, w in self._lent().items():
+                self._depth[name].append((round(now - self.t0, 3), max(w.peak, w.held)))
+                w.peak = w.held
+            self.sisters.telemetry(now, self.interval)
         if len(self.events.room):
             self.events.room_look(now)
         placed = self.events.placed_by_pool
