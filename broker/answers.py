@@ -76,12 +76,16 @@ class Answers:
             params=self._service_params,
         )
         until_ms = int(until * 1000)
+        # A sister campus's job: its edge recorded as ``<edge>@<campus>``, so a notice of a
+        # lost worker goes back across and a release from there matches the record.
+        peer = peer_of_origin(request.origin_zone)
+        edge = topics.peer_edge(request.edge_id, peer) if peer else request.edge_id
         return Hold(
             decision.worker_id,
             request.job_id,
             capacity,
             until_ms,
-            request.edge_id,
+            edge,
             request.attempt,
             request.deadline_at,
         )

@@ -11,7 +11,14 @@ it). A placement goes to the edge as the peer's broker signed it, named with the
 campus: the edge checks the token against the peer's keys in its own policy and sends the
 image across itself. A refusal, a malformed answer or no answer in time answers the edge
 with a refusal naming the peer, so the job runs on its edge. Each ask ends counted by peer
-and outcome (``sluicegate_peer_asked_total``) and audited like any answer. Loop thread only.
+and outcome (``sluicegate_peer_asked_total``) and audited like any answer.
+
+A placement relayed stays watched here (:class:`Abroad`) until its deadline: the peer's
+notice that its worker was lost with the job (``topics.peer_notices``) is passed on to the
+edge, which places the job again or runs it, and so is the loss of the bridge to the peer
+(:meth:`Forwarder.link_lost`, from Mosquitto's word on the bridge), for every job out there
+and every ask still waiting; a placement the edge hands back unused is handed back across
+(``topics.peer_releases``) by the replica that relayed it. Loop thread only.
 """
 
 from __future__ import annotations
@@ -21,20 +28,35 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from pydantic import ValidationError
 
 from broker.core.forwarding import forward_to
 from broker.core.peering import PeerRefused
 from broker.peers import Peers
+from broker.reaper import tell_edge
 from broker.waiting_room import Pending
 from policies.model import Policy
 from sluicegate import topics, wire
 from sluicegate.errors import TransportError
 from sluicegate.transport import Message, Transport
-from sluicegate.wire_pool import PlacementReply
+from sluicegate.wire_pool import JobNotice, PlacementRelease, PlacementReply
 
 log = logging.getLogger(__name__)
+ABROAD_S = 30.0  # how long a placement abroad without a deadline is watched
+ABROAD_KEPT = 10_000  # the most watched at once (the oldest dropped first)
+
+
+@dataclass(frozen=True, slots=True)
+class Abroad:
+    """A placement on a sister campus's worker relayed to one of our edges."""
+
+    peer: str
+    edge_id: str
+    attempt: int
+    worker: str  # as the peer names it
+    until: float  # unix s: past its deadline nothing done for it helps
 
 
 class Forwarder:
@@ -58,6 +80,8 @@ class Forwarder:
         self._relay = relay
         self._refuse = refuse
         self._counted = counted  # (peer, outcome): the service's counter
+        self.abroad: dict[str, Abroad] = {}  # job id -> its placement relayed, watched
+        self.notices: Counter[str] = Counter()  # "<peer>.<what>": passed on, unknown, ...
         self._waiting: dict[tuple[str, str], tuple[Pending, asyncio.TimerHandle]] = {}
         self.outcomes: Counter[str] = Counter()  # "<peer>.<outcome>"
 
@@ -115,6 +139,7 @@ class Forwarder:
         timer.cancel()
         if reply.status == "placed":
             self._end(peer, "placed")
+            self._watch(item, peer, reply.worker_id or "?")
             self._relay(item, reply.model_copy(update={"campus": peer}))
         else:
             self._end(peer, "refused")
@@ -129,6 +154,88 @@ class Forwarder:
         self._end(peer, "timeout")
         why = f"sister campus {peer} did not answer before the edge stops waiting"
         self._refuse(waiting[0], "peer_timeout", why)
+
+    def _watch(self, item: Pending, peer: str, worker: str) -> None:
+        request, now = item.request, self._clock()
+        until = request.deadline_at if request.deadline_at is not None else now + ABROAD_S
+        self.abroad.pop(request.job_id, None)  # the newest placement last in the order
+        self.abroad[request.job_id] = Abroad(peer, request.edge_id, request.attempt, worker, until)
+        while self.abroad:
+            job_id, oldest = next(iter(self.abroad.items()))
+            if oldest.until >= now and len(self.abroad) <= ABROAD_KEPT:
+                break
+            del self.abroad[job_id]
+
+    def on_notice(self, msg: Message) -> None:
+        """A sister campus says what became of a job our edge sent there: passed on to the
+        edge if this replica relayed that very placement (else dropped, counted)."""
+        peer, edge = topics.peer_of(msg.topic), msg.topic.rsplit("/", 1)[-1]
+        try:
+            notice = JobNotice.model_validate_json(msg.payload)
+        except ValidationError as exc:
+            log.warning("notice on %s unreadable: %s", msg.topic, exc)
+            self.notices[f"{peer}.malformed"] += 1
+            return
+        held = self.abroad.get(notice.job_id)
+        if held is None or (held.peer, held.edge_id, held.attempt) != (
+            peer,
+            edge,
+            notice.attempt,
+        ):
+            self.notices[f"{peer}.unknown"] += 1
+            return
+        del self.abroad[notice.job_id]
+        self.notices[f"{peer}.{notice.kind}"] += 1
+        worker = topics.peer_worker(notice.worker_id, peer)
+        tell_edge(
+            self._transport,
+            topics.edge_notices(edge),
+            notice.model_copy(update={"worker_id": worker}),
+        )
+
+    def link_lost(self, peer: str) -> None:
+        """The bridge to ``peer`` is down: every job out there goes back to its edge as a
+        lost worker's (placed again or run there; a late result is fenced by its attempt),
+        and every ask still waiting for the peer's answer is refused now."""
+        now = self._clock()
+        why = f"the bridge to sister campus {peer} is down"
+        for job_id, held in list(self.abroad.items()):
+            if held.peer != peer:
+                continue
+            del self.abroad[job_id]
+            if held.until < now:
+                continue
+            self.notices[f"{peer}.link_lost"] += 1
+            notice = JobNotice(
+                job_id=job_id,
+                attempt=held.attempt,
+                kind="worker_lost",
+                worker_id=topics.peer_worker(held.worker, peer),
+                crashes=0,
+                reason=why,
+            )
+            tell_edge(self._transport, topics.edge_notices(held.edge_id), notice)
+        for key in [k for k in self._waiting if k[0] == peer]:
+            item, timer = self._waiting.pop(key)
+            timer.cancel()
+            self._end(peer, "link_lost")
+            self._refuse(item, "peer_link_lost", why)
+
+    def hand_back(self, rel: PlacementRelease) -> None:
+        """Our edge will not use its placement on a sister campus's worker: handed back
+        across by the replica that relayed it, so the peer frees the slot now."""
+        held = self.abroad.get(rel.job_id)
+        peer = topics.campus_of_worker(rel.worker_id)
+        policy = self._policy()
+        if held is None or (held.peer, held.attempt) != (peer, rel.attempt) or policy is None:
+            return
+        del self.abroad[rel.job_id]
+        across = rel.model_copy(update={"worker_id": topics.local_name(rel.worker_id)})
+        topic = topics.peer_releases(policy.campus, peer)
+        try:
+            self._transport.publish_nowait(Message(topic, wire.dump(across), qos=1))
+        except TransportError as exc:
+            log.warning("could not hand back job %s's placement on %s: %s", rel.job_id, peer, exc)
 
     def _end(self, peer: str, outcome: str) -> None:
         self.outcomes[f"{peer}.{outcome}"] += 1

@@ -14,8 +14,11 @@ Each interval it also probes the link to each peer (one probe in ``PAD_EVERY`` p
 time throughput) and echoes the peer's probes. A peer broker's ask for a placement is taken
 only while the agreement is in force and the peer within its ``receive`` limits, with the
 peer as its origin (``peer:<campus>``), then decided, reserved, signed and answered by the
-production path like an edge's request, the answer on the peer's ``answers`` topic. Loop
-thread only.
+production path like an edge's request, the answer on the peer's ``answers`` topic; a
+placement the peer's edge hands back is released here as an edge's is, and a notice of a
+worker lost with a peer's job goes back across (:meth:`Peers.notify`). Mosquitto's word on
+this campus's bridge to each peer (``topics.bridge_state``) makes the link unknown while the
+bridge is down, and its going down calls ``link_lost``. Loop thread only.
 """
 
 from __future__ import annotations
@@ -60,9 +63,14 @@ from sluicegate.wire_peer import (
     parse_summary,
     sign_summary,
 )
-from sluicegate.wire_pool import PlacementReply, PlacementRequest
+from sluicegate.wire_pool import JobNotice, PlacementRelease, PlacementReply, PlacementRequest
 
 log = logging.getLogger(__name__)
+
+
+def _bridge_state(peer: str, _us: str) -> str:
+    return topics.bridge_state(peer)
+
 
 HALF_EVERY_S = 30.0  # our half again, for a peer's replica that missed the retained copy
 PAD_EVERY = 5  # one probe in five carries PAD_BYTES, to time the link's throughput
@@ -90,6 +98,8 @@ class Peers:
         on_refused: Callable[[str, str], None] = lambda _kind, _reason: None,
         place: Callable[[Pending], None] | None = None,
         refuse: Callable[[Pending, str, str], None] | None = None,
+        release: Callable[[PlacementRelease], None] | None = None,
+        link_lost: Callable[[str], None] = lambda _peer: None,
     ) -> None:
         self._transport = transport
         self._policy = policy
@@ -104,6 +114,9 @@ class Peers:
         # refused there (answered and audited like an edge's); without them, never taken.
         self._place = place
         self._refuse = refuse
+        self._release = release  # a peer's edge hands back a placement here (the Reaper's)
+        self._link_lost = link_lost  # this campus's bridge to the peer went down
+        self.bridge_down: set[str] = set()  # peers whose bridge Mosquitto says is down
         self.limits = PeerLimits()
         self.book = PeerBook()
         self.offers = PeerOffers()
@@ -147,6 +160,8 @@ class Peers:
             (topics.peer_summary, self.on_message, False),
             (topics.peer_probe, self.on_message, False),
             (topics.peer_asks_shared, self.on_message, False),
+            (topics.peer_releases, self.on_message, False),
+            (_bridge_state, self.on_message, False),
         )
         sending = set(policy.peers_out())
         for n, (topic, handler, sending_only) in enumerate((*mine, *self._hearing)):
@@ -168,6 +183,10 @@ class Peers:
             self._hear_probe(policy, msg)
         elif msg.topic.endswith("/asks"):
             self._hear_ask(policy, msg)
+        elif msg.topic.endswith("/releases"):
+            self._hear_release(policy, msg)
+        elif msg.topic.endswith("/state"):
+            self._hear_bridge(policy, msg)
 
     def _hear_ask(self, policy: Policy, msg: Message) -> None:
         """A peer's broker asks for a placement: its origin is the peer (the bridge wrote
@@ -199,6 +218,48 @@ class Peers:
             self._refuse(item, limited.code, limited.reason)
             return
         self._place(item)
+
+    def _hear_release(self, policy: Policy, msg: Message) -> None:
+        """A peer's broker hands back a placement here its edge will not use: released as
+        an edge of ours would release it, the edge named as the peer's (the record's)."""
+        peer = topics.peer_of(msg.topic)
+        if peer not in policy.peers or self._release is None:
+            return
+        try:
+            rel = PlacementRelease.model_validate_json(msg.payload)
+        except ValidationError as exc:
+            self._malformed("release", msg.topic, exc)
+            return
+        self._release(rel.model_copy(update={"edge_id": topics.peer_edge(rel.edge_id, peer)}))
+
+    def _hear_bridge(self, policy: Policy, msg: Message) -> None:
+        """Mosquitto says whether this campus's bridge to a peer is up: while it is down the
+        link is not known (no ask goes there), and the moment it goes down the jobs out
+        there are placed again (``link_lost``)."""
+        peer = msg.topic.split("/")[-2]
+        if peer not in policy.peers:
+            return
+        if msg.payload.strip() != b"0":
+            if peer in self.bridge_down:
+                log.info("the bridge to %s is up again", peer)
+            self.bridge_down.discard(peer)
+            return
+        if peer not in self.bridge_down:
+            self.bridge_down.add(peer)
+            log.warning("the bridge to %s is down: no ask goes there until it is back", peer)
+            self._link_lost(peer)
+
+    def notify(self, campus: str, edge: str, notice: JobNotice) -> None:
+        """Tell sister campus ``campus`` what became of the job its edge ``edge`` sent here
+        (its worker was lost): its broker passes it on to the edge."""
+        policy = self._policy()
+        if policy is None:
+            return
+        topic = topics.peer_notices(policy.campus, campus, edge)
+        try:
+            self._transport.publish_nowait(Message(topic, wire.dump(notice), qos=1))
+        except TransportError as exc:
+            log.warning("job %s: notice to %s not sent: %s", notice.job_id, campus, exc)
 
     def _hear_probe(self, policy: Policy, msg: Message) -> None:
         peer = topics.peer_of(msg.topic)
@@ -250,13 +311,17 @@ class Peers:
                     "link": {"rtt_s": link.rtt_s, "bytes_per_s": link.bytes_per_s}
                     if link is not None
                     else None,
+                    "bridge": "down" if peer in self.bridge_down else "up",
                 }
             )
         return {"peers": out, "refused": dict(sorted(self.refused.items()))}
 
     def link(self, peer: str) -> Link | None:
-        """The link to ``peer`` as the probes measured it (None: not known, or stale)."""
+        """The link to ``peer`` as the probes measured it (None: not known, stale, or the
+        bridge down)."""
         meter = self.meters.get(peer)
+        if peer in self.bridge_down:
+            return None
         return meter.link(self._clock()) if meter is not None else None
 
     def _hear_half(self, policy: Policy, msg: Message) -> None:

@@ -56,6 +56,25 @@ AUDIT_KINDS = {
 }
 
 
+def tell_edge(transport: Transport, topic: str, notice: JobNotice) -> None:
+    """Publish ``notice`` on an edge's notices topic (QoS 1), or log why it was not."""
+    try:
+        transport.publish_nowait(
+            Message(
+                topic,
+                wire.dump(notice),
+                qos=1,
+                content_type=wire.RESULT_CONTENT_TYPE,
+                user_properties=(
+                    (topics.PROP_JOB_ID, notice.job_id),
+                    (topics.PROP_ATTEMPT, str(notice.attempt)),
+                ),
+            )
+        )
+    except TransportError as exc:
+        log.error("job %s: notice to %s not sent: %s", notice.job_id, topic, exc)
+
+
 class Reaper:
     """Finds dead workers, has their jobs placed again, fences completions."""
 
@@ -71,8 +90,12 @@ class Reaper:
         clock: Callable[[], float],
         *,
         stale_after_s: float,
+        to_peer: Callable[[str, str, JobNotice], None] | None = None,
     ) -> None:
+        """``to_peer(campus, edge, notice)``: a notice for the edge of a sister campus (a job
+        it asked this campus to place), sent across (``broker.peers.Peers.notify``)."""
         self.settings = settings
+        self._to_peer = to_peer
         self._transport = transport
         self._inflight = inflight
         self._store = store
@@ -271,6 +294,19 @@ class Reaper:
         self._send(notify)
 
     def _send(self, notify: Notify) -> None:
+        notice = JobNotice(
+            job_id=notify.job_id,
+            attempt=notify.attempt,
+            kind=notify.kind,
+            worker_id=notify.worker_id,
+            crashes=notify.crashes,
+            reason=notify.reason,
+        )
+        campus = topics.campus_of_worker(notify.edge_id)
+        if campus:  # a sister campus's job: its broker passes the notice on to its edge
+            if self._to_peer is not None:
+                self._to_peer(campus, topics.local_name(notify.edge_id), notice)
+            return
         try:
             topic = topics.edge_notices(topics.check_id("edge id", notify.edge_id))
         except ValueError as exc:
@@ -280,29 +316,7 @@ class Reaper:
                 exc,
             )
             return
-        notice = JobNotice(
-            job_id=notify.job_id,
-            attempt=notify.attempt,
-            kind=notify.kind,
-            worker_id=notify.worker_id,
-            crashes=notify.crashes,
-            reason=notify.reason,
-        )
-        try:
-            self._transport.publish_nowait(
-                Message(
-                    topic,
-                    wire.dump(notice),
-                    qos=1,
-                    content_type=wire.RESULT_CONTENT_TYPE,
-                    user_properties=(
-                        (topics.PROP_JOB_ID, notify.job_id),
-                        (topics.PROP_ATTEMPT, str(notify.attempt)),
-                    ),
-                )
-            )
-        except TransportError as exc:
-            log.error("job %s: notice to %s not sent: %s", notify.job_id, topic, exc)
+        tell_edge(self._transport, topic, notice)
 
     def release(self, rel: PlacementRelease, freed: Callable[[], None]) -> None:
         """An edge hands back a placement it will not use: the slot is free now, if it is

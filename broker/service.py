@@ -145,6 +145,8 @@ class Broker:
             on_refused=lambda kind, reason: self.metrics.peer_refused.labels(kind, reason).inc(),
             place=self._inbox.put,
             refuse=lambda item, code, reason: self.answers.refuse(item, None, code, reason),
+            release=lambda rel: self.reaper.release(rel, self.waiting.freed),
+            link_lost=lambda peer: self.forwarder.link_lost(peer),
         )
         # Jobs no worker here can take, asked of a sister campus that may do better.
         self.forwarder = Forwarder(
@@ -157,6 +159,7 @@ class Broker:
             counted=lambda peer, outcome: self.metrics.peer_asked.labels(peer, outcome).inc(),
         )
         self.peers.hear(topics.peer_answers, self.forwarder.on_answer, sending_only=True)
+        self.peers.hear(topics.peer_notices_all, self.forwarder.on_notice, sending_only=True)
         self.store = BrokerStore(redis, int(self.params.stale_after_s * 1000))
         self.answers = Answers(
             settings,
@@ -190,6 +193,7 @@ class Broker:
             self.audit,
             clock,
             stale_after_s=self.params.stale_after_s,
+            to_peer=self.peers.notify,
         )
 
     # -- intake (event loop, quick) --------------------------------------------------------
@@ -278,7 +282,11 @@ class Broker:
         Every replica hears it: Redis releases it once, and the replica whose view holds
         the reservation drops it there."""
         rel = _parse(PlacementRelease, msg)
-        if rel is not None and self.gate.own("release", "edge", msg, rel.edge_id):
+        if rel is None or not self.gate.own("release", "edge", msg, rel.edge_id):
+            return
+        if topics.campus_of_worker(rel.worker_id):  # a sister campus's worker: across
+            self.forwarder.hand_back(rel)
+        else:
             self.reaper.release(rel, self.waiting.freed)
 
     @property

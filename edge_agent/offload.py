@@ -313,11 +313,8 @@ class PlacementClient:
 
     def release(self, job_id: str, worker_id: str, attempt: int, reason: str) -> None:
         """Hand ``attempt`` of ``job_id``, placed on ``worker_id`` and never sent there,
-        back to the broker. If this is lost, the reservation expires by itself, as a sister
-        campus's does (it is not handed back across the bridge)."""
-        if topics.campus_of_worker(worker_id):
-            log.info("job %s: placement %d on %s not used: %s", job_id, attempt, worker_id, reason)
-            return
+        back to the broker (which hands a sister campus's worker's back across). If this is
+        lost, the reservation expires by itself."""
         self.released += 1
         release = PlacementRelease(
             job_id=job_id,

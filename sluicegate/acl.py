@@ -26,7 +26,7 @@ certificate (``use_identity_as_username``), which is also its client id
   this campus's CA) writes only what that campus says to this one and reads only what this
   one says to it, and may not read this campus's policy; broker replicas write and read
   what brokers say to each other there (halves, summaries, probes, asks and answers, usage
-  records), never
+  records, notices of lost workers, placements handed back), never
   a work or returns topic. An edge writes work to the workers of the peers its
   campus may send to and reads their results to it; a worker in a zone a peer's receive
   terms open reads that work and returns its results.
@@ -186,6 +186,7 @@ def broker_users(policy: Policy) -> list[UserRules]:
             ("write", topics.policy()),
         ]
         for peer in sorted(policy.peers):  # what brokers say to each other: never a work topic
+            rules.append(("read", topics.bridge_state(peer)))  # Mosquitto's word on the link
             for topic in (
                 topics.peer_agreement,
                 topics.peer_summary,
@@ -193,6 +194,8 @@ def broker_users(policy: Policy) -> list[UserRules]:
                 topics.peer_asks,
                 topics.peer_answers,
                 topics.peer_usage,
+                topics.peer_notices_all,
+                topics.peer_releases,
             ):
                 rules += [
                     ("write", topic(policy.campus, peer)),

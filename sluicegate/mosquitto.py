@@ -109,7 +109,9 @@ def bridge_lines(
     """The ``connection`` stanza of the bridge from ``campus``'s Mosquitto to ``peer``'s at
     ``address`` (``host:port``): QoS 1 both ways, a persistent session (what a link cut
     holds back is delivered once it is back), announced as a bridge (retained messages keep
-    their flag across), no notification topics, nothing but the pair's two trees.
+    their flag across), its state (``1`` connected, ``0`` lost: retained) told to this
+    campus's own Mosquitto only, on ``topics.bridge_state``, and nothing but the pair's two
+    trees.
     ``protocol``: ``mqttv50`` where both Mosquittos are 2.0.14 or later. With ``pull``,
     only what ``peer`` says to ``campus`` comes in, and the peer runs the mirror bridge: so
     every message crosses on a connection the sending Mosquitto accepted, where its
@@ -123,7 +125,9 @@ def bridge_lines(
         f"bridge_protocol_version {protocol}",
         f"remote_clientid {topics.peer_bridge_identity(campus)}",
         "cleansession false",
-        "notifications false",
+        "notifications true",
+        "notifications_local_only true",
+        f"notification_topic {topics.bridge_state(peer)}",
         "try_private true",
         "start_type automatic",
         "restart_timeout 1 10",

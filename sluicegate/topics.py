@@ -338,6 +338,31 @@ def peer_returns_all(receiver_campus: str, edge_id: str) -> str:
     return f"{ROOT}/peer/+/{receiver_campus}/returns/{edge_id}/+"
 
 
+def peer_notices(sender_campus: str, receiver_campus: str, edge_id: str) -> str:
+    """The sender's brokers tell the receiver's what became of a job the receiver's edge
+    ``edge_id`` sent to one of the sender's workers (``wire_pool.JobNotice``: its worker was
+    lost); the receiver's broker passes it on to the edge if it relayed that placement."""
+    return f"{ROOT}/peer/{sender_campus}/{receiver_campus}/notices/{edge_id}"
+
+
+def peer_notices_all(sender_campus: str, receiver_campus: str) -> str:
+    """Subscription filter for the sender's notices to every edge of the receiver."""
+    return f"{ROOT}/peer/{sender_campus}/{receiver_campus}/notices/+"
+
+
+def peer_releases(sender_campus: str, receiver_campus: str) -> str:
+    """The sender's brokers hand back placements on the receiver's workers that the
+    sender's edges will not use (``wire_pool.PlacementRelease``, the worker named as the
+    receiver names it): the receiver frees the slot at once."""
+    return f"{ROOT}/peer/{sender_campus}/{receiver_campus}/releases"
+
+
+def bridge_state(peer_campus: str) -> str:
+    """Where this campus's Mosquitto says whether its bridge to ``peer_campus`` is up
+    (``1``) or lost (``0``), retained; Mosquitto itself publishes it, to this campus only."""
+    return f"{ROOT}/bridge/{peer_campus}/state"
+
+
 def peer_worker(worker_id: str, campus: str) -> str:
     """How an edge names a sister campus's worker among its own: ``<worker>@<campus>`` (no
     worker id can hold an ``@``, so it is never taken for one of this campus's)."""
@@ -347,6 +372,18 @@ def peer_worker(worker_id: str, campus: str) -> str:
 def campus_of_worker(name: str) -> str:
     """The sister campus a :func:`peer_worker` name is on; "" for one of this campus's."""
     return name.partition("@")[2]
+
+
+def peer_edge(edge_id: str, campus: str) -> str:
+    """How a campus records a sister campus's edge among its own (the edge of a job the
+    peer asked it to place): ``<edge>@<campus>``, as :func:`peer_worker` names workers."""
+    return peer_worker(edge_id, campus)
+
+
+def local_name(name: str) -> str:
+    """The node a :func:`peer_worker` or :func:`peer_edge` name gives, as its campus names
+    it (a name of this campus's unchanged)."""
+    return name.partition("@")[0]
 
 
 def peer_of(topic: str) -> str:

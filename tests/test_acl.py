@@ -231,6 +231,8 @@ NOT_TOPICS = {
     "peer_of",
     "peer_bridge_identity",
     "peer_worker",
+    "peer_edge",
+    "local_name",
     "campus_of_worker",
 }
 
@@ -257,8 +259,19 @@ PEER_FLOWS: dict[str, list[tuple[str, str, str]]] = {
         ("peer_asks", topics.peer_asks),
         ("peer_answers", topics.peer_answers),
         ("peer_usage", topics.peer_usage),
+        ("peer_releases", topics.peer_releases),
     )
 }
+PEER_FLOWS["peer_notices"] = [
+    ("north-site-broker-1", "write", topics.peer_notices("north-site", "south-site", S_EDGE)),
+    (SOUTH_BRIDGE, "read", topics.peer_notices("north-site", "south-site", S_EDGE)),
+    (SOUTH_BRIDGE, "write", topics.peer_notices("south-site", "north-site", N_EDGE)),
+    ("north-site-broker-1", "read", topics.peer_notices("south-site", "north-site", N_EDGE)),
+]
+# Mosquitto itself publishes its bridge's state, to this campus only: the brokers read it.
+PEER_FLOWS["bridge_state"] = [
+    ("north-site-broker-1", "read", topics.bridge_state("south-site")),
+]
 # A job's image and its result, each way: our edge to their worker, their edge to ours.
 PEER_FLOWS["peer_work"] = [
     (N_EDGE, "write", topics.peer_work("north-site", "south-site", S_WORKER, N_EDGE)),
@@ -316,6 +329,14 @@ def test_every_topic_of_the_topics_module_has_its_flows_in_the_acl() -> None:
             "read",
             topics.peer_work("south-site", "north-site", N_WORKER, S_EDGE),
         ),
+        # nobody but Mosquitto says a bridge's state; no peer's bridge hears it
+        ("north-site-broker-1", "write", topics.bridge_state("south-site")),
+        (N_EDGE, "write", topics.bridge_state("south-site")),
+        (SOUTH_BRIDGE, "write", topics.bridge_state("south-site")),
+        (SOUTH_BRIDGE, "read", topics.bridge_state("south-site")),
+        # notices to an edge come from our brokers, never straight from a peer's
+        (SOUTH_BRIDGE, "write", topics.edge_notices(N_EDGE)),
+        (N_EDGE, "read", topics.peer_notices("south-site", "north-site", N_EDGE)),
     ],
 )
 def test_a_peer_s_bridge_and_the_campus_s_nodes_stay_in_their_lanes(

@@ -31,7 +31,7 @@ from sluicegate.memory_transport import MemoryBroker, MemoryTransport
 from sluicegate.transport import Message
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir
 from sluicegate.wire_peer import unwrap, wrap
-from sluicegate.wire_pool import PlacementReply, PlacementRequest
+from sluicegate.wire_pool import PlacementRelease, PlacementReply, PlacementRequest
 from tests.image_bytes import sample_jpeg
 from tests.policies.policy_testkit import PARTS_TERMS, key, policy_of, site_doc
 
@@ -263,4 +263,8 @@ async def test_a_peer_placement_the_edge_does_not_trust_runs_here_and_says_why(
     assert result["offload"]["placed"] is False
     assert result["offload"]["code"] == code
     assert not [m for m in rig.broker.log if "/peer/" in m.topic]  # nothing crossed
-    assert not [m for m in rig.broker.log if m.topic == topics.placement_release(EDGE)]
+    # The placement is handed back to our broker, which hands it back across.
+    (release,) = [m for m in rig.broker.log if m.topic == topics.placement_release(EDGE)]
+    handed = PlacementRelease.model_validate_json(release.payload)
+    assert topics.campus_of_worker(handed.worker_id) == "south-site"
+    assert handed.edge_id == EDGE

@@ -27,7 +27,7 @@ from sluicegate.app.broker_http import get_json, token_beside
 from sluicegate.app.campus import write_console_users
 from sluicegate.app.servers import free_port
 from sluicegate.config import Settings, load_settings
-from sluicegate.wire_pool import PlacementReply
+from sluicegate.wire_pool import JobNotice, PlacementRelease, PlacementReply
 from tests.peer_kit import WIRETAP, Site, bridged_sites
 from tests.policies.policy_testkit import PARTS_TERMS, SITE_ZONES, key
 from tests.secure_kit import TlsClient
@@ -199,4 +199,64 @@ def test_a_peer_s_job_is_placed_inside_this_campus_s_policy_and_answered_across(
         assert shown["refused"]["ask.peer_rate_limit"] >= 1
         assert shown["refused"]["ask.malformed"] == 1
     finally:
+        asker.client.close()
+
+
+def test_a_peer_s_placement_handed_back_is_freed_and_a_lost_worker_is_told_across(
+    sites: tuple[Site, Site, TlsClient, Settings],
+) -> None:
+    north, _south, worker, settings = sites
+    asker = Asker(north)
+    asker.client.subscribe(topics.peer_notices_all(SOUTH, NORTH))
+    half = sign_half(north, north.policy, SOUTH, ("officer-alice", "officer-bob"))
+    asker.client.publish(topics.peer_agreement(NORTH, SOUTH), half, retain=True)
+    users = token_beside(settings.console.users_file)
+    base = f"http://127.0.0.1:{settings.broker.http_port}"
+
+    def placed() -> PlacementReply:
+        deadline = time.monotonic() + 30
+        answer = asker.ask()
+        while answer.status != "placed" and time.monotonic() < deadline:
+            play_worker(worker)  # its telemetry again, as it sends it every second
+            answer = asker.ask()  # (past the 4 jobs/s limit: refused until it refills)
+        assert answer.status == "placed", answer
+        return answer
+
+    try:
+        # North's edge will not use a placement: north's broker hands it back across.
+        unused = placed()
+        release = PlacementRelease(
+            job_id=unused.job_id,
+            edge_id="north-l1-pc",  # as north names it: south records it as north's edge
+            worker_id=WORKER,
+            attempt=1,
+            reason="placed after the edge stopped waiting",
+        )
+        asker.client.publish(topics.peer_releases(NORTH, SOUTH), wire.dump(release))
+        deadline = time.monotonic() + 15
+        record: dict[str, object] = {}
+        while record.get("status") != "released" and time.monotonic() < deadline:
+            status, record = get_json(f"{base}/jobs/{unused.job_id}", users, timeout=10)
+            assert status == 200, record
+        assert record["status"] == "released", record
+
+        # South's worker dies with a job of north's: the notice goes back across, to
+        # north's broker (which passes it on to the edge that sent the job).
+        held = placed()
+        offline = wire.NodeStatus(node=WORKER, kind="pool", zone=SITE_ZONES[SOUTH], state="offline")
+        worker.publish(topics.worker_status(WORKER), wire.dump(offline), retain=True)
+        told: dict[str, JobNotice] = {}  # every job of north's it held, this one among them
+        while held.job_id not in told:
+            got = asker.client.get(timeout=20)
+            if "/notices/" in got.topic:
+                assert got.topic == topics.peer_notices(SOUTH, NORTH, "north-l1-pc")
+                notice = JobNotice.model_validate_json(got.payload)
+                told[notice.job_id] = notice
+        notice = told[held.job_id]
+        assert (notice.attempt, notice.kind, notice.worker_id) == (1, "worker_lost", WORKER)
+        assert unused.job_id not in told  # handed back: no longer on the worker
+    finally:
+        online = wire.NodeStatus(node=WORKER, kind="pool", zone=SITE_ZONES[SOUTH], state="online")
+        worker.publish(topics.worker_status(WORKER), wire.dump(online), retain=True)
+        play_worker(worker)
         asker.client.close()

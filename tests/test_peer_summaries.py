@@ -76,6 +76,7 @@ async def test_halves_and_summaries_cross_and_a_withdrawal_stops_the_offers(
     s_transport = MqttTransport(south.campus.mqtt(south.broker), client_id=south.broker)
     async with n_transport, s_transport:
         refused: list[tuple[str, str]] = []
+        lost: list[str] = []
         n_peers = Peers(
             n_transport,
             lambda: north.policy,
@@ -86,6 +87,7 @@ async def test_halves_and_summaries_cross_and_a_withdrawal_stops_the_offers(
             time.time,
             INTERVAL,
             on_refused=lambda kind, reason: refused.append((kind, reason)),
+            link_lost=lost.append,
         )
         s_peers = Peers(
             s_transport,
@@ -127,10 +129,17 @@ async def test_halves_and_summaries_cross_and_a_withdrawal_stops_the_offers(
             assert rtt is not None
             assert rtt >= 2 * DELAY_S
 
-            # The link is cut: south's summaries go stale, the pool is no candidate; the
-            # link is mended: the bridge comes back, and so do the offers.
+            # The link is cut: Mosquitto says at once that north's bridge is down, so the
+            # link is not known and the jobs out there go back (link_lost); south's
+            # summaries go stale, the pool is no candidate; the link is mended: the bridge
+            # comes back, and so do the offers.
             assert north.relay is not None
+            assert n_peers.describe()["peers"][0]["bridge"] == "up"
+            lost.clear()  # (a bridge not yet connected when north began counts as down)
             north.relay.cut()
+            await until(lambda: lost == [SOUTH], "the bridge down at north", timeout=5.0)
+            assert n_peers.link(SOUTH) is None
+            assert n_peers.describe()["peers"][0]["bridge"] == "down"
 
             def stale() -> bool:
                 got = offer()
@@ -139,6 +148,8 @@ async def test_halves_and_summaries_cross_and_a_withdrawal_stops_the_offers(
             await until(stale, "south's offer going stale at north")
             north.relay.mend()
             await until(lambda: isinstance(offer(), Offer), "the offer back", timeout=30.0)
+            await until(lambda: n_peers.link(SOUTH) is not None, "the link known again")
+            assert lost == [SOUTH]  # one loss, told once
             wafer = offer("wafer-image")
             assert isinstance(wafer, PeerRefused)
             assert wafer.code == "class_not_listed"

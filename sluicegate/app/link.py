@@ -54,9 +54,13 @@ class DelayRelay:
             except TimeoutError:
                 continue
             except OSError:
-                if self._stop.is_set() or self._cut.is_set():
+                if self._stop.is_set() or self._cut.is_set():  # cut() closed the listener
+                    listener = None
                     continue
                 return
+            if self._cut.is_set():  # accepted as the link was cut: it never carries a byte
+                client.close()
+                continue
             try:
                 server = socket.create_connection(("127.0.0.1", self._target))
             except OSError:  # the far side is down (stopping, or cut): the link fails
@@ -91,8 +95,14 @@ class DelayRelay:
                 sock.close()
 
     def cut(self) -> None:
+        """Close every connection across and refuse new ones until :meth:`mend` (the
+        listener closed now, so no reconnect slips through before the accept loop sees it)."""
         self._mended.clear()
         self._cut.set()
+        with suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes a blocked accept(): EINVAL
+        with suppress(OSError):
+            self._listener.close()
         with self._lock:
             sockets, self._sockets = self._sockets, []
         for sock in sockets:
