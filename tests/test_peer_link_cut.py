@@ -3,8 +3,8 @@ twice. North's line PC sends part of a burst to south's pool; the bridge's link 
 jobs are out there; their results cannot come, so north's broker, told by Mosquitto that its
 bridge is down, sends each back to the line PC at once as a lost worker's (re-placed or run
 there, well before its result would be overdue), and whatever south still returns once the
-link is back (the bridge's session holds it) is fenced as a stale attempt. Two whole campuses as processes
-(``tests/two_campus_kit.py``)."""
+link is back (the bridge's session holds it) is fenced as a stale attempt. Two whole
+campuses as processes (``tests/two_campus_kit.py``)."""
 
 from __future__ import annotations
 
