@@ -16,6 +16,7 @@ from sluicegate.app.pair import SOUTH
 from sluicegate.app.twin_demo import demo_policy, demo_trace, write_sister
 from sluicegate.twin import judge as tw_judge
 from sluicegate.twin import trace
+from sluicegate.twin.nodes import Change
 from sluicegate.twin.rehearse import ChangeError, Rehearsal, build_change, rehearse
 from sluicegate.twin.report import Summary
 from sluicegate.twin.trace import policy_field
@@ -48,6 +49,13 @@ def _rehearse(folder: Path, policy: Path | None, peer: Path | None, **kw: object
     trace_file = kw.get("trace_file", folder / "demo.jsonl.gz")
     assert isinstance(trace_file, Path)
     return rehearse(trace_file, change)
+
+
+def _peers_only(*files: Path) -> Change:
+    """A change naming only sister campuses."""
+    return build_change(
+        policy=None, params=None, fleet=None, burst=1, fail=[], strategy="ours", peers=list(files)
+    )
 
 
 def _at_south(s: Summary, data_class: str) -> int:
@@ -147,9 +155,7 @@ def test_a_wrong_peer_file_is_refused_by_name(tmp_path: Path, text: str, named: 
     bad = tmp_path / "bad.toml"
     bad.write_text(text)
     with pytest.raises(ChangeError) as caught:
-        build_change(
-            policy=None, params=None, fleet=None, burst=1, fail=[], strategy="ours", peers=[bad]
-        )
+        _peers_only(bad)
     assert str(bad) in str(caught.value)
     assert named in str(caught.value)
 
@@ -157,39 +163,22 @@ def test_a_wrong_peer_file_is_refused_by_name(tmp_path: Path, text: str, named: 
 def test_two_files_for_one_sister_campus_are_refused(tmp_path: Path) -> None:
     _policy, peer = write_sister(tmp_path)
     with pytest.raises(ChangeError, match="one file per sister campus"):
-        build_change(
-            policy=None,
-            params=None,
-            fleet=None,
-            burst=1,
-            fail=[],
-            strategy="ours",
-            peers=[peer, peer],
-        )
+        _peers_only(peer, peer)
 
 
 def test_the_peers_workers_may_come_from_a_trace_it_recorded(tmp_path: Path) -> None:
-    _policy, peer = write_sister(tmp_path)
+    write_sister(tmp_path)
     south = demo_trace(1.0)
     trace.write(tmp_path / "south.jsonl.gz", south)
     (tmp_path / "from-trace.toml").write_text(
         'policy = "south/policy.toml"\ntrace = "south.jsonl.gz"\nrtt_ms = 8\nmb_per_s = 50\n'
     )
-    change = build_change(
-        policy=None,
-        params=None,
-        fleet=None,
-        burst=1,
-        fail=[],
-        strategy="ours",
-        peers=[tmp_path / "from-trace.toml"],
-    )
+    change = _peers_only(tmp_path / "from-trace.toml")
     (spec,) = change.peers
     assert [w.id for w in spec.workers] == [w.id for w in south.header.workers]
     assert spec.rtt_s == pytest.approx(0.008)
     assert spec.bytes_per_s == pytest.approx(50e6)
     assert tw_judge.conditions_of(change)["sister campuses"].startswith(f"{SOUTH} (2 workers")
-    assert peer.exists()
 
 
 def test_a_summary_offers_nothing_without_our_half_in_force(tmp_path: Path) -> None:

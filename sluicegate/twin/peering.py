@@ -87,7 +87,10 @@ class Sisters:
         interval_s: float,
         at: Callable[..., None],
         live: Callable[[], bool],
+        *,
+        t0: float,
     ) -> None:
+        """``t0``: when the replay starts (whether the halves are in force is judged then)."""
         self.ours = ours
         self.peers = {s.campus: SimPeer(s, interval_s) for s in specs}
         self.offers = PeerOffers()
@@ -95,18 +98,18 @@ class Sisters:
         self.at = at
         self._live = live
         self.counts: dict[str, Counter[str]] = {p: Counter() for p in self.peers}
-        self.warnings = tuple(self._warnings())
+        self.warnings = tuple(self._warnings(t0))
 
-    def _warnings(self) -> list[str]:
+    def _warnings(self, now: float) -> list[str]:
         out = []
         for campus, peer in self.peers.items():
             if campus not in self.ours.peers:
                 continue  # withdrawn or never agreed: nothing goes there, by design
             for why in (
-                judge(self.ours, campus, statement_for(peer.policy, self.ours.campus), now=0.0),
-                judge(peer.policy, self.ours.campus, statement_for(self.ours, campus), now=0.0),
+                judge(self.ours, campus, statement_for(peer.policy, self.ours.campus), now=now),
+                judge(peer.policy, self.ours.campus, statement_for(self.ours, campus), now=now),
             ):
-                if why.code not in ("in_force", "expired"):
+                if not why.in_force:
                     out.append(f"agreement with {campus}: {why.reason}")
             for w in peer.workers.values():
                 zone = peer.policy.worker_zone(w.spec.id)

@@ -70,7 +70,12 @@ class Simulation:
         self.sisters: Sisters | None = None
         if change.peers:
             self.sisters = Sisters(
-                change.peers, self.policy, self.interval, self._at, lambda: self.events.live > 0
+                change.peers,
+                self.policy,
+                self.interval,
+                self._at,
+                lambda: self.events.live > 0,
+                t0=self.t0,
             )
         self.warnings = tuple(
             f"{w.id} is in no pool of the policy: nothing is placed there"
