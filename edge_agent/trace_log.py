@@ -12,7 +12,7 @@ Pure: no I/O and no clock (the caller says when the result left).
 from __future__ import annotations
 
 from edge_agent.admission import Job
-from sluicegate import wire
+from sluicegate import topics, wire
 
 MAX_RECORDS = 10_000  # records kept between two telemetry messages, at most
 _RAN = ("ok", "failed")  # a worker's result with one of these statuses: the job ran there
@@ -53,6 +53,9 @@ def record_of(
         code = result.offload.code
     deadline = job.deadline
     placed = result.offload.worker if result.offload is not None and result.offload.placed else None
+    node = on.node
+    if on.kind == "pool" and placed is not None and topics.campus_of_worker(placed):
+        node = placed  # a sister campus's worker, named as this campus names it: w@campus
     return wire.TraceJob(
         received_at=job.received_at,
         job_id=job.job_id,
@@ -63,9 +66,9 @@ def record_of(
         deadline_ms=max(0.001, _ms(deadline, job.received_at)) if deadline is not None else None,
         bytes=len(job.payload),
         status=result.status,
-        ran_on=on.node if ran else None,
+        ran_on=node if ran else None,
         offloaded=ran and on.kind == "pool",
-        worker=on.node if ran and on.kind == "pool" else placed,
+        worker=node if ran and on.kind == "pool" else placed,
         latency_ms=_ms(left_at, job.received_at),
         inbound_ms=_inbound(job),
         queue_ms=round(max(0.0, times.queue_ms), 3) if ran else 0.0,

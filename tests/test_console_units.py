@@ -19,7 +19,15 @@ from broker.console.auth import (
     new_token,
     token_digest,
 )
-from broker.console.figures import Window, bin_of, class_matrix, percentile, words_for
+from broker.console.figures import (
+    Window,
+    bin_of,
+    class_matrix,
+    may_run,
+    node_zone,
+    percentile,
+    words_for,
+)
 from broker.console.holds import Action, ActionRefused, Hold, act, cordoned, paused
 from broker.console.snapshot import MOVES_SHOWN, shadow_section
 from broker.core.params import FleetParams, PlacementParams
@@ -28,6 +36,7 @@ from broker.view import shadow_facts
 from sluicegate import wire
 from sluicegate.errors import ConfigError
 from sluicegate.wire_pool import Completion
+from tests.policies.policy_testkit import PARTS_TERMS, policy_of, site_doc
 
 WORKERS = ("north-a", "north-b")
 EDGES = ("line-1-pc",)
@@ -271,6 +280,19 @@ def test_a_campus_only_class_off_site_is_a_forbidden_cell() -> None:
     assert cells[("wafer-image", "campus/dc")]["forbidden"] == 0
     assert cells[("wafer-image", "?")]["jobs"] == 1  # where it ran is not known here
     assert matrix["forbidden"] == 1
+
+
+def test_a_sister_campus_s_worker_counts_under_that_campus_as_its_agreement_allows() -> None:
+    ours = policy_of(site_doc("north-site", "south-site", send=PARTS_TERMS, receive={}))
+    zones = {"north-cpu-1": "campus/fab-north/dc"}
+    assert node_zone(zones, "north-cpu-1") == "campus/fab-north/dc"
+    assert node_zone(zones, "north-cpu-1@south-site") == "peer:south-site"
+    assert node_zone(zones, "elsewhere") is None
+    sent = sorted(PARTS_TERMS["classes"])[0]
+    origin = "campus/fab-north/line-1"
+    assert may_run(ours, sent, origin, "peer:south-site")
+    assert not may_run(ours, "wafer-image", origin, "peer:south-site")  # not in the agreement
+    assert not may_run(ours, sent, origin, "peer:west-site")  # no agreement at all
 
 
 def test_the_window_forgets_what_left_it_and_finds_recent_jobs() -> None:

@@ -86,6 +86,15 @@ def test_a_job_a_worker_ran_takes_the_workers_timings() -> None:
     assert got.device_ms is None  # a worker's run teaches the edge's estimate nothing
 
 
+def test_a_job_a_sister_campus_ran_names_its_worker_as_this_campus_names_it() -> None:
+    there = wire.RanOn(kind="pool", node="north-cpu-1", zone="campus/fab-south/dc")
+    placed = wire.Offload(requested=True, placed=True, worker="north-cpu-1@south-site")
+    ran = result(there, queue=3.0, total=12.0).model_copy(update={"offload": placed})
+    got = record_of(job(), ran, left_at=T0 + 0.05, started=None, sha256=None, predicted=None)
+    # south's worker shares a name with one of ours: the record keeps them apart
+    assert (got.ran_on, got.worker, got.offloaded) == (placed.worker, placed.worker, True)
+
+
 def test_a_job_that_never_ran_names_no_node_and_keeps_the_offload_code() -> None:
     offload = wire.Offload(requested=True, placed=False, code="no_capacity")
     expired = wire.JobResult(

@@ -11,7 +11,9 @@ second, local against offloaded and where, deadline attainment, latency p50/p99 
 queue, inference and the rest (placement, transfer and delivery), why jobs stayed local in
 words, batch sizes and service times per model. The last job points of each line (and the
 records of the most recent jobs, for a lookup) carry their ids, so the page links each to
-the job's explanation. Pure: the caller passes ``now``.
+the job's explanation. A job a sister campus's worker ran counts, in where each class went,
+under that campus (:func:`node_zone`), allowed there as its agreement says (:func:`may_run`).
+Pure: the caller passes ``now``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sluicegate import wire
+from policies.evaluate import allowed, peer_of_origin, peer_origin
+from policies.model import Policy
+from sluicegate import topics, wire
 from sluicegate.wire_pool import Completion
 
 POINTS = 300  # job points per line sent to the page
@@ -390,3 +394,20 @@ def class_matrix(
         "cells": [{"class": c, "zone": z, **cell} for (c, z), cell in sorted(cells.items())],
         "forbidden": sum(cell["forbidden"] for cell in cells.values()),
     }
+
+
+def node_zone(zones: dict[str, str], node: str) -> str | None:
+    """A node's zone; a sister campus's worker (``<worker>@<campus>``) counts under that
+    campus, spelt as a peer's origin is (``peer:<campus>``)."""
+    campus = topics.campus_of_worker(node)
+    return peer_origin(campus) if campus else zones.get(node)
+
+
+def may_run(policy: Policy, data_class: str, origin: str, target: str) -> bool:
+    """Whether the policy allows a job of ``data_class`` from ``origin`` to run in
+    ``target``; on a sister campus, whether the agreement lists the class."""
+    campus = peer_of_origin(target)
+    if campus:
+        entry = policy.peers.get(campus)
+        return entry is not None and data_class in entry.send.classes
+    return allowed(policy, data_class, origin, target).allowed

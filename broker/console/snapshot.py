@@ -11,7 +11,7 @@ from collections import defaultdict
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from broker.console.figures import class_matrix
+from broker.console.figures import class_matrix, may_run, node_zone
 from broker.core.shadow import Shadow
 from broker.service import Broker
 from broker.view import policy_facts, shadow_facts
@@ -51,8 +51,8 @@ def build(console: Console, broker: Broker, feed: PolicyFeed, now: float) -> dic
     if policy is not None:
         classes = class_matrix(
             console.window.placements(),
-            zone_of.get,
-            lambda c, origin, target: allowed(policy, c, origin, target).allowed,
+            lambda node: node_zone(zone_of, node),
+            lambda c, origin, target: may_run(policy, c, origin, target),
             edge_zone,
         )
         prefix = broker.params.campus_prefix
