@@ -153,3 +153,40 @@ async def test_an_unreadable_notice_is_counted_and_dropped(rig: Rig) -> None:
     rig.forwarder.on_notice(Message(topics.peer_notices(PEER, US, EDGE), b"{not json"))
     assert rig.forwarder.notices[f"{PEER}.malformed"] == 1
     assert rig.edge_notices() == []
+
+
+async def test_a_peer_s_release_names_the_peer_s_edge_and_a_malformed_one_is_counted() -> None:
+    broker = MemoryBroker()
+    released: list[PlacementRelease] = []
+    lost: list[str] = []
+    peers = Peers(
+        MemoryTransport(broker, client_id="north-site-broker-1"),
+        lambda: NORTH,
+        key("north-site-broker-1"),
+        "north-site-broker-1",
+        Fleet(None, None, NORTH),
+        None,
+        lambda: NOW,
+        release=released.append,
+        link_lost=lost.append,
+    )
+    theirs = PlacementRelease(
+        job_id="job-7", edge_id="south-l1-pc", worker_id="north-site-gpu-1", attempt=2
+    )
+    peers.on_message(Message(topics.peer_releases(PEER, US), wire.dump(theirs)))
+    (got,) = released
+    assert (got.edge_id, got.worker_id) == ("south-l1-pc@south-site", "north-site-gpu-1")
+    peers.on_message(Message(topics.peer_releases(PEER, US), b'{"job_id": 7}'))
+    assert peers.refused["release.malformed"] == 1
+    assert len(released) == 1
+    # Mosquitto's word on the bridge: down once (told once), up, and a campus not listed
+    peers.meters[PEER] = LinkMeter(rtt_s=0.02, bytes_per_s=1e7, last_echo=NOW)
+    assert peers.link(PEER) is not None
+    peers.on_message(Message(topics.bridge_state(PEER), b"0"))
+    peers.on_message(Message(topics.bridge_state(PEER), b"0"))
+    assert lost == [PEER]
+    assert peers.link(PEER) is None
+    peers.on_message(Message(topics.bridge_state(PEER), b"1"))
+    assert peers.link(PEER) is not None
+    peers.on_message(Message(topics.bridge_state("west-site"), b"0"))
+    assert lost == [PEER]
