@@ -7,7 +7,6 @@ across, once. On an in-memory MQTT broker; the decisions are the production ones
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +27,7 @@ from tests.test_broker_core_forwarding import ask
 from tests.test_broker_peering import NORTH, NOW, SOUTH, body
 
 PEER, US, EDGE, WORKER = "south-site", "north-site", "north-l1-pc", "south-site-gpu-1"
+BROKER = "north-site-broker-1"
 
 
 @dataclass
@@ -68,34 +68,41 @@ class Rig:
         ]
 
 
-@pytest.fixture
-def rig() -> Iterator[Rig]:
-    broker = MemoryBroker()
-    transport = MemoryTransport(broker, client_id="north-site-broker-1")
-    peers = Peers(
+def north_peers(transport: MemoryTransport, **hooks: Any) -> Peers:
+    """North's replica's side of its agreements, on the in-memory broker."""
+    return Peers(
         transport,
         lambda: NORTH,
-        key("north-site-broker-1"),
-        "north-site-broker-1",
+        key(BROKER),
+        BROKER,
         Fleet(None, None, NORTH),
         None,
         lambda: NOW,
+        **hooks,
     )
+
+
+@pytest.fixture
+def rig() -> Rig:
+    broker = MemoryBroker()
+    transport = MemoryTransport(broker, client_id=BROKER)
+    peers = north_peers(transport)
     half = statement_for(SOUTH, US)
     half = half.signed_by(key("officer-dan"), "dan").signed_by(key("officer-erin"), "erin")
     assert peers.book.offer(NORTH, half)
     peers.offers.keep(body())
     peers.meters[PEER] = LinkMeter(rtt_s=0.02, bytes_per_s=1e7, last_echo=NOW)
-    made = Rig(broker, None)  # type: ignore[arg-type]
-    made.forwarder = Forwarder(
+    relayed: list[PlacementReply] = []
+    refused: list[tuple[str, str, str]] = []
+    forwarder = Forwarder(
         transport,
         lambda: NORTH,
         peers,
         lambda: NOW,
-        relay=lambda item, reply: made.relayed.append(reply),
-        refuse=lambda item, code, why: made.refused.append((item.request.job_id, code, why)),
+        relay=lambda item, reply: relayed.append(reply),
+        refuse=lambda item, code, why: refused.append((item.request.job_id, code, why)),
     )
-    return made
+    return Rig(broker, forwarder, relayed, refused)
 
 
 async def test_a_peer_s_notice_reaches_the_edge_only_for_the_placement_relayed(rig: Rig) -> None:
@@ -156,17 +163,10 @@ async def test_an_unreadable_notice_is_counted_and_dropped(rig: Rig) -> None:
 
 
 async def test_a_peer_s_release_names_the_peer_s_edge_and_a_malformed_one_is_counted() -> None:
-    broker = MemoryBroker()
     released: list[PlacementRelease] = []
     lost: list[str] = []
-    peers = Peers(
-        MemoryTransport(broker, client_id="north-site-broker-1"),
-        lambda: NORTH,
-        key("north-site-broker-1"),
-        "north-site-broker-1",
-        Fleet(None, None, NORTH),
-        None,
-        lambda: NOW,
+    peers = north_peers(
+        MemoryTransport(MemoryBroker(), client_id=BROKER),
         release=released.append,
         link_lost=lost.append,
     )
