@@ -169,7 +169,7 @@ class Forwarder:
     def on_notice(self, msg: Message) -> None:
         """A sister campus says what became of a job our edge sent there: passed on to the
         edge if this replica relayed that very placement (else dropped, counted)."""
-        peer, edge = topics.peer_of(msg.topic), msg.topic.rsplit("/", 1)[-1]
+        peer, edge = topics.peer_of(msg.topic), topics.notices_edge(msg.topic)
         try:
             notice = JobNotice.model_validate_json(msg.payload)
         except ValidationError as exc:
@@ -225,7 +225,7 @@ class Forwarder:
         """Our edge will not use its placement on a sister campus's worker: handed back
         across by the replica that relayed it, so the peer frees the slot now."""
         held = self.abroad.get(rel.job_id)
-        peer = topics.campus_of_worker(rel.worker_id)
+        peer = topics.campus_of(rel.worker_id)
         policy = self._policy()
         if held is None or (held.peer, held.attempt) != (peer, rel.attempt) or policy is None:
             return

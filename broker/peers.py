@@ -236,7 +236,7 @@ class Peers:
         """Mosquitto says whether this campus's bridge to a peer is up: while it is down the
         link is not known (no ask goes there), and the moment it goes down the jobs out
         there are placed again (``link_lost``)."""
-        peer = msg.topic.split("/")[-2]
+        peer = topics.bridge_peer(msg.topic)
         if peer not in policy.peers:
             return
         if msg.payload.strip() != b"0":

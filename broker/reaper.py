@@ -302,7 +302,7 @@ class Reaper:
             crashes=notify.crashes,
             reason=notify.reason,
         )
-        campus = topics.campus_of_worker(notify.edge_id)
+        campus = topics.campus_of(notify.edge_id)
         if campus:  # a sister campus's job: its broker passes the notice on to its edge
             if self._to_peer is not None:
                 self._to_peer(campus, topics.local_name(notify.edge_id), notice)

@@ -284,7 +284,7 @@ class Broker:
         rel = _parse(PlacementRelease, msg)
         if rel is None or not self.gate.own("release", "edge", msg, rel.edge_id):
             return
-        if topics.campus_of_worker(rel.worker_id):  # a sister campus's worker: across
+        if topics.campus_of(rel.worker_id):  # a sister campus's worker: across
             self.forwarder.hand_back(rel)
         else:
             self.reaper.release(rel, self.waiting.freed)

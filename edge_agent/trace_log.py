@@ -54,7 +54,7 @@ def record_of(
     deadline = job.deadline
     placed = result.offload.worker if result.offload is not None and result.offload.placed else None
     node = on.node
-    if on.kind == "pool" and placed is not None and topics.campus_of_worker(placed):
+    if on.kind == "pool" and placed is not None and topics.campus_of(placed):
         node = placed  # a sister campus's worker, named as this campus names it: w@campus
     return wire.TraceJob(
         received_at=job.received_at,

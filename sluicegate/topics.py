@@ -345,6 +345,11 @@ def peer_notices(sender_campus: str, receiver_campus: str, edge_id: str) -> str:
     return f"{ROOT}/peer/{sender_campus}/{receiver_campus}/notices/{edge_id}"
 
 
+def notices_edge(topic: str) -> str:
+    """The edge a :func:`peer_notices` topic is addressed to."""
+    return topic.rpartition("/")[2]
+
+
 def peer_notices_all(sender_campus: str, receiver_campus: str) -> str:
     """Subscription filter for the sender's notices to every edge of the receiver."""
     return f"{ROOT}/peer/{sender_campus}/{receiver_campus}/notices/+"
@@ -363,14 +368,20 @@ def bridge_state(peer_campus: str) -> str:
     return f"{ROOT}/bridge/{peer_campus}/state"
 
 
+def bridge_peer(topic: str) -> str:
+    """The peer campus a :func:`bridge_state` topic is about."""
+    return topic.removeprefix(f"{ROOT}/bridge/").partition("/")[0]
+
+
 def peer_worker(worker_id: str, campus: str) -> str:
     """How an edge names a sister campus's worker among its own: ``<worker>@<campus>`` (no
     worker id can hold an ``@``, so it is never taken for one of this campus's)."""
     return f"{worker_id}@{campus}"
 
 
-def campus_of_worker(name: str) -> str:
-    """The sister campus a :func:`peer_worker` name is on; "" for one of this campus's."""
+def campus_of(name: str) -> str:
+    """The sister campus a :func:`peer_worker` or :func:`peer_edge` name is on; "" for a
+    node of this campus's."""
     return name.partition("@")[2]
 
 

@@ -233,7 +233,9 @@ NOT_TOPICS = {
     "peer_worker",
     "peer_edge",
     "local_name",
-    "campus_of_worker",
+    "campus_of",
+    "bridge_peer",
+    "notices_edge",
 }
 
 # Between sister campuses, on the ACL of a campus ("north-site") whose policy names a peer.

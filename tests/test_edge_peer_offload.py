@@ -266,5 +266,5 @@ async def test_a_peer_placement_the_edge_does_not_trust_runs_here_and_says_why(
     # The placement is handed back to our broker, which hands it back across.
     (release,) = [m for m in rig.broker.log if m.topic == topics.placement_release(EDGE)]
     handed = PlacementRelease.model_validate_json(release.payload)
-    assert topics.campus_of_worker(handed.worker_id) == "south-site"
+    assert topics.campus_of(handed.worker_id) == "south-site"
     assert handed.edge_id == EDGE

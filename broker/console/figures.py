@@ -399,7 +399,7 @@ def class_matrix(
 def node_zone(zones: dict[str, str], node: str) -> str | None:
     """A node's zone; a sister campus's worker (``<worker>@<campus>``) counts under that
     campus, spelt as a peer's origin is (``peer:<campus>``)."""
-    campus = topics.campus_of_worker(node)
+    campus = topics.campus_of(node)
     return peer_origin(campus) if campus else zones.get(node)
 
 

@@ -238,7 +238,7 @@ class Events:
         self._offer(now, asked)
 
     def release(self, job: Job, worker: str) -> None:
-        if not topics.campus_of_worker(worker):  # a peer's placement is not handed back
+        if not topics.campus_of(worker):  # a peer's placement is not handed back
             self.fleet.release(job.job_id)
 
     def worker(self, name: str) -> SimWorker | None:
@@ -327,7 +327,7 @@ class Events:
             self.violations += 1
         if asked.late or asked.job.cancelled == asked.attempt:
             return
-        campus = topics.campus_of_worker(answer.worker)
+        campus = topics.campus_of(answer.worker)
         placement = Placement(
             answer.worker, answer.zone, "", "", b"", answer.predicted_ms, campus=campus
         )

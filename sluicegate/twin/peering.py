@@ -121,11 +121,11 @@ class Sisters:
         return out
 
     def worker(self, name: str) -> SimWorker | None:
-        peer = self.peers.get(topics.campus_of_worker(name))
+        peer = self.peers.get(topics.campus_of(name))
         return peer.workers.get(name) if peer is not None else None
 
     def fleet_of(self, name: str) -> Fleet:
-        return self.peers[topics.campus_of_worker(name)].fleet
+        return self.peers[topics.campus_of(name)].fleet
 
     # -- the clock's ticks ------------------------------------------------------------------
 
@@ -274,7 +274,7 @@ class Sisters:
     def broke_agreement(self, data_class: str, worker: str) -> bool:
         """Whether a job of ``data_class`` on the peer worker ``worker`` breaks either
         side's terms (the forwarder and the peer's decision never should)."""
-        campus = topics.campus_of_worker(worker)
+        campus = topics.campus_of(worker)
         peer, entry = self.peers[campus], self.ours.peers.get(campus)
         zone = peer.policy.worker_zone(peer.workers[worker].spec.id) or ""
         if entry is None or data_class not in entry.send.classes:
@@ -284,7 +284,7 @@ class Sisters:
     def sent(self, worker: str, payload_bytes: int) -> tuple[float, float]:
         """An image on its way to a peer's ``worker``: the link's part of the way there and
         of the way back (s)."""
-        peer = self.peers[topics.campus_of_worker(worker)]
+        peer = self.peers[topics.campus_of(worker)]
         self.counts[peer.campus]["images sent"] += 1
         link = peer.link
         half = link.rtt_s / 2.0
