@@ -79,6 +79,14 @@ def allowed(policy: Policy, data_class: str, origin_zone: str, target_zone: str)
     return verdict
 
 
+def kept_on_site(policy: Policy, data_class: str, site: str) -> bool:
+    """Whether ``policy`` lets ``data_class`` leave the site (the zones under ``site``) from
+    none of its zones: no zone outside it may process the class, whatever the origin."""
+    zones = sorted(policy.zones)
+    off_site = [z for z in zones if z != site and not z.startswith(site + "/")]
+    return not any(allowed(policy, data_class, o, t).allowed for o in zones for t in off_site)
+
+
 def allowed_targets(policy: Policy, data_class: str, origin_zone: str) -> list[str]:
     """Every declared zone that may process ``data_class`` from ``origin_zone``, sorted."""
     return sorted(z for z in policy.zones if allowed(policy, data_class, origin_zone, z).allowed)

@@ -12,6 +12,7 @@ import pytest
 from broker.core.fleet import Fleet
 from broker.core.peering import summary_of
 from policies.loader import load_policy
+from policies.verdict import judge
 from sluicegate.app.pair import SOUTH
 from sluicegate.app.twin_demo import demo_policy, demo_trace, write_sister
 from sluicegate.twin import judge as tw_judge
@@ -80,6 +81,31 @@ def test_adding_a_peer_carries_the_listed_classes_through_a_burst_and_nothing_el
     assert before.peers[SOUTH].get("asked", 0) == 0  # the policy in force lists no peer
     assert "sister south-site: placed" in r.text
     assert "under the same conditions, the policy in force beside the candidate:" in r.text
+
+
+def _judged(r: Rehearsal) -> tuple[bool, list[str]]:
+    """The verdict's judgement of a rehearsal, as ``twin verdict`` makes it."""
+    figures = tw_judge.figures_of(r.judged.candidate, r.trace, r.judged.baseline, r.judged.moves)
+    return judge(figures, tw_judge.thresholds_of(trace.policy_of(r.trace.header)))
+
+
+def test_a_verdict_passes_classes_that_may_leave_and_fails_one_kept_on_site(
+    folder: Path, tmp_path: Path
+) -> None:
+    # Part images and labels may leave the campus under the policy in force (the cloud takes
+    # them): sending them to the sister campus is no breach, and the agreement passes.
+    fair = _rehearse(folder, *write_sister(tmp_path / "fair"))
+    assert _judged(fair) == (True, [])
+    # Wafer images may leave from none of its zones: an agreement that lists them fails,
+    # naming the jobs that would run on the sister campus.
+    wafers = _rehearse(folder, *write_sister(tmp_path / "wafers", sent=("wafer-image",)))
+    assert _at_south(wafers.judged.candidate, "wafer-image") > 0
+    passed, reasons = _judged(wafers)
+    assert not passed
+    assert any(
+        "wafer-image jobs would run in campus/fab-south/dc@south-site, off site" in r
+        for r in reasons
+    ), reasons
 
 
 def test_a_limit_both_halves_sign_holds_the_peer_to_it(folder: Path, tmp_path: Path) -> None:

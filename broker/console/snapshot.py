@@ -15,7 +15,7 @@ from broker.console.figures import class_matrix, may_run, node_zone
 from broker.core.shadow import Shadow
 from broker.service import Broker
 from broker.view import policy_facts, shadow_facts
-from policies.evaluate import allowed
+from policies.evaluate import kept_on_site
 from sluicegate.policy_feed import PolicyFeed
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ def build(console: Console, broker: Broker, feed: PolicyFeed, now: float) -> dic
         )
         prefix = broker.params.campus_prefix
         classes["rules"] = {
-            name: {"campus_only": _campus_only(policy, name, prefix)}
+            name: {"campus_only": kept_on_site(policy, name, prefix)}
             for name in sorted(policy.classes)
         }
     return {
@@ -225,13 +225,6 @@ def _policy(policy: Any, now: float) -> dict[str, Any] | None:
         "signers": [s.key_id for s in policy.signers],
         "signer_threshold": policy.signer_threshold,
     }
-
-
-def _campus_only(policy: Any, data_class: str, prefix: str) -> bool:
-    """Whether the class may leave the site from none of the policy's zones."""
-    zones = sorted(policy.zones)
-    off_site = [z for z in zones if z != prefix and not z.startswith(prefix + "/")]
-    return not any(allowed(policy, data_class, o, t).allowed for o in zones for t in off_site)
 
 
 def _finite(value: Any) -> Any:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from broker.core.params import PlacementParams
-from policies.evaluate import allowed
+from policies.evaluate import allowed, kept_on_site
 from policies.keys import SigningKey
 from policies.model import Policy
 from policies.verdict import (
@@ -30,6 +30,7 @@ from policies.verdict import (
     judge,
     sign_verdict,
 )
+from sluicegate import topics
 from sluicegate.twin.nodes import Change
 from sluicegate.twin.report import Move, Summary
 from sluicegate.twin.trace import Trace, policy_of
@@ -54,8 +55,12 @@ def figures_of(
     policy in force's replay of it under the same conditions (``in_force``) and the jobs the
     candidate ran elsewhere (``moves``, the largest first: ``report.compare``). Jobs placed
     off site are checked against the trace's policy per data class, from the origin zone of
-    the first job of that class (the replay counts zones per class, not per origin)."""
+    the first job of that class (the replay counts zones per class, not per origin); a job
+    on a sister campus (its zone ``<zone>@<campus>``) has left the site, which breaks the
+    policy in force only for a class it lets leave from none of its zones."""
     policy_in_force = policy_of(trace.header)
+    params = trace.header.params
+    site = (PlacementParams.from_mapping(params) if params else PlacementParams()).campus_prefix
     edge_zone = {e.id: e.zone for e in trace.header.edges}
     origins: dict[str, str] = {}
     for job in trace.jobs:
@@ -66,7 +71,11 @@ def figures_of(
         if origin is None:
             continue
         for zone, jobs in sorted(zones.items()):
-            if jobs and campus_only(policy_in_force, data_class, origin, zone):
+            if topics.campus_of(zone):
+                kept = kept_on_site(policy_in_force, data_class, site)
+            else:
+                kept = campus_only(policy_in_force, data_class, origin, zone)
+            if jobs and kept:
                 left.setdefault(data_class, {})[zone] = jobs
     beside = None
     if in_force is not None:

@@ -6,7 +6,7 @@ import pytest
 from policy_testkit import EXAMPLE, key
 
 from policies import evaluate
-from policies.evaluate import allowed, allowed_targets, decide, explain
+from policies.evaluate import allowed, allowed_targets, decide, explain, kept_on_site
 from policies.loader import load_policy
 from policies.model import ZonePattern
 from policies.subhealth import is_subhealthy
@@ -62,6 +62,14 @@ def test_allowed_targets() -> None:
         N1,
         "campus/fab-north/line-2",
     ]
+
+
+def test_a_class_kept_on_site_may_leave_from_none_of_the_zones() -> None:
+    assert kept_on_site(POLICY, "wafer-image", "campus")  # denied off site, from anywhere
+    assert kept_on_site(POLICY, "recipe-overlay", "campus")
+    assert not kept_on_site(POLICY, "ocr-crop", "campus")  # the cloud takes labels
+    assert not kept_on_site(POLICY, "wafer-image", "campus/fab-north")  # fab-south is "off"
+    assert kept_on_site(POLICY, "secret", "campus")  # an unknown class goes nowhere
 
 
 def test_explain_in_words() -> None:
