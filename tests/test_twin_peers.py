@@ -5,6 +5,7 @@ it is wrong; the command as an engineer runs it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from sluicegate.twin import trace
 from sluicegate.twin.nodes import Change
 from sluicegate.twin.rehearse import ChangeError, Rehearsal, build_change, rehearse
 from sluicegate.twin.report import Summary
+from sluicegate.twin.sim import Simulation
 from sluicegate.twin.trace import policy_field
 from tests.support import twin
 
@@ -249,3 +251,60 @@ def test_twin_run_with_a_peer_as_an_engineer_runs_it(folder: Path, tmp_path: Pat
     assert wrong.returncode != 0
     assert "sister campus" in wrong.stderr
     assert "cannot be read" in wrong.stderr
+
+
+def test_a_cut_link_sends_the_jobs_out_there_back_and_nothing_crosses_until_it_is_mended(
+    folder: Path, tmp_path: Path
+) -> None:
+    policy, peer = write_sister(tmp_path)
+    change = build_change(
+        policy=policy,
+        params=None,
+        fleet=folder / "fleet.toml",
+        burst=3,
+        fail=[],
+        strategy="ours",
+        peers=[peer],
+        cuts=[f"{SOUTH}@4.02+2"],  # in the burst (3 s to 8 s), a volley under way
+    )
+    assert tw_judge.conditions_of(change)["links cut"] == f"{SOUTH} at 4.02 s for 2 s"
+    recorded, _digest = trace.read(folder / "demo.jsonl.gz")
+    sim = Simulation(recorded, change)
+    sim.start()
+    sim.advance(sim.t0 + 4.02)
+    out = sim.events.out_on(SOUTH)
+    assert out  # jobs on south's workers as the link falls
+    sim.advance(sim.t0 + 4.04)
+    # The broker told their edges at once: none still waits on south (offered again, or
+    # queued on its line PC), long before a result timeout or deadline would have moved it.
+    phases = {j.job_id: sim.events.edges[j.rec.edge].core.table.get(j.job_id) for j in out}
+    assert all(e is None or e.life.phase != "offloaded" for e in phases.values()), phases
+    sim.advance(float("inf"))
+    cut = sim.result()
+    whole = Simulation(recorded, replace(change, cuts=())).run()
+    # The jobs out there when the link fell were offered again or run on the line PC: their
+    # images crossed, their results (held until the link came back) were not taken.
+    there = [o for o in cut.outcomes if o.where and SOUTH in o.where]
+    assert cut.peers[SOUTH]["images sent"] > len(there)
+    sent_whole = whole.peers[SOUTH]["images sent"]
+    assert sent_whole == len([o for o in whole.outcomes if o.where and SOUTH in o.where])
+    # No result from south is taken while the link is down.
+    left = [o.at + o.latency_ms / 1000.0 for o in there]
+    assert not [t for t in left if 4.1 < t < 6.02]
+    assert cut.peers[SOUTH]["placed"] < whole.peers[SOUTH]["placed"]  # no ask while down
+    assert all(o.status in ("ok", "expired") for o in cut.outcomes)  # each job ends once
+    assert len({o.job_id for o in cut.outcomes}) == len(cut.outcomes) == len(whole.outcomes)
+
+
+def test_a_cut_names_a_described_sister_and_a_duration() -> None:
+    for text, named in (("west@4+2", "no sister campus 'west'"), (f"{SOUTH}@4", "give campus")):
+        with pytest.raises(ChangeError, match=named):
+            build_change(
+                policy=None,
+                params=None,
+                fleet=None,
+                burst=1,
+                fail=[],
+                strategy="ours",
+                cuts=[text],
+            )

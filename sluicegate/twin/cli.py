@@ -118,6 +118,10 @@ PeerOption = Annotated[
     list[Path] | None,
     typer.Option(help="A sister campus to rehearse with (TOML: its policy, workers, link)."),
 ]
+CutOption = Annotated[
+    list[str] | None,
+    typer.Option(help="The link to a sister campus cut: campus@seconds+seconds."),
+]
 SeedOption = Annotated[int, typer.Option(help="The seed of the times drawn.")]
 
 
@@ -129,6 +133,7 @@ def _change(
     fail: list[str] | None,
     strategy: str,
     peer: list[Path] | None = None,
+    cut: list[str] | None = None,
 ) -> Change:
     from sluicegate.twin.rehearse import build_change
 
@@ -140,6 +145,7 @@ def _change(
         fail=fail or [],
         strategy=strategy,
         peers=peer,
+        cuts=cut,
     )
 
 
@@ -152,6 +158,7 @@ def run(
     burst: BurstOption = 1,
     fail: FailOption = None,
     peer: PeerOption = None,
+    cut: CutOption = None,
     strategy: Annotated[
         str, typer.Option(help="ours, edge-only, round-robin or least-loaded.")
     ] = "ours",
@@ -169,7 +176,7 @@ def run(
     from sluicegate.twin.rehearse import rehearse, write_report
 
     try:
-        change = _change(policy, params, fleet, burst, fail, strategy, peer)
+        change = _change(policy, params, fleet, burst, fail, strategy, peer, cut)
         rehearsal = rehearse(trace, change, seed=seed, strategies=strategies)
         typer.echo(rehearsal.text)
         if out is not None:
@@ -191,6 +198,7 @@ def verdict(
     burst: BurstOption = 1,
     fail: FailOption = None,
     peer: PeerOption = None,
+    cut: CutOption = None,
     seed: SeedOption = 0,
 ) -> None:
     """Rehearse a candidate policy or placement parameters on a trace, judge it against
@@ -208,7 +216,7 @@ def verdict(
     if (policy is None) == (params is None):
         _fail("give the candidate: --policy FILE or --params FILE (one of them)")
     try:
-        change = _change(policy, params, fleet, burst, fail, "ours", peer)
+        change = _change(policy, params, fleet, burst, fail, "ours", peer, cut)
         rehearsal = rehearse(trace, change, seed=seed)
         recorded = rehearsal.trace
         signed = judge.verdict_for(

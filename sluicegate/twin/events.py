@@ -248,6 +248,13 @@ class Events:
             return ours
         return self.sisters.worker(name)
 
+    def _home(self, worker: SimWorker, when: float) -> float:
+        """When a message due at ``when`` between an edge and ``worker`` arrives: then, or,
+        for a sister campus's worker across a cut link, as the link comes back."""
+        if worker.home and self.sisters is not None:
+            return self.sisters.crossing(worker.home, when)
+        return when
+
     def _fleet_of(self, worker: SimWorker) -> Fleet:
         """The fleet of the broker that placed on ``worker``."""
         return self.sisters.fleet_of(worker.name) if worker.home and self.sisters else self.fleet
@@ -394,7 +401,7 @@ class Events:
         own = job.own if job.rec.worker == worker_id and attempt == 1 else None
         there = self.draws.there_ms(*args, own) / 1000.0 + crossing[0]
         job.back_s = self.draws.back_ms(*args, own) / 1000.0 + crossing[1]
-        self.at(now + there, self._reach, worker, job, attempt)
+        self.at(self._home(worker, now + there), self._reach, worker, job, attempt)
 
     def _back(self, now: float, job: Job, attempt: int, worker: str, status: str) -> None:
         """A worker's answer for ``attempt`` reaches the job's edge."""
@@ -413,7 +420,14 @@ class Events:
         start = start_by(job.deadline, now, estimate)
         entry = Waiting((job, attempt), job.rec.model, now, job.rec.priority, start)
         if not worker.queue.push(entry):
-            self.at(now + job.back_s, self._back, job, attempt, worker.name, "queue_full")
+            self.at(
+                self._home(worker, now + job.back_s),
+                self._back,
+                job,
+                attempt,
+                worker.name,
+                "queue_full",
+            )
             return
         worker.note()
         self._dispatch(now, worker)
@@ -425,7 +439,9 @@ class Events:
         free = worker.spec.concurrency - worker.running
         for ready in ready_batches(worker.queue, now, free, _deadline):
             for job, attempt in ready.expired:
-                self.at(now + job.back_s, self._back, job, attempt, wid, "expired")
+                self.at(
+                    self._home(worker, now + job.back_s), self._back, job, attempt, wid, "expired"
+                )
             live = ready.live
             if not live:
                 continue
@@ -468,7 +484,9 @@ class Events:
                 edge_id=job.rec.edge,
             )
             fleet.apply_completion(done, now)
-            self.at(now + job.back_s, self._back, job, attempt, worker.name, "ok")
+            self.at(
+                self._home(worker, now + job.back_s), self._back, job, attempt, worker.name, "ok"
+            )
         self._dispatch(now, worker)
         if len(self.room):
             self.room_look(now)
@@ -484,6 +502,22 @@ class Events:
             if job.worker == wid and not job.done:
                 event = lost(job.attempt, f"worker {wid} went offline")
                 self.at(now + NOTICE_S, self._carriers[job.rec.edge].event, job.job_id, event)
+
+    def lose_link(self, now: float, campus: str) -> None:
+        """The bridge to sister campus ``campus`` is down: the broker tells the edges of the
+        jobs out there, which offer them again or run them (``broker.forwarding``)."""
+        why = f"the bridge to sister campus {campus} is down"
+        for job in self.out_on(campus):
+            event = ev.WorkerLost(job.attempt, why)
+            self.at(now + NOTICE_S, self._carriers[job.rec.edge].event, job.job_id, event)
+
+    def out_on(self, campus: str) -> list[Job]:
+        """The jobs not concluded whose latest attempt went to sister campus ``campus``."""
+        return [
+            job
+            for job in self._jobs.values()
+            if job.worker is not None and topics.campus_of(job.worker) == campus and not job.done
+        ]
 
 
 def _request_of(asked: Asked) -> PlacementRequest:

@@ -169,6 +169,8 @@ def conditions_of(change: Change) -> dict[str, str]:
             f"{p.bytes_per_s / 1e6:g} MB/s)"
             for p in change.peers
         )
+    if change.cuts:
+        out["links cut"] = ", ".join(f"{c} at {at:g} s for {d:g} s" for c, at, d in change.cuts)
     return out
 
 

@@ -85,6 +85,7 @@ class Change:
     strategy: Strategy = "ours"
     learned: LearnedPolicy | None = None  # ours, ordering its candidates by a learned policy
     peers: tuple[PeerSpec, ...] = ()  # sister campuses the campus may ask
+    cuts: tuple[tuple[str, float, float], ...] = ()  # (sister campus, s into the trace, s down)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,13 @@ A peer's own load is not replayed: its workers serve this campus's jobs only, so
 peer the workers it would lend. Times: the ask and its answer cross the link once each
 way; an image takes the campus's own leg (as to a worker in the edge's zone), half the
 round trip and its bytes at the link's throughput; a result half the round trip back.
+
+A link cut (``cuts``: the peer, when, for how long) is what the broker sees when Mosquitto
+says its bridge is down: no ask goes there (the link is not known), an ask or answer that
+would cross is refused (``peer_link_lost``), and the jobs out there go back to their edges
+as a lost worker's (the replay's :meth:`~sluicegate.twin.events.Events.lose_link`). What
+was on its way across (an image, a result) crosses when the link is back, as the bridge's
+session holds it: a late result is fenced by the edge's attempt.
 """
 
 from __future__ import annotations
@@ -89,9 +96,15 @@ class Sisters:
         live: Callable[[], bool],
         *,
         t0: float,
+        cuts: tuple[tuple[str, float, float], ...] = (),
     ) -> None:
-        """``t0``: when the replay starts (whether the halves are in force is judged then)."""
+        """``t0``: when the replay starts (whether the halves are in force is judged then);
+        ``cuts``: (peer, s after ``t0``, s down) the link is cut."""
         self.ours = ours
+        self.cuts = {
+            campus: tuple((t0 + at_s, t0 + at_s + down) for c, at_s, down in cuts if c == campus)
+            for campus in {c for c, _at, _down in cuts}
+        }
         self.peers = {s.campus: SimPeer(s, interval_s) for s in specs}
         self.offers = PeerOffers()
         self.summary_s = min(interval_s, SUMMARY_INTERVAL_S)
@@ -120,6 +133,19 @@ class Sisters:
                     )
         return out
 
+    def down(self, campus: str, when: float) -> tuple[float, float] | None:
+        """The cut under way on the link to ``campus`` at ``when`` (start, end), if any."""
+        for start, end in self.cuts.get(campus, ()):
+            if start <= when < end:
+                return start, end
+        return None
+
+    def crossing(self, campus: str, when: float) -> float:
+        """When a message due across the link to ``campus`` at ``when`` arrives: then, or as
+        the link comes back (the bridge's session held it)."""
+        cut = self.down(campus, when)
+        return when if cut is None else cut[1]
+
     def worker(self, name: str) -> SimWorker | None:
         peer = self.peers.get(topics.campus_of(name))
         return peer.workers.get(name) if peer is not None else None
@@ -145,6 +171,8 @@ class Sisters:
     def _summaries(self, now: float) -> None:
         """Each peer's summary to this campus, kept here half a round trip later."""
         for campus, peer in self.peers.items():
+            if self.down(campus, now) is not None:
+                continue  # nothing crosses: its last summary goes stale here
             peer.seq += 1
             body = summary_of(
                 peer.policy,
@@ -183,6 +211,9 @@ class Sisters:
         if choice is None:
             return False
         half = self.peers[choice.peer].link.rtt_s / 2.0
+        if self.down(choice.peer, now + half) is not None:  # the bridge falls as it crosses
+            self.at(now + half, self._lost_on_the_way, choice.peer, then)
+            return True
         self.at(now + half, self._at_peer, choice, request, half, then)
         return True
 
@@ -194,7 +225,20 @@ class Sisters:
         half: float,
         then: Callable[[float, PeerPlaced | PeerRefused], None],
     ) -> None:
-        self.at(now + half, self._answered, choice, self.ask(choice.peer, request, now), then)
+        answer = self.ask(choice.peer, request, now)
+        if self.down(choice.peer, now + half) is not None:  # the peer's reservation stays
+            self.at(now + half, self._lost_on_the_way, choice.peer, then)
+            return
+        self.at(now + half, self._answered, choice, answer, then)
+
+    def _lost_on_the_way(
+        self, now: float, peer: str, then: Callable[[float, PeerPlaced | PeerRefused], None]
+    ) -> None:
+        """The bridge went down with the ask or its answer on it: refused, as the forwarder
+        refuses the asks waiting when Mosquitto says so."""
+        self.counts[peer]["link lost"] += 1
+        why = f"the bridge to sister campus {peer} is down"
+        then(now, PeerRefused("peer_link_lost", why))
 
     def _answered(
         self,
@@ -223,7 +267,10 @@ class Sisters:
             request,
             self.offers,
             lambda p: standing.get(p) or Standing(p, "no_statement", f"no --peer for {p}"),
-            {p: peer.link for p, peer in self.peers.items()},
+            {  # while the bridge is down the link is not known
+                p: peer.link if self.down(p, now) is None else None
+                for p, peer in self.peers.items()
+            },
             now=now,
             waited_s=waited_s,
         )

@@ -34,6 +34,9 @@ from sluicegate.twin.sim import replay
 
 MOVES_SHOWN = 5  # the largest moves the text names
 FAIL = re.compile(r"^(?P<worker>[A-Za-z0-9][A-Za-z0-9._-]*)@(?P<at>[0-9]+(\.[0-9]+)?)$")
+CUT = re.compile(
+    r"^(?P<peer>[A-Za-z0-9][A-Za-z0-9._-]*)@(?P<at>[0-9]+(\.[0-9]+)?)\+(?P<down>[0-9]+(\.[0-9]+)?)$"
+)
 
 
 class ChangeError(SluicegateError):
@@ -149,6 +152,24 @@ def read_fail(texts: list[str]) -> tuple[tuple[str, float], ...]:
     return tuple(out)
 
 
+def read_cuts(
+    texts: list[str], peers: tuple[PeerSpec, ...]
+) -> tuple[tuple[str, float, float], ...]:
+    """``--cut PEER@S+D``: the link to sister campus PEER down S seconds into the trace, for
+    D seconds."""
+    described = {p.campus for p in peers}
+    out = []
+    for text in texts:
+        m = CUT.match(text)
+        if m is None or float(m["down"]) <= 0:
+            raise ChangeError(f"--cut {text!r}: give campus@seconds+seconds, e.g. fab-south@120+30")
+        if m["peer"] not in described:
+            named = ", ".join(sorted(described)) or "none (give --peer FILE)"
+            raise ChangeError(f"--cut {text!r}: no sister campus {m['peer']!r}; described: {named}")
+        out.append((m["peer"], float(m["at"]), float(m["down"])))
+    return tuple(out)
+
+
 def build_change(
     *,
     policy: Path | None,
@@ -158,6 +179,7 @@ def build_change(
     fail: list[str],
     strategy: str,
     peers: list[Path] | None = None,
+    cuts: list[str] | None = None,
 ) -> Change:
     if strategy not in STRATEGIES:
         raise ChangeError(f"--strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
@@ -180,6 +202,7 @@ def build_change(
         fail=read_fail(fail),
         strategy=chosen,
         peers=sisters,
+        cuts=read_cuts(cuts or [], sisters),
         **fleet_change,
     )
 

@@ -76,6 +76,7 @@ class Simulation:
                 self._at,
                 lambda: self.events.live > 0,
                 t0=self.t0,
+                cuts=change.cuts,
             )
         self.warnings = tuple(
             f"{w.id} is in no pool of the policy: nothing is placed there"
@@ -165,6 +166,8 @@ class Simulation:
         for worker_id, at in self.change.fail:
             if worker_id in self.workers:
                 self._at(self.t0 + at, events.lose, self.workers[worker_id])
+        for campus, at, _down in self.change.cuts:
+            self._at(self.t0 + at, events.lose_link, campus)
         for rec in self._announced:
             self._at(self.t0 + rec.at, self._announce, rec)
 
