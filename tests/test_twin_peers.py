@@ -13,7 +13,6 @@ import pytest
 from broker.core.fleet import Fleet
 from broker.core.peering import summary_of
 from policies.loader import load_policy
-from policies.verdict import judge
 from sluicegate.app.pair import SOUTH
 from sluicegate.app.twin_demo import demo_policy, demo_trace, write_sister
 from sluicegate.twin import judge as tw_judge
@@ -24,6 +23,7 @@ from sluicegate.twin.report import Summary
 from sluicegate.twin.sim import Simulation
 from sluicegate.twin.trace import policy_field
 from tests.support import twin
+from tests.test_twin_rehearse import judged
 
 # The campus short of workers: the off-site one gone, the on-site one six times slower,
 # under three times the recorded arrivals. Classes the agreement lists: parts and labels.
@@ -39,8 +39,10 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _rehearse(folder: Path, policy: Path | None, peer: Path | None, **kw: object) -> Rehearsal:
-    change = build_change(
+def _short(folder: Path, policy: Path | None, peer: Path | None, cuts: list[str]) -> Change:
+    """The campus short of workers under three times its arrivals, with ``policy``, a sister
+    campus described by ``peer`` and its link ``cuts``."""
+    return build_change(
         policy=policy,
         params=None,
         fleet=folder / "fleet.toml",
@@ -48,10 +50,14 @@ def _rehearse(folder: Path, policy: Path | None, peer: Path | None, **kw: object
         fail=[],
         strategy="ours",
         peers=[peer] if peer is not None else [],
+        cuts=cuts,
     )
+
+
+def _rehearse(folder: Path, policy: Path | None, peer: Path | None, **kw: object) -> Rehearsal:
     trace_file = kw.get("trace_file", folder / "demo.jsonl.gz")
     assert isinstance(trace_file, Path)
-    return rehearse(trace_file, change)
+    return rehearse(trace_file, _short(folder, policy, peer, []))
 
 
 def _peers_only(*files: Path) -> Change:
@@ -85,24 +91,18 @@ def test_adding_a_peer_carries_the_listed_classes_through_a_burst_and_nothing_el
     assert "under the same conditions, the policy in force beside the candidate:" in r.text
 
 
-def _judged(r: Rehearsal) -> tuple[bool, list[str]]:
-    """The verdict's judgement of a rehearsal, as ``twin verdict`` makes it."""
-    figures = tw_judge.figures_of(r.judged.candidate, r.trace, r.judged.baseline, r.judged.moves)
-    return judge(figures, tw_judge.thresholds_of(trace.policy_of(r.trace.header)))
-
-
 def test_a_verdict_passes_classes_that_may_leave_and_fails_one_kept_on_site(
     folder: Path, tmp_path: Path
 ) -> None:
     # Part images and labels may leave the campus under the policy in force (the cloud takes
     # them): sending them to the sister campus is no breach, and the agreement passes.
     fair = _rehearse(folder, *write_sister(tmp_path / "fair"))
-    assert _judged(fair) == (True, [])
+    assert judged(fair) == (True, [])
     # Wafer images may leave from none of its zones: an agreement that lists them fails,
     # naming the jobs that would run on the sister campus.
     wafers = _rehearse(folder, *write_sister(tmp_path / "wafers", sent=("wafer-image",)))
     assert _at_south(wafers.judged.candidate, "wafer-image") > 0
-    passed, reasons = _judged(wafers)
+    passed, reasons = judged(wafers)
     assert not passed
     assert any(
         "wafer-image jobs would run in campus/fab-south/dc@south-site, off site" in r
@@ -257,16 +257,8 @@ def test_a_cut_link_sends_the_jobs_out_there_back_and_nothing_crosses_until_it_i
     folder: Path, tmp_path: Path
 ) -> None:
     policy, peer = write_sister(tmp_path)
-    change = build_change(
-        policy=policy,
-        params=None,
-        fleet=folder / "fleet.toml",
-        burst=3,
-        fail=[],
-        strategy="ours",
-        peers=[peer],
-        cuts=[f"{SOUTH}@4.02+2"],  # in the burst (3 s to 8 s), a volley under way
-    )
+    # The link falls in the burst (3 s to 8 s), with a volley under way.
+    change = _short(folder, policy, peer, [f"{SOUTH}@4.02+2"])
     assert tw_judge.conditions_of(change)["links cut"] == f"{SOUTH} at 4.02 s for 2 s"
     recorded, _digest = trace.read(folder / "demo.jsonl.gz")
     sim = Simulation(recorded, change)

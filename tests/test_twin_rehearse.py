@@ -207,7 +207,7 @@ WAFER_RULE = 'allow = ["campus/**"]\ndeny = ["offsite/**"]'
 # -- a verdict judges the change, not the campus ------------------------------------------
 
 
-def _judged(r: Rehearsal) -> tuple[bool, list[str]]:
+def judged(r: Rehearsal) -> tuple[bool, list[str]]:
     """The verdict's judgement of a rehearsal, as ``twin verdict`` makes it."""
     figures = tw_judge.figures_of(r.judged.candidate, r.trace, r.judged.baseline, r.judged.moves)
     return judge(figures, tw_judge.thresholds_of(trace.policy_of(r.trace.header)))
@@ -231,10 +231,10 @@ def test_on_a_loaded_trace_no_change_passes_and_a_harmful_one_names_what_it_move
     )
     harmless = rehearse(trace_file, _change(params=same, fleet=fleet, burst=5))
     assert harmless.judged.baseline.attainment < 0.95  # the campus misses the floor ...
-    assert _judged(harmless) == (True, [])  # ... and the change that changes nothing passes
+    assert judged(harmless) == (True, [])  # ... and the change that changes nothing passes
     harmful = rehearse(trace_file, _change(params=starved, fleet=fleet, burst=5))
     assert harmful.judged.baseline == harmless.judged.baseline  # the same policy in force
-    passed, reasons = _judged(harmful)
+    passed, reasons = judged(harmful)
     assert not passed
     assert any("line line-1-pc: deadline attainment falls" in r for r in reasons), reasons
     assert any("(they ran on north-cpu-1)" in r for r in reasons), reasons
