@@ -23,7 +23,7 @@ from edge_agent.events import Life, Move, Phase, Rule
 from edge_agent.rules import Declined, Outlook
 from policies.loader import parse_policy
 from sluicegate.app.twin_demo import demo_policy, demo_trace
-from sluicegate.twin import events, trace
+from sluicegate.twin import campus_broker, events, trace
 from sluicegate.twin.draws import Draws
 from sluicegate.twin.report import compare, render, strategy_table, summarise
 from sluicegate.twin.sim import STRATEGIES, Change, Result, digest_of, replay
@@ -70,7 +70,7 @@ def test_every_arrival_ends_in_exactly_one_outcome(demo: trace.Trace) -> None:
 def test_the_twin_runs_the_production_sequencing_not_a_copy() -> None:
     # The very objects the edge agent, the broker and the worker run; the replay's own
     # module calls no edge rule and no lifecycle move of its own.
-    names = vars(events)
+    names = vars(events) | vars(campus_broker)
     assert names["Sequencer"] is edge_agent.sequencer.Sequencer
     assert names["decide_turn"] is broker.core.batch.decide_turn
     assert names["settle"] is broker.core.batch.settle

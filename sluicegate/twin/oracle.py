@@ -105,10 +105,10 @@ def _best(
     for rule in rules:
         fork = copy.deepcopy(sim, {id(sim.arrivals): sim.arrivals})
         _use(fork, rule, base)
-        seen, asked = len(fork.events.outcomes), fork.events.asked
+        seen, asked = len(fork.events.outcomes), fork.events.broker.asked
         busy = sum(w.busy_s for w in fork.workers.values())
         fork.advance(t + horizon_s + settle_s)
-        if best is None and fork.events.asked == asked:
+        if best is None and fork.events.broker.asked == asked:
             return rule  # the first rule asked for no placement: every rule does the same
         met = sum(o.in_time for o in fork.events.outcomes[seen:] if lo <= o.at < hi)
         spent = sum(w.busy_s for w in fork.workers.values()) - busy
@@ -121,6 +121,6 @@ def _best(
 
 def _use(sim: Simulation, rule: Rule, base: PlacementParams) -> None:
     """From now on ``sim`` places by ``rule``."""
-    events = sim.events
-    events.change = replace(events.change, strategy=rule.strategy, learned=rule.learned)
-    events.params = replace(base, learned=rule.learned) if rule.learned else base
+    broker = sim.events.broker
+    broker.change = replace(broker.change, strategy=rule.strategy, learned=rule.learned)
+    broker.params = replace(base, learned=rule.learned) if rule.learned else base

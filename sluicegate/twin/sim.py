@@ -204,8 +204,8 @@ class Simulation:
         workers = [*self.workers.values(), *self._lent().values()]
         return Result(
             outcomes=tuple(sorted(events.outcomes, key=lambda o: (o.at, o.job_id))),
-            refusals=dict(sorted(events.refusals.items())),
-            violations=events.violations,
+            refusals=dict(sorted(events.broker.refusals.items())),
+            violations=events.broker.violations,
             zones={k: dict(sorted(v.items())) for k, v in sorted(events.zones.items())},
             depth={n: tuple(s) for n, s in self._depth.items()},
             busy_s={w.name: w.busy_s for w in workers},
@@ -231,9 +231,10 @@ class Simulation:
                 self._depth[name].append((round(now - self.t0, 3), max(w.peak, w.held)))
                 w.peak = w.held
             self.sisters.telemetry(now, self.interval)
-        if len(self.events.room):
-            self.events.room_look(now)
-        placed = self.events.placed_by_pool
+        broker = self.events.broker
+        if len(broker.room):
+            broker.room_look(now)
+        placed = broker.placed_by_pool
         self.signal.tick(now, self.t0, self.interval, placed, self.fleet, self.policy)
         placed.clear()
         for e in self.edges.values():
