@@ -38,6 +38,7 @@ from sluicegate.twin.nodes import (
     Change,
     Job,
     SimWorker,
+    unsealed,
 )
 from sluicegate.twin.peering import PeerPlaced, Sisters
 from sluicegate.wire_pool import PlacementRequest
@@ -124,7 +125,7 @@ class SimBroker:
             now=now,
             params=self.params,
             hold=self._hold,
-            sealable=_unsealed,
+            sealable=unsealed,
             forward=self._forward if self.sisters and self.policy.peers_out() else None,
         )
         granted = [True] * len(turn.placed)  # one replica: nobody takes a slot first
@@ -239,8 +240,3 @@ class SimBroker:
 
 def _request_of(asked: Asked) -> PlacementRequest:
     return asked.request
-
-
-def _unsealed(request: PlacementRequest) -> None:
-    """The twin models no sealing keys: a recorded worker holds the key the policy lists."""
-    return

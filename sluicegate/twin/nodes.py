@@ -5,7 +5,8 @@ Plain state, no decisions: :mod:`sluicegate.twin.events` moves jobs between thes
 production functions. An edge holds the agent's own ``JobQueue`` (its order) and
 ``ServiceTimes`` (its estimates, seeded from the node's figures); a worker the worker's
 ``BatchQueue`` and ``ServiceStats`` and its ``PoolSettings``, from which the worker's own
-telemetry builder reports it.
+telemetry builder reports it. ``unsealed`` stands for the sealing keys the twin does not
+model, in the campus's placement turn and its sister campuses' alike.
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ EDGE_MAX_WAIT_MS = OffloadSettings().placement_timeout_ms / 2.0
 PLACEMENT_TIMEOUT_S = OffloadSettings().placement_timeout_ms / 1000.0
 # An edge's sequencing figures at the agent's defaults (attempts, local runs, result timeout).
 DEFAULT_LIMITS = limits_of(EdgeSettings(), OffloadSettings())
+
+
+def unsealed(_request: PlacementRequest) -> None:
+    """The workers a request's images may be sealed to, for the placement turn: the twin
+    models no sealing keys (every worker holds the key its policy lists), so no filter."""
+    return
 
 
 @dataclass(frozen=True)

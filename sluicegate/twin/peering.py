@@ -47,7 +47,7 @@ from policies.agreement import Standing, judge, statement_for
 from policies.evaluate import allowed, peer_origin
 from policies.model import Policy
 from sluicegate import topics
-from sluicegate.twin.nodes import PeerSpec, SimWorker
+from sluicegate.twin.nodes import PeerSpec, SimWorker, unsealed
 from sluicegate.wire_peer import SummaryBody
 from sluicegate.wire_pool import PlacementRequest
 
@@ -306,7 +306,7 @@ class Sisters:
                 now=now,
                 params=peer.spec.params,
                 hold=_no_room,
-                sealable=_unsealed,
+                sealable=unsealed,
             )
             settled = settle(peer.fleet, turn.placed, [True] * len(turn.placed), _itself, now=now)
             for _item, placed in settled.granted:
@@ -362,8 +362,3 @@ def _itself(request: PlacementRequest) -> PlacementRequest:
 def _no_room(_request: PlacementRequest, _now: float) -> bool:
     """A peer's broker holds no ask in its waiting room in the twin: refused at once."""
     return False
-
-
-def _unsealed(_request: PlacementRequest) -> None:
-    """The twin models no sealing keys: every peer worker holds the key its policy lists."""
-    return
