@@ -58,7 +58,7 @@ from sluicegate import topics  # noqa: E402
 from sluicegate.app.campus import APPS, BROKER, LINES, Campus, write_campus  # noqa: E402
 from sluicegate.app.localcampus import start_campus_mosquitto  # noqa: E402
 from sluicegate.app.servers import free_port, running, start_mosquitto  # noqa: E402
-from sluicegate.threads import EDGE_COMPUTE, WRITER  # noqa: E402
+from sluicegate.threads import EDGE_COMPUTE  # noqa: E402
 
 Arm = MqttArm | HttpArm
 ARMS = ("bare", "durable", "aiohttp", "agent-tls", "agent-open")
@@ -70,9 +70,9 @@ TARGET = {
 CEILINGS = ("cpu_per_job", "p50", "p99")
 PAIRS = (*TARGET, "agent-open/bare", "agent-tls/agent-open", "agent-tls/aiohttp")
 WORKERS = ROOT / "bench" / "peers_workers.py"
-# The agent's CPU by thread: the event loop (MQTT, TLS, the job table, telemetry), the
-# SQLite writer (commits, the usage ledger's signatures), the model threads, the rest.
-THREAD_GROUPS = {"main": "event loop", WRITER: "writer", EDGE_COMPUTE: "model threads"}
+# The agent's CPU by thread: the event loop (MQTT, TLS, the job table, telemetry, the SQLite
+# commits, the usage ledger's signatures), the model threads, the rest.
+THREAD_GROUPS = {"main": "event loop", EDGE_COMPUTE: "model threads"}
 
 
 @dataclass

@@ -196,6 +196,11 @@ class EdgeAgent:
         """Jobs accepted (or being accepted) and not yet concluded."""
         return len(self._jobs.table)
 
+    async def drained(self, timeout: float) -> None:
+        """Wait until no job is unfinished (``TimeoutError`` after ``timeout`` seconds): a
+        result may reach its app before its commit, the job ends with the commit."""
+        await asyncio.wait_for(self._jobs.idle.wait(), timeout)
+
     @property
     def delivering(self) -> int:
         """Results published and not yet acked by the broker."""

@@ -14,8 +14,8 @@ recognised. It must never hold an unfinished job only in memory, nor let a faile
 pass for a committed one: a write that fails is an :class:`OutboxError` naming the file.
 (The path ``:memory:`` gives a database in memory, for tests: it survives nothing.)
 
-Writes never run on the event loop: a :class:`~sluicegate.sqlite_writer.Writer` commits them on a
-thread of its own, grouped (``docs/performance.md`` has the commit figures). ``FULL`` (the default)
+A :class:`~sluicegate.sqlite_writer.Writer` commits the writes of each loop tick in one
+transaction on the loop (``docs/performance.md`` has the commit figures). ``FULL`` (the default)
 survives power loss; ``NORMAL`` in WAL mode survives a killed process but may lose the last
 commits on power loss. The file is opened in exclusive locking mode: a second agent on the
 same outbox fails to start instead of sharing its jobs.
@@ -53,7 +53,7 @@ class Accepted:
 
 class Outbox:
     """The jobs of one edge agent, on disk. Open with ``await open()``; submit from the loop.
-    ``gate`` stands between the loop and the writer thread (``sluicegate.sqlite_writer.Gate``)."""
+    ``gate`` stands between the loop and each commit (``sluicegate.sqlite_writer.Gate``)."""
 
     def __init__(
         self,
@@ -95,8 +95,8 @@ class Outbox:
         await self._writer.stop()
 
     def kill(self) -> None:
-        """Stop as a killed process would: a batch being committed completes, nothing queued
-        after it is written, and no submitted operation ever reports back."""
+        """Stop as a killed process would: nothing submitted is written any more, and no
+        submitted operation ever reports back."""
         self._closed = True
         self._writer.kill()
 
@@ -111,11 +111,6 @@ class Outbox:
     def commit_stats(self) -> CommitStats:
         """Commit count, operations committed, and recent commit durations."""
         return self._writer.stats()
-
-    def wait_written(self, timeout: float = 10.0) -> bool:
-        """Block until every batch passed to the writer so far is committed and its results
-        are queued for the loop (tests stage crashes with it); False on timeout."""
-        return self._writer.wait_written(timeout)
 
     @property
     def writer(self) -> Writer:

@@ -2,8 +2,8 @@
 
 ``python -m edge_agent.outbox_bench [--jobs 500] [--dir PATH]`` prints, for
 ``synchronous=FULL`` and ``NORMAL``, the commit time (p50/p99, measured around the
-transaction on the writer thread), the round trip an awaiting caller sees (loop → writer
-thread → loop), and the cost per job when 32 arrive in one loop tick. Run it on the disk
+transaction), the round trip an awaiting caller sees (submitted → committed at the tick's
+end → its future done), and the cost per job when 32 arrive in one loop tick. Run it on the disk
 the agent's outbox will live on: fsync cost is a property of that disk.
 """
 

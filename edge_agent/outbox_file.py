@@ -1,6 +1,6 @@
 """The outbox file: its schema (and the migration from older ones), the checks made when it
-is opened, and how a row becomes a :class:`Stored` job. Runs on the outbox's writer thread;
-no asyncio.
+is opened, and how a row becomes a :class:`Stored` job. Runs in the outbox's writer's
+transactions; no asyncio.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def stored_row(row: tuple[Any, ...]) -> Stored:
 
 def connect(path: Path, synchronous: str) -> tuple[sqlite3.Connection, list[Stored]]:
     """Open (or create, or migrate) the outbox file; the connection and the jobs not yet
-    delivered, oldest first. Runs on the writer's thread."""
+    delivered, oldest first. Runs as the writer opens the file."""
     where = f"outbox {path}"
     in_memory = str(path) == ":memory:"
     try:

@@ -1,37 +1,37 @@
-"""A node's one durable log: one SQLite connection owned by a thread of its own, which
-commits, in one transaction each, the operations the event loop hands it.
+"""A node's one durable log: one SQLite connection, used on the event loop, committing in
+one transaction the operations submitted during one loop tick (group commit).
 
-Operations submitted during one loop tick travel as one :class:`Batch`; the thread also
-merges batches that queued up while it was busy (group commit), and runs each operation in
-a savepoint of its own, so one failing operation fails alone. Results go back to the loop
-with ``call_soon_threadsafe``. Several owners may share one writer: on an edge the outbox's
-jobs and the usage ledger's records ride the same commits (a job's result and its usage
-record are made durable by one fsync). An owner that keeps state mirroring the file (the
-ledger's chain head) learns of each transaction's end, committed or rolled back, on the
-thread through :meth:`Writer.after_commit`.
+Operations submitted during a tick travel as one :class:`Batch`, committed at the tick's
+end, each in a savepoint of its own, so one failing operation fails alone. Several owners
+may share one writer: on an edge the outbox's jobs and the usage ledger's records ride the
+same commits (a job's result and its usage record are made durable by one fsync). An owner
+that keeps state mirroring the file (the ledger's chain head) learns of each transaction's
+end, committed or rolled back, through :meth:`Writer.after_commit`.
 
-Between the loop and the thread sits a :class:`Gate`: by default it passes every batch on at
+The commit runs on the loop itself, as a worker that commits on the thread holding the job
+does: a thread of its own cost the edge two thread hand-offs and their wake-ups per commit,
+and its GIL contention with the loop, more than the commit itself (``docs/performance.md``,
+the edge path). SQLite releases the GIL while it writes and syncs, so the model threads run
+meanwhile; the loop waits for the disk once per tick whatever the tick brought, which is
+what the jobs in it wait for anyway (their PUBACK or their result follows the commit).
+
+Between the loop and the commit sits a :class:`Gate`: by default it passes every batch on at
 once; a test's gate may hold batches (a slow disk), drop them (a crash before their commit)
-or fail them (a broken disk). It never runs SQLite on the event loop and never reports a
-result for a batch it did not commit. A failure is the error type the operation was
-submitted with (``OutboxError``, ``LedgerError``), its text from the writer's ``explain``.
+or fail them (a broken disk). It never reports a result for a batch it did not commit. A
+failure is the error type the operation was submitted with (``OutboxError``,
+``LedgerError``), its text from the writer's ``explain``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import queue
 import sqlite3
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future as ThreadFuture
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
-
-from sluicegate.threads import WRITER, name_os_thread
 
 T = TypeVar("T")
 Op = Callable[[sqlite3.Connection], Any]
@@ -78,8 +78,8 @@ class CommitStats:
 
 
 class Writer:
-    """The thread, its queue and the batch of this tick; ``start`` opens the file with the
-    owner's ``connect`` and returns what opening read. ``where`` names the file in errors."""
+    """The connection and the batch of this tick; ``start`` opens the file with the owner's
+    ``connect`` and returns what opening read. ``where`` names the file in errors."""
 
     def __init__(
         self, where: str, explain: Explain, error: type[Exception], gate: Gate | None = None
@@ -89,44 +89,37 @@ class Writer:
         self._error = error
         self.gate: Gate = gate or OpenGate()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queue: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
         self._conn: sqlite3.Connection | None = None
         self._batch = Batch()
         self._hooks: list[Hook] = []
         self._killed = False  # stopped as a killed process would be: nothing reports back
         self._closed = False
         self._commit_s: deque[float] = deque(maxlen=4096)
-        self._handed = 0  # batches given to the thread (loop thread) ...
-        self._written = 0  # ... and committed, their results on the way to the loop
-        self._progress = threading.Condition()
         self.commits = 0
         self.operations = 0
 
     async def start(self, connect: Callable[[], tuple[sqlite3.Connection, T]]) -> T:
         self._loop = asyncio.get_running_loop()
-        opened: ThreadFuture[T] = ThreadFuture()
-        with self._progress:
-            self._handed += 1  # opening is the thread's first task
-        self._thread = threading.Thread(
-            target=self._serve, args=(connect, opened), name=WRITER, daemon=True
-        )
-        self._thread.start()
-        return await asyncio.wrap_future(opened)
+        self._conn, read = connect()
+        # Each operation runs in a savepoint, which journals the old content of every page
+        # it changes (an image's pages reused from the freelist: ~50 a job) to a temporary
+        # file, two writes a page; in memory, they cost a copy.
+        self._conn.execute("PRAGMA temp_store = MEMORY")
+        return read
 
     @property
     def started(self) -> bool:
         return self._loop is not None
 
     def after_commit(self, hook: Hook) -> None:
-        """Call ``hook(db, committed)`` on the thread after each transaction ends."""
+        """Call ``hook(db, committed)`` after each transaction ends."""
         self._hooks.append(hook)
 
     def submit(
         self, op: Callable[[sqlite3.Connection], T], error: type[Exception]
     ) -> asyncio.Future[T]:
-        """Run ``op`` in this tick's transaction (loop thread); its future resolves after
-        the commit, or fails with ``error``. Once killed, it never resolves."""
+        """Run ``op`` in this tick's transaction; its future resolves after the commit, or
+        fails with ``error``. Once killed, it never resolves."""
         loop = self._loop
         if loop is None:
             raise error(f"{self.where} is not open")
@@ -141,17 +134,22 @@ class Writer:
         return fut
 
     def flush(self) -> None:
-        """Hand what was submitted during this tick to the thread now (through the gate)."""
+        """Commit what was submitted during this tick now (through the gate)."""
         batch, self._batch = self._batch, Batch()
         if not self._killed and batch.ops:
             self.gate.admit(batch, self._pass_on)
 
     def _pass_on(self, batch: Batch) -> None:
-        if self._killed:
+        if self._killed or self._conn is None:
             return
-        with self._progress:
-            self._handed += 1
-        self._queue.put(batch)
+        results = self._commit(batch)
+        for (_op, fut, _kind), result in zip(batch.ops, results, strict=True):
+            if fut.done():
+                continue
+            if isinstance(result, _Failed):
+                fut.set_exception(result.error)
+            else:
+                fut.set_result(result)
 
     async def stop(self) -> None:
         """Commit what was submitted, then close the file."""
@@ -159,27 +157,19 @@ class Writer:
             return
         self.flush()
         self._closed = True
-        self._queue.put(None)
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
+        self._close()
 
     def kill(self) -> None:
-        """A batch being committed completes, nothing queued after it is written, and no
-        operation reports back."""
+        """Nothing submitted is written any more, and no operation reports back."""
         self._killed = self._closed = True
         self._batch = Batch()
-        self._queue.put(None)
-        with self._progress:
-            self._progress.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(30.0)
+        self._close()
 
-    def wait_written(self, timeout: float = 10.0) -> bool:
-        """Block until every batch handed to the thread so far is committed and its results
-        are queued for the loop (tests stage crashes with it); False on timeout."""
-        with self._progress:
-            target = self._handed
-            return self._progress.wait_for(lambda: self._written >= target or self._killed, timeout)
+    def _close(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.close()
+            self._conn = None
 
     def stats(self) -> CommitStats:
         times = sorted(self._commit_s)
@@ -188,68 +178,6 @@ class Writer:
         p50 = times[len(times) // 2] * 1000.0
         p99 = times[min(len(times) - 1, int(len(times) * 0.99))] * 1000.0
         return CommitStats(self.commits, self.operations, p50, p99)
-
-    # -- the thread ------------------------------------------------------------------------------
-
-    def _serve(self, connect: Callable[[], tuple[sqlite3.Connection, T]], opened: Any) -> None:
-        name_os_thread(WRITER)
-        try:
-            self._conn, read = connect()
-        except Exception as exc:  # the owner's connect raises its own error type
-            opened.set_exception(exc)
-            self._wrote(1)
-            return
-        # Each operation runs in a savepoint, which journals the old content of every page
-        # it changes (an image's pages reused from the freelist: ~50 a job) to a temporary
-        # file, two writes a page; in memory, they cost a copy.
-        self._conn.execute("PRAGMA temp_store = MEMORY")
-        opened.set_result(read)  # queues its result for the loop
-        self._wrote(1)
-        try:
-            while (batch := self._queue.get()) is not None:
-                merged, stop = self._merge(batch)
-                if self._killed:
-                    break
-                results = self._commit(batch)
-                loop = self._loop
-                if loop is not None and not loop.is_closed():
-                    with contextlib.suppress(RuntimeError):  # the loop closed under us
-                        loop.call_soon_threadsafe(self._resolve, batch, results)
-                self._wrote(merged)
-                if stop:
-                    break
-        finally:
-            if self._conn is not None:
-                self._conn.close()
-
-    def _merge(self, batch: Batch) -> tuple[int, bool]:
-        """Group commit: take whatever else queued meanwhile; (batches merged, stop)."""
-        merged = 1
-        while True:
-            try:
-                more = self._queue.get_nowait()
-            except queue.Empty:
-                return merged, False
-            if more is None:
-                return merged, True
-            batch.ops.extend(more.ops)
-            merged += 1
-
-    def _wrote(self, batches: int) -> None:
-        with self._progress:
-            self._written += batches
-            self._progress.notify_all()
-
-    def _resolve(self, batch: Batch, results: list[Any]) -> None:
-        if self._killed:
-            return
-        for (_op, fut, _kind), result in zip(batch.ops, results, strict=True):
-            if fut.done():
-                continue
-            if isinstance(result, _Failed):
-                fut.set_exception(result.error)
-            else:
-                fut.set_result(result)
 
     def _commit(self, batch: Batch) -> list[Any]:
         db = self._conn

@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 PR_SET_NAME = 15
 EDGE_COMPUTE = "sg-infer"  # the OS name of an edge agent's model threads
-WRITER = "sg-writer"  # the OS name of a node's SQLite writer thread
 
 
 def name_os_thread(name: str) -> None:

@@ -614,6 +614,7 @@ async def test_the_workers_result_reaches_the_app_unchanged_once(rig: Rig) -> No
     await rig.results(2)
     assert rig.agent.counters["fenced_returns"] == 2
     assert [m.payload for m in rig.broker.log if m.topic == "app/results"].count(sent) == 1
+    await rig.agent.drained(10)  # forwarded before its commit: the job ends with the commit
     assert rig.agent.unfinished == 0
     assert rig.agent.telemetry().finished == {"pool": 2}  # the broker's offload ratio reads it
 
@@ -834,6 +835,7 @@ async def test_a_placement_answered_after_the_commit_is_taken_then(
     assert [r.job_id for r in rig.requests] == [job_id]
     rig.give_back(job_id, 1)
     await rig.results(1)
+    await rig.agent.drained(10)  # forwarded before its commit: the job ends with the commit
     assert rig.agent.unfinished == 0
 
 

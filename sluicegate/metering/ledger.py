@@ -4,12 +4,12 @@ acknowledged it (and for ``retention_s`` after).
 
 Its tables (``sluicegate.metering.ledger_file`` holds the schema and operations) live in
 a SQLite file (WAL, exclusive lock: a second process on it fails to start) whose
-:class:`~sluicegate.sqlite_writer.Writer` thread commits whatever the loop handed it
-meanwhile in one transaction (group commit). A pool worker's ledger is a file of its own
+:class:`~sluicegate.sqlite_writer.Writer` commits what each loop tick submitted in one
+transaction (group commit). A pool worker's ledger is a file of its own
 with a writer of its own; an edge's shares its outbox's file and writer (``log``), so a
 job's result and its usage record are made durable by the same commit. The chain's head
-(last seq, last digest) is the writer thread's: :meth:`Ledger.append` assigns seq and
-prev and signs on the thread, inside the transaction, and a transaction that rolls back
+(last seq, last digest) is the writer's: :meth:`Ledger.append` assigns seq and prev and
+signs inside the transaction, at the commit, and a transaction that rolls back
 puts the head back where the file has it, so no seq is ever skipped or used twice.
 An append's future resolves only after its commit: with
 ``synchronous = "FULL"`` (the default) that survives power loss, with ``"NORMAL"`` a
@@ -85,10 +85,10 @@ class Ledger:
         self._legacy = legacy
         self._writer = log or Writer(self._where, ledger_file.explain, LedgerError)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._head = Head(0, GENESIS)  # the writer thread's
+        self._head = Head(0, GENESIS)  # moved inside the writer's transactions
         self._closed = False
-        # Durable (synced) up to which seq: the writer thread's figure (committed), the
-        # sync thread's, and the loop's with the futures waiting on it.
+        # Durable (synced) up to which seq: committed, the sync thread's, and the loop's with
+        # the futures waiting on it.
         self._committed = 0
         self._synced = 0
         self._sync_wanted = threading.Condition()
@@ -225,7 +225,7 @@ class Ledger:
             return fut
         return self._writer.submit(op, LedgerError)
 
-    # -- the writer thread ----------------------------------------------------------------------
+    # -- at the writer's commits ------------------------------------------------------------------
 
     def _ended(self, db: sqlite3.Connection, committed: bool) -> None:
         """After each transaction of the writer (its own or shared): a rolled-back one puts
@@ -239,7 +239,7 @@ class Ledger:
             return
         if self._syncer is None:
             self._committed = seq
-            self._report_durable(seq)
+            self._durable_to(seq)
             return
         with self._sync_wanted:
             self._committed = seq

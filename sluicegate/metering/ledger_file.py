@@ -1,5 +1,5 @@
 """The usage ledger's SQLite file: its schema, the checks made when it is opened, and the
-operations the ledger's writer thread runs in its transactions. No asyncio here.
+operations the ledger's writer runs in its transactions. No asyncio here.
 
 One row per signed record (``records``: seq, when it was written, the record's line, when
 a broker replica acknowledged it), and the chain's head (``head``: the node, its kind, the
