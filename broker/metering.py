@@ -2,8 +2,9 @@
 in Redis, countersigned, acknowledged to their node, counted; and the signed export.
 
 Every replica subscribes to every node's usage topic (not shared): each one screens what it
-hears (``broker.core.usage.screen``: the node is the topic's sender, the policy lists it
-with that key and role, its signature verifies), countersigns it with its own key, and
+hears (``broker.core.usage.Screening``: the node is the topic's sender, the policy lists it
+with that key and role, its signature verifies, once for a run of records of one message
+that link to each other), countersigns it with its own key, and
 stores it with one atomic insert per (node, seq) (``broker.usage_store``), so whichever
 replica comes first stores it and the others find it held. The replica acknowledges what
 is held, new or a duplicate, so the node stops resending; it refuses, with the reason, what
@@ -24,7 +25,14 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 
 from broker.core.identity import IdentityRefusal
-from broker.core.usage import UsageRefusal, counted, link_breaks, missing, outcome, screen
+from broker.core.usage import (
+    Screening,
+    UsageRefusal,
+    counted,
+    link_breaks,
+    missing,
+    outcome,
+)
 from broker.decision_audit import DecisionAudit, encode
 from broker.gatekeeper import Gatekeeper
 from broker.lua import check_cancelled
@@ -39,8 +47,9 @@ from sluicegate.transport import Message, Transport
 
 log = logging.getLogger(__name__)
 
-# Records checked and countersigned between two turns of the loop (about 1.5 ms of work: a
-# node catching up sends 128 records a message, and 64 messages are taken at once).
+# Records checked and countersigned between two turns of the loop (about 0.6 ms of work for
+# records of a run, 1.5 ms where each needs its own signature check: a node catching up
+# sends 128 records a message, and 64 messages are taken at once).
 SCREEN_SLICE = 4
 STORE_SLICE = 64  # records stored in one Redis call, and counted between two turns
 
@@ -98,41 +107,47 @@ class UsageIngest:
         now_ms = int(self._clock() * 1000)
         held: dict[str, list[int]] = defaultdict(list)
         refused: dict[str, list[Refused]] = defaultdict(list)
-        taken: list[SignedUsage] = []
+        taken: list[tuple[SignedUsage, bytes]] = []  # countersigned, with its digest
         screened = 0
         for msg in messages:
             sender = topics.sender(msg.topic)
-            for item in decode_batch(msg.payload):
+            screening = Screening(sender, policy)
+            mine: list[tuple[SignedUsage, bytes]] = []
+            theirs: list[Refused] = []
+            for item in reversed(decode_batch(msg.payload)):  # last first: see Screening
                 screened += 1
                 if screened % SCREEN_SLICE == 0:
                     await asyncio.sleep(0)  # placements that arrived meanwhile go first
                 if isinstance(item, BadLine):
                     self._refused(sender, 0, UsageRefusal("usage.malformed", item.reason))
-                    refused[sender].append(
-                        Refused(seq=0, code="usage.malformed", reason=item.reason)
-                    )
+                    theirs.append(Refused(seq=0, code="usage.malformed", reason=item.reason))
                     continue
-                refusal = screen(item, sender, policy)
-                if refusal is not None:
-                    self._refused(sender, item.record.seq, refusal, policy)
-                    refused[sender].append(_refused(item.record.seq, refusal))
+                seen = screening.take(item)
+                if seen.refusal is not None:
+                    self._refused(sender, item.record.seq, seen.refusal, policy)
+                    theirs.append(_refused(item.record.seq, seen.refusal))
                     continue
-                taken.append(
-                    countersign(item, self._key, broker=self.broker_id, received_ms=now_ms)
+                signed = countersign(
+                    item, self._key, broker=self.broker_id, received_ms=now_ms, digest=seen.digest
                 )
+                mine.append((signed, seen.digest))
+            taken += reversed(mine)
+            if theirs:
+                refused[sender] += reversed(theirs)
         stored: list[Stored] = []
         try:
             for start in range(0, len(taken), STORE_SLICE):  # each an await: the loop turns
-                stored += await self.store.insert_many(taken[start : start + STORE_SLICE])
+                chunk = taken[start : start + STORE_SLICE]
+                stored += await self.store.insert_many([signed for signed, _ in chunk])
         except StoreUnavailable as exc:
             self._metrics.usage_store_failures.inc()
             log.warning("usage records not stored (%s); their nodes will send them again", exc)
             taken = taken[: len(stored)]  # what was stored before Redis failed is answered
-        for done, (signed, found) in enumerate(zip(taken, stored, strict=True), 1):
+        for done, ((signed, digest), found) in enumerate(zip(taken, stored, strict=True), 1):
             if done % STORE_SLICE == 0:
                 await asyncio.sleep(0)
             r = signed.record
-            verdict = outcome(signed.digest().hex(), found.held)
+            verdict = outcome(digest.hex(), found.held)
             if verdict == "new":
                 self._new(signed, found.before, found.after, policy)
                 self._metrics.usage_missing.labels(r.node).set(missing(found.head, found.count))

@@ -1,6 +1,6 @@
-"""The broker's pure decisions on usage records, as tables: who may ship a record, what a
-seq already held makes of another, the chain's links, the gaps, and what a record counts
-for per line and pool."""
+"""The broker's pure decisions on usage records, as tables: who may ship a record, alone and
+in a message of records that vouch for each other, what a seq already held makes of
+another, the chain's links, the gaps, and what a record counts for per line and pool."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from broker.core.usage import counted, link_breaks, missing, outcome, screen
+from broker.core.usage import Screening, counted, link_breaks, missing, outcome, screen
 from sluicegate.metering.record import GENESIS, SignedUsage, Usage, sign_usage
 from tests.policies.policy_testkit import base_doc, key, policy_of
 
@@ -61,6 +61,69 @@ def test_no_policy_refuses_every_record() -> None:
     refusal = screen(_signed(), "north-gpu-1", None)
     assert refusal is not None
     assert refusal.code == "usage.no_policy"
+
+
+def _message(records: list[SignedUsage], sender: str = "north-gpu-1") -> list[str | None]:
+    """Each record's refusal code (None: taken), in the message's order, screened as the
+    intake screens a message: last first."""
+    screening = Screening(sender, POLICY)
+    codes = [screening.take(r) for r in reversed(records)]
+    for seen, signed in zip(codes, reversed(records), strict=True):
+        assert seen.digest == signed.digest()
+    return [seen.refusal.code if seen.refusal else None for seen in reversed(codes)]
+
+
+def _chain(n: int, *, signer: str | None = None) -> list[SignedUsage]:
+    out: list[SignedUsage] = []
+    prev = GENESIS
+    for seq in range(1, n + 1):
+        out.append(_signed(seq=seq, prev=prev.hex(), job_id=f"j-{seq}", signer=signer))
+        prev = out[-1].digest()
+    return out
+
+
+def _relinked(signed: SignedUsage, prev: SignedUsage) -> SignedUsage:
+    """``signed`` made to name ``prev`` (a forger's record), its signature left as it was."""
+    forged = signed.record.model_copy(update={"prev": prev.digest().hex()})
+    return signed.model_copy(update={"record": forged})
+
+
+BAD = "usage.bad_signature"
+RUN = _chain(5)
+
+
+@pytest.mark.parametrize(
+    ("records", "codes"),
+    [
+        (RUN, [None] * 5),
+        # altered on the way: its successor names the original, so it is checked, and fails
+        ([*RUN[:2], _altered(RUN[2]), *RUN[3:]], [None, None, BAD, None, None]),
+        # the last one's signature fails: the one before it is not vouched for, but checked
+        ([*RUN[:4], _altered(RUN[4])], [None, None, None, None, BAD]),
+        # a forger relinks the successor to the altered record: both fail their own check
+        (
+            [*RUN[:2], _altered(RUN[2]), _relinked(RUN[3], _altered(RUN[2])), RUN[4]],
+            [None, None, BAD, BAD, None],
+        ),
+        # signed with another node's key all along: each one fails, none vouches
+        (_chain(3, signer="south-npu-1"), [BAD, BAD, BAD]),
+        # not in order, or not linked (a resend of a few): each one checked on its own
+        ([RUN[3], RUN[0], RUN[4]], [None, None, None]),
+        ([RUN[0], _altered(RUN[1]), RUN[3]], [None, BAD, None]),
+    ],
+    ids=["run", "altered", "last-bad", "relinked", "foreign-key", "unordered", "gap"],
+)
+def test_a_message_is_screened_as_a_run_each_record_still_its_own(
+    records: list[SignedUsage], codes: list[str | None]
+) -> None:
+    assert _message(records) == codes
+
+
+def test_a_record_vouched_for_is_still_refused_for_what_it_says() -> None:
+    """Only the signature check is spared: a record of another node, or of the wrong kind,
+    is refused even when the next one names it."""
+    chain = _chain(2)
+    assert _message(chain, sender="north-gpu-2") == ["usage.id_mismatch"] * 2
 
 
 @pytest.mark.parametrize(

@@ -104,12 +104,15 @@ class SignedUsage(_Doc):
     sig: str  # base64url Ed25519 over RECORD_DOMAIN + record.canonical()
     receipt: Receipt | None = None
 
-    def digest(self) -> bytes:
-        """What the node's next record names as ``prev``: the record and its signature."""
-        return hashlib.sha256(RECORD_DOMAIN + self.record.canonical() + _raw(self.sig)).digest()
+    def digest(self, canonical: bytes | None = None) -> bytes:
+        """What the node's next record names as ``prev``: the record and its signature
+        (``canonical``: the record's :meth:`Usage.canonical`, if the caller has it)."""
+        body = self.record.canonical() if canonical is None else canonical
+        return hashlib.sha256(RECORD_DOMAIN + body + _raw(self.sig)).digest()
 
-    def node_signature_valid(self, public: bytes) -> bool:
-        return signature_valid(public, _raw(self.sig), RECORD_DOMAIN + self.record.canonical())
+    def node_signature_valid(self, public: bytes, canonical: bytes | None = None) -> bool:
+        body = self.record.canonical() if canonical is None else canonical
+        return signature_valid(public, _raw(self.sig), RECORD_DOMAIN + body)
 
     def receipt_valid(self, public: bytes) -> bool:
         if self.receipt is None:
@@ -128,11 +131,11 @@ def _raw(text: str) -> bytes:
         return b""
 
 
-def _receipt_message(signed: SignedUsage) -> bytes:
+def _receipt_message(signed: SignedUsage, digest: bytes | None = None) -> bytes:
     assert signed.receipt is not None
     return (
         RECEIPT_DOMAIN
-        + signed.digest()
+        + (signed.digest() if digest is None else digest)
         + signed.receipt.broker.encode("ascii")
         + b"\n"
         + str(signed.receipt.received_ms).encode("ascii")
@@ -144,13 +147,19 @@ def sign_usage(record: Usage, key: SigningKey) -> SignedUsage:
 
 
 def countersign(
-    signed: SignedUsage, key: SigningKey, *, broker: str, received_ms: int
+    signed: SignedUsage,
+    key: SigningKey,
+    *,
+    broker: str,
+    received_ms: int,
+    digest: bytes | None = None,
 ) -> SignedUsage:
-    """``signed`` with this broker's receipt (any earlier receipt replaced)."""
+    """``signed`` with this broker's receipt (any earlier receipt replaced); ``digest``:
+    ``signed.digest()``, if the caller has it."""
     bare = signed.model_copy(
         update={"receipt": Receipt(broker=broker, received_ms=received_ms, sig="")}
     )
-    sig = _b64(key.sign(_receipt_message(bare)))
+    sig = _b64(key.sign(_receipt_message(bare, digest)))
     return signed.model_copy(
         update={"receipt": Receipt(broker=broker, received_ms=received_ms, sig=sig)}
     )
