@@ -8,12 +8,16 @@ same commits (a job's result and its usage record are made durable by one fsync)
 that keeps state mirroring the file (the ledger's chain head) learns of each transaction's
 end, committed or rolled back, through :meth:`Writer.after_commit`.
 
-The commit runs on the loop itself, as a worker that commits on the thread holding the job
-does: a thread of its own cost the edge two thread hand-offs and their wake-ups per commit,
-and its GIL contention with the loop, more than the commit itself (``docs/performance.md``,
-the edge path). SQLite releases the GIL while it writes and syncs, so the model threads run
-meanwhile; the loop waits for the disk once per tick whatever the tick brought, which is
-what the jobs in it wait for anyway (their PUBACK or their result follows the commit).
+The commit runs on the loop itself: a thread running the SQL cost the edge two thread
+hand-offs per commit and its GIL contention with the loop, more than the SQL itself
+(``docs/performance.md``, the edge path). The disk's sync need not: for a file (``start``'s
+``wal``) the connection commits with ``synchronous = NORMAL`` and a
+:class:`~sluicegate.wal_sync.WalSync` syncs the log after each commit, at once on the loop
+where the disk is fast, else on a thread of its own, grouped, while the loop reads, decides
+and commits the next batches. Each operation's future resolves once a sync covers its
+commit (``synchronous = FULL``'s durability), in commit order. An
+owner whose state follows durability (the ledger's records it may ship) learns of each
+sync through :meth:`Writer.after_sync`.
 
 Between the loop and the commit sits a :class:`Gate`: by default it passes every batch on at
 once; a test's gate may hold batches (a slow disk), drop them (a crash before their commit)
@@ -26,12 +30,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import sqlite3
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
+
+from sluicegate.wal_sync import WalSync
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Op = Callable[[sqlite3.Connection], Any]
@@ -95,16 +105,29 @@ class Writer:
         self._killed = False  # stopped as a killed process would be: nothing reports back
         self._closed = False
         self._commit_s: deque[float] = deque(maxlen=4096)
+        self._sync: WalSync | None = None
+        self._unsynced: deque[tuple[int, Batch, list[Any]]] = deque()  # committed, not synced
+        self._sync_hooks: list[Callable[[int], None]] = []
+        self.batch_no = 0  # the number of the batch being (or last) committed
         self.commits = 0
         self.operations = 0
 
-    async def start(self, connect: Callable[[], tuple[sqlite3.Connection, T]]) -> T:
+    async def start(
+        self, connect: Callable[[], tuple[sqlite3.Connection, T]], *, wal: Path | None = None
+    ) -> T:
+        """Open the file with the owner's ``connect``; ``wal``: the file's write-ahead log,
+        synced by a thread of the writer's after the commits (the connection then commits
+        with ``synchronous = NORMAL``), else each commit is durable as the owner's
+        connection makes it."""
         self._loop = asyncio.get_running_loop()
         self._conn, read = connect()
         # Each operation runs in a savepoint, which journals the old content of every page
         # it changes (an image's pages reused from the freelist: ~50 a job) to a temporary
         # file, two writes a page; in memory, they cost a copy.
         self._conn.execute("PRAGMA temp_store = MEMORY")
+        if wal is not None:
+            self._conn.execute("PRAGMA synchronous = NORMAL")
+            self._sync = WalSync(wal, self._report_sync)
         return read
 
     @property
@@ -114,6 +137,12 @@ class Writer:
     def after_commit(self, hook: Hook) -> None:
         """Call ``hook(db, committed)`` after each transaction ends."""
         self._hooks.append(hook)
+
+    def after_sync(self, hook: Callable[[int], None]) -> None:
+        """Call ``hook(through)`` once the batches numbered up to ``through``
+        (:attr:`batch_no`) are on the disk: after a sync, or after the commit itself when
+        the connection syncs as it commits."""
+        self._sync_hooks.append(hook)
 
     def submit(
         self, op: Callable[[sqlite3.Connection], T], error: type[Exception]
@@ -142,27 +171,61 @@ class Writer:
     def _pass_on(self, batch: Batch) -> None:
         if self._killed or self._conn is None:
             return
+        self.batch_no += 1
         results = self._commit(batch)
-        for (_op, fut, _kind), result in zip(batch.ops, results, strict=True):
-            if fut.done():
-                continue
-            if isinstance(result, _Failed):
-                fut.set_exception(result.error)
-            else:
-                fut.set_result(result)
+        if self._sync is None:
+            _resolve(batch, results)
+            self._durable(self.batch_no)
+            return
+        self._unsynced.append((self.batch_no, batch, results))
+        if self._sync.slow:
+            self._sync.want(self.batch_no)
+        else:  # a fast disk: a sync now costs the loop less than a thread's round trip
+            self._synced(self.batch_no, self._sync.now())
+
+    def _report_sync(self, through: int, error: OSError | None) -> None:
+        """The sync thread's word (its thread): the loop resolves what it covered."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed under us
+                loop.call_soon_threadsafe(self._synced, through, error)
+
+    def _synced(self, through: int, error: OSError | None) -> None:
+        if self._killed:
+            return
+        unsynced = self._unsynced
+        while unsynced and unsynced[0][0] <= through:
+            _no, batch, results = unsynced.popleft()
+            if error is not None:
+                text = self._explain(self.where, error)
+                results = [_Failed(kind(f"{text} (not synced)")) for _op, _fut, kind in batch.ops]
+            _resolve(batch, results)
+        if error is None:
+            self._durable(through)
+        else:
+            log.error("%s could not be synced to the disk: %s", self.where, error)
+
+    def _durable(self, through: int) -> None:
+        for hook in self._sync_hooks:
+            hook(through)
 
     async def stop(self) -> None:
-        """Commit what was submitted, then close the file."""
+        """Commit what was submitted, sync it, then close the file."""
         if self._closed:
             return
         self.flush()
         self._closed = True
+        if self._sync is not None:
+            await asyncio.to_thread(self._sync.stop)
+            await asyncio.sleep(0)  # its last reports, queued before, run first
         self._close()
 
     def kill(self) -> None:
         """Nothing submitted is written any more, and no operation reports back."""
         self._killed = self._closed = True
         self._batch = Batch()
+        if self._sync is not None:
+            self._sync.stop(wait=False)
         self._close()
 
     def _close(self) -> None:
@@ -215,6 +278,16 @@ class Writer:
 @dataclass(frozen=True, slots=True)
 class _Failed:
     error: Exception
+
+
+def _resolve(batch: Batch, results: list[Any]) -> None:
+    for (_op, fut, _kind), result in zip(batch.ops, results, strict=True):
+        if fut.done():
+            continue
+        if isinstance(result, _Failed):
+            fut.set_exception(result.error)
+        else:
+            fut.set_result(result)
 
 
 def explain_sqlite(where: str, exc: BaseException, *, damaged: str, owner: str) -> str:

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 PR_SET_NAME = 15
 EDGE_COMPUTE = "sg-infer"  # the OS name of an edge agent's model threads
+SYNC = "sg-sync"  # the OS name of the thread that syncs a node's SQLite log to the disk
 
 
 def name_os_thread(name: str) -> None:

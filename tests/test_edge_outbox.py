@@ -4,6 +4,7 @@ and says which file is wrong when it cannot be used."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sqlite3
 import sys
@@ -255,6 +256,18 @@ async def test_unwritable_places_are_named(tmp_path: Path) -> None:
     folder.mkdir()
     with pytest.raises(OutboxError, match=rf"outbox {folder} cannot be"):
         await Outbox(folder).open()
+
+
+async def test_a_commit_the_disk_cannot_sync_is_not_reported_done(tmp_path: Path) -> None:
+    """The log is synced behind the commits: a sync that fails fails the operations it was
+    to cover, naming the file, rather than passing a commit that may be lost for durable."""
+    path = tmp_path / "edge.db"
+    box = Outbox(path)
+    await box.open()
+    os.unlink(f"{path}-wal")  # the log gone under SQLite: nothing can sync it now
+    with pytest.raises(OutboxError, match=rf"outbox {path}: .*No such file.*\(not synced\)"):
+        await box.accept(job("a"))
+    await box.close()
 
 
 async def test_second_agent_on_the_same_outbox_is_refused(outbox: Outbox) -> None:

@@ -32,7 +32,10 @@ EDGE, WORKER, BROKER = "line-1-pc", "north-cpu-1", "broker-1"
 @pytest.fixture
 def rig(tmp_path: Path) -> Iterator[Rig]:
     """The campus, stopped before the test's checks run (see :func:`stopped`)."""
-    with Rig(tmp_path, nodes=[BROKER, EDGE, WORKER], edge_cpu=0.1) as rig:
+    # The worker gathers a batch for up to 50 ms (2 by default): on a fast machine it would
+    # otherwise finish each offloaded job before the next came, and never hold a batch.
+    gather = {"SLUICEGATE_POOL__BATCH_WINDOW_MS": "50"}
+    with Rig(tmp_path, nodes=[BROKER, EDGE, WORKER], edge_cpu=0.1, env=gather) as rig:
         yield rig
 
 

@@ -35,6 +35,7 @@ import os
 import sqlite3
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -95,6 +96,7 @@ class Ledger:
         self._sync_stop = False
         self._syncer: threading.Thread | None = None
         self._durable_seq = 0  # (loop)
+        self._unsynced: deque[tuple[int, int]] = deque()  # (writer's batch, seq) not synced
         self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
         self._order = itertools.count()
         self.syncs = 0
@@ -105,12 +107,15 @@ class Ledger:
         """Open (or create) the tables; the chain's head as the file has it."""
         self._loop = asyncio.get_running_loop()
         self._writer.after_commit(self._ended)
+        self._writer.after_sync(self._synced_through)
         if self._shared:
             head = await self._writer.submit(self._attach, LedgerError)
             if self._legacy is not None:
                 await asyncio.to_thread(ledger_file.retire, self._legacy)
         else:
-            head = await self._writer.start(self._connect)
+            on_file = str(self.path) != ":memory:"
+            wal = Path(f"{self.path}-wal") if self._synchronous == "FULL" and on_file else None
+            head = await self._writer.start(self._connect, wal=wal)
         if str(self.path) != ":memory:":
             # What a killed process committed may still sit in the page cache only.
             await asyncio.to_thread(_fsync_file, self.path, self._where)
@@ -230,7 +235,8 @@ class Ledger:
     def _ended(self, db: sqlite3.Connection, committed: bool) -> None:
         """After each transaction of the writer (its own or shared): a rolled-back one puts
         the head back where the file has it; a committed one that moved the head makes its
-        records durable (``FULL``: synced already) or asks the sync thread (``NORMAL``)."""
+        records durable once the writer has synced it (``FULL``) or asks the sync thread
+        (``NORMAL``)."""
         if not committed:
             self._head = ledger_file.head_of(db, self._head)
             return
@@ -239,11 +245,16 @@ class Ledger:
             return
         if self._syncer is None:
             self._committed = seq
-            self._durable_to(seq)
+            self._unsynced.append((self._writer.batch_no, seq))
             return
         with self._sync_wanted:
             self._committed = seq
             self._sync_wanted.notify()
+
+    def _synced_through(self, batch_no: int) -> None:
+        """The writer's batches up to ``batch_no`` are on the disk (``FULL``)."""
+        while self._unsynced and self._unsynced[0][0] <= batch_no:
+            self._durable_to(self._unsynced.popleft()[1])
 
     def _sync(self) -> None:
         """The sync thread: the log file to the disk, as often as commits come, grouped."""
