@@ -2,9 +2,10 @@
 
 ``python -m edge_agent.outbox_bench [--jobs 500] [--dir PATH]`` prints, for
 ``synchronous=FULL`` and ``NORMAL``, the commit time (p50/p99, measured around the
-transaction), the round trip an awaiting caller sees (submitted → committed at the tick's
-end → its future done), and the cost per job when 32 arrive in one loop tick. Run it on the disk
-the agent's outbox will live on: fsync cost is a property of that disk.
+transaction; with ``FULL`` the sync behind it, smoothed, and where it ran), the round trip
+an awaiting caller sees (submitted → committed at the tick's end, synced → its future
+done), and the cost per job when 32 arrive in one loop tick. Run it on the disk the agent's
+outbox will live on: fsync cost is a property of that disk.
 """
 
 from __future__ import annotations
@@ -55,8 +56,11 @@ async def _measure(folder: Path, synchronous: Synchronous, jobs: int) -> str:
     commits = outbox.commits - commits_before
     await outbox.close()
     per_job = grouped_s / max(1, (jobs // 32) * 32) * 1000.0
+    synced = f"  then synced in {single.sync_ms:.3f} ms" if single.sync_ms else ""
+    where = (" on a thread" if single.sync_on_thread else " on the loop") if synced else ""
     return (
-        f"{synchronous:6}  commit p50 {single.p50_ms:.3f} ms  p99 {single.p99_ms:.3f} ms  "
+        f"{synchronous:6}  commit p50 {single.p50_ms:.3f} ms  p99 {single.p99_ms:.3f} ms"
+        f"{synced}{where}  "
         f"round trip p50 {trips[len(trips) // 2] * 1000:.3f} ms  "
         f"32 per tick: {per_job:.3f} ms/job in {commits} commits"
     )

@@ -83,8 +83,10 @@ class OpenGate:
 class CommitStats:
     commits: int
     operations: int
-    p50_ms: float
+    p50_ms: float  # the transaction, without the sync behind it
     p99_ms: float
+    sync_ms: float = 0.0  # a sync behind the commits, smoothed (0: SQLite syncs, or none)
+    sync_on_thread: bool = False  # the disk is slow enough for the sync thread
 
 
 class Writer:
@@ -234,13 +236,20 @@ class Writer:
                 self._conn.close()
             self._conn = None
 
+    @property
+    def syncer(self) -> WalSync | None:
+        """What syncs the log behind the commits, if the writer does."""
+        return self._sync
+
     def stats(self) -> CommitStats:
         times = sorted(self._commit_s)
+        sync = self._sync
+        syncing = (sync.sync_s * 1000.0, sync.slow) if sync is not None else (0.0, False)
         if not times:
-            return CommitStats(self.commits, self.operations, 0.0, 0.0)
+            return CommitStats(self.commits, self.operations, 0.0, 0.0, *syncing)
         p50 = times[len(times) // 2] * 1000.0
         p99 = times[min(len(times) - 1, int(len(times) * 0.99))] * 1000.0
-        return CommitStats(self.commits, self.operations, p50, p99)
+        return CommitStats(self.commits, self.operations, p50, p99, *syncing)
 
     def _commit(self, batch: Batch) -> list[Any]:
         db = self._conn

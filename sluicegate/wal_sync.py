@@ -45,8 +45,9 @@ class WalSync:
         self._wanted = 0  # the last commit (by the writer's numbering) waiting for a sync
         self._done = 0  # synced through (the thread's)
         self._stop = False
-        self.sync_s = 0.0  # smoothed time of a sync
+        self.sync_s = 0.0  # smoothed time of a sync (from 0: the first ones on the loop)
         self.syncs = 0
+        self.thread_syncs = 0  # of them, on the thread
         self._thread = threading.Thread(target=self._run, name=SYNC, daemon=True)
         self._thread.start()
 
@@ -82,8 +83,7 @@ class WalSync:
             os.fdatasync(self._fd)
         except OSError as exc:
             return exc
-        took = time.perf_counter() - started
-        self.sync_s = took if not self.syncs else self.sync_s + _SMOOTHING * (took - self.sync_s)
+        self.sync_s += _SMOOTHING * (time.perf_counter() - started - self.sync_s)
         self.syncs += 1
         return None
 
@@ -97,6 +97,7 @@ class WalSync:
                         return
                     through = self._wanted  # every commit up to it was written before now
                 error = self._sync()
+                self.thread_syncs += 1
                 self._done = through
                 self._report(through, error)
         finally:  # stopped: the writer syncs no more

@@ -270,6 +270,34 @@ async def test_a_commit_the_disk_cannot_sync_is_not_reported_done(tmp_path: Path
     await box.close()
 
 
+async def test_a_slow_disk_is_synced_on_a_thread_the_answers_in_commit_order(
+    tmp_path: Path,
+) -> None:
+    """A disk whose syncs are slow (here: said to be) is synced by the writer's thread while
+    the loop commits on: each tick's operations still resolve after a sync that covers
+    them, in the order they were committed, and are on disk for the next agent."""
+    path = tmp_path / "edge.db"
+    box = Outbox(path)
+    await box.open()
+    syncer = box.writer.syncer
+    assert syncer is not None
+    syncer.sync_s = 1.0  # as if each sync took a second: every one goes to the thread
+    done: list[str] = []
+    ticks = []
+    for n in range(5):  # one tick each
+        accepting = box.accept(job(f"j{n}"))
+        accepting.add_done_callback(lambda _f, n=n: done.append(f"j{n}"))
+        ticks.append(accepting)
+        await asyncio.sleep(0)
+    assert [a.outcome for a in await asyncio.gather(*ticks)] == ["new"] * 5
+    assert done == [f"j{n}" for n in range(5)]
+    assert syncer.thread_syncs >= 1  # then, timed fast, the syncs come back to the loop
+    await box.close()
+    again = Outbox(path)
+    assert [s.job.job_id for s in await again.open()] == [f"j{n}" for n in range(5)]
+    await again.close()
+
+
 async def test_second_agent_on_the_same_outbox_is_refused(outbox: Outbox) -> None:
     with pytest.raises(OutboxError, match=rf"outbox {outbox.path} is in use by another process"):
         await Outbox(outbox.path).open()
