@@ -118,9 +118,10 @@ class Writer:
         self, connect: Callable[[], tuple[sqlite3.Connection, T]], *, wal: Path | None = None
     ) -> T:
         """Open the file with the owner's ``connect``; ``wal``: the file's write-ahead log,
-        synced by a thread of the writer's after the commits (the connection then commits
-        with ``synchronous = NORMAL``), else each commit is durable as the owner's
-        connection makes it."""
+        which the writer then syncs after each commit (:class:`~sluicegate.wal_sync.WalSync`:
+        on the loop, or on its thread for a slow disk; the connection commits with
+        ``synchronous = NORMAL``), else each commit is as durable as the owner's connection
+        makes it."""
         self._loop = asyncio.get_running_loop()
         self._conn, read = connect()
         # Each operation runs in a savepoint, which journals the old content of every page
