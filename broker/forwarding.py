@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from broker.core.forwarding import forward_to
-from broker.core.peering import PeerRefused
+from broker.core.peering import PeerRefused, link_down
 from broker.peers import Peers
 from broker.reaper import tell_edge
 from broker.waiting_room import Pending
@@ -198,7 +198,7 @@ class Forwarder:
         lost worker's (placed again or run there; a late result is fenced by its attempt),
         and every ask still waiting for the peer's answer is refused now."""
         now = self._clock()
-        why = f"the bridge to sister campus {peer} is down"
+        down = link_down(peer)
         for job_id, held in list(self.abroad.items()):
             if held.peer != peer:
                 continue
@@ -212,14 +212,14 @@ class Forwarder:
                 kind="worker_lost",
                 worker_id=topics.peer_worker(held.worker, peer),
                 crashes=0,
-                reason=why,
+                reason=down.reason,
             )
             tell_edge(self._transport, topics.edge_notices(held.edge_id), notice)
         for key in [k for k in self._waiting if k[0] == peer]:
             item, timer = self._waiting.pop(key)
             timer.cancel()
             self._end(peer, "link_lost")
-            self._refuse(item, "peer_link_lost", why)
+            self._refuse(item, down.code, down.reason)
 
     def hand_back(self, rel: PlacementRelease) -> None:
         """Our edge will not use its placement on a sister campus's worker: handed back

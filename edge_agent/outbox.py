@@ -15,11 +15,11 @@ pass for a committed one: a write that fails is an :class:`OutboxError` naming t
 (The path ``:memory:`` gives a database in memory, for tests: it survives nothing.)
 
 A :class:`~sluicegate.sqlite_writer.Writer` commits the writes of each loop tick in one
-transaction on the loop, and with ``FULL`` syncs them on a thread of its own
-(``docs/performance.md`` has the commit figures). ``FULL`` (the default)
-survives power loss; ``NORMAL`` in WAL mode survives a killed process but may lose the last
-commits on power loss. The file is opened in exclusive locking mode: a second agent on the
-same outbox fails to start instead of sharing its jobs.
+transaction on the loop, and with ``FULL`` syncs the log behind each commit, on the loop or,
+for a slow disk, on a thread of its own (``docs/performance.md`` has the commit figures).
+``FULL`` (the default) survives power loss; ``NORMAL`` in WAL mode survives a killed process
+but may lose the last commits on power loss. The file is opened in exclusive locking mode:
+a second agent on the same outbox fails to start instead of sharing its jobs.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from edge_agent.admission import Job
 from edge_agent.errors import OutboxError
 from edge_agent.outbox_file import COLUMNS, connect, explain, stored_row
 from edge_agent.outbox_file import Stored as Stored
-from sluicegate.sqlite_writer import CommitStats, Gate, Writer
+from sluicegate.sqlite_writer import CommitStats, Gate, Writer, log_of
 
 T = TypeVar("T")
 Synchronous = Literal["FULL", "NORMAL"]
@@ -54,8 +54,7 @@ class Accepted:
 
 class Outbox:
     """The jobs of one edge agent, on disk. Open with ``await open()``; submit from the loop.
-    ``gate`` stands between the loop and each commit (``sluicegate.sqlite_writer.Gate``);
-    ``sync_on_thread=False`` makes SQLite sync each commit as it commits, on the loop."""
+    ``gate`` stands between the loop and each commit (``sluicegate.sqlite_writer.Gate``)."""
 
     def __init__(
         self,
@@ -68,7 +67,6 @@ class Outbox:
         dead_letter_keep_s: float = 7 * 86_400.0,
         clock: Callable[[], float] = time.time,
         gate: Gate | None = None,
-        sync_on_thread: bool = True,
     ) -> None:
         if synchronous not in ("FULL", "NORMAL"):
             raise ValueError(f"synchronous must be 'FULL' or 'NORMAL', got {synchronous!r}")
@@ -80,14 +78,7 @@ class Outbox:
         self.dead_letter_keep_s = dead_letter_keep_s
         self._clock = clock
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._writer = Writer(f"outbox {self.path}", explain, OutboxError, gate)
-        # FULL on a file: synced behind the commits by the writer's thread; else (a test
-        # stepping the loop) as SQLite commits, so the disk answers at the same point.
-        self._wal = (
-            Path(f"{self.path}-wal")
-            if synchronous == "FULL" and str(self.path) != ":memory:" and sync_on_thread
-            else None
-        )
+        self._writer = Writer(f"outbox {self.path}", explain, gate)
         self._closed = False
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -96,7 +87,7 @@ class Outbox:
         """Open (or create) the file and return the jobs not yet delivered, oldest first."""
         self._loop = asyncio.get_running_loop()
         return await self._writer.start(
-            partial(connect, self.path, self.synchronous), wal=self._wal
+            partial(connect, self.path, self.synchronous), wal=log_of(self.path, self.synchronous)
         )
 
     async def close(self) -> None:

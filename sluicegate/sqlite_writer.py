@@ -79,6 +79,14 @@ class OpenGate:
         pass_on(batch)
 
 
+def log_of(path: Path, synchronous: str) -> Path | None:
+    """The write-ahead log a writer syncs behind its commits (:meth:`Writer.start`'s
+    ``wal``): a file's, where its owner wants each commit durable (``FULL``)."""
+    if synchronous != "FULL" or str(path) == ":memory:":
+        return None
+    return Path(f"{path}-wal")
+
+
 @dataclass(frozen=True, slots=True)
 class CommitStats:
     commits: int
@@ -93,12 +101,9 @@ class Writer:
     """The connection and the batch of this tick; ``start`` opens the file with the owner's
     ``connect`` and returns what opening read. ``where`` names the file in errors."""
 
-    def __init__(
-        self, where: str, explain: Explain, error: type[Exception], gate: Gate | None = None
-    ) -> None:
+    def __init__(self, where: str, explain: Explain, gate: Gate | None = None) -> None:
         self.where = where
         self._explain = explain
-        self._error = error
         self.gate: Gate = gate or OpenGate()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._conn: sqlite3.Connection | None = None

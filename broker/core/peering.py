@@ -137,6 +137,12 @@ class PeerRefused:
     reason: str
 
 
+def link_down(peer: str) -> PeerRefused:
+    """What an ask across the bridge to ``peer`` gets while Mosquitto says it is down; its
+    reason is also why the jobs out there go back to their edges."""
+    return PeerRefused("peer_link_lost", f"the bridge to sister campus {peer} is down")
+
+
 @dataclass
 class Bucket:
     """A token bucket: ``rate`` a second, up to one second's worth held."""

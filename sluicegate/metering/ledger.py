@@ -45,7 +45,7 @@ from sluicegate.errors import LedgerError
 from sluicegate.metering import ledger_file
 from sluicegate.metering.ledger_file import Head
 from sluicegate.metering.record import GENESIS, NodeKind, SignedUsage, Usage
-from sluicegate.sqlite_writer import Writer
+from sluicegate.sqlite_writer import Writer, log_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -84,7 +84,7 @@ class Ledger:
         self._where = f"usage ledger {self.path}"
         self._shared = log is not None
         self._legacy = legacy
-        self._writer = log or Writer(self._where, ledger_file.explain, LedgerError)
+        self._writer = log or Writer(self._where, ledger_file.explain)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._head = Head(0, GENESIS)  # moved inside the writer's transactions
         self._closed = False
@@ -113,8 +113,7 @@ class Ledger:
             if self._legacy is not None:
                 await asyncio.to_thread(ledger_file.retire, self._legacy)
         else:
-            on_file = str(self.path) != ":memory:"
-            wal = Path(f"{self.path}-wal") if self._synchronous == "FULL" and on_file else None
+            wal = log_of(self.path, self._synchronous)
             head = await self._writer.start(self._connect, wal=wal)
         if str(self.path) != ":memory:":
             # What a killed process committed may still sit in the page cache only.

@@ -27,6 +27,7 @@ from functools import partial
 
 from broker.core.fleet import Fleet
 from broker.core.params import PlacementParams
+from broker.core.peering import link_down
 from center_pool.batching import Entry as Waiting
 from center_pool.batching import ready_batches, start_by
 from edge_agent import events as ev
@@ -237,6 +238,13 @@ class Events:
         job.back_s = self.draws.back_ms(*args, own) / 1000.0 + crossing[1]
         self.at(self._home(worker, now + there), self._reach, worker, job, attempt)
 
+    def _answer_back(
+        self, now: float, worker: SimWorker, job: Job, attempt: int, status: str
+    ) -> None:
+        """The worker's answer for ``attempt`` sets off to the job's edge."""
+        when = self._home(worker, now + job.back_s)
+        self.at(when, self._back, job, attempt, worker.name, status)
+
     def _back(self, now: float, job: Job, attempt: int, worker: str, status: str) -> None:
         """A worker's answer for ``attempt`` reaches the job's edge."""
         if status == "queue_full":
@@ -254,14 +262,7 @@ class Events:
         start = start_by(job.deadline, now, estimate)
         entry = Waiting((job, attempt), job.rec.model, now, job.rec.priority, start)
         if not worker.queue.push(entry):
-            self.at(
-                self._home(worker, now + job.back_s),
-                self._back,
-                job,
-                attempt,
-                worker.name,
-                "queue_full",
-            )
+            self._answer_back(now, worker, job, attempt, "queue_full")
             return
         worker.note()
         self._dispatch(now, worker)
@@ -269,13 +270,10 @@ class Events:
     def _dispatch(self, now: float, worker: SimWorker) -> None:
         if worker.timer is not None and worker.timer <= now:
             worker.timer = None
-        wid = worker.name
         free = worker.spec.concurrency - worker.running
         for ready in ready_batches(worker.queue, now, free, _deadline):
             for job, attempt in ready.expired:
-                self.at(
-                    self._home(worker, now + job.back_s), self._back, job, attempt, wid, "expired"
-                )
+                self._answer_back(now, worker, job, attempt, "expired")
             live = ready.live
             if not live:
                 continue
@@ -318,9 +316,7 @@ class Events:
                 edge_id=job.rec.edge,
             )
             fleet.apply_completion(done, now)
-            self.at(
-                self._home(worker, now + job.back_s), self._back, job, attempt, worker.name, "ok"
-            )
+            self._answer_back(now, worker, job, attempt, "ok")
         self._dispatch(now, worker)
         if len(self.broker.room):
             self.broker.room_look(now)
@@ -331,19 +327,19 @@ class Events:
         worker.alive = False
         wid = worker.spec.id
         self.fleet.mark_offline(wid, now)
-        lost = ev.WorkerLost
-        for job in self._jobs.values():
-            if job.worker == wid and not job.done:
-                event = lost(job.attempt, f"worker {wid} went offline")
-                self.at(now + NOTICE_S, self._carriers[job.rec.edge].event, job.job_id, event)
+        held = [job for job in self._jobs.values() if job.worker == wid and not job.done]
+        self._tell_lost(now, held, f"worker {wid} went offline")
 
     def lose_link(self, now: float, campus: str) -> None:
         """The bridge to sister campus ``campus`` is down: the broker tells the edges of the
         jobs out there, which offer them again or run them (``broker.forwarding``)."""
-        why = f"the bridge to sister campus {campus} is down"
-        for job in self.out_on(campus):
+        self._tell_lost(now, self.out_on(campus), link_down(campus).reason)
+
+    def _tell_lost(self, now: float, jobs: list[Job], why: str) -> None:
+        """The broker's notice that the worker of each of ``jobs`` is lost, at their edges."""
+        for job in jobs:
             event = ev.WorkerLost(job.attempt, why)
-            self.at(now + NOTICE_S, self._carriers[job.rec.edge].event, job.job_id, event)
+            self.at(now + NOTICE_S, self._edge_event(job), job.job_id, event)
 
     def out_on(self, campus: str) -> list[Job]:
         """The jobs not concluded whose latest attempt went to sister campus ``campus``."""

@@ -42,7 +42,14 @@ from broker.core.batch import decide_turn, settle
 from broker.core.fleet import Fleet
 from broker.core.forwarding import RESULT_BYTES, Forward, forward_to
 from broker.core.params import FleetParams
-from broker.core.peering import Link, PeerLimits, PeerOffers, PeerRefused, summary_of
+from broker.core.peering import (
+    Link,
+    PeerLimits,
+    PeerOffers,
+    PeerRefused,
+    link_down,
+    summary_of,
+)
 from policies.agreement import Standing, judge, statement_for
 from policies.evaluate import allowed, peer_origin
 from policies.model import Policy
@@ -101,10 +108,9 @@ class Sisters:
         """``t0``: when the replay starts (whether the halves are in force is judged then);
         ``cuts``: (peer, s after ``t0``, s down) the link is cut."""
         self.ours = ours
-        self.cuts = {
-            campus: tuple((t0 + at_s, t0 + at_s + down) for c, at_s, down in cuts if c == campus)
-            for campus in {c for c, _at, _down in cuts}
-        }
+        self.cuts: dict[str, list[tuple[float, float]]] = {}  # peer: (start, end) each
+        for campus, at_s, down in cuts:
+            self.cuts.setdefault(campus, []).append((t0 + at_s, t0 + at_s + down))
         self.peers = {s.campus: SimPeer(s, interval_s) for s in specs}
         self.offers = PeerOffers()
         self.summary_s = min(interval_s, SUMMARY_INTERVAL_S)
@@ -237,8 +243,7 @@ class Sisters:
         """The bridge went down with the ask or its answer on it: refused, as the forwarder
         refuses the asks waiting when Mosquitto says so."""
         self.counts[peer]["link lost"] += 1
-        why = f"the bridge to sister campus {peer} is down"
-        then(now, PeerRefused("peer_link_lost", why))
+        then(now, link_down(peer))
 
     def _answered(
         self,
