@@ -37,8 +37,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -54,8 +52,8 @@ from sluicegate.app.traffic import (  # noqa: E402
     KINDS,
     Kind,
     app_client,
-    samples,
     stream,
+    stream_samples,
 )
 
 TARGET = {"first_seconds_gain": 0.0}  # announced minus unannounced, must be > 0
@@ -81,7 +79,7 @@ def scrape(url: str) -> dict[str, float]:
 
 def burst_mix(label_every: int) -> Counter[Kind]:
     """The share of each kind of job in the stream (it draws from the same 48 images)."""
-    drawn = Counter(s.kind for s in samples(np.random.default_rng(2026), label_every=label_every))
+    drawn = Counter(s.kind for s in stream_samples(label_every))
     total = sum(drawn.values())
     return Counter({kind: n / total for kind, n in drawn.items()})
 

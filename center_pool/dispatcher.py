@@ -19,7 +19,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from functools import partial
 
 from center_pool.batching import BatchQueue, ready_batches
@@ -33,6 +33,7 @@ from sluicegate import wire
 from sluicegate.config import PoolSettings
 from sluicegate.metering.meter import Meter
 from sluicegate.metering.record import Usage
+from sluicegate.threads import POOL_COMPUTE, compute_pool
 from sluicegate.vision.image import PayloadLimits as Limits
 from sluicegate.vision.runtime import ModelRegistry
 
@@ -74,7 +75,7 @@ class Dispatcher:
         self._emptied = emptied
         self.models: Mapping[str, str] = {}  # the models served, name to sha256
         self.usage = BatchRecords(meter, self.dispatch)  # results wait for their records
-        self._executor = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="sg-pool")
+        self._executor = compute_pool(settings.concurrency, POOL_COMPUTE)
         self.running = 0  # batches on the executor
         self.in_flight = 0  # jobs in those batches
         self.running_models: Counter[str] = Counter()  # the same jobs, by model

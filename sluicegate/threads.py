@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 PR_SET_NAME = 15
 EDGE_COMPUTE = "sg-infer"  # the OS name of an edge agent's model threads
+POOL_COMPUTE = "sg-pool"  # the OS name of a pool worker's model threads
 SYNC = "sg-sync"  # the OS name of the thread that syncs a node's SQLite log to the disk
 
 

@@ -84,7 +84,12 @@ SMOKE = [
     Smoke(
         "campus_burst.py",
         "--rounds 1 --rate 2 --burst 1 --edge-cpu 0",
-        ("offload answers", "offload models' time", "edge-only answers"),
+        (
+            "offload answers",
+            "offload models' time",
+            "offload model threads' CPU",
+            "edge-only answers",
+        ),
         CAMPUS_S,
     ),
     Smoke(

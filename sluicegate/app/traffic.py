@@ -38,6 +38,7 @@ from sluicegate.vision.synth_boxes import scene
 BURST_LINE = "line-1-pc"
 VOLLEY = 20
 LABEL_EVERY = 16  # one image in this many is a label crop for OCR
+SEED = 2026  # of the stream's images and of its draws among them
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,11 @@ def samples(
         truth = frozenset(d.label for d in drawn.defects)
         out.append(Sample(kind, encode_jpeg(drawn.image), truth))
     return out
+
+
+def stream_samples(label_every: int = LABEL_EVERY) -> list[Sample]:
+    """The images :func:`stream` draws from, for the same ``label_every``."""
+    return samples(np.random.default_rng(SEED), label_every=label_every)
 
 
 @dataclass(frozen=True)
@@ -221,7 +227,7 @@ async def stream(
     ten times that, its camera station firing in volleys of 20 images. Returns once every
     job sent has its result (or its call timed out); ``on_tick`` runs after each send.
     ``label_every``: one image in this many is a label (0: surface images only)."""
-    rng = np.random.default_rng(2026)
+    rng = np.random.default_rng(SEED)
     pool = samples(rng, label_every=label_every)
     pending: set[asyncio.Task[None]] = set()
     clients = {line: app_client(campus, line) for line in LINES}
