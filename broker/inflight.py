@@ -22,11 +22,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.client import Pipeline
 
 from broker import keys
 from broker.core.recovery import Current, LostJob
-from broker.lua import Lua, check_cancelled, execute
+from broker.lua import Commands, Lua, check_cancelled, execute
 from broker.store import BrokerStore
 from sluicegate.store import reaching
 from sluicegate.wire_pool import retry_id
@@ -153,10 +152,10 @@ class InflightStore:
         if not workers:
             return {}
 
-        def build(pipe: Pipeline) -> None:
+        def build(commands: Commands) -> None:
             for worker in workers:
                 CLAIM.queue(
-                    pipe,
+                    commands,
                     (keys.inflight_on(worker), keys.inflight_workers()),
                     (worker, now_ms, keys.INFLIGHT_PREFIX),
                 )
@@ -168,7 +167,7 @@ class InflightStore:
         """Queue a read of the job's record; ``then`` gets it after the next pipeline."""
         self._store.read(
             lambda reply: then(current_of(reply)),
-            "hmget",
+            "HMGET",
             keys.inflight(job_id),
             "worker",
             "attempt",
@@ -184,19 +183,17 @@ class InflightStore:
 
     def unlist(self, job_id: str, worker_id: str) -> None:
         """``worker_id`` no longer holds the job."""
-        self._store.write("zrem", keys.inflight_on(worker_id), job_id)
+        self._store.write("ZREM", keys.inflight_on(worker_id), job_id)
 
     def dead_letter(self, job_id: str, reason: str, now: float) -> None:
         """Mark the job dead-lettered (kept and listed for :data:`DEAD_LETTER_KEEP_S`)."""
         now_ms = int(now * 1000)
         record = keys.inflight(job_id)
+        self._store.write("HSET", record, "dead", "1", "dead_reason", reason, "dead_at", now_ms)
+        self._store.write("EXPIRE", record, DEAD_LETTER_KEEP_S)
+        self._store.write("ZADD", keys.dead_letters(), now_ms, job_id)
         self._store.write(
-            "hset", record, mapping={"dead": "1", "dead_reason": reason, "dead_at": now_ms}
-        )
-        self._store.write("expire", record, DEAD_LETTER_KEEP_S)
-        self._store.write("zadd", keys.dead_letters(), {job_id: now_ms})
-        self._store.write(
-            "zremrangebyscore", keys.dead_letters(), "-inf", now_ms - DEAD_LETTER_KEEP_S * 1000
+            "ZREMRANGEBYSCORE", keys.dead_letters(), "-inf", now_ms - DEAD_LETTER_KEEP_S * 1000
         )
 
     @reaching("list the workers holding jobs in flight")

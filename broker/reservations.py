@@ -20,10 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-from redis.asyncio.client import Pipeline
 
 from broker import keys
-from broker.lua import Lua, execute
+from broker.lua import Commands, Lua, execute
 from sluicegate.store import reaching
 
 # KEYS: the worker's reservations, the job's in-flight record, the worker's in-flight set,
@@ -116,11 +115,11 @@ class Reservations:
         if not holds:
             return []
 
-        def build(pipe: Pipeline) -> None:
+        def build(commands: Commands) -> None:
             for h in holds:
                 deadline = "" if h.deadline_at is None else int(h.deadline_at * 1000)
                 RESERVE.queue(
-                    pipe,
+                    commands,
                     (
                         keys.reservations(h.worker_id),
                         keys.inflight(h.job_id),

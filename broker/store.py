@@ -19,10 +19,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.client import Pipeline
 
 from broker import keys
-from broker.lua import Lua, check_cancelled, execute
+from broker.lua import Command, Commands, Lua, check_cancelled, execute
 from sluicegate.errors import StoreUnavailable
 from sluicegate.store import reached, reaching
 
@@ -41,8 +40,8 @@ end
 return #KEYS
 """
 )
-# (command or script, args, kwargs or the script's keys, callback for the reply)
-_Op = tuple[str | Lua, tuple[Any, ...], Any, Callable[[Any], None] | None]
+# (the command, as Redis takes it; the callback for its reply, if any)
+_Op = tuple[Command, Callable[[Any], None] | None]
 
 
 class BrokerStore:
@@ -55,15 +54,15 @@ class BrokerStore:
         self._nodes: dict[tuple[str, str], bytes] = {}  # latest document per node and kind
         self.ok = False  # the last round trip succeeded
 
-    def write(self, command: str, *args: Any, **kwargs: Any) -> None:
-        """Queue one Redis command for the next pipeline."""
-        self._ops.append((command, args, kwargs, None))
+    def write(self, *command: Any) -> None:
+        """Queue one Redis command (its name, then its arguments) for the next round trip."""
+        self._ops.append((command, None))
         self._wanted.set()
 
-    def read(self, then: Callable[[Any], None], command: str, *args: Any) -> None:
-        """Queue one command whose reply ``then`` gets once the pipeline ran (not at all
+    def read(self, then: Callable[[Any], None], *command: Any) -> None:
+        """Queue one command whose reply ``then`` gets once the round trip ran (not at all
         if it failed: Redis away)."""
-        self._ops.append((command, args, {}, then))
+        self._ops.append((command, then))
         self._wanted.set()
 
     def script(
@@ -75,29 +74,30 @@ class BrokerStore:
     ) -> None:
         """Queue one call of ``script``; ``then`` (if any) gets its reply."""
         self._scripts[script.sha] = script
-        self._ops.append((script, tuple(args), tuple(keys), then))
+        self._ops.append((script.call(keys, args), then))
         self._wanted.set()
 
     def job_status(self, job_id: str, fields: dict[str, Any]) -> None:
         """Set some fields of a job's record (each stored as JSON)."""
-        data = {k: json.dumps(v, default=str) for k, v in fields.items() if v is not None}
-        self.write("hset", keys.job(job_id), mapping=data)
-        self.write("expire", keys.job(job_id), JOB_TTL_S)
+        data = [(k, json.dumps(v, default=str)) for k, v in fields.items() if v is not None]
+        if data:
+            self.write("HSET", keys.job(job_id), *(x for pair in data for x in pair))
+        self.write("EXPIRE", keys.job(job_id), JOB_TTL_S)
 
     def job_decision(self, job_id: str, record_json: str) -> None:
         """Store a decision's whole record, already JSON; the job's status fields overlay
         it when read back."""
-        self.write("set", keys.job_decision(job_id), record_json, ex=JOB_TTL_S)
+        self.write("SET", keys.job_decision(job_id), record_json, "EX", JOB_TTL_S)
 
     def release(self, worker_id: str, job_id: str) -> None:
         """The job holds no slot on the worker any more, and is not in flight there."""
         self.release_slot(worker_id, job_id)
-        self.write("zrem", keys.inflight_on(worker_id), job_id)
+        self.write("ZREM", keys.inflight_on(worker_id), job_id)
 
     def release_slot(self, worker_id: str, job_id: str) -> None:
         """The job holds no slot on the worker any more (its in-flight listing is left to
         the completion's fencing)."""
-        self.write("zrem", keys.reservations(worker_id), job_id)
+        self.write("ZREM", keys.reservations(worker_id), job_id)
 
     def node_document(self, node: str, kind: str, payload: bytes) -> None:
         """Remember a node's latest document; flushed (with its expiry) by :meth:`flush_nodes`."""
@@ -116,7 +116,7 @@ class BrokerStore:
             for (_node, kind), payload in chunk:
                 args += (kind, payload)
             self.script(NODE_DOCUMENTS, [keys.node(node) for (node, _kind), _p in chunk], args)
-        self.write("ping")
+        self.write("PING")
 
     @reaching("read a job's decision")
     async def job(self, job_id: str) -> dict[str, Any] | None:
@@ -137,12 +137,8 @@ class BrokerStore:
             self._wanted.clear()
             ops, self._ops = self._ops, []
 
-            def build(pipe: Pipeline, ops: list[_Op] = ops) -> None:
-                for command, args, kwargs, _then in ops:
-                    if isinstance(command, str):
-                        getattr(pipe, command)(*args, **kwargs)
-                    else:
-                        command.queue(pipe, kwargs, args)
+            def build(commands: Commands, ops: list[_Op] = ops) -> None:
+                commands.items.extend(command for command, _then in ops)
 
             try:
                 with reached(f"write {len(ops)} operations"):
@@ -153,7 +149,7 @@ class BrokerStore:
                 log.warning("Redis write of %d operations failed: %s", len(ops), exc)
                 check_cancelled()
                 continue
-            for (_command, _args, _kwargs, then), reply in zip(ops, replies, strict=True):
+            for (_command, then), reply in zip(ops, replies, strict=True):
                 if then is not None:
                     try:
                         then(reply)

@@ -16,10 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-from redis.asyncio.client import Pipeline
 
 from broker import keys
-from broker.lua import Lua, execute
+from broker.lua import Commands, Lua, execute
 from sluicegate.metering.record import SignedUsage, from_line, to_line
 from sluicegate.store import reaching
 
@@ -98,12 +97,12 @@ class UsageStore:
         if not records:
             return []
 
-        def build(pipe: Pipeline) -> None:
+        def build(commands: Commands) -> None:
             for signed in records:
                 r = signed.record
                 value = signed.digest().hex().encode() + r.prev.encode() + to_line(signed)
                 INSERT.queue(
-                    pipe,
+                    commands,
                     (keys.usage_records(r.node), keys.usage_by_time(), keys.usage_heads()),
                     (r.node, r.seq, value, r.at_ms),
                 )
