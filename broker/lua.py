@@ -31,7 +31,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection, ConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import DataError, NoScriptError, ResponseError
 
 Command = tuple[Any, ...]  # a command's name, then its arguments (str, bytes or numbers)
 
@@ -78,10 +78,14 @@ async def execute(
 ) -> list[Any]:
     """The commands ``build`` adds, in one round trip (two more after NOSCRIPT); their
     replies in order. An error reply is raised (redis-py's type), after every reply was
-    read; a lost connection is retried as the client's retry policy says."""
+    read; a lost connection is retried as the client's retry policy says; an argument
+    Redis cannot take is redis-py's ``DataError``, before anything is sent."""
     commands = Commands()
     build(commands)
-    packed = b"".join([hiredis.pack_command(c) for c in commands.items])
+    try:
+        packed = b"".join([hiredis.pack_command(c) for c in commands.items])
+    except TypeError as exc:  # an argument Redis cannot take (None, a bool): redis-py's word
+        raise DataError(f"a command Redis cannot take: {exc}") from exc
     count, pool = len(commands.items), client.connection_pool
     retry = client.get_retry() or Retry(NoBackoff(), 0)  # none: the client tries once
     for again in (False, True):

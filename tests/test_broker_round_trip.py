@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import DataError, ResponseError
 
 from broker.lua import Commands, Lua, execute
 from sluicegate.app.servers import running, start_redis
@@ -64,6 +64,20 @@ async def test_an_error_reply_is_raised_after_the_others_and_the_connection_stay
     for n in range(5):
         replies = await execute(rclient, [], lambda c, n=n: c.add("ECHO", f"n{n}"))
         assert replies == [f"n{n}".encode()]
+
+
+async def test_an_argument_redis_cannot_take_is_refused_before_anything_is_sent(
+    rclient: aioredis.Redis, unique: str
+) -> None:
+    key = f"rt:{unique}"
+
+    def build(commands: Commands) -> None:
+        commands.add("SET", key, "first")
+        commands.add("SET", f"{key}:none", None)
+
+    with pytest.raises(DataError, match="cannot take"):
+        await execute(rclient, [], build)
+    assert await rclient.exists(key) == 0
 
 
 async def test_after_noscript_the_scripts_are_loaded_and_the_whole_trip_sent_again(
