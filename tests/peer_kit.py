@@ -114,15 +114,15 @@ def bridged_sites(
     north = write_site(root / "north", "north-site", "south-site", send=send, receive=back)
     south = write_site(root / "south", "south-site", "north-site", send=back, receive=send)
     # south's CA issues north's bridge its key and certificate; north writes the stanza.
-    bridge = north.campus.root / "bridge"
-    bridge.mkdir()
+    issued = north.campus.root / "bridge"  # not `bridge`: that says whether it runs
+    issued.mkdir()
     cli(
         "ca",
         "issue",
         "--ca-dir",
         south.campus.root,
         "--state-dir",
-        bridge,
+        issued,
         "--node",
         topics.peer_bridge_identity("north-site"),
         "--role",
@@ -143,11 +143,11 @@ def bridged_sites(
         "--address",
         f"127.0.0.1:{port}",
         "--peer-ca",
-        bridge / "ca.pem",
+        issued / "ca.pem",
         "--cert",
-        bridge / "node.pem",
+        issued / "node.pem",
         "--key",
-        bridge / "node.key",
+        issued / "node.key",
         "--both-ways",  # one bridge, north's, carries both trees
         "--out",
         stanza,
