@@ -39,7 +39,6 @@ class Screened:
     """One record as screened: its digest (``SignedUsage.digest``) and, if it may not be
     taken, why not."""
 
-    signed: SignedUsage
     digest: bytes
     refusal: UsageRefusal | None
 
@@ -60,7 +59,7 @@ class Screening:
         vouched = self._vouched is not None and self._vouched == (record.seq + 1, digest.hex())
         refusal = screen(signed, self.sender, self.policy, canonical=canonical, vouched=vouched)
         self._vouched = (record.seq, record.prev) if refusal is None else None
-        return Screened(signed, digest, refusal)
+        return Screened(digest, refusal)
 
 
 def screen(

@@ -117,7 +117,8 @@ class SignedUsage(_Doc):
     def receipt_valid(self, public: bytes) -> bool:
         if self.receipt is None:
             return False
-        return signature_valid(public, _raw(self.receipt.sig), _receipt_message(self))
+        message = _receipt_message(self.digest(), self.receipt.broker, self.receipt.received_ms)
+        return signature_valid(public, _raw(self.receipt.sig), message)
 
 
 def _b64(raw: bytes) -> str:
@@ -131,15 +132,9 @@ def _raw(text: str) -> bytes:
         return b""
 
 
-def _receipt_message(signed: SignedUsage, digest: bytes | None = None) -> bytes:
-    assert signed.receipt is not None
-    return (
-        RECEIPT_DOMAIN
-        + (signed.digest() if digest is None else digest)
-        + signed.receipt.broker.encode("ascii")
-        + b"\n"
-        + str(signed.receipt.received_ms).encode("ascii")
-    )
+def _receipt_message(digest: bytes, broker: str, received_ms: int) -> bytes:
+    """What ``broker`` signs for the record of digest ``digest`` it took at ``received_ms``."""
+    return RECEIPT_DOMAIN + digest + broker.encode("ascii") + b"\n" + str(received_ms).encode()
 
 
 def sign_usage(record: Usage, key: SigningKey) -> SignedUsage:
@@ -156,13 +151,10 @@ def countersign(
 ) -> SignedUsage:
     """``signed`` with this broker's receipt (any earlier receipt replaced); ``digest``:
     ``signed.digest()``, if the caller has it."""
-    bare = signed.model_copy(
-        update={"receipt": Receipt(broker=broker, received_ms=received_ms, sig="")}
-    )
-    sig = _b64(key.sign(_receipt_message(bare, digest)))
-    return signed.model_copy(
-        update={"receipt": Receipt(broker=broker, received_ms=received_ms, sig=sig)}
-    )
+    body = signed.digest() if digest is None else digest
+    message = _receipt_message(body, broker, received_ms)
+    receipt = Receipt(broker=broker, received_ms=received_ms, sig=_b64(key.sign(message)))
+    return signed.model_copy(update={"receipt": receipt})
 
 
 def to_line(signed: SignedUsage) -> bytes:
