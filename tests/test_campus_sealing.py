@@ -318,9 +318,14 @@ def test_a_key_rotation_in_the_middle_of_a_burst_loses_no_job(
     assert rotated[-1]["key_id"] == new.key_id.hex()
     assert rotated[-1]["previous"] == old.key_id.hex()
     later = Tap(campus)
-    after = asyncio.run(_tapped(campus, 16, later))
-    assert [r.status for r in after] == ["ok"] * 16, [r.reason for r in after]
-    assert any(r.ran_on.node == NORTH for r in after)
+    ran_on_north = False
+    for _ in range(5):  # a volley overflows to north once the broker places there again
+        after = asyncio.run(_tapped(campus, 16, later))
+        assert [r.status for r in after] == ["ok"] * 16, [r.reason for r in after]
+        ran_on_north = any(r.ran_on.node == NORTH for r in after)
+        if ran_on_north:
+            break
+    assert ran_on_north
     assert later.caps[NORTH].seal_key == new.key.public_text  # advertised, retained
     bound = {
         peek(dict(m.user_properties)[topics.PROP_TOKEN]).seal_key_id
