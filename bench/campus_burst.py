@@ -41,7 +41,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import campus_args, stats  # noqa: E402
+from bench import bare_chain, campus_args, stats  # noqa: E402
 from sluicegate.app.broker_http import get_json  # noqa: E402
 from sluicegate.app.campus import LINES  # noqa: E402
 from sluicegate.app.localcampus import (  # noqa: E402
@@ -59,8 +59,11 @@ from sluicegate.vision.runtime import ModelRegistry, default_models_dir  # noqa:
 TARGET = {"attainment": 0.99, "beyond_models_ms": 3.0}
 # A run: the apps' tally, the edges' figures, the machine's busy share, CPU ms a job by part,
 # the models' own ms a job (each kind's, on an idle thread), and the ms a job the nodes'
-# model threads used in the run, by role.
-Run = tuple[Tally, dict[str, Any], float, dict[str, float], float, dict[str, float]]
+# model threads used in the run, by role; with offload, the floor beside it (the same jobs
+# through the bare chain, on the same Mosquitto and Redis).
+Run = tuple[
+    Tally, dict[str, Any], float, dict[str, float], float, dict[str, float], bare_chain.Floor | None
+]
 nan = float("nan")
 
 
@@ -143,7 +146,9 @@ def one_run(
             edge_cpu=args.edge_cpu,
         )
         files = campus.write()
+        bare_chain.add_identities(files)
         campus.calibrate()  # the nodes' service-time priors, as at install
+        floor = None
         with running(start_campus_mosquitto(files)) as mosquitto:
             campus.start()
             tally = Tally()
@@ -169,16 +174,26 @@ def one_run(
                 cpu_busy = (after[0] - before[0]) / max(after[1] - before[1], 1)
             finally:
                 campus.stop()
+            if offload:  # the same jobs, offloaded as often, through the bare chain
+                floor = bare_chain.run_floor(
+                    files,
+                    redis_port,
+                    servers,
+                    [sample.image for sample in stream_samples(args.label_every)],
+                    bare_chain.schedule(args.rate, args.burst),
+                    tally.kinds.get("pool", 0) / max(tally.answered, 1),
+                    Path(tmp),
+                )
         jobs = max(tally.answered, 1)
         per_job = {k: 1000.0 * (used_after[k] - used_before[k]) / jobs for k in used_after}
         ran = {k: 1000.0 * (ran_after[k] - ran_before[k]) / jobs for k in ran_after}
         # the models of the jobs that ran (an expired job is answered without its model)
         models = sum(tally.by_kind[k.name].ok * own_ms.get(k.name, 0.0) for k in KINDS)
-        return tally, edges, cpu_busy, per_job, models / jobs, ran
+        return tally, edges, cpu_busy, per_job, models / jobs, ran, floor
 
 
 def summary(run: Run) -> dict[str, Any]:
-    t, edges, cpu_busy, per_job, models_ms, ran_ms = run
+    t, edges, cpu_busy, per_job, models_ms, ran_ms, floor = run
     lat = list(t.latencies_ms)
     answered = max(t.answered, 1)
     return {
@@ -211,6 +226,15 @@ def summary(run: Run) -> dict[str, Any]:
         "model_threads_ms_per_job": sum(ran_ms.values()),
         "machinery_ms_per_job": {k: v - ran_ms.get(k, 0.0) for k, v in per_job.items()},
         "machinery_ms": sum(per_job.values()) - sum(ran_ms.values()),
+        # the floor: the same jobs through bare paho processes, no model (bench/bare_chain.py)
+        "floor": None
+        if floor is None
+        else {
+            "answered": floor.answered,
+            "offloaded": floor.offloaded,
+            "cpu_ms_per_job": floor.cpu_ms_per_job,
+            "ms": floor.total_ms,
+        },
     }
 
 
@@ -276,12 +300,22 @@ def main() -> None:
                 + ", ".join(f"{k} {v:.1f}" for k, v in s["machinery_ms_per_job"].items())
                 + f" = {s['machinery_ms']:.1f} ms"
             )
+            if s["floor"] is not None:
+                f = s["floor"]
+                print(
+                    f"{'':24}  floor, the same {f['answered']} jobs ({f['offloaded']} offloaded) "
+                    "through bare paho processes, no model: "
+                    + ", ".join(f"{k} {v:.1f}" for k, v in f["cpu_ms_per_job"].items())
+                    + f" = {f['ms']:.1f} ms a job"
+                )
     beyond = stats.median(s["beyond_models_ms"] for s in subject)
     machinery = stats.median(s["machinery_ms"] for s in subject)
+    floor = stats.median(s["floor"]["ms"] for s in subject)
     print(
         f"offload: the campus's CPU a job beyond the models' own {beyond:.1f} ms (median), "
         f"target <= {TARGET['beyond_models_ms']:g} ms; outside the model threads "
-        f"{machinery:.1f} ms"
+        f"{machinery:.1f} ms; the bare chain's {floor:.1f} ms "
+        f"({stats.ratio(beyond, floor):.2f}x and {stats.ratio(machinery, floor):.2f}x it)"
     )
     att_s = stats.median(s["attainment"] for s in subject)
     att_b = stats.median(s["attainment"] for s in baseline)
@@ -293,8 +327,12 @@ def main() -> None:
             "machinery_ms": machinery,
             "runs": subject,
         },
-        "baseline": {"attainment": att_b, "runs": baseline},
-        "ratio": {"attainment_gain": att_s - att_b},
+        "baseline": {"attainment": att_b, "runs": baseline, "floor_ms": floor},
+        "ratio": {
+            "attainment_gain": att_s - att_b,
+            "beyond_models_over_floor": stats.ratio(beyond, floor),
+            "machinery_over_floor": stats.ratio(machinery, floor),
+        },
         "target": TARGET,
         "met": min(s["attainment"] for s in subject) >= TARGET["attainment"]
         and beyond <= TARGET["beyond_models_ms"]
@@ -305,6 +343,8 @@ def main() -> None:
                 "offload models' time": sum(s["models_ms_per_job"] for s in subject),
                 "offload model threads' CPU": sum(s["model_threads_ms_per_job"] for s in subject),
                 "edge-only answers": sum(s["answered"] for s in baseline),
+                "floor answers": sum(s["floor"]["answered"] for s in subject),
+                "floor CPU": floor,
             }
         ),
         "params": vars(args),
