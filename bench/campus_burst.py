@@ -311,11 +311,17 @@ def main() -> None:
     beyond = stats.median(s["beyond_models_ms"] for s in subject)
     machinery = stats.median(s["machinery_ms"] for s in subject)
     floor = stats.median(s["floor"]["ms"] for s in subject)
+    # each run against its own floor (the same jobs, offloaded as often), then the median
+    over_floor = {
+        key: stats.median(stats.ratio(s[key], s["floor"]["ms"]) for s in subject)
+        for key in ("beyond_models_ms", "machinery_ms")
+    }
     print(
         f"offload: the campus's CPU a job beyond the models' own {beyond:.1f} ms (median), "
         f"target <= {TARGET['beyond_models_ms']:g} ms; outside the model threads "
-        f"{machinery:.1f} ms; the bare chain's {floor:.1f} ms "
-        f"({stats.ratio(beyond, floor):.2f}x and {stats.ratio(machinery, floor):.2f}x it)"
+        f"{machinery:.1f} ms; the bare chain's {floor:.1f} ms; run by run, "
+        f"{over_floor['beyond_models_ms']:.2f}x and {over_floor['machinery_ms']:.2f}x "
+        "its floor (median)"
     )
     att_s = stats.median(s["attainment"] for s in subject)
     att_b = stats.median(s["attainment"] for s in baseline)
@@ -330,8 +336,8 @@ def main() -> None:
         "baseline": {"attainment": att_b, "runs": baseline, "floor_ms": floor},
         "ratio": {
             "attainment_gain": att_s - att_b,
-            "beyond_models_over_floor": stats.ratio(beyond, floor),
-            "machinery_over_floor": stats.ratio(machinery, floor),
+            "beyond_models_over_floor": over_floor["beyond_models_ms"],
+            "machinery_over_floor": over_floor["machinery_ms"],
         },
         "target": TARGET,
         "met": min(s["attainment"] for s in subject) >= TARGET["attainment"]
