@@ -21,7 +21,10 @@ what each part of the campus spent while the run streamed (``/proc``), per job a
 and how many cores the burst's arrival rate needs at that cost. The models' own CPU a job
 is each kind's model timed on the stream's own images, one at a time on this process's idle
 thread before the runs; beside it, what the nodes' model threads (``sg-infer``,
-``sg-pool``) used in the run, and every other thread: the machinery.
+``sg-pool``) used in the run, and every other thread: the machinery. After each offload
+run, its floor on the same Mosquitto and Redis: the same jobs, at the same times and
+offloaded as often, through bare paho processes doing the same work without a model
+(``bench/bare_chain.py``), and the campus's CPU a job against it.
 
     .venv/bin/python bench/campus_burst.py                 # about 100 s on 2 cores
     .venv/bin/python bench/campus_burst.py --rounds 3 --rate 10 --burst 10
