@@ -38,7 +38,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,7 +96,7 @@ def connect(port: int, tls: ssl.SSLContext, *, manual_ack: bool = False) -> paho
     """A paho v5 client over TLS with TCP_NODELAY, connected (its loop not started)."""
     client = paho.Client(CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5, manual_ack=manual_ack)
     client.tls_set_context(tls)
-    client.on_socket_open = lambda _c, _u, s: s.setsockopt(
+    client.on_socket_open = lambda _c, _u, s: s.setsockopt(  # type: ignore[attr-defined]
         socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
     )
     client.connect("127.0.0.1", port)
@@ -128,7 +128,7 @@ def edge(client: paho.Client, db_path: str, worker_seal: bytes, broker_key: byte
         if _user(msg).get("offload") != "1":
             answer(job, topic, RESULT)
             return
-        waiting[job] = (msg.payload, digest, topic)
+        waiting[job] = (bytes(msg.payload), digest, str(topic))
         client.publish(REQUEST, digest, qos=0, properties=_props(job))
 
     def on_reply(msg: paho.MQTTMessage) -> None:
@@ -146,14 +146,13 @@ def edge(client: paho.Client, db_path: str, worker_seal: bytes, broker_key: byte
     def on_return(msg: paho.MQTTMessage) -> None:
         job = msg.properties.CorrelationData  # type: ignore[union-attr]
         _image, _digest, topic = waiting.pop(job)
-        answer(job, topic, msg.payload)
+        answer(job, topic, bytes(msg.payload))
 
-    handlers = {JOBS: on_job, REPLY: on_reply, RETURNS: on_return}
-    serve(
-        client,
-        handlers,
-        ack=lambda msg: client.ack(msg.mid, msg.qos) if msg.topic != JOBS else None,
-    )
+    def ack(msg: paho.MQTTMessage) -> None:
+        if msg.topic != JOBS:  # a job is acked once committed
+            client.ack(msg.mid, msg.qos)
+
+    serve(client, {JOBS: on_job, REPLY: on_reply, RETURNS: on_return}, ack)
 
 
 def broker(client: paho.Client, redis_port: int, key_seed: bytes) -> None:
@@ -178,7 +177,7 @@ def worker(client: paho.Client, seal_seed: bytes, broker_key: bytes) -> None:
         user = _user(msg)
         token = bytes.fromhex(user["token"])
         verify(bytes.fromhex(user["sig"]), token)
-        image = open_sealed(key, msg.payload, job)
+        image = open_sealed(key, bytes(msg.payload), job)
         if hashlib.sha256(image).digest() != token[:32]:
             raise ValueError("the image is not the token's")
         client.ack(msg.mid, msg.qos)
@@ -189,7 +188,7 @@ def worker(client: paho.Client, seal_seed: bytes, broker_key: bytes) -> None:
 
 def serve(
     client: paho.Client,
-    handlers: dict[str, Callable[[paho.MQTTMessage], None]],
+    handlers: Mapping[str, Callable[[paho.MQTTMessage], None]],
     ack: Callable[[paho.MQTTMessage], None] | None = None,
 ) -> None:
     """Subscribe to each handler's topic (QoS 1) and serve until killed."""
@@ -303,13 +302,15 @@ def run_floor(
     app = connect(campus.mqtt_port, tls)
     results = f"{PREFIX}/results/{os.getpid()}"
     done: dict[bytes, float] = {}
+    probes: set[bytes] = set()  # answered probes: the chain serves
     all_done = threading.Event()
     subscribed = threading.Event()
 
     def on_message(_c: paho.Client, _u: Any, msg: paho.MQTTMessage) -> None:
         corr = msg.properties.CorrelationData  # type: ignore[union-attr]
         if corr.startswith(b"probe-"):
-            return  # a probe's late answer
+            probes.add(corr)
+            return
         done[corr] = time.monotonic()
         if len(done) >= len(send_at):
             all_done.set()
@@ -327,7 +328,7 @@ def run_floor(
         app.subscribe(results, qos=1)
         if not subscribed.wait(10):
             raise TimeoutError(f"no SUBACK for {results}")
-        _until_served(app, results, procs)
+        _until_served(app, results, procs, probes)
         done.clear()
         return _drive(
             app, results, images, send_at, offload_share, done, all_done, procs, servers, timeout_s
@@ -347,24 +348,19 @@ def _send(app: paho.Client, results: str, job: bytes, image: bytes, offload: boo
 
 
 def _until_served(
-    app: paho.Client, results: str, procs: dict[str, subprocess.Popen[bytes]]
+    app: paho.Client, results: str, procs: dict[str, subprocess.Popen[bytes]], probes: set[bytes]
 ) -> None:
-    """Probe jobs (offloaded) until one comes back: every role is subscribed."""
-    done: dict[bytes, float] = {}
-    handler = app.on_message
-    app.on_message = lambda _c, _u, msg: done.setdefault(msg.properties.CorrelationData, 0.0)
-    try:
-        deadline = time.monotonic() + 30.0
-        n = 0
-        while not done:
-            dead = [role for role, proc in procs.items() if proc.poll() is not None]
-            if dead or time.monotonic() > deadline:
-                raise RuntimeError(f"the bare chain did not answer (exited: {dead or 'none'})")
-            n += 1
-            _send(app, results, f"probe-{n}".encode(), RESULT, offload=True)
-            time.sleep(0.5)  # a probe's round trip, then the next try
-    finally:
-        app.on_message = handler
+    """Probe jobs (offloaded) until one comes back (into ``probes``): every role is
+    subscribed."""
+    deadline = time.monotonic() + 30.0
+    n = 0
+    while not probes:
+        dead = [role for role, proc in procs.items() if proc.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            raise RuntimeError(f"the bare chain did not answer (exited: {dead or 'none'})")
+        n += 1
+        _send(app, results, f"probe-{n}".encode(), RESULT, offload=True)
+        time.sleep(0.5)  # a probe's round trip, then the next try
 
 
 def _drive(

@@ -110,6 +110,7 @@ class Driver:
         # checked as of its arrival, as the edge checks it: it lives seconds).
         self.sampled: list[tuple[float, bytes]] = []
         self.counting = False
+        self.placing = False  # a grant came: the broker has heard the played workers
         self.rounds = 0
         self.client = paho.Client(CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
         self.client.on_socket_open = lambda _c, _u, s: s.setsockopt(6, 1, 1)  # TCP_NODELAY
@@ -141,6 +142,23 @@ class Driver:
         self.client.unsubscribe(topic)
         self.client.message_callback_remove(topic)
 
+    def wait_placing(self, topic: str, timeout: float = 60.0) -> None:
+        """Ask once every half second until a request is granted: the broker has heard the
+        played workers' capabilities and telemetry (before that it refuses ``no_worker``,
+        and a round would measure refusals)."""
+        deadline = time.monotonic() + timeout
+        n = 0
+        while time.monotonic() < deadline:
+            n += 1
+            payload = self.payloads[0].replace(b'"job_id":"bench-', f'"job_id":"p{n}-'.encode(), 1)
+            props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+            props.ResponseTopic = self.reply_topic
+            self.client.publish(topic, payload, qos=0, properties=props)
+            with self.cond:
+                if self.cond.wait_for(lambda: self.placing, 0.5):
+                    return
+        raise SystemExit(f"the broker granted no request within {timeout:.0f} s")
+
     def _request(self, i: int) -> bytes:
         now = time.time()
         return wire.dump(
@@ -160,6 +178,8 @@ class Driver:
     def _on_message(self, _c: paho.Client, _u: object, msg: paho.MQTTMessage) -> None:
         with self.cond:
             self.replies += 1
+            if not self.placing and not self.counting:
+                self.placing = json.loads(msg.payload)["status"] == "placed"
             if self.counting:
                 reply = json.loads(msg.payload)
                 status = reply["status"]
@@ -361,6 +381,7 @@ def main() -> None:
         baseline: list[Round] = []
         try:
             requests = topics.placement_request(EDGE)
+            driver.wait_placing(requests)
             driver.round(requests, args.warmup, args.window)
             for _ in range(args.rounds):
                 subject.append(

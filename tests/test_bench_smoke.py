@@ -221,6 +221,7 @@ HELPERS = {
     "meter_check.py": "chaos's check of the usage records",
     "relay.py": "the bare paho relay the benches start as a baseline",
     "peers_workers.py": "peers.py's arms and workers",
+    "bare_chain.py": "campus_burst's floor: the same jobs through bare paho processes",
 }
 
 
