@@ -114,12 +114,12 @@ async def drive(
     """Announce (or not), stream, and read the scaling signal every half second meanwhile:
     the reads, each at its ``time.monotonic``."""
     if announced:
-        await announce(campus.campus, args)
+        await announce(campus.write(), args)
     url = f"http://127.0.0.1:{campus.http_port}/metrics"
     reads: list[tuple[float, dict[str, float]]] = []
     traffic = asyncio.ensure_future(
         stream(
-            campus.campus,
+            campus.write(),
             args.rate,
             args.lead + args.burst + 2.0,
             asyncio.Event(),

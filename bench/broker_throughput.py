@@ -113,7 +113,7 @@ class Driver:
         self.placing = False  # a grant came: the broker has heard the played workers
         self.rounds = 0
         self.client = paho.Client(CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
-        self.client.on_socket_open = lambda _c, _u, s: s.setsockopt(6, 1, 1)  # TCP_NODELAY
+        self.client.on_socket_open = lambda _c, _u, s: s.setsockopt(6, 1, 1)  # type: ignore[attr-defined]  # TCP_NODELAY
         self.client.on_message = self._on_message
         ready = threading.Event()
         self.client.on_connect = lambda *a: ready.set()

@@ -45,8 +45,10 @@ from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as paho
-from edge_path import Driver
-from offload_path import (
+from paho.mqtt.enums import CallbackAPIVersion
+
+from bench.edge_path import Driver
+from bench.offload_path import (
     CLASS,
     RELAY_TOPIC,
     direct_work,
@@ -54,8 +56,6 @@ from offload_path import (
     send_work,
     wait_workers_online,
 )
-from paho.mqtt.enums import CallbackAPIVersion
-
 from policies import Policy, SigningKey, load_signing_key
 from policies.edit import add_node
 from policies.signing import add_signature, dump_signatures, sign_policy
@@ -91,7 +91,7 @@ class CampusDriver(Driver):
         if self.tls is not None:
             self.client.tls_set_context(self.tls)
         self.client.on_message = self._on_message
-        self.client.on_socket_open = lambda _c, _u, s: s.setsockopt(
+        self.client.on_socket_open = lambda _c, _u, s: s.setsockopt(  # type: ignore[attr-defined]
             socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
         )
         connected = threading.Event()
@@ -262,7 +262,7 @@ class CampusRig:
             return {
                 "version": tls.version() or "",
                 "cipher": cipher[0] if cipher else "",
-                "server": str(dict(x[0] for x in cert.get("subject", ())).get("commonName", "")),
+                "server": _common_name(cert),
             }
 
     def _relay_argv(self) -> list[str]:
@@ -347,3 +347,12 @@ class CampusRig:
         """A QoS 1 round trip of ``payload`` through the bare relay."""
         ms, _doc = self._job(FLOOR, corr, payload, topic=RELAY_TOPIC)
         return ms
+
+
+def _common_name(cert: dict[str, Any]) -> str:
+    """The commonName of a certificate as ``SSLSocket.getpeercert`` returns it."""
+    for rdn in cert.get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                return str(value)
+    return ""

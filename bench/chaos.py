@@ -48,11 +48,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-import meter_check  # noqa: E402
-
-from bench import stats  # noqa: E402
+from bench import meter_check, stats  # noqa: E402
 from sluicegate.app.campus import BROKER, LINES, WORKERS  # noqa: E402
 from sluicegate.app.localcampus import ROLE  # noqa: E402
 from tests.faults.app import App, Observer, Timeline  # noqa: E402
@@ -377,7 +374,9 @@ def print_tables(runs: list[Run], args: argparse.Namespace) -> None:
     for label, key, fmt in meter_rows:
         print(f"{label:34}" + "".join(f"{fmt.format(r.metering.get(key)):>14}" for r in runs))
     for run in runs:
-        for problem in run.metering.get("problems", []) or []:  # type: ignore[union-attr]
+        problems = run.metering.get("problems") or []
+        assert isinstance(problems, list)
+        for problem in problems:
             print(f"  [{run.name}] {problem}")
 
 

@@ -31,11 +31,9 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from broker_throughput import EDGE, ZONE, Driver, fleet_publisher  # noqa: E402
 
 from bench import stats  # noqa: E402
+from bench.broker_throughput import EDGE, ZONE, Driver, fleet_publisher  # noqa: E402
 from policies import SigningKey  # noqa: E402
 from sluicegate import topics, wire  # noqa: E402
 from sluicegate.app.campus import write_campus  # noqa: E402

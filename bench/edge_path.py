@@ -84,7 +84,7 @@ class Driver:
         self.topic = self.results or f"bench/{os.getpid()}/results"
         self.client = paho.Client(CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
         self.client.on_message = self._on_message
-        self.client.on_socket_open = lambda _c, _u, s: s.setsockopt(6, 1, 1)  # TCP_NODELAY
+        self.client.on_socket_open = lambda _c, _u, s: s.setsockopt(6, 1, 1)  # type: ignore[attr-defined]  # TCP_NODELAY
         connected = threading.Event()
         self.client.on_connect = lambda *a: connected.set()
         self.client.connect("127.0.0.1", self.port)

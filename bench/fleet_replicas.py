@@ -53,9 +53,11 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
-from fleet_driver import Ask, Driver, summary
-from fleet_report import SATURATED, replicas_report
-from fleet_rig import (
+
+from bench import stats
+from bench.fleet_driver import Ask, Driver, summary
+from bench.fleet_report import SATURATED, replicas_report
+from bench.fleet_rig import (
     FleetCampus,
     Replica,
     Servers,
@@ -69,8 +71,6 @@ from fleet_rig import (
     wait_ready,
     write_fleet,
 )
-
-from bench import stats
 from broker import keys
 from sluicegate.app.broker_http import get_json
 from sluicegate.app.servers import free_port

@@ -241,7 +241,7 @@ def speed_reference(runs: int = 5, decodes: int = 2000) -> float:
     """This machine's speed now, for comparing runs made at other hours (a shared VM's
     speed moves by 2x from one day to the next): µs of CPU for the broker's decode of one
     simulated edge sample (``EdgeTelemetry.model_validate_json``), best of ``runs``."""
-    from fleet_sim import EdgeState, edge_template
+    from bench.fleet_sim import EdgeState, edge_template
 
     edge = EdgeState("t", edge_template("sim-e00001", "campus/line-1", 1), 40.0, 400.0, 8.0)
     sample = edge.payload(random.Random(1), time.time())

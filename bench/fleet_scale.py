@@ -68,9 +68,10 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fleet_driver import Ask, Driver, summary
-from fleet_report import report
-from fleet_rig import (
+from bench import stats
+from bench.fleet_driver import Ask, Driver, summary
+from bench.fleet_report import report
+from bench.fleet_rig import (
     BROKER,
     FleetCampus,
     Servers,
@@ -87,8 +88,6 @@ from fleet_rig import (
     wait_ready,
     write_fleet,
 )
-
-from bench import stats
 from broker import keys
 from sluicegate.app.broker_http import get
 from sluicegate.app.servers import free_port
@@ -429,7 +428,7 @@ def arms(args: argparse.Namespace) -> list[tuple[float | None, bool, bool]]:
 def main() -> None:
     args = parse_args()
     if args.replicas:
-        from fleet_replicas import main as replicas_main
+        from bench.fleet_replicas import main as replicas_main
 
         replicas_main(args)
         return

@@ -416,7 +416,7 @@ class Simulator:
         data = memoryview(b"".join(_publish_header(len(p)) + p for p in packets))
         while data:
             try:
-                data = data[sock.send(data) :]
+                data = data[sock.send(data) :]  # type: ignore[arg-type]
             except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
                 select.select([], [sock], [], 1.0)
 

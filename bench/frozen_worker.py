@@ -79,7 +79,7 @@ async def drive(campus: LocalCampus, tally: Timed, args: argparse.Namespace, fau
     seconds = BURST_AT + args.burst + 2.0
     traffic = asyncio.ensure_future(
         stream(
-            campus.campus,
+            campus.write(),
             args.rate,
             seconds,
             asyncio.Event(),
@@ -111,7 +111,7 @@ def one_run(redis_port: int, db: int, args: argparse.Namespace, fault: str) -> d
         redis_url = f"redis://127.0.0.1:{redis_port}/{db}"
         with campus_args.started_campus(Path(tmp), redis_url, args) as campus:
             frozen_at = asyncio.run(drive(campus, tally, args, fault))
-            events = edge_events(campus.http_port, campus.campus.console_token("viewer"))
+            events = edge_events(campus.http_port, campus.write().console_token("viewer"))
     window = [a.in_time for a in tally.answers if frozen_at <= a.at < frozen_at + 1.0]
     answered = max(tally.answered, 1)
     return {

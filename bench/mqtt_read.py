@@ -99,7 +99,7 @@ def telemetry(edge_id: str) -> bytes:
     """An edge's telemetry, the shape the fleet simulator sends."""
     import random
 
-    from fleet_sim import EdgeState, edge_template
+    from bench.fleet_sim import EdgeState, edge_template
 
     state = EdgeState(
         topics.edge_telemetry(edge_id),

@@ -59,11 +59,9 @@ from paho.mqtt.properties import Properties
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from edge_path import Driver, make_image  # noqa: E402
 
 from bench import stats  # noqa: E402
+from bench.edge_path import Driver, make_image  # noqa: E402
 from policies import Policy, load_policy, load_signing_key, mint, verify  # noqa: E402
 from policies.keys import SigningKey, signature_valid  # noqa: E402
 from policies.sealing import NO_KEY, seal  # noqa: E402

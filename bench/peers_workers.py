@@ -41,7 +41,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import paho.mqtt.client as paho
 from aiohttp import web
@@ -124,13 +124,13 @@ def mqtt_worker(kind: str, port: int, threads: int, db: Path | None) -> None:
         topic, corr = props.ResponseTopic, props.CorrelationData  # type: ignore[union-attr]
         model = dict(getattr(props, "UserProperty", [])).get("model", "")
         if journal is not None:
-            journal.accept(corr, topic, model, msg.payload)
+            journal.accept(corr, topic, model, cast(bytes, msg.payload))
             c.ack(msg.mid, msg.qos)
-        pool.submit(run, topic, corr, model, msg.payload)
+        pool.submit(run, topic, corr, model, cast(bytes, msg.payload))
 
     client.on_message = on_message
     client.on_connect = lambda c, *_a: c.subscribe(request_topic(kind), qos=1)
-    client.on_socket_open = lambda _c, _u, s: s.setsockopt(
+    client.on_socket_open = lambda _c, _u, s: s.setsockopt(  # type: ignore[attr-defined]
         socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
     )
     client.connect("127.0.0.1", port)
@@ -176,7 +176,7 @@ def mqtt_client(port: int, tls: ssl.SSLContext | None) -> paho.Client:
     client = paho.Client(CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
     if tls is not None:
         client.tls_set_context(tls)
-    client.on_socket_open = lambda _c, _u, s: s.setsockopt(
+    client.on_socket_open = lambda _c, _u, s: s.setsockopt(  # type: ignore[attr-defined]
         socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
     )
     connected = threading.Event()
@@ -296,7 +296,8 @@ class UsageAcker:
         subscribe(self.client, topics.usage(node), self._on_batch)
 
     def _on_batch(self, client: paho.Client, _u: object, msg: paho.MQTTMessage) -> None:
-        held = [r.record.seq for r in decode_batch(msg.payload) if isinstance(r, SignedUsage)]
+        batch = decode_batch(cast(bytes, msg.payload))
+        held = [r.record.seq for r in batch if isinstance(r, SignedUsage)]
         self.acked += len(held)
         ack = UsageAck(node=self.node, broker=BROKER, held=held)
         client.publish(topics.usage_acks(self.node), ack.model_dump_json(), qos=1)

@@ -54,7 +54,7 @@ def main() -> None:
 
     client.on_message = on_message
     client.on_connect = on_connect
-    client.on_socket_open = lambda _c, _u, s: s.setsockopt(
+    client.on_socket_open = lambda _c, _u, s: s.setsockopt(  # type: ignore[attr-defined]
         socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
     )
     if len(sys.argv) > 7:

@@ -55,13 +55,11 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from campus_rig import LOCAL_EDGE, SECURITY, WORKER, CampusRig  # noqa: E402
-from edge_path import make_image  # noqa: E402
-from offload_path import SMALL, extra_legs_ms  # noqa: E402
 
 from bench import stats  # noqa: E402
+from bench.campus_rig import LOCAL_EDGE, SECURITY, WORKER, CampusRig  # noqa: E402
+from bench.edge_path import make_image  # noqa: E402
+from bench.offload_path import SMALL, extra_legs_ms  # noqa: E402
 from sluicegate.app.servers import find_binary  # noqa: E402
 from sluicegate.vision.runtime import ModelRegistry, default_models_dir  # noqa: E402
 

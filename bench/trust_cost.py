@@ -38,12 +38,10 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from edge_path import Driver, make_image  # noqa: E402
-from offload_path import wait_workers_online  # noqa: E402
 
 from bench import stats  # noqa: E402
+from bench.edge_path import Driver, make_image  # noqa: E402
+from bench.offload_path import wait_workers_online  # noqa: E402
 from policies.keys import SigningKey  # noqa: E402
 from policies.sealing import SealingKey, open_sealed, seal, work_info  # noqa: E402
 from sluicegate import topics  # noqa: E402

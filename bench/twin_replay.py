@@ -61,19 +61,19 @@ def main() -> None:
     plain: dict[str, Result] = {s: replay(trace, Change(strategy=s)) for s in STRATEGIES}
     print("\nstrategies, the trace as recorded:")
     print(strategy_table(plain))
-    hard = {
+    hard: dict[str, Result] = {
         s: replay(trace, Change(strategy=s, burst=2, fail=(("north-cpu-1", seconds / 2),)))
         for s in STRATEGIES
     }
     print("\nstrategies, 2x the arrivals and north-cpu-1 lost half-way:")
     print(strategy_table(hard))
-    slow = {
+    slow: dict[str, Result] = {
         s: replay(trace, Change(strategy=s, burst=2, degrade=(("cloud-cpu-1", 10.0),)))
         for s in STRATEGIES
     }
     print("\nstrategies, 2x the arrivals and cloud-cpu-1 ten times slower:")
     print(strategy_table(slow))
-    result = {
+    out = {
         "bench": "twin_replay",
         "subject": {"wall_s": wall, "walls": walls, "jobs": jobs, "speedup": seconds / wall},
         "baseline": {"trace_s": seconds},
@@ -97,7 +97,7 @@ def main() -> None:
         ),
         "machine": stats.machine(),
     }
-    print(stats.result_line(result))
+    print(stats.result_line(out))
 
 
 if __name__ == "__main__":
