@@ -37,8 +37,8 @@ def _models_folder(tmp_path: Path) -> Path:
     folder.mkdir()
     for name in ("defect-v1.json", "defect-v1.onnx"):
         shutil.copy(default_models_dir() / name, folder / name)
-    labels = np.array([0.1, 0.2, 0.6, 0.1])
-    source = graph(tmp_path / "fixed.onnx", (4,), labels, input_shape=[1, 3, SIZE, SIZE])
+    bias = np.array([0.1, 0.2, 0.6, 0.1])  # its output whatever the image: pit
+    source = graph(tmp_path / "fixed.onnx", (4,), bias, input_shape=[1, 3, SIZE, SIZE])
     code, out = add_classifier(source, tmp_path, "ok\nscratch\npit\nstain\n")
     assert code == 0, out
     return folder
