@@ -138,7 +138,7 @@ class UsageIngest:
         try:
             for start in range(0, len(taken), STORE_SLICE):  # each an await: the loop turns
                 chunk = taken[start : start + STORE_SLICE]
-                stored += await self.store.insert_many([signed for signed, _ in chunk])
+                stored += await self.store.insert_many(chunk)
         except StoreUnavailable as exc:
             self._metrics.usage_store_failures.inc()
             log.warning("usage records not stored (%s); their nodes will send them again", exc)

@@ -91,16 +91,16 @@ class UsageStore:
         self._client = client
 
     @reaching("store usage records")
-    async def insert_many(self, records: Sequence[SignedUsage]) -> list[Stored]:
-        """Each record (countersigned already) stored if its (node, seq) is free; one
-        round trip for all."""
+    async def insert_many(self, records: Sequence[tuple[SignedUsage, bytes]]) -> list[Stored]:
+        """Each record (countersigned already, with its :meth:`SignedUsage.digest`, which
+        screening computed) stored if its (node, seq) is free; one round trip for all."""
         if not records:
             return []
 
         def build(commands: Commands) -> None:
-            for signed in records:
+            for signed, digest in records:
                 r = signed.record
-                value = signed.digest().hex().encode() + r.prev.encode() + to_line(signed)
+                value = digest.hex().encode() + r.prev.encode() + to_line(signed)
                 INSERT.queue(
                     commands,
                     (keys.usage_records(r.node), keys.usage_by_time(), keys.usage_heads()),
