@@ -54,10 +54,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import stats  # noqa: E402
+from bench.campus_rig import issue_certificate, write_key  # noqa: E402
 from policies.keys import SigningKey  # noqa: E402
 from policies.sealing import SealingKey, open_sealed, seal  # noqa: E402
-from sluicegate import pki  # noqa: E402
 from sluicegate.app.campus import Campus  # noqa: E402
+from sluicegate.app.traffic import VOLLEY  # noqa: E402
 
 PREFIX = "bench/chain"
 JOBS, REQUEST, REPLY, WORK, RETURNS = (
@@ -228,21 +229,10 @@ def role_main(argv: Sequence[str]) -> None:
 def add_identities(campus: Campus) -> None:
     """A certificate from the campus CA for each of the chain's identities, and their ACL
     block (the chain's topics only), before the campus's Mosquitto starts."""
-    ca = pki.load_authority(campus.root)
     for name in IDENTITIES:
         key = SigningKey.generate()
-        path = campus.root / f"{name}.key"
-        pki.write_private(path, key.to_pem())
-        campus.key_files[name] = path
-        cert = pki.issue(
-            ca,
-            key.private.public_key(),
-            name,
-            purpose="client",
-            now=time.time(),
-            days=pki.NODE_DAYS,
-        )
-        campus.cert_file(name).write_bytes(pki.cert_pem(cert))
+        write_key(campus, name, key)
+        issue_certificate(campus, name, key)
     with campus.acl_file.open("a") as acl:
         acl.write("\n# bench only: the bare chain (bench/bare_chain.py)\n")
         for name in IDENTITIES:
@@ -262,7 +252,7 @@ class Floor:
         return sum(self.cpu_ms_per_job.values())
 
 
-def schedule(rate: float, burst_s: float, volley: int = 20) -> list[float]:
+def schedule(rate: float, burst_s: float, volley: int = VOLLEY) -> list[float]:
     """Send times (s from the start) of the campus bench's traffic: two lines at ``rate``
     jobs/s for ``burst_s + 2`` s, line 1 at ten times that for ``burst_s`` s from 1 s, in
     volleys of ``volley``."""

@@ -149,7 +149,8 @@ def one_run(
             edge_cpu=args.edge_cpu,
         )
         files = campus.write()
-        bare_chain.add_identities(files)
+        if offload:  # the floor runs beside it, as identities of their own
+            bare_chain.add_identities(files)
         campus.calibrate()  # the nodes' service-time priors, as at install
         floor = None
         with running(start_campus_mosquitto(files)) as mosquitto:

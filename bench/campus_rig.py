@@ -119,13 +119,13 @@ class CampusDriver(Driver):
             raise PermissionError(f"subscription to {topic} refused: {granted}")
 
 
-def _write_key(campus: Campus, name: str, key: SigningKey) -> None:
+def write_key(campus: Campus, name: str, key: SigningKey) -> None:
     path = campus.root / f"{name}.key"
     pki.write_private(path, key.to_pem())
     campus.key_files[name] = path
 
 
-def _issue(campus: Campus, name: str, key: SigningKey) -> None:
+def issue_certificate(campus: Campus, name: str, key: SigningKey) -> None:
     """A client certificate for ``name`` from the campus CA, as enrollment gives a node."""
     ca = pki.load_authority(campus.root)
     cert = pki.issue(
@@ -148,9 +148,9 @@ def add_direct_edge(campus: Campus) -> Policy:
     campus.policy_file.with_name(campus.policy_file.name + ".sig").write_bytes(
         dump_signatures(bundle)
     )
-    _write_key(campus, DIRECT_EDGE, key)
+    write_key(campus, DIRECT_EDGE, key)
     if campus.secure:
-        _issue(campus, DIRECT_EDGE, key)
+        issue_certificate(campus, DIRECT_EDGE, key)
         campus.acl_file.write_text(render_acl(policy, observers=(OBSERVER,)))
     return policy
 
@@ -159,8 +159,8 @@ def add_floor_identities(campus: Campus) -> None:
     """Certificates for the floor's driver and relay, and their ACL block (secured only)."""
     for name in (FLOOR, RELAY):
         key = SigningKey.generate()
-        _write_key(campus, name, key)
-        _issue(campus, name, key)
+        write_key(campus, name, key)
+        issue_certificate(campus, name, key)
     relay_topics = RELAY_TOPIC.rsplit("/", 1)[0] + "/#"
     with campus.acl_file.open("a") as acl:
         acl.write("\n# bench only: the messaging floor's driver and relay\n")
