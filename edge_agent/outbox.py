@@ -244,7 +244,8 @@ class Outbox:
     def delivered(self, job_id: str, *, undeliverable: str | None = None) -> asyncio.Future[bool]:
         """Record that the broker acked the result's publish, or (``undeliverable``, why)
         that it refused it and always will: either way the result is not published again,
-        and the job is forgotten as delivered jobs are; the row keeps the refusal."""
+        and the job is forgotten as delivered jobs are; the row keeps the refusal. Lazy (it
+        rides the next commit): lost in a crash, the result is only published again."""
         now = self._clock()
 
         def op(db: sqlite3.Connection) -> bool:
@@ -255,7 +256,7 @@ class Outbox:
             )
             return cur.rowcount == 1
 
-        return self._submit(op)
+        return self._writer.submit(op, OutboxError, lazy=True)
 
     def prune(self) -> asyncio.Future[tuple[int, int]]:
         """Turn delivered rows past their retention into tombstones and forget old

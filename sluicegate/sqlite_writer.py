@@ -19,6 +19,13 @@ commit (``synchronous = FULL``'s durability), in commit order. An
 owner whose state follows durability (the ledger's records it may ship) learns of each
 sync through :meth:`Writer.after_sync`.
 
+An operation whose durability nobody waits for (a mark that a result was delivered, that
+a broker holds a usage record: lost in a crash, it only makes the agent send again what is
+then recognised) may be submitted ``lazy``: it opens no commit of its own, and rides the
+next one an eager operation opens, or the one that :data:`LAZY_S` later commits what is
+left. It cuts the commits a local job costs an edge by a quarter
+(``docs/performance.md``, the edge path).
+
 Between the loop and the commit sits a :class:`Gate`: by default it passes every batch on at
 once; a test's gate may hold batches (a slow disk), drop them (a crash before their commit)
 or fail them (a broken disk). It never reports a result for a batch it did not commit. A
@@ -47,6 +54,9 @@ T = TypeVar("T")
 Op = Callable[[sqlite3.Connection], Any]
 Explain = Callable[[str, BaseException], str]
 Hook = Callable[[sqlite3.Connection, bool], None]
+
+# How long a lazy operation waits for an eager one to ride with, at most.
+LAZY_S = 0.1
 
 
 @dataclass(eq=False)
@@ -108,6 +118,8 @@ class Writer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._conn: sqlite3.Connection | None = None
         self._batch = Batch()
+        self._flush_soon = False  # a flush of this tick's batch is scheduled
+        self._flush_later: asyncio.TimerHandle | None = None  # lazy operations' flush
         self._hooks: list[Hook] = []
         self._killed = False  # stopped as a killed process would be: nothing reports back
         self._closed = False
@@ -139,6 +151,11 @@ class Writer:
         return read
 
     @property
+    def pending(self) -> int:
+        """Operations submitted and not yet passed to the gate (lazy ones wait here)."""
+        return len(self._batch)
+
+    @property
     def started(self) -> bool:
         return self._loop is not None
 
@@ -153,10 +170,11 @@ class Writer:
         self._sync_hooks.append(hook)
 
     def submit(
-        self, op: Callable[[sqlite3.Connection], T], error: type[Exception]
+        self, op: Callable[[sqlite3.Connection], T], error: type[Exception], *, lazy: bool = False
     ) -> asyncio.Future[T]:
-        """Run ``op`` in this tick's transaction; its future resolves after the commit, or
-        fails with ``error``. Once killed, it never resolves."""
+        """Run ``op`` in this tick's transaction (``lazy``: in the next transaction, within
+        :data:`LAZY_S`); its future resolves after the commit, or fails with ``error``. Once
+        killed, it never resolves."""
         loop = self._loop
         if loop is None:
             raise error(f"{self.where} is not open")
@@ -165,13 +183,20 @@ class Writer:
             if not self._killed:
                 fut.set_exception(error(f"{self.where} is closed"))
             return fut
-        if not self._batch.ops:
+        if not lazy and not self._flush_soon:
+            self._flush_soon = True
             loop.call_soon(self.flush)
+        elif lazy and not self._flush_soon and self._flush_later is None:
+            self._flush_later = loop.call_later(LAZY_S, self.flush)
         self._batch.ops.append((op, fut, error))
         return fut
 
     def flush(self) -> None:
-        """Commit what was submitted during this tick now (through the gate)."""
+        """Commit what was submitted now (through the gate)."""
+        self._flush_soon = False
+        if self._flush_later is not None:
+            self._flush_later.cancel()
+            self._flush_later = None
         batch, self._batch = self._batch, Batch()
         if not self._killed and batch.ops:
             self.gate.admit(batch, self._pass_on)

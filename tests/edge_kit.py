@@ -302,7 +302,10 @@ class EdgeRig:
                 quiet = 0
                 continue
             quiet = quiet + 1 if self._fingerprint() == before else 0
-            if quiet >= 3:
+            if quiet >= 3 and self.agent is not None and self.agent.outbox.writer.pending:
+                self.agent.outbox.flush()  # the lazy operations' time comes: they commit
+                quiet = 0
+            elif quiet >= 3:
                 return
         raise AssertionError("the edge did not settle")
 

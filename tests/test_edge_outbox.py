@@ -112,6 +112,28 @@ async def test_one_loop_tick_is_one_commit(outbox: Outbox) -> None:
     assert outbox.commit_stats().operations >= 20
 
 
+async def test_a_delivery_mark_rides_the_next_commit(outbox: Outbox) -> None:
+    """A delivery mark opens no commit of its own: it joins the next one an eager write
+    opens, and alone it is committed within the lazy delay."""
+    await outbox.accept(job("a"))
+    await outbox.finish("a", b"{}")
+    before = outbox.commits
+    marked = outbox.delivered("a")
+    await asyncio.sleep(0)  # the loop turns: an eager write would be committed by now
+    assert (marked.done(), outbox.commits) == (False, before)
+    accepted = outbox.accept(job("b"))
+    await asyncio.wait_for(asyncio.gather(marked, accepted), timeout=5)
+    assert marked.result() is True
+    assert outbox.commits == before + 1
+    await outbox.finish("b", b"{}")
+    before = outbox.commits
+    assert await asyncio.wait_for(outbox.delivered("b"), timeout=5)
+    assert outbox.commits == before + 1
+    stored = await outbox.get("b")
+    assert stored is not None
+    assert stored.state == "delivered"
+
+
 async def test_delivered_results_become_tombstones_then_are_forgotten(
     outbox: Outbox, clock: Clock
 ) -> None:

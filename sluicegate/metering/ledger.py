@@ -181,7 +181,7 @@ class Ledger:
     def acknowledge(self, seqs: Iterable[int]) -> asyncio.Future[int]:
         """A broker replica holds these records; how many were not acknowledged before."""
         wanted, now_ms = list(seqs), int(self._clock() * 1000)
-        return self._submit(lambda db: ledger_file.acknowledge(db, wanted, now_ms))
+        return self._submit(lambda db: ledger_file.acknowledge(db, wanted, now_ms), lazy=True)
 
     def unacked(self, *, after: int = 0, limit: int = 500) -> asyncio.Future[list[SignedUsage]]:
         """Records no replica has acknowledged, from seq ``after + 1``, in order."""
@@ -219,7 +219,9 @@ class Ledger:
             if not fut.done():
                 fut.set_result(None)
 
-    def _submit(self, op: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
+    def _submit(
+        self, op: Callable[[sqlite3.Connection], T], *, lazy: bool = False
+    ) -> asyncio.Future[T]:
         loop = self._loop
         if loop is None:
             raise LedgerError(f"{self._where} is not open")
@@ -227,7 +229,7 @@ class Ledger:
             fut: asyncio.Future[T] = loop.create_future()
             fut.set_exception(LedgerError(f"{self._where} is closed"))
             return fut
-        return self._writer.submit(op, LedgerError)
+        return self._writer.submit(op, LedgerError, lazy=lazy)
 
     # -- at the writer's commits ------------------------------------------------------------------
 
