@@ -6,6 +6,7 @@ import json
 from dataclasses import replace
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from policy_testkit import EXAMPLE, NOW, base_doc, key, policy_of, signed
 
 from policies.errors import (
@@ -19,6 +20,7 @@ from policies.errors import (
     ThresholdNotMet,
     UnknownSigner,
 )
+from policies.keys import SigningKey, signature_valid
 from policies.loader import load_policy, parse_policy, read_bytes
 from policies.signing import (
     SignatureBundle,
@@ -188,3 +190,18 @@ def test_signed_envelope_round_trip_and_errors() -> None:
     ]:
         with pytest.raises(PolicyParseError, match=expect):
             open_envelope(bad, now=NOW, anchor=None)
+
+
+def test_signatures_are_standard_ed25519_both_ways() -> None:
+    """The signer (libsodium) and OpenSSL make the same bytes and accept each other's: the
+    key files, policies and records signed before still check."""
+    signer = SigningKey.from_seed(bytes(range(32)))
+    message = b"sluicegate usage record"
+    ours = signer.sign(message)
+    assert ours == signer.private.sign(message)
+    Ed25519PublicKey.from_public_bytes(signer.public).verify(ours, message)  # raises if not
+    assert signature_valid(signer.public, signer.private.sign(message), message)
+    assert not signature_valid(signer.public, ours, message + b".")
+    assert not signature_valid(signer.public, ours[:63], message)  # cut short: not a signature
+    with pytest.raises(ValueError, match="32 bytes"):
+        signature_valid(signer.public[:31], ours, message)
