@@ -260,7 +260,7 @@ def main() -> None:
     result["target"] = TARGET
     result["met"] = met
     result["measured"] = stats.require(claims)
-    result["machine"] = stats.machine("cryptography")
+    result["machine"] = stats.machine("cryptography", "pynacl")
     print(stats.result_line(result))
 
 

@@ -128,7 +128,7 @@ def main() -> None:
             {f"{arm} records acknowledged": sum(r["records"] for r in runs[arm]) for arm in ARMS}
             | {f"{arm} ticks": sum(r["ticks"] for r in runs[arm]) for arm in ARMS}
         ),
-        "machine": stats.machine("redis"),
+        "machine": stats.machine("redis", "pynacl"),
     }
     print(stats.result_line(result))
 
