@@ -13,7 +13,8 @@ campus's secured Mosquitto (:func:`add_identities`), answering from paho's callb
   (QoS 1). A result is committed (the image dropped) before it is published to the app
   (QoS 1).
 * **broker**: one Redis round trip (the reservation: ``SET NX EX``), a token signed
-  (Ed25519) over the job, the image's digest and the worker, the answer (QoS 0).
+  (Ed25519, with libsodium as the campus) over the job, the image's digest and the
+  worker, the answer (QoS 0).
 * **worker**: checks the token's signature, opens the seal, checks the image against the
   token's digest and returns a result of the campus's size to the edge (QoS 1); no model.
 
@@ -43,9 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import nacl.bindings
 import paho.mqtt.client as paho
 import redis as redis_sync
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
@@ -112,7 +113,6 @@ def edge(client: paho.Client, db_path: str, worker_seal: bytes, broker_key: byte
     db.execute("PRAGMA journal_mode = WAL")
     db.execute("PRAGMA synchronous = FULL")
     db.execute("CREATE TABLE jobs (id BLOB PRIMARY KEY, topic TEXT, payload BLOB, result BLOB)")
-    verify = Ed25519PublicKey.from_public_bytes(broker_key).verify
     waiting: dict[bytes, tuple[bytes, bytes, str]] = {}  # job -> image, digest, its app's topic
 
     def answer(job: bytes, topic: str, result: bytes) -> None:
@@ -136,7 +136,7 @@ def edge(client: paho.Client, db_path: str, worker_seal: bytes, broker_key: byte
         job = msg.properties.CorrelationData  # type: ignore[union-attr]
         image, digest, _topic = waiting[job]
         sig = bytes.fromhex(_user(msg)["sig"])
-        verify(sig, msg.payload)
+        nacl.bindings.crypto_sign_open(sig + msg.payload, broker_key)  # raises if forged
         if msg.payload[: len(digest)] != digest:
             raise ValueError("a token for another image")
         work = seal(worker_seal, image, job)
@@ -158,26 +158,26 @@ def edge(client: paho.Client, db_path: str, worker_seal: bytes, broker_key: byte
 
 def broker(client: paho.Client, redis_port: int, key_seed: bytes) -> None:
     r = redis_sync.Redis(port=redis_port)
-    sign = Ed25519PrivateKey.from_private_bytes(key_seed).sign
+    _public, secret = nacl.bindings.crypto_sign_seed_keypair(key_seed)
 
     def on_request(msg: paho.MQTTMessage) -> None:
         job = msg.properties.CorrelationData  # type: ignore[union-attr]
         r.set(b"bench-chain:" + job, WORKER, nx=True, ex=60)
-        token = msg.payload + json.dumps([job.hex(), WORKER, time.time() + 5.0]).encode()
-        client.publish(REPLY, token, qos=0, properties=_props(job, sig=sign(token).hex()))
+        token = bytes(msg.payload) + json.dumps([job.hex(), WORKER, time.time() + 5.0]).encode()
+        sig = nacl.bindings.crypto_sign(token, secret)[:64]
+        client.publish(REPLY, token, qos=0, properties=_props(job, sig=sig.hex()))
 
     serve(client, {REQUEST: on_request})
 
 
 def worker(client: paho.Client, seal_seed: bytes, broker_key: bytes) -> None:
     key = SealingKey.from_seed(seal_seed)
-    verify = Ed25519PublicKey.from_public_bytes(broker_key).verify
 
     def on_work(msg: paho.MQTTMessage) -> None:
         job = msg.properties.CorrelationData  # type: ignore[union-attr]
         user = _user(msg)
         token = bytes.fromhex(user["token"])
-        verify(bytes.fromhex(user["sig"]), token)
+        nacl.bindings.crypto_sign_open(bytes.fromhex(user["sig"]) + token, broker_key)
         image = open_sealed(key, bytes(msg.payload), job)
         if hashlib.sha256(image).digest() != token[:32]:
             raise ValueError("the image is not the token's")
@@ -278,13 +278,12 @@ def run_floor(
     ``offload_share`` of them, wait for every result; CPU a job answered by part: the
     chain's roles as the campus's (edge, broker, pool), the app (this process) and
     ``servers`` (Mosquitto, Redis)."""
-    broker_key = Ed25519PrivateKey.generate()
-    seed = os.urandom(32)
+    broker_seed, seed = os.urandom(32), os.urandom(32)
     seal_public = SealingKey.from_seed(seed).public
-    verify_key = broker_key.public_key().public_bytes_raw()
+    verify_key, _secret = nacl.bindings.crypto_sign_seed_keypair(broker_seed)
     extra = {
         "edge": [str(workdir / "chain-edge.db"), seal_public.hex(), verify_key.hex()],
-        "broker": [str(redis_port), broker_key.private_bytes_raw().hex()],
+        "broker": [str(redis_port), broker_seed.hex()],
         "worker": [seed.hex(), verify_key.hex()],
     }
     procs: dict[str, subprocess.Popen[bytes]] = {}
