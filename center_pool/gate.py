@@ -3,8 +3,8 @@ then (a sealed image) its opening.
 
 For a chunk of messages taken off the transport, :class:`Gate` runs the pure steps of
 :mod:`center_pool.intake` (properties, then ``policies.verify`` against the current verified
-policy) and the replay check against the shared cache (Redis ``SET NX``, or memory), with the
-claims of one chunk in flight together. A cache that cannot answer fails closed. It returns
+policy) and the replay check against the shared cache (Redis ``SET NX``, or memory), the
+claims of one chunk in one round trip. A cache that cannot answer fails closed. It returns
 one verdict per message, in arrival order, and says which refusals belong in the audit log:
 every one made before the token passed, and every sealed image that did not open. A sealed
 image is opened (``intake.open_work``) only once its nonce is claimed, so a replayed message
@@ -14,7 +14,6 @@ publishes or writes the log itself.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -27,9 +26,9 @@ from center_pool.intake import (
     read_work,
     refuse,
 )
-from policies import PlacementClaims, Policy, acheck_replay
+from policies import PlacementClaims, Policy, acheck_replays
 from policies.audit import Scalar
-from policies.errors import StoreUnavailable, TokenRefused
+from policies.errors import StoreUnavailable
 from policies.replay import AsyncReplayCache
 from policies.sealing import SealingKey
 from sluicegate import topics
@@ -39,7 +38,7 @@ from sluicegate.vision.image import PayloadLimits as Limits
 
 REPLAY_UNAVAILABLE = "token.replay_unavailable"
 SHUTTING_DOWN = "shutting_down"
-REPLAY_CHUNK = 64  # replay claims in flight together
+REPLAY_CHUNK = 64  # replay claims in one round trip
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,31 +133,34 @@ class Gate:
     async def _check_replays(
         self, verdicts: list[Passed | Stopped], policy: Policy, now: float
     ) -> None:
-        slots = [i for i, v in enumerate(verdicts) if isinstance(v, Passed)]
-        for start in range(0, len(slots), REPLAY_CHUNK):
-            part = slots[start : start + REPLAY_CHUNK]
-            found = await asyncio.gather(*(self._claim(policy, verdicts[i], now) for i in part))
-            for index, refusal in zip(part, found, strict=True):
+        """Claim the nonces of the tokens that passed, a chunk a round trip."""
+        pending = [(i, v) for i, v in enumerate(verdicts) if isinstance(v, Passed)]
+        for start in range(0, len(pending), REPLAY_CHUNK):
+            part = pending[start : start + REPLAY_CHUNK]
+            found = await self._claim(policy, [verdict for _i, verdict in part], now)
+            for (index, verdict), refusal in zip(part, found, strict=True):
                 if refusal is not None:
-                    verdicts[index] = Stopped(refusal, verdicts[index].work, audit=True)
+                    verdicts[index] = Stopped(refusal, verdict.work, audit=True)
 
     async def _claim(
-        self, policy: Policy, verdict: Passed | Stopped, now: float
-    ) -> WorkRefusal | None:
-        assert isinstance(verdict, Passed)
-        work = verdict.work
+        self, policy: Policy, passed: list[Passed], now: float
+    ) -> list[WorkRefusal | None]:
+        tokens = [verdict.claims for verdict in passed]
         try:
-            await acheck_replay(self._replay, verdict.claims, policy, now=now)
-        except TokenRefused as exc:
-            return refuse(
-                work, exc.reason, f"placement token refused by worker {self.worker_id}: {exc}"
-            )
-        except (
-            StoreUnavailable
-        ) as exc:  # the shared cache is down: fail closed, never run unchecked
+            found = await acheck_replays(self._replay, tokens, policy, now=now)
+        except StoreUnavailable as exc:  # the cache is down: fail closed, never run unchecked
             reason = (
                 f"worker {self.worker_id} cannot check the token for replay "
                 f"({type(exc).__name__}: {exc}); refusing rather than risk a replay"
             )
-            return refuse(work, REPLAY_UNAVAILABLE, reason)
-        return None
+            return [refuse(v.work, REPLAY_UNAVAILABLE, reason) for v in passed]
+        return [
+            None
+            if replayed is None
+            else refuse(
+                v.work,
+                replayed.reason,
+                f"placement token refused by worker {self.worker_id}: {replayed}",
+            )
+            for v, replayed in zip(passed, found, strict=True)
+        ]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from center_pool.errors import AuditSetupError
@@ -67,6 +67,9 @@ class MemoryAsyncReplayCache:
 
     async def claim(self, nonce: bytes, until: float, now: float) -> bool:
         return self._cache.claim(nonce, until, now)
+
+    async def claim_many(self, wanted: Sequence[tuple[bytes, float]], now: float) -> list[bool]:
+        return [self._cache.claim(nonce, until, now) for nonce, until in wanted]
 
 
 class AsyncFileAuditStore:

@@ -19,7 +19,7 @@ from policies.evaluate import allowed, explain
 from policies.keys import SigningKey, load_signing_key
 from policies.loader import load_policy, parse_canonical, parse_policy
 from policies.model import Policy, Verdict
-from policies.replay import MemoryReplayCache, acheck_replay, check_replay
+from policies.replay import MemoryReplayCache, acheck_replay, acheck_replays, check_replay
 from policies.signing import (
     SignatureBundle,
     TrustAnchor,
@@ -44,6 +44,7 @@ __all__ = [
     "Verdict",
     "accept_policy",
     "acheck_replay",
+    "acheck_replays",
     "allowed",
     "check_replay",
     "explain",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import cast
 
 import redis
@@ -69,6 +69,19 @@ class AsyncRedisReplayCache:
         key = self.prefix + nonce.hex()
         with _reached("claim a token nonce"):
             return bool(await self.client.set(key, b"1", nx=True, px=_ttl_ms(until, now)))
+
+    async def claim_many(self, wanted: Sequence[tuple[bytes, float]], now: float) -> list[bool]:
+        """Every ``SET NX`` in one pipelined round trip (no transaction: each claim stands
+        alone, as separate calls would): a claim costs the worker's loop a quarter of its
+        own round trip's CPU once eight go together."""
+        if len(wanted) == 1:
+            return [await self.claim(*wanted[0], now)]
+        pipe = self.client.pipeline(transaction=False)
+        for nonce, until in wanted:
+            pipe.set(self.prefix + nonce.hex(), b"1", nx=True, px=_ttl_ms(until, now))
+        with _reached(f"claim {len(wanted)} token nonces"):
+            replies = await pipe.execute()
+        return [bool(reply) for reply in replies]
 
 
 def _conflict(stream: str, seq: int, exc: redis.ResponseError) -> AuditError:

@@ -10,6 +10,7 @@ than forget a nonce that could still be replayed. Pure: no I/O, ``now`` is passe
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from typing import Protocol
 
 from policies.errors import ReplayCacheFull, TokenReplayed
@@ -25,6 +26,10 @@ class ReplayCache(Protocol):
 class AsyncReplayCache(Protocol):
     async def claim(self, nonce: bytes, until: float, now: float) -> bool:
         """Record ``nonce`` until ``until``; True if it was not already recorded."""
+
+    async def claim_many(self, wanted: Sequence[tuple[bytes, float]], now: float) -> list[bool]:
+        """``claim`` each ``(nonce, until)`` in turn, in one round trip where the store
+        allows; a result each, in order."""
 
 
 class MemoryReplayCache:
@@ -89,3 +94,14 @@ async def acheck_replay(
     """``check_replay`` for asyncio callers (e.g. the worker with ``AsyncRedisReplayCache``)."""
     if not await cache.claim(claims.nonce, replay_until(claims, policy), now):
         raise _replayed(claims)
+
+
+async def acheck_replays(
+    cache: AsyncReplayCache, tokens: Sequence[PlacementClaims], policy: Policy, *, now: float
+) -> list[TokenReplayed | None]:
+    """``acheck_replay`` for several tokens in one claim of the cache: for each, in order,
+    the refusal if it was seen before (None: claimed now). A second token with the same
+    nonce in ``tokens`` is a replay of the first."""
+    wanted = [(claims.nonce, replay_until(claims, policy)) for claims in tokens]
+    claimed = await cache.claim_many(wanted, now)
+    return [None if ok else _replayed(c) for c, ok in zip(tokens, claimed, strict=True)]

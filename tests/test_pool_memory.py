@@ -324,6 +324,21 @@ async def test_without_a_policy_work_is_refused_until_one_arrives(tmp_path: Path
         await harness.close()
 
 
+async def test_an_unreachable_replay_cache_fails_a_whole_pass_closed(tmp_path: Path) -> None:
+    # One intake pass claims its nonces in one round trip: none of its jobs runs unchecked.
+    down = redis.asyncio.Redis(port=free_port(), retry=Retry(NoBackoff(), 0))
+    harness = await start(tmp_path, replay=AsyncRedisReplayCache(down))
+    try:
+        messages = [harness.send(WorkSpec()) for _ in range(4)]  # one intake pass
+        results = [await harness.result_for(m) for m in messages]
+        assert {r["code"] for r in results} == {"token.replay_unavailable"}
+        assert all("Redis could not claim 4 token nonces" in r["reason"] for r in results)
+        assert harness.worker.decode_attempts == 0
+    finally:
+        await harness.close()
+        await down.aclose()
+
+
 async def test_an_unreachable_replay_cache_fails_closed(tmp_path: Path) -> None:
     # The real Redis cache and client, pointed at a port where nothing listens.
     down = redis.asyncio.Redis(port=free_port(), retry=Retry(NoBackoff(), 0))

@@ -24,7 +24,7 @@ from policies.redis_stores import (
     RedisStreamAuditStore,
     audit_stream_key,
 )
-from policies.replay import acheck_replay, check_replay
+from policies.replay import acheck_replay, acheck_replays, check_replay
 from policies.tokens import PlacementClaims, mint, payload_digest, verify
 
 pytestmark = pytest.mark.integration
@@ -92,6 +92,23 @@ async def test_async_redis_replay_cache(aclient: redis.asyncio.Redis, unique: st
     await acheck_replay(cache, claims, POLICY, now=NOW)
     with pytest.raises(TokenReplayed):
         await acheck_replay(cache, claims, POLICY, now=NOW)
+
+
+@pytest.mark.asyncio
+async def test_async_redis_replay_cache_claims_a_batch(
+    aclient: redis.asyncio.Redis, unique: str
+) -> None:
+    """One pipelined round trip: each nonce claimed once, whether it was seen before or
+    earlier in the same batch."""
+    cache = AsyncRedisReplayCache(aclient, prefix=f"{unique}:nonce:")
+    seen, fresh, other = _claims("job-3"), _claims("job-4"), _claims("job-5")
+    await acheck_replay(cache, seen, POLICY, now=NOW)
+    found = await acheck_replays(cache, [fresh, seen, other, fresh], POLICY, now=NOW)
+    assert [f is None for f in found] == [True, False, True, False]
+    assert all(isinstance(f, TokenReplayed) for f in (found[1], found[3]))
+    assert seen.nonce.hex() in str(found[1])
+    (again,) = await acheck_replays(cache, [other], POLICY, now=NOW)
+    assert isinstance(again, TokenReplayed)
 
 
 def test_audit_stream_chain_batches_and_conflicts(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
@@ -28,7 +29,13 @@ from policies.errors import (
     TokenZoneDenied,
 )
 from policies.loader import load_policy, parse_policy
-from policies.replay import MemoryReplayCache, acheck_replay, check_replay, replay_until
+from policies.replay import (
+    MemoryReplayCache,
+    acheck_replay,
+    acheck_replays,
+    check_replay,
+    replay_until,
+)
 from policies.tokens import (
     MAX_ENCODED,
     STRING_BUDGET,
@@ -150,11 +157,16 @@ async def _async_replay() -> None:
         async def claim(self, nonce: bytes, until: float, now: float) -> bool:
             return self.inner.claim(nonce, until, now)
 
+        async def claim_many(self, wanted: Sequence[tuple[bytes, float]], now: float) -> list[bool]:
+            return [self.inner.claim(nonce, until, now) for nonce, until in wanted]
+
     cache = AsyncMemory()
     claims = _verify(_mint())
     await acheck_replay(cache, claims, POLICY, now=NOW)
     with pytest.raises(TokenReplayed):
         await acheck_replay(cache, claims, POLICY, now=NOW)
+    (replayed,) = await acheck_replays(cache, [claims], POLICY, now=NOW)
+    assert isinstance(replayed, TokenReplayed)
 
 
 @pytest.mark.asyncio
