@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import redis
 
-from sluicegate.app.servers import ServerProcess, _ping
+from sluicegate.app.servers import EPHEMERAL_RANGE, ServerProcess, _ping, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -19,6 +20,19 @@ def test_redis_fixture_answers(redis_url: str, unique: str) -> None:
     client.set(f"t:{unique}", b"v")
     assert client.get(f"t:{unique}") == b"v"
     client.close()
+
+
+def test_a_free_port_is_one_no_outgoing_connection_can_take() -> None:
+    """Below the kernel's ephemeral range, where connections get their own ports, and free."""
+    low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    ports = [free_port() for _ in range(50)]
+    assert all(1024 <= port < low for port in ports)
+    assert len(set(ports)) > 40  # drawn, not one port handed to every server
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", ports[0]))  # nothing holds it
+        sock.listen()
+        with socket.create_connection(("127.0.0.1", ports[0]), timeout=5) as conn:
+            assert conn.getsockname()[1] >= low  # the client's own port is from the range
 
 
 def test_mosquitto_fixture_answers_connect(mosquitto: ServerProcess) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import random
 import shutil
 import socket
 import ssl
@@ -34,12 +35,37 @@ class ServerError(SluicegateError):
     """A local server could not be started."""
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LISTEN_SPAN = 16384  # the ports below the ephemeral range that servers are given
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A TCP port on 127.0.0.1 that nothing is bound to right now, below the kernel's range
+    of ephemeral ports. Binding port 0 would give one from that range, which any outgoing
+    connection may take in the moment before the server that was given it binds it: a suite
+    that opens thousands of connections lost a broker's HTTP port that way."""
+    low = _ephemeral_low()
+    candidates = range(max(1024, low - LISTEN_SPAN), low)
+    for _ in range(200 if len(candidates) > 0 else 0):
+        port = random.choice(candidates)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # in use (or lingering): another
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # the kernel's choice
         sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+        chosen: int = sock.getsockname()[1]
+        return chosen
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where unreadable)."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def find_binary(name: str) -> str:
