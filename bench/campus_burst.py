@@ -301,9 +301,16 @@ def main() -> None:
                 f"{'':24}  the nodes' model threads used {s['model_threads_ms_per_job']:.1f} ms "
                 f"({stats.ratio(s['model_threads_ms_per_job'], s['models_ms_per_job']):.2f}x "
                 f"their own); every other thread: "
-                + ", ".join(f"{k} {v:.1f}" for k, v in s["machinery_ms_per_job"].items())
-                + f" = {s['machinery_ms']:.1f} ms"
+                + ", ".join(f"{k} {v:.2f}" for k, v in s["machinery_ms_per_job"].items())
+                + f" = {s['machinery_ms']:.2f} ms"
             )
+            if s["offloaded"]:  # what only offloaded jobs cost, a job offloaded (for A/B)
+                per = s["answered"] / s["offloaded"]
+                mach = s["machinery_ms_per_job"]
+                print(
+                    f"{'':24}  a job offloaded, every other thread: broker "
+                    f"{mach['broker'] * per:.2f}, pool {mach['pool'] * per:.2f} ms"
+                )
             if s["floor"] is not None:
                 f = s["floor"]
                 print(
