@@ -172,7 +172,7 @@ def one_run(
                         label_every=args.label_every,
                     )
                 )
-                edges = edge_predictions(campus.http_port, campus.write().console_token("viewer"))
+                edges = edge_predictions(campus.http_port, files.console_token("viewer"))
                 after, used_after = cpu_ticks(), cpu_by_role(campus, servers)
                 ran_after = compute_s(campus)
                 cpu_busy = (after[0] - before[0]) / max(after[1] - before[1], 1)

@@ -46,18 +46,24 @@ def free_port() -> int:
     that opens thousands of connections lost a broker's HTTP port that way."""
     low = _ephemeral_low()
     candidates = range(max(1024, low - LISTEN_SPAN), low)
-    for _ in range(200 if len(candidates) > 0 else 0):
-        port = random.choice(candidates)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:  # in use (or lingering): another
-                continue
+    for port in random.sample(candidates, min(200, len(candidates))):
+        if _bound(port) == port:
             return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # the kernel's choice
-        sock.bind(("127.0.0.1", 0))
-        chosen: int = sock.getsockname()[1]
-        return chosen
+    chosen = _bound(0)  # the kernel's choice
+    if chosen is None:
+        raise ServerError("no TCP port on 127.0.0.1 could be bound")
+    return chosen
+
+
+def _bound(port: int) -> int | None:
+    """The port a socket bound on 127.0.0.1 got (0: the kernel's choice), None if taken."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:  # in use (or lingering)
+            return None
+        got: int = sock.getsockname()[1]
+        return got
 
 
 def _ephemeral_low() -> int:
