@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import hiredis
 import redis.asyncio as aioredis
-from redis.asyncio.connection import AbstractConnection, ConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import DataError, NoScriptError, ResponseError
+
+from sluicegate.redis_lane import lane_of
 
 Command = tuple[Any, ...]  # a command's name, then its arguments (str, bytes or numbers)
 
@@ -86,10 +87,10 @@ async def execute(
         packed = b"".join([hiredis.pack_command(c) for c in commands.items])
     except TypeError as exc:  # an argument Redis cannot take (None, a bool): redis-py's word
         raise DataError(f"a command Redis cannot take: {exc}") from exc
-    count, pool = len(commands.items), client.connection_pool
+    count, lane = len(commands.items), lane_of(client)
     retry = client.get_retry() or Retry(NoBackoff(), 0)  # none: the client tries once
     for again in (False, True):
-        replies = await retry.call_with_retry(lambda: _round_trip(pool, packed, count), _lost)
+        replies = await retry.call_with_retry(lambda: lane.round_trip(packed, count), _lost)
         check_cancelled()
         errors = [r for r in replies if isinstance(r, ResponseError)]
         if not errors:
@@ -99,25 +100,6 @@ async def execute(
         for script in scripts:
             await script.load(client)
     raise AssertionError("unreachable")
-
-
-async def _round_trip(pool: ConnectionPool, packed: bytes, count: int) -> list[Any]:
-    """Write ``packed`` on a connection of ``pool`` and read ``count`` replies, an error
-    reply as its exception (the connection stays in step: the reply was read whole)."""
-    # redis-py's deprecation decorator leaves get_connection untyped
-    get_connection = cast(Callable[[], Awaitable[AbstractConnection]], pool.get_connection)
-    conn = await get_connection()
-    try:
-        await conn.send_packed_command(packed)
-        replies: list[Any] = []
-        for _ in range(count):
-            try:
-                replies.append(await conn.read_response())
-            except ResponseError as exc:
-                replies.append(exc)
-        return replies
-    finally:
-        await pool.release(conn)
 
 
 async def _lost(error: Exception) -> None:

@@ -248,13 +248,25 @@ class FollowingPool(redis.asyncio.sentinel.SentinelConnectionPool):
     _checking: asyncio.Future[None] | None = None
 
     async def get_connection(self, *args: Any, **kwargs: Any) -> AbstractConnection:
+        self.check_when_due()
+        got = await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
+        assert isinstance(got, AbstractConnection)
+        return got
+
+    def check_when_due(self) -> None:
+        """Ask the sentinels who the master is, in the background, if it is time to."""
         now = time.monotonic()
         if now >= self._next_check and (self._checking is None or self._checking.done()):
             self._next_check = now + MASTER_CHECK_S
             self._checking = asyncio.ensure_future(self._check())
-        got = await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
-        assert isinstance(got, AbstractConnection)
-        return got
+
+    def goes_to_master(self, connection: AbstractConnection) -> bool:
+        """Whether ``connection`` goes to the master the sentinels named last (yes while
+        none is known). A connection held outside the pool (:mod:`sluicegate.redis_lane`)
+        asks this before each use."""
+        master = self.master_address
+        server = (getattr(connection, "host", None), getattr(connection, "port", None))
+        return master is None or server == master
 
     async def _check(self) -> None:
         # A new master: the idle connections are dropped (redis-py's get_master_address).
@@ -264,9 +276,7 @@ class FollowingPool(redis.asyncio.sentinel.SentinelConnectionPool):
             await self.get_master_address()  # type: ignore[no-untyped-call]
 
     async def ensure_connection(self, connection: AbstractConnection) -> None:
-        master = self.master_address
-        server = (getattr(connection, "host", None), getattr(connection, "port", None))
-        if master is not None and connection.is_connected and server != master:
+        if connection.is_connected and not self.goes_to_master(connection):
             await connection.disconnect()  # it reconnects to the master now known
         await super().ensure_connection(connection)
 
