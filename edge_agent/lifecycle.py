@@ -39,6 +39,7 @@ from edge_agent.rules import Declined, Outlook, Placement
 from edge_agent.tally import Tally
 
 NOT_WANTED = "the job was concluded meanwhile"
+PASSED = "the job's deadline passed"
 Notice = ev.Returned | ev.WorkerLost | ev.DeadLettered  # what a worker or the broker says of a job
 E = TypeVar("E", bound=Event)
 # The events whose rules read the outlook; for the others the shell need not work it out
@@ -232,7 +233,7 @@ def _accepted(life: Life, event: ev.Accepted, now: float, o: Outlook) -> Move:
         return _route(life, now, o, ev.Ack())
     late = rules.expiry_reason(life.deadline, now)
     if late is not None:
-        return _expire(life, late, ev.Ack(), *_drop_ahead(life, "the job's deadline passed"))
+        return _expire(life, late, ev.Ack(), *_drop_ahead(life, PASSED))
     if life.early:
         assert isinstance(life.ahead, Placement)
         return _placed(life, life.ahead, now, o, ev.Ack(), ev.Rehandle())
@@ -252,6 +253,8 @@ def _answered_ahead(life: Life, event: ev.Answered, now: float, o: Outlook) -> M
     if event.attempt != life.asking or life.ahead is not None:
         return _answered_late(life, event, now, o)
     if isinstance(event.answer, Placement):  # sent at once: the commit is off the job's path
+        if rules.expiry_reason(life.deadline, now) is not None:  # kept: the acceptance expires
+            return _move(life._replace(ahead=event.answer))  # the job and hands it back
         sent = ev.Count(Tally.SENT_BEFORE_COMMIT)
         return _move(life._replace(ahead=event.answer, early=True), ev.Send(1, event.answer), sent)
     return _move(life._replace(ahead=event.answer))
@@ -261,6 +264,10 @@ def _answered(life: Life, event: ev.Answered, now: float, o: Outlook) -> Move:
     if event.attempt != life.asking:
         return _answered_late(life, event, now, o)
     if isinstance(event.answer, Placement):
+        late = rules.expiry_reason(life.deadline, now)
+        if late is not None:  # the worker would refuse it on arrival: neither sealed nor sent
+            give_back = ev.Release(event.attempt, event.answer.worker_id, PASSED)
+            return _expire(life._replace(asking=0), late, give_back)
         return _placed(life, event.answer, now, o, ev.Send(event.attempt, event.answer))
     return _not_placed(life, event.answer, o)
 

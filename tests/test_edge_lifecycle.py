@@ -180,6 +180,22 @@ ROWS: list[tuple[str, Life, ev.Event, Outlook, str, list[str]]] = [
         ["Send", "Count"],
     ),
     (
+        "placed ahead after the deadline: kept, not sent",
+        admitting(asking=1, deadline=NOW - 0.01),
+        ev.Answered(1, PLACED),
+        QUIET,
+        "admitting",
+        [],
+    ),
+    (
+        "accepted, kept placement past its deadline: expired, handed back",
+        admitting(asking=1, ahead=PLACED, deadline=NOW - 0.01),
+        ev.Accepted(),
+        QUIET,
+        "finishing",
+        ["Ack", "Release", "ConcludeHere"],
+    ),
+    (
         "known: early work's returns discarded",
         admitting(asking=1, ahead=PLACED, early=True),
         ev.AcceptKnown(),
@@ -218,6 +234,14 @@ ROWS: list[tuple[str, Life, ev.Event, Outlook, str, list[str]]] = [
         QUIET,
         "offloaded",
         ["RecordAttempt", "Send"],
+    ),
+    (
+        "placed after the deadline: handed back, not sent, expired",
+        Life("j1", NOW - 0.01, "offering", asking=1),
+        ev.Answered(1, PLACED),
+        QUIET,
+        "finishing",
+        ["Release", "ConcludeHere"],
     ),
     (
         "answer for an old attempt: handed back",
@@ -397,6 +421,20 @@ def test_expiry_has_one_reason_text() -> None:
         "the deadline passed 250 ms ago, before the job could start; not run"
     ]
     assert before.phase == "finishing"
+
+
+def test_a_placement_that_comes_after_the_deadline_goes_back_saying_why() -> None:
+    # The worker would refuse the job on arrival (center_pool.intake: "expired"): the
+    # edge neither seals nor sends it, and the broker frees the worker's room at once.
+    moved, effects = transition(
+        Life("j1", NOW - 0.04, "offering", asking=2), ev.Answered(2, PLACED), NOW, QUIET
+    )
+    assert ev.Release(2, "w1", "the job's deadline passed") in effects
+    assert not any(isinstance(e, ev.Send) for e in effects)
+    assert [(e.status, e.reason) for e in effects if isinstance(e, ev.ConcludeHere)] == [
+        ("expired", "the deadline passed 40 ms ago, before the job could start; not run")
+    ]
+    assert (moved.asking, moved.phase) == (0, "finishing")
 
 
 def test_a_stranger_is_told_apart_only_while_the_worker_is_known() -> None:
