@@ -1,14 +1,15 @@
 """How the broker calls Redis from its loops: a round trip of commands packed by hiredis
-and written on one of the client's connections, Lua scripts among them by their sha, and
-a guard against cancellations that redis-py loses.
+and written on the client's pipelined lane, Lua scripts among them by their sha, and a
+guard against cancellations that redis-py loses.
 
 redis-py's pipeline builds a Python object per command, packs each in Python and runs
 each reply through a callback: about 0.1 ms of CPU a round trip, where the broker makes
 two or three a placement. :func:`execute` packs the commands with hiredis (redis-py's own
-C parser, already installed beside it) and reads the replies as the connection parses
-them, on a connection of the client's pool: the pool still makes the connection (TLS, a
-Sentinel's master, the login, the database), and the client's retry policy still covers a
-lost connection (the whole round trip is sent again). When Redis answers NOSCRIPT (it
+C parser, already installed beside it) and sends them on the client's lane
+(:mod:`sluicegate.redis_lane`: one kept connection of the client's pool, which still makes
+it: TLS, a Sentinel's master, the login, the database), whose replies hiredis parses as
+they arrive; the client's retry policy still covers a lost connection, a timeout or a moved
+master (the whole round trip is sent again). When Redis answers NOSCRIPT (it
 restarted, or its script cache was flushed) :func:`execute` loads the scripts and sends the
 round trip once more. Every script and every command sent this way must therefore be safe
 to run twice. Replies come as Redis gives them (no redis-py callbacks: ``OK``, not True).
@@ -103,4 +104,4 @@ async def execute(
 
 
 async def _lost(error: Exception) -> None:
-    """Between retries: the connection disconnected itself when it failed."""
+    """Between retries: the lane gave its connection up when it failed."""

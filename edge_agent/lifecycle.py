@@ -253,8 +253,9 @@ def _answered_ahead(life: Life, event: ev.Answered, now: float, o: Outlook) -> M
     if event.attempt != life.asking or life.ahead is not None:
         return _answered_late(life, event, now, o)
     if isinstance(event.answer, Placement):  # sent at once: the commit is off the job's path
-        if rules.expiry_reason(life.deadline, now) is not None:  # kept: the acceptance expires
-            return _move(life._replace(ahead=event.answer))  # the job and hands it back
+        # Past its deadline: kept unsent; the acceptance expires the job and hands it back.
+        if rules.expiry_reason(life.deadline, now) is not None:
+            return _move(life._replace(ahead=event.answer))
         sent = ev.Count(Tally.SENT_BEFORE_COMMIT)
         return _move(life._replace(ahead=event.answer, early=True), ev.Send(1, event.answer), sent)
     return _move(life._replace(ahead=event.answer))
