@@ -15,10 +15,12 @@ run first times the models on each kind of node, the edges' under that cap
 (``LocalCampus.calibrate``: what ``sluicegate models bench`` does on a node at install), and
 gives the nodes the figures as their service-time priors. Attainment
 counts jobs answered ``ok`` within their deadline of submission, as the vision app sees it;
-it is given overall and per kind of job. ``cpu`` is how busy the machine's cores were while
-the run streamed: every node, Mosquitto, Redis and the apps share them; ``CPU per job`` is
-what each part of the campus spent while the run streamed (``/proc``), per job answered,
-and how many cores the burst's arrival rate needs at that cost. The models' own CPU a job
+it is given overall and per kind of job, with the jobs the workers refused on arrival, by
+code (their ``/metrics``: ``expired``, work that went out too late). ``cpu`` is how busy
+the machine's cores were while the run streamed: every node, Mosquitto, Redis and the
+apps share them; ``CPU per job`` is what each part of the campus spent while the run
+streamed (``/proc``), per job answered, and how many cores the burst's arrival rate needs
+at that cost. The models' own CPU a job
 is each kind's model timed on the stream's own images, one at a time on this process's idle
 thread before the runs; beside it, what the nodes' model threads (``sg-infer``,
 ``sg-pool``) used in the run, and every other thread: the machinery. After each offload
@@ -44,8 +46,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
 from bench import bare_chain, campus_args, stats  # noqa: E402
-from sluicegate.app.broker_http import get_json  # noqa: E402
+from sluicegate.app.broker_http import get, get_json  # noqa: E402
 from sluicegate.app.campus import LINES  # noqa: E402
 from sluicegate.app.localcampus import (  # noqa: E402
     ROLE,
@@ -60,12 +64,20 @@ from sluicegate.vision.runtime import ModelRegistry, default_models_dir  # noqa:
 # Attainment with offload, both rounds; and the campus's CPU a job answered beyond the
 # models' own (issue 35).
 TARGET = {"attainment": 0.99, "beyond_models_ms": 3.0}
-# A run: the apps' tally, the edges' figures, the machine's busy share, CPU ms a job by part,
+# A run: the apps' tally, the edges' figures, the jobs the workers refused on arrival by
+# code, the machine's busy share, CPU ms a job by part,
 # the models' own ms a job (each kind's, on an idle thread), and the ms a job the nodes'
 # model threads used in the run, by role; with offload, the floor beside it (the same jobs
 # through the bare chain, on the same Mosquitto and Redis).
 Run = tuple[
-    Tally, dict[str, Any], float, dict[str, float], float, dict[str, float], bare_chain.Floor | None
+    Tally,
+    dict[str, Any],
+    dict[str, int],
+    float,
+    dict[str, float],
+    float,
+    dict[str, float],
+    bare_chain.Floor | None,
 ]
 nan = float("nan")
 
@@ -81,6 +93,24 @@ def edge_predictions(http_port: int, token: str) -> dict[str, Any]:
         }
         for e in fleet["edges"]
     }
+
+
+def workers_refused(campus: LocalCampus) -> dict[str, int]:
+    """The jobs the campus's workers refused on arrival, by code, summed over the workers
+    (their ``/metrics``): an offloaded job that comes ``expired`` went out too late."""
+    refused: dict[str, int] = {}
+    for node, url in campus.metrics_urls().items():
+        if ROLE[node] != "pool":
+            continue
+        status, body = get(url, None, timeout=5)
+        if status != 200:
+            raise SystemExit(f"{node}'s /metrics answered {status}")
+        for family in text_string_to_metric_families(body.decode()):
+            for sample in family.samples:
+                if sample.name == "sluicegate_worker_refused_total":
+                    code = sample.labels["code"]
+                    refused[code] = refused.get(code, 0) + int(sample.value)
+    return refused
 
 
 def cpu_ticks() -> tuple[int, int]:
@@ -173,6 +203,7 @@ def one_run(
                     )
                 )
                 edges = edge_predictions(campus.http_port, files.console_token("viewer"))
+                refused = workers_refused(campus)
                 after, used_after = cpu_ticks(), cpu_by_role(campus, servers)
                 ran_after = compute_s(campus)
                 cpu_busy = (after[0] - before[0]) / max(after[1] - before[1], 1)
@@ -193,11 +224,11 @@ def one_run(
         ran = {k: 1000.0 * (ran_after[k] - ran_before[k]) / jobs for k in ran_after}
         # the models of the jobs that ran (an expired job is answered without its model)
         models = sum(tally.by_kind[k.name].ok * own_ms.get(k.name, 0.0) for k in KINDS)
-        return tally, edges, cpu_busy, per_job, models / jobs, ran, floor
+        return tally, edges, refused, cpu_busy, per_job, models / jobs, ran, floor
 
 
 def summary(run: Run) -> dict[str, Any]:
-    t, edges, cpu_busy, per_job, models_ms, ran_ms, floor = run
+    t, edges, refused, cpu_busy, per_job, models_ms, ran_ms, floor = run
     lat = list(t.latencies_ms)
     answered = max(t.answered, 1)
     return {
@@ -220,6 +251,7 @@ def summary(run: Run) -> dict[str, Any]:
         "statuses": dict(t.statuses),
         "where": dict(t.where),
         "edges": edges,
+        "workers_refused": refused,
         "cpu_busy": cpu_busy,
         "cpu_ms_per_job": per_job,
         # the jobs' models at their own time a job (the stream's images, an idle thread)
@@ -284,6 +316,8 @@ def main() -> None:
                     f"{p['p90_ms']:.1f} bias {p['bias_ms']:+.1f} ms over {p['n']} jobs run "
                     f"here; rescued {seen['rescues']}"
                 )
+            if s["offloaded"]:
+                print(f"{'':24}  the workers refused on arrival: {s['workers_refused'] or 'none'}")
             cost = s["cpu_ms_per_job"]
             burst_rate = args.rate * (10 + len(LINES) - 1)
             print(
