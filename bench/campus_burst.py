@@ -202,11 +202,12 @@ def one_run(
                         label_every=args.label_every,
                     )
                 )
-                edges = edge_predictions(campus.http_port, files.console_token("viewer"))
-                refused = workers_refused(campus)
                 after, used_after = cpu_ticks(), cpu_by_role(campus, servers)
                 ran_after = compute_s(campus)
                 cpu_busy = (after[0] - before[0]) / max(after[1] - before[1], 1)
+                # read once the CPU is: rendering /fleet and /metrics is not the jobs' cost
+                edges = edge_predictions(campus.http_port, files.console_token("viewer"))
+                refused = workers_refused(campus)
             finally:
                 campus.stop()
             if offload:  # the same jobs, offloaded as often, through the bare chain

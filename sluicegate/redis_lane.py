@@ -145,8 +145,9 @@ class Lane:
         replies = await proto.send(packed, count)
         for reply in replies:
             if isinstance(reply, ReadOnlyError):  # a demoted master: find the new one
-                proto.lose(RedisConnectionError("Redis answered READONLY: not the master"))
-                raise RedisConnectionError("Redis answered READONLY: not the master")
+                demoted = RedisConnectionError("Redis answered READONLY: not the master")
+                proto.lose(demoted)
+                raise demoted
         return replies
 
     async def _open(self) -> _LaneProtocol:
