@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from broker.core import service_rules
 from broker.core.decision import Decision, Placed
+from broker.core.demand import WANTED
 from broker.core.fleet import Fleet
 from broker.core.params import ServiceParams
 from broker.core.sealing import SealUnavailable, advertised_key, seal_binding
@@ -61,6 +62,8 @@ class Answers:
         self._clock = clock
         self._decided = {s: metrics.decisions.labels(s) for s in ("placed", "refused")}
         self.placed_by_pool: Counter[str] = Counter()  # grants since the last tick, per pool
+        # Refusals for want of a worker since the last tick, by (data class, origin zone).
+        self.turned_away: Counter[tuple[str, str]] = Counter()
         # Sister campuses' asks answered here: (peer, "placed" or the refusal's code).
         self.for_peers: Counter[tuple[str, str]] = Counter()
         self._pools: tuple[bytes, dict[str, str]] = (b"", {})  # policy digest, worker -> pool
@@ -168,6 +171,8 @@ class Answers:
             broker_id=self._settings.id,
         )
         self._metrics.refusals.labels(code).inc()
+        if code in WANTED:
+            self.turned_away[item.request.data_class, item.request.origin_zone] += 1
         self._finish(item, decision, reply)
 
     def _finish(self, item: Pending, decision: Decision | None, reply: PlacementReply) -> None:

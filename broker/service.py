@@ -35,7 +35,12 @@ from broker.answers import Answers
 from broker.core import service_rules
 from broker.core.batch import NO_POLICY, decide_turn, settle
 from broker.core.decision import Decision
-from broker.core.demand import PoolDemand, announced_per_pool, pool_demand
+from broker.core.demand import (
+    PoolDemand,
+    announced_per_pool,
+    fold_arrivals,
+    pool_demand,
+)
 from broker.core.fleet import Fleet
 from broker.core.identity import IdentityRefusal
 from broker.core.params import FleetParams, PlacementParams, ServiceParams
@@ -129,7 +134,9 @@ class Broker:
             give_up=lambda item, reason: self.answers.refuse(item, None, "no_capacity", reason),
             gauge=self.metrics.waiting.set,
         )
-        self.arrivals: dict[str, float] = {}  # jobs/s placed per pool (moving average)
+        self.arrivals: dict[
+            str, float
+        ] = {}  # jobs/s placed on or refused for each pool (moving average)
         self.announced = Announced(policy)  # the lines' announced work, as their edges say
         # Sister campuses: our halves and summaries out, theirs in (beside the policy file).
         halves = settings.policy_file.parent if settings.policy_file is not None else None
@@ -409,11 +416,16 @@ class Broker:
         while True:
             await asyncio.sleep(min(interval, 1.0))  # silent workers: the reaper's sweep
             tick = min(interval, 1.0)
-            for pool in set(self.arrivals) | set(self.answers.placed_by_pool):
-                rate = self.answers.placed_by_pool.get(pool, 0) / tick
-                previous = self.arrivals.get(pool)
-                self.arrivals[pool] = service_rules.arrivals(previous, rate, self.service_params)
+            self.arrivals = fold_arrivals(
+                self.arrivals,
+                self.answers.placed_by_pool,
+                self.answers.turned_away,
+                self._policy(),
+                tick,
+                self.service_params,
+            )
             self.answers.placed_by_pool.clear()
+            self.answers.turned_away.clear()
             self.store.flush_nodes()
 
     # -- lifecycle -----------------------------------------------------------------------------

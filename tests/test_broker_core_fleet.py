@@ -9,16 +9,17 @@ import math
 import pytest
 
 from broker.core.decision import Placed
-from broker.core.demand import pool_demand
+from broker.core.demand import fold_arrivals, pool_demand, turned_away_per_pool
 from broker.core.fleet import Fleet
 from broker.core.forecast import forecast, predict, trend
-from broker.core.params import FleetParams, PlacementParams
+from broker.core.params import FleetParams, PlacementParams, ServiceParams
 from broker.core.placement import decide
 from broker.core.service_model import ServiceModel
 from broker.core.state import TelemetrySample
 from broker.errors import InvalidParams, UnknownWorker
 from sluicegate.config import BrokerSettings
 from sluicegate.vision.manifest import Requirements
+from tests.policies.policy_testkit import base_doc, policy_of
 from tests.test_broker_core_kit import (
     NDC,
     NOW,
@@ -313,3 +314,33 @@ def test_pool_demand_compares_arrivals_and_backlog_with_capacity() -> None:
     assert busy.desired_workers == 1  # npu-1 would serve 2 jobs per 50 ms
     with pytest.raises(InvalidParams):
         pool_demand(fleet, policy, arrivals_per_s={}, target_utilisation=0.0)
+
+
+def test_requests_turned_away_for_want_of_a_worker_wake_the_pools_they_could_reach() -> None:
+    policy = policy_of(base_doc())  # wafers stay on campus; OCR crops may also go off site
+    line = "campus/fab-north/line-1"
+    turned_away = {
+        ("wafer-image", line): 4,  # north-dc and south-dc: 2 each
+        ("ocr-crop", line): 3,  # both data centres and the cloud: 1 each
+        ("wafer-image", "offsite/nowhere"): 5,  # may go nowhere: counts for nothing
+    }
+    assert turned_away_per_pool(turned_away, policy) == pytest.approx(
+        {"north-dc": 3.0, "south-dc": 3.0, "cloud": 1.0}
+    )
+    fleet = Fleet(FleetParams(), {}, policy)  # every pool scaled to zero
+    assert all(d.desired_workers == 0 for d in pool_demand(fleet, policy, arrivals_per_s={}))
+    params = ServiceParams()
+    wafers = {("wafer-image", line): 4}
+    arrivals = fold_arrivals({}, {}, wafers, policy, 1.0, params)
+    assert arrivals == pytest.approx({"north-dc": 2.0, "south-dc": 2.0})
+    desired = {
+        d.pool: d.desired_workers for d in pool_demand(fleet, policy, arrivals_per_s=arrivals)
+    }
+    assert desired == {"north-dc": 1, "south-dc": 1, "cloud": 0}  # off site never wakes for wafers
+    # Placements count as before, beside the refusals; a quiet tick lets the rate decay.
+    both = fold_arrivals(arrivals, {"cloud": 3}, wafers, policy, 1.0, params)
+    assert both["cloud"] == pytest.approx(3.0)
+    assert both["north-dc"] == pytest.approx(2.0)
+    quiet = fold_arrivals(both, {}, {}, policy, 1.0, params)
+    assert 0.0 < quiet["north-dc"] < both["north-dc"]
+    assert fold_arrivals({}, {}, wafers, None, 1.0, params) == {}  # no policy: no pools

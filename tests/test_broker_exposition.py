@@ -8,6 +8,7 @@ must match the stream in Redis. The restart test runs ``sluicegate broker run`` 
 process, stops it and starts it again: until a worker reports to the new process, the pool's
 ``sluicegate_pool_signal_age_seconds`` is ``+Inf`` while its desired workers read 0, which
 is why the documented autoscaler query holds the last fresh value (docs/observability.md).
+A pool with no worker running is asked for by the requests refused for want of one.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -328,3 +330,30 @@ def _signal(port: int, *, fresh: bool) -> tuple[float, float] | None:
     if not all(there) or (fresh and (math.isinf(age) or desired < 1)):
         return None
     return age, desired
+
+
+def test_a_pool_scaled_to_zero_is_asked_for_by_the_requests_it_could_not_take(
+    tmp_path: Path, mosquitto: ServerProcess, fresh_redis_db: Callable[[], str]
+) -> None:
+    """No worker of the campus runs: each wafer image is refused ``no_worker``, and the
+    on-campus pool its class may reach reads a desired worker (the off-site one, which
+    wafers may not reach, none), so an autoscaler following the signal starts one."""
+    zero = write_campus(
+        tmp_path, key, mqtt_port=mosquitto.port, redis_url=fresh_redis_db(), secure=False
+    )
+    settings = load_settings(zero.node_config("broker-1"), broker={"http_port": free_port()})
+    port = settings.broker.http_port
+    on_campus, off_site = "campus-fab-north-dc", "offsite-cloud-east"
+    thread = ServiceThread(lambda stop: serve(settings, stop, connect_timeout=10)).start()
+    edge = PlainClient(mosquitto.port)
+    try:
+        wait_until(lambda: _ready(port), timeout=20)
+        assert total(metrics(port), DESIRED, pool=on_campus) == 0
+        edge.subscribe(topics.placement_replies(EDGE))
+        codes = {ask(edge).code for _ in range(5)}
+        assert codes == {"no_worker"}
+        wait_until(lambda: total(metrics(port), DESIRED, pool=on_campus) >= 1)
+        assert total(metrics(port), DESIRED, pool=off_site) == 0
+    finally:
+        edge.close()
+        thread.stop()

@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from sluicegate.app.twin_demo import demo_trace
+from sluicegate.twin.nodes import Change, Result
 from sluicegate.twin.sim import digest_of, replay
 from sluicegate.twin.trace import AnnouncedRecord, Trace, read, write
 from sluicegate.wire import Announced
@@ -71,3 +72,21 @@ def test_announced_records_survive_the_trace_file(tmp_path: Path) -> None:
     assert again == digest
     assert back.announced == told.announced
     assert back.announced[0].windows[0].reason == "recipe change"
+
+
+def test_a_burst_turned_away_for_want_of_a_worker_raises_the_signal_it_could_not_place() -> None:
+    trace = _trace()
+    gone = Change(fail=tuple((w.id, 1.0) for w in trace.header.workers))  # all lost at 1 s
+    lost, kept = replay(trace, gone), replay(trace)
+    assert lost.refusals.get("no_worker", 0) > 0
+
+    def peak(result: Result) -> dict[str, int]:
+        return {
+            pool: max(r.desired_workers for r in readings if r.at >= BURST_AT)
+            for pool, readings in result.signal.items()
+        }
+
+    # No worker was there to place the burst on, yet each pool the burst's images may reach is
+    # asked for, as much as when its workers were there to take them.
+    assert all(n >= 1 for n in peak(lost).values())
+    assert set(peak(lost)) == set(peak(kept))

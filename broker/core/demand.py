@@ -10,8 +10,10 @@ leads it: :func:`announced_per_pool` spreads each edge's announced overflow, fro
 time before its window until its end, over the pools its data class may reach from the
 edge's zone, and a pool's arrivals count as the larger of the measured and the announced
 rate, so the signal rises before the burst and the measured rate takes over once it is
-there. Pure: the shell passes the arrival rates it counted and the announcements it holds;
-this module only does arithmetic over the fleet; it never scales anything.
+there. Work turned away for want of a worker counts too (:func:`turned_away_per_pool`): a
+pool scaled to zero, or full, is still asked for, so the signal wakes it. Pure: the shell
+passes the arrival rates it counted, the refusals and the announcements it holds; this
+module only does arithmetic over the fleet; it never scales anything.
 """
 
 from __future__ import annotations
@@ -21,13 +23,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from broker.core import forecast as fc
+from broker.core import service_rules
 from broker.core.fleet import Fleet
+from broker.core.params import ServiceParams
 from broker.core.state import WorkerState
 from broker.errors import InvalidParams
 from policies.evaluate import allowed
 from policies.model import Policy
 from sluicegate.schedule import overflow_per_s
 from sluicegate.wire import EdgeSchedule
+
+# Refusals of work a worker would have taken had there been one free: demand on the pools.
+WANTED = frozenset({"no_worker", "no_capacity"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,13 +141,54 @@ def announced_per_pool(
             continue
         for window in doc.windows:
             extra = overflow_per_s((window,), now, lead_s)
-            if extra <= 0.0:
-                continue
-            pools = [
-                p.name
-                for p in policy.pools
-                if allowed(policy, window.data_class, edge.zone, p.zone).allowed
-            ]
-            for name in pools:
-                out[name] = out.get(name, 0.0) + extra / len(pools)
+            if extra > 0.0:
+                _spread(out, extra, _pools_for(policy, window.data_class, edge.zone))
     return out
+
+
+def fold_arrivals(
+    arrivals: Mapping[str, float],
+    placed: Mapping[str, int],
+    turned_away: Mapping[tuple[str, str], int],
+    policy: Policy | None,
+    interval_s: float,
+    params: ServiceParams,
+) -> dict[str, float]:
+    """Each pool's smoothed arrival rate after one tick of ``interval_s``: the placements
+    on it (``placed``, by pool) and its share of the requests turned away for want of a
+    worker (:func:`turned_away_per_pool`) over the tick, folded into ``arrivals``
+    (``service_rules.arrivals``). The broker's housekeeping and the twin's signal both tick
+    with it."""
+    asked: dict[str, float] = {pool: float(n) for pool, n in placed.items()}
+    if policy is not None:
+        for pool, n in turned_away_per_pool(turned_away, policy).items():
+            asked[pool] = asked.get(pool, 0.0) + n
+    return {
+        pool: service_rules.arrivals(arrivals.get(pool), asked.get(pool, 0.0) / interval_s, params)
+        for pool in set(arrivals) | set(asked)
+    }
+
+
+def turned_away_per_pool(
+    turned_away: Mapping[tuple[str, str], int], policy: Policy
+) -> dict[str, float]:
+    """The requests refused for want of a worker (``no_worker``, ``no_capacity``), counted
+    by (data class, origin zone), as demand on the pools they could have gone to: each split
+    evenly over the pools of the zones the policy lets its data class reach from its origin
+    (none: it counts for nothing). Whether a pool's workers would hold the model is not
+    known of a pool scaled to zero, so every such pool counts."""
+    out: dict[str, float] = {}
+    for (data_class, zone), n in turned_away.items():
+        _spread(out, float(n), _pools_for(policy, data_class, zone))
+    return out
+
+
+def _pools_for(policy: Policy, data_class: str, origin_zone: str) -> list[str]:
+    return [
+        p.name for p in policy.pools if allowed(policy, data_class, origin_zone, p.zone).allowed
+    ]
+
+
+def _spread(out: dict[str, float], amount: float, pools: list[str]) -> None:
+    for name in pools:
+        out[name] = out.get(name, 0.0) + amount / len(pools)

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from broker.core import service_rules
 from broker.core.batch import decide_turn, settle
+from broker.core.demand import WANTED
 from broker.core.fleet import Fleet
 from broker.core.mlfq import MLFQ
 from broker.core.mlfq import Waiting as WaitingJob
@@ -89,6 +90,8 @@ class SimBroker:
         self._edge_event = edge_event
         self.refusals: Counter[str] = Counter()
         self.placed_by_pool: Counter[str] = Counter()  # since the last tick (the signal's)
+        # Refused for want of a worker since the last tick, by (data class, origin zone).
+        self.turned_away: Counter[tuple[str, str]] = Counter()
         self._pool_of = {w: p.name for p in policy.pools for w in p.workers}
         self.violations = 0
         self.asked = 0  # placement requests the edges sent
@@ -197,6 +200,8 @@ class SimBroker:
 
     def _declined(self, now: float, asked: Asked, code: str, reason: str) -> None:
         self.refusals[code] += 1
+        if code in WANTED:
+            self.turned_away[asked.request.data_class, asked.request.origin_zone] += 1
         if asked.job.cancelled != asked.attempt and not asked.late:
             self._answer(now, asked, Declined(code, reason))
 

@@ -1,8 +1,9 @@
 """The scaling signal in a replay: what the broker's ``/metrics`` would have said each
 interval, computed by the broker's own code (``broker.core.demand``).
 
-Each tick, the placements the replay made on each pool over the interval fold into the
-smoothed arrival rate (``service_rules.arrivals``, as the broker's housekeeping does); the
+Each tick, the placements the replay made on each pool over the interval, and its share of
+the requests refused for want of a worker, fold into the smoothed arrival rate
+(``fold_arrivals``, as the broker's housekeeping does); the
 edges' books of announced work, replayed from the trace's ``announced`` records as the
 brokers read them from ``topics.edge_announced``, give the leading part
 (``announced_per_pool``, from ``[broker] announce_lead_s`` before each window); and
@@ -16,8 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from broker.core import service_rules
-from broker.core.demand import announced_per_pool, pool_demand
+from broker.core.demand import announced_per_pool, fold_arrivals, pool_demand
 from broker.core.fleet import Fleet
 from broker.core.params import ServiceParams
 from policies.model import Policy
@@ -61,15 +61,16 @@ class Signal:
         t0: float,
         interval: float,
         placed: Mapping[str, int],
+        turned_away: Mapping[tuple[str, str], int],
         fleet: Fleet,
         policy: Policy,
     ) -> None:
-        """The readings at ``now``, ``placed``: the placements per pool since the last."""
-        for pool in set(self.arrivals) | set(placed):
-            rate = placed.get(pool, 0) / interval
-            self.arrivals[pool] = service_rules.arrivals(
-                self.arrivals.get(pool), rate, self._params
-            )
+        """The readings at ``now``; ``placed``: the placements per pool since the last,
+        ``turned_away``: the requests refused for want of a worker, by (data class, origin
+        zone)."""
+        self.arrivals = fold_arrivals(
+            self.arrivals, placed, turned_away, policy, interval, self._params
+        )
         ahead = announced_per_pool(self.schedules.values(), policy, now, self.lead_s)
         at = round(now - t0, 3)
         for d in pool_demand(fleet, policy, arrivals_per_s=self.arrivals, announced_per_s=ahead):

@@ -234,9 +234,10 @@ class Simulation:
         broker = self.events.broker
         if len(broker.room):
             broker.room_look(now)
-        placed = broker.placed_by_pool
-        self.signal.tick(now, self.t0, self.interval, placed, self.fleet, self.policy)
+        placed, turned_away = broker.placed_by_pool, broker.turned_away
+        self.signal.tick(now, self.t0, self.interval, placed, turned_away, self.fleet, self.policy)
         placed.clear()
+        turned_away.clear()
         for e in self.edges.values():
             self._depth[e.spec.id].append((round(now - self.t0, 3), max(e.peak, e.held)))
             e.peak = e.held
