@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -52,17 +52,22 @@ def edge_share(args: argparse.Namespace) -> float | None:
 
 @contextlib.contextmanager
 def started_campus(
-    root: Path, redis_url: str, args: argparse.Namespace, env: Mapping[str, str] | None = None
+    root: Path,
+    redis_url: str,
+    args: argparse.Namespace,
+    env: Mapping[str, str] | None = None,
+    standby: Collection[str] = (),
 ) -> Iterator[LocalCampus]:
     """A fresh secured campus in ``root`` on ``redis_url``: written, its models timed on
     each kind of node (the line PCs under ``args.edge_cpu``), its Mosquitto and every node
-    started; stopped on the way out."""
+    but the ``standby`` workers started; stopped on the way out."""
     campus = LocalCampus(
         root,
         mqtt_port=free_port(),
         redis_url=redis_url,
         env=dict(env or {}),
         edge_cpu=args.edge_cpu,
+        standby=standby,
     )
     files = campus.write()
     campus.calibrate()

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from edge_agent.admission import results_topics
 from policies.model import Policy
 from sluicegate import topics, wire
-from sluicegate.schedule import Book, Refused
+from sluicegate.schedule import Book, Refused, local_rates
 from sluicegate.transport import Message, Transport
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ class Schedule:
 
     def report(self, now: float) -> wire.EdgeSchedule:
         """The book as the brokers are told it."""
+        live = self.book.live(now)
         windows = [
             wire.Announced(
                 announcement_id=a.announcement_id,
@@ -78,10 +79,10 @@ class Schedule:
                 rate_per_s=a.rate_per_s,
                 model=a.model,
                 data_class=a.data_class,
-                local_per_s=round(self._local_per_s(a.model), 3),
+                local_per_s=round(local, 3),
                 reason=a.reason,
             )
-            for a in self.book.live(now)
+            for a, local in zip(live, local_rates(live, self._local_per_s), strict=True)
         ]
         return wire.EdgeSchedule(node=self._edge_id, zone=self._zone, ts=now, windows=windows)
 

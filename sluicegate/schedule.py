@@ -5,7 +5,8 @@ A line's work is often known before it arrives: a shift change, a batch start, a
 that doubles the camera rate. An app announces it to its edge (``wire.Announcement`` on
 ``topics.edge_schedule``; the ACL lets only the apps of that edge write there); the edge
 checks it (:func:`check`), keeps it in its :class:`Book` and reports the book whole, each
-window with the images a second the edge can run of it itself (``wire.EdgeSchedule``). The
+window with the images a second the edge can run of it itself, its slots shared among the
+windows that overlap (:func:`local_rates`; ``wire.EdgeSchedule``). The
 brokers read those reports as the leading part of their demand signal
 (:func:`overflow_per_s`: what a window will send past its edge). Pure: the clock comes in as
 ``now``; the edge's and the broker's shells carry the messages.
@@ -13,7 +14,7 @@ brokers read those reports as the leading part of their demand signal
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from sluicegate.wire import Announced, Announcement
@@ -94,6 +95,29 @@ class Book:
     def _prune(self, now: float) -> None:
         for key in [k for k, a in self._windows.items() if a.ends_at <= now]:
             del self._windows[key]
+
+
+def local_rates(windows: Sequence[Announcement], capacity: Callable[[str], float]) -> list[float]:
+    """The images a second of each window its edge runs itself, given ``capacity``: the
+    images a second of a model the edge runs when busy with it alone (0: not timed yet).
+    Windows that overlap in time share the edge's slots: when the windows overlapping one
+    ask for more than the slots hold (the sum of each one's rate over its model's capacity
+    exceeds 1), each runs that share of its own rate, and the rest goes past the edge; when
+    they fit, each is credited its model's whole capacity. An untimed model runs nothing
+    here and is not counted against the others."""
+    caps = [capacity(w.model) for w in windows]
+    out = []
+    for w, cap in zip(windows, caps, strict=True):
+        if cap <= 0.0:
+            out.append(0.0)
+            continue
+        load = sum(
+            v.rate_per_s / c
+            for v, c in zip(windows, caps, strict=True)
+            if c > 0.0 and v.starts_at < w.ends_at and w.starts_at < v.ends_at
+        )
+        out.append(cap if load <= 1.0 else w.rate_per_s / load)
+    return out
 
 
 def overflow_per_s(windows: Iterable[Announced], now: float, lead_s: float) -> float:

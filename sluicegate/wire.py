@@ -181,7 +181,9 @@ class AnnouncementReply(_Wire):
 
 class Announced(_Wire):
     """One accepted announcement as its edge reports it, with the images a second the edge
-    expects to run of it itself (its compute slots over its service time for the model)."""
+    expects to run of it itself (its compute slots over its service time for the model,
+    shared with the windows that overlap it when together they ask for more:
+    ``sluicegate.schedule.local_rates``)."""
 
     announcement_id: str
     starts_at: float

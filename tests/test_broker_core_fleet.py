@@ -343,4 +343,8 @@ def test_requests_turned_away_for_want_of_a_worker_wake_the_pools_they_could_rea
     assert both["north-dc"] == pytest.approx(2.0)
     quiet = fold_arrivals(both, {}, {}, policy, 1.0, params)
     assert 0.0 < quiet["north-dc"] < both["north-dc"]
+    for _ in range(20):  # a long quiet: the rate falls under a job a minute, no worker wanted
+        quiet = fold_arrivals(quiet, {}, {}, policy, 1.0, params)
+    assert 0.0 < quiet["north-dc"] < 1.0 / 60.0
+    assert all(d.desired_workers == 0 for d in pool_demand(fleet, policy, arrivals_per_s=quiet))
     assert fold_arrivals({}, {}, wafers, None, 1.0, params) == {}  # no policy: no pools

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from broker.core.demand import announced_per_pool, pool_demand
 from broker.core.fleet import Fleet
 from broker.core.params import FleetParams
-from sluicegate.schedule import MAX_WINDOWS, Book, overflow_per_s
+from sluicegate.schedule import MAX_WINDOWS, Book, local_rates, overflow_per_s
 from sluicegate.wire import Announced, Announcement, EdgeSchedule
 from tests.policies.policy_testkit import base_doc, policy_of
 
@@ -140,3 +140,18 @@ def test_a_book_of_more_windows_than_any_edge_keeps_is_refused_at_the_wire() -> 
     many = [_window(announcement_id=f"a{i}") for i in range(65)]
     with pytest.raises(ValidationError):
         EdgeSchedule(node="n", zone="z", ts=NOW, windows=many)
+
+
+def test_windows_that_overlap_share_the_edge_s_slots() -> None:
+    capacity = {"defect-v1": 100.0, "ocr-v1": 10.0, "new-v1": 0.0}.__getitem__
+    alone = [_a()]  # 100/s of defect-v1, which the edge runs at 100/s: all of it here
+    assert local_rates(alone, capacity) == [100.0]
+    # With 10/s of OCR over the same minute the two ask for 1 + 1 = twice the slots: each
+    # runs half its rate here, the rest goes to the pools.
+    both = [_a(), _a(announcement_id="labels", model="ocr-v1", rate_per_s=10.0)]
+    assert local_rates(both, capacity) == pytest.approx([50.0, 5.0])
+    later = _a(announcement_id="later", model="ocr-v1", rate_per_s=10.0, starts_at=NOW + 90)
+    later = later.model_copy(update={"ends_at": NOW + 120})
+    assert local_rates([_a(), later], capacity) == [100.0, 10.0]  # no overlap: no sharing
+    untimed = _a(announcement_id="new", model="new-v1")
+    assert local_rates([_a(), untimed], capacity) == [100.0, 0.0]

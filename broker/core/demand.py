@@ -35,6 +35,9 @@ from sluicegate.wire import EdgeSchedule
 
 # Refusals of work a worker would have taken had there been one free: demand on the pools.
 WANTED = frozenset({"no_worker", "no_capacity"})
+# Demand under a job a minute asks for no worker: a smoothed rate decays toward zero without
+# reaching it, and one request long ago would otherwise hold a pool at a worker for ever.
+IDLE_JOBS_S = 1.0 / 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +103,7 @@ def pool_demand(
         demand = arriving + (expected / horizon if horizon > 0 else 0.0)
         known = [r for s in states if (r := worker_rate(fleet, s)) > 0.0]
         per_worker = sum(known) / len(known) if known else 0.0
-        if demand <= 0.0:
+        if demand < IDLE_JOBS_S:
             desired = 0
         elif per_worker > 0.0:
             desired = math.ceil(demand / (per_worker * target_utilisation))

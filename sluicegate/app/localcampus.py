@@ -84,6 +84,7 @@ class LocalCampus:
         fab: str = FAB,
         peers: str = "",
         also_confidential: Collection[str] = (),
+        standby: Collection[str] = (),
     ) -> None:
         """``edge_cpu``: emulate line PCs with a modest inference budget by capping each
         edge agent's compute threads to this share of one core (a CPU cgroup, which leaves
@@ -95,10 +96,14 @@ class LocalCampus:
         MQTT, for debugging only. ``apps``: the vision apps its policy lists (default
         :data:`~sluicegate.app.campus.APPS`). ``campus``, ``fab``, ``peers``: its name, the
         zone its lines are under and its ``[peers]`` tables; ``also_confidential``: classes
-        besides wafer images that travel only sealed (``write_campus``)."""
+        besides wafer images that travel only sealed (``write_campus``). ``standby``: pool
+        workers written, listed and given their ports but not started by :meth:`start`;
+        :meth:`spawn` starts one when a scaler wants it."""
         unknown = set(nodes or ()) - set(ROLE)
         if unknown:
             raise SluicegateError(f"unknown nodes {sorted(unknown)}; known: {', '.join(ROLE)}")
+        if any(ROLE.get(node) != "pool" for node in standby):
+            raise SluicegateError(f"standby nodes must be pool workers, not {sorted(standby)}")
         unknown = set(servers or {}) - set(SERVERS)
         if unknown:
             raise SluicegateError(f"unknown servers {sorted(unknown)}; known: mosquitto, redis")
@@ -112,6 +117,7 @@ class LocalCampus:
         self._edge_cpu = edge_cpu
         self._cgroups: dict[int, Path] = {}  # edge pid -> its CPU cgroup
         self._nodes = [node for node in ROLE if nodes is None or node in nodes]
+        self.standby = frozenset(standby)
         self.servers: dict[str, ServerProcess] = dict(servers or {})
         self.campus: Campus | None = None
         self.secure = secure
@@ -151,12 +157,13 @@ class LocalCampus:
         return {n: f"http://127.0.0.1:{port}/metrics" for n, port in self.metrics_ports.items()}
 
     def start(self, timeout: float = 60.0) -> Campus:
-        """Write the campus if not yet written, start every node, return once all are
-        online."""
+        """Write the campus if not yet written, start every node but the standby workers,
+        return once all are online."""
         campus = self.write()
-        for node in self.nodes:
+        started = [node for node in self.nodes if node not in self.standby]
+        for node in started:
             self.spawn(node)
-        asyncio.run(self._wait_online(self.nodes, timeout))
+        asyncio.run(self._wait_online(started, timeout))
         self._cap_edges()  # an edge is online once its compute threads exist
         return campus
 

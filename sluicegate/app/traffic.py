@@ -21,7 +21,7 @@ import contextlib
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -222,17 +222,21 @@ async def stream(
     burst_for: float = 10.0,
     on_tick: Callable[[], None] = lambda: None,
     label_every: int = LABEL_EVERY,
+    apps: Mapping[str, AsyncClient] | None = None,
 ) -> None:
     """Steady ``rate`` per line; for ``burst_for`` seconds from ``burst_at``, line 1 bursts to
     ten times that, its camera station firing in volleys of 20 images. Returns once every
     job sent has its result (or its call timed out); ``on_tick`` runs after each send.
-    ``label_every``: one image in this many is a label (0: surface images only)."""
+    ``label_every``: one image in this many is a label (0: surface images only). ``apps``:
+    each line's app client, connected, for a caller that talks to the edges meanwhile (an
+    app's identity holds one connection); else the stream connects and closes its own."""
     rng = np.random.default_rng(SEED)
     pool = samples(rng, label_every=label_every)
     pending: set[asyncio.Task[None]] = set()
-    clients = {line: app_client(campus, line) for line in LINES}
-    for c in clients.values():
-        await c.connect()
+    clients = dict(apps) if apps is not None else {line: app_client(campus, line) for line in LINES}
+    if apps is None:
+        for c in clients.values():
+            await c.connect()
     try:
         start = time.monotonic()
         due = dict.fromkeys(LINES, start)
@@ -262,5 +266,6 @@ async def stream(
         tally.unmatched = sum(c.unmatched for c in clients.values())
         on_tick()
     finally:
-        for c in clients.values():
-            await c.close()
+        if apps is None:
+            for c in clients.values():
+                await c.close()
