@@ -57,6 +57,7 @@ from bench import campus_args, stats  # noqa: E402
 from bench.campus_args import Timed  # noqa: E402
 from policies import load_policy  # noqa: E402
 from sluicegate.app.broker_http import get  # noqa: E402
+from sluicegate.app.calibration import cpu_cap_available  # noqa: E402
 from sluicegate.app.campus import LINES, WORKERS  # noqa: E402
 from sluicegate.app.localcampus import LocalCampus  # noqa: E402
 from sluicegate.app.missed import summary  # noqa: E402
@@ -207,6 +208,7 @@ async def _drive(
         reads.append((now, signals))
         for worker in scaler.follow(desired, now):
             stopping.add(asyncio.ensure_future(asyncio.to_thread(campus.stop_node, worker)))
+        campus.cap()  # a worker just started: its model threads, once they exist
         await asyncio.wait([traffic], timeout=0.5)
     await traffic
     if announced:
@@ -235,7 +237,9 @@ def one_run(redis_port: int, db: int, args: argparse.Namespace, announced: bool)
     with tempfile.TemporaryDirectory(prefix="sg-announced-") as tmp:
         redis_url = f"redis://127.0.0.1:{redis_port}/{db}"
         standby = () if args.fixed else tuple(WORKERS)
-        with campus_args.started_campus(Path(tmp), redis_url, args, standby=standby) as campus:
+        with campus_args.started_campus(
+            Path(tmp), redis_url, args, standby=standby, worker_cpu=args.worker_cpu
+        ) as campus:
             scaler = Scaler(campus, args.cooldown)
             reads = asyncio.run(drive(campus, tally, args, announced, scaler))
     burst = tally.burst_began
@@ -291,12 +295,21 @@ def main() -> None:
     ap.add_argument(
         "--fixed", action="store_true", help="every worker up from the start, no scaler"
     )
+    ap.add_argument(
+        "--worker-cpu",
+        type=float,
+        default=0.25,
+        help="cap each worker's model threads to this share of one core, so that a worker "
+        "started brings capacity of its own, as a machine of its own would (0: uncapped)",
+    )
     ap.add_argument("--smoke", action="store_true", help="CI: a short lead, a short burst")
     args = ap.parse_args()
     if args.smoke:
         args.rate, args.burst, args.lead, args.first, args.settle = 3.0, 2.0, 4.0, 1.0, 1.0
         args.rounds = 1
     args.edge_cpu = campus_args.edge_share(args)
+    if not args.worker_cpu or not cpu_cap_available():
+        args.worker_cpu = None
     runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
     with running(start_redis()) as redis:
         for r in range(args.rounds):
@@ -306,7 +319,8 @@ def main() -> None:
         f"announced burst: line 1 at 10x for {args.burst:g} s, {args.settle + args.lead:g} s "
         f"into a stream "
         f"of {args.rate:g}/s per line, announced {args.lead:g} s ahead or not at all; edges "
-        f"capped at {args.edge_cpu or 1:.0%} of a core; workers "
+        f"capped at {args.edge_cpu or 1:.0%} of a core, workers at "
+        f"{args.worker_cpu or 1:.0%}; workers "
         f"{'up from the start' if args.fixed else 'started by a scaler following the signal'}"
         f"{'' if args.fixed else f' (cooldown {args.cooldown:g} s)'}; "
         f"{args.rounds} rounds, nproc {os.cpu_count()}"

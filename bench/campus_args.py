@@ -57,16 +57,19 @@ def started_campus(
     args: argparse.Namespace,
     env: Mapping[str, str] | None = None,
     standby: Collection[str] = (),
+    worker_cpu: float | None = None,
 ) -> Iterator[LocalCampus]:
     """A fresh secured campus in ``root`` on ``redis_url``: written, its models timed on
-    each kind of node (the line PCs under ``args.edge_cpu``), its Mosquitto and every node
-    but the ``standby`` workers started; stopped on the way out."""
+    each kind of node (the line PCs under ``args.edge_cpu``, the workers under
+    ``worker_cpu``), its Mosquitto and every node but the ``standby`` workers started;
+    stopped on the way out."""
     campus = LocalCampus(
         root,
         mqtt_port=free_port(),
         redis_url=redis_url,
         env=dict(env or {}),
         edge_cpu=args.edge_cpu,
+        worker_cpu=worker_cpu,
         standby=standby,
     )
     files = campus.write()

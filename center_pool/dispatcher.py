@@ -33,7 +33,7 @@ from sluicegate import wire
 from sluicegate.config import PoolSettings
 from sluicegate.metering.meter import Meter
 from sluicegate.metering.record import Usage
-from sluicegate.threads import POOL_COMPUTE, compute_pool
+from sluicegate.threads import POOL_COMPUTE, compute_pool, start_all
 from sluicegate.vision.image import PayloadLimits as Limits
 from sluicegate.vision.runtime import ModelRegistry
 
@@ -87,6 +87,12 @@ class Dispatcher:
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """The loop that outcomes come back to and timers run on."""
         self._loop = loop
+
+    async def start_threads(self) -> None:
+        """Make every compute thread now, so the first batches pay for none (and a host
+        that caps the model threads' CPU finds them all from the start)."""
+        threads = self._settings.concurrency
+        await asyncio.get_running_loop().run_in_executor(None, start_all, self._executor, threads)
 
     def cancel_timer(self) -> None:
         if self._timer is not None:

@@ -354,6 +354,7 @@ class PoolWorker:
     ) -> None:
         """Serve until ``stop`` is set, then finish what was admitted and go offline."""
         self.runs.bind(asyncio.get_running_loop())
+        await self.runs.start_threads()
         self._accepting = True
         tasks = [
             asyncio.create_task(self.audit.run(), name="audit writer"),

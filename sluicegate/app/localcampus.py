@@ -45,7 +45,7 @@ from sluicegate.app.campus import (
 from sluicegate.app.servers import ServerProcess, free_port, start_mosquitto
 from sluicegate.errors import SluicegateError
 from sluicegate.mqtt import MqttTransport
-from sluicegate.threads import EDGE_COMPUTE
+from sluicegate.threads import EDGE_COMPUTE, POOL_COMPUTE
 from sluicegate.transport import Message
 from sluicegate.vision.priors import Prior
 
@@ -75,6 +75,7 @@ class LocalCampus:
         env: dict[str, str] | None = None,
         log_level: str = "warning",
         edge_cpu: float | None = None,
+        worker_cpu: float | None = None,
         nodes: Collection[str] | None = None,
         node_env: Mapping[str, Mapping[str, str]] | None = None,
         servers: Mapping[str, ServerProcess] | None = None,
@@ -88,7 +89,9 @@ class LocalCampus:
     ) -> None:
         """``edge_cpu``: emulate line PCs with a modest inference budget by capping each
         edge agent's compute threads to this share of one core (a CPU cgroup, which leaves
-        its messaging threads alone); None runs them uncapped. ``nodes``: start only these
+        its messaging threads alone); None runs them uncapped. ``worker_cpu``: the same for
+        each pool worker's model threads, so that a worker added brings capacity of its own
+        as on a machine of its own (None: uncapped). ``nodes``: start only these
         (default: all of :data:`ROLE`). ``node_env``: extra environment for one node, e.g.
         ``{"line-1-pc": {"SLUICEGATE_MQTT__PORT": "..."}}`` to route it through a proxy.
         ``servers``: the ``mosquitto`` / ``redis`` processes the campus runs on, so that
@@ -115,6 +118,7 @@ class LocalCampus:
         self._node_env = {node: dict(extra) for node, extra in (node_env or {}).items()}
         self._log_level = log_level
         self._edge_cpu = edge_cpu
+        self._cpu = {"edge": edge_cpu, "pool": worker_cpu}  # each role's model threads' cap
         self._cgroups: dict[int, Path] = {}  # edge pid -> its CPU cgroup
         self._nodes = [node for node in ROLE if nodes is None or node in nodes]
         self.standby = frozenset(standby)
@@ -164,7 +168,7 @@ class LocalCampus:
         for node in started:
             self.spawn(node)
         asyncio.run(self._wait_online(started, timeout))
-        self._cap_edges()  # an edge is online once its compute threads exist
+        self.cap()  # a node is online once its compute threads exist
         return campus
 
     def spawn(self, node: str) -> subprocess.Popen[bytes]:
@@ -191,28 +195,31 @@ class LocalCampus:
 
     def calibrate(self, runs: int = 3) -> dict[str, list[Prior]]:
         """Before :meth:`start`: time the models as a plant engineer does on each node at
-        install (``sluicegate models bench``): the line PCs' under their CPU cap, the
-        workers' as they are; each role then serves from a models folder of its own holding
+        install (``sluicegate models bench``): each kind of node's under its CPU cap, if
+        any; each role then serves from a models folder of its own holding
         its figures as service-time priors (:func:`~sluicegate.app.calibration.calibrate`),
         so predictions start calibrated. Returns the figures by role."""
         found = {}
-        for role, share in (("edge", self._edge_cpu), ("pool", None)):
+        for role in ("edge", "pool"):
+            share = self._cpu[role]
             folder, found[role] = calibrate(self.root / f"{role}-models", share, runs=runs)
             self.models_dirs[role] = folder
         return found
 
-    def _cap_edges(self) -> None:
-        if self._edge_cpu is None:
-            return
+    def cap(self) -> None:
+        """Cap the model threads of each running edge and worker whose role has a cap, once
+        they exist (a node started a moment ago may not have them yet: call again)."""
         for node in self.nodes:
-            proc = self.processes.get(node)
-            if ROLE[node] != "edge" or proc is None or proc.poll() is not None:
+            share, proc = self._cpu.get(ROLE[node]), self.processes.get(node)
+            if share is None or proc is None or proc.poll() is not None:
                 continue
             if proc.pid in self._cgroups:
                 continue
-            threads = named_threads(proc.pid, EDGE_COMPUTE)
-            group = cap_cpu(threads, self._edge_cpu, f"sluicegate-{node}-{proc.pid}")
-            self._cgroups[proc.pid] = group
+            name = EDGE_COMPUTE if ROLE[node] == "edge" else POOL_COMPUTE
+            threads = named_threads(proc.pid, name)
+            if threads:
+                group = cap_cpu(threads, share, f"sluicegate-{node}-{proc.pid}")
+                self._cgroups[proc.pid] = group
 
     def pid(self, name: str) -> int | None:
         """The process id of a node or server now, or None when it is not running."""
@@ -268,8 +275,7 @@ class LocalCampus:
         else:
             self.stop_node(name)
         asyncio.run(self._respawn(name, timeout))
-        if ROLE[name] == "edge":
-            self._cap_edges()
+        self.cap()
 
     async def _respawn(self, node: str, timeout: float) -> None:
         # Subscribe first and count only a live (not retained) "online": the retained copy
