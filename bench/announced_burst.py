@@ -11,7 +11,10 @@ stream. In the announced run, line 1's vision app tells its edge of the burst ``
 ahead (``Client.announce``, one window per model, at the burst's rates; README, "Announcing
 work to come"); in the baseline nobody says a word.
 
-The campus's pool workers start on standby (``--fixed``: all running from the start): a
+The campus's pool workers start on standby (``--fixed``: all running from the start), each
+one's model threads capped at ``--worker-cpu`` of a core so that a worker started adds
+capacity as a machine of its own would (on one 2-core machine an uncapped worker only
+shares the same cores); a
 scaler in this bench plays KEDA, reading each pool's ``sluicegate_pool_desired_workers``
 from the broker's ``/metrics`` every half second, starting as many of the workers the
 policy lists for the pool, and stopping one once the pool has wanted fewer for
