@@ -14,15 +14,14 @@ work to come"); in the baseline nobody says a word.
 The campus's pool workers start on standby (``--fixed``: all running from the start), each
 one's model threads capped at ``--worker-cpu`` of a core so that a worker started adds
 capacity as a machine of its own would (on one 2-core machine an uncapped worker only
-shares the same cores); a
-scaler in this bench plays KEDA, reading each pool's ``sluicegate_pool_desired_workers``
-from the broker's ``/metrics`` every half second, starting as many of the workers the
-policy lists for the pool, and stopping one once the pool has wanted fewer for
-``--cooldown`` s. A pool is asked for by the work announced for it and by the requests the
-broker refused for want of a worker; a worker takes seconds from its start to its first
-placement (loading its models, joining), which an announcement can cover and a burst
-noticed as it arrives cannot. The ``--settle`` s before the announcement let a worker woken
-by the stream's first jobs go back to standby.
+shares the same cores). A scaler in this bench plays KEDA: it reads each pool's
+``sluicegate_pool_desired_workers`` from the broker's ``/metrics`` every half second,
+starts as many of the workers the policy lists for the pool, and stops one once the pool
+has wanted fewer for ``--cooldown`` s. A pool is asked for by the work announced for it
+and by the requests the broker refused for want of a worker; a worker takes seconds from
+its start to its first placement (loading its models, joining), which an announcement can
+cover and a burst noticed as it arrives cannot. The ``--settle`` s before the announcement
+let a worker woken by the stream's first jobs go back to standby.
 
 Printed per run: the attainment of the jobs submitted in each of the burst's first
 ``--first`` seconds and over them all, the whole burst's, where those jobs ran; and the
@@ -34,7 +33,7 @@ stopped each worker, relative to the burst's start. The target: more deadlines m
 the first seconds announced than not, the announced work counted in the signal before the
 burst, nothing lost. Nothing may be lost, and no wafer image may run off site.
 
-    .venv/bin/python bench/announced_burst.py               # about 6 minutes on 2 cores
+    .venv/bin/python bench/announced_burst.py               # about 9 minutes on 2 cores
     .venv/bin/python bench/announced_burst.py --fixed       # every worker up from the start
     .venv/bin/python bench/announced_burst.py --smoke       # CI: a short lead, a short burst
 """

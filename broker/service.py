@@ -134,9 +134,8 @@ class Broker:
             give_up=lambda item, reason: self.answers.refuse(item, None, "no_capacity", reason),
             gauge=self.metrics.waiting.set,
         )
-        self.arrivals: dict[
-            str, float
-        ] = {}  # jobs/s placed on or refused for each pool (moving average)
+        # Jobs/s placed on each pool, or refused for want of its workers (moving average).
+        self.arrivals: dict[str, float] = {}
         self.announced = Announced(policy)  # the lines' announced work, as their edges say
         # Sister campuses: our halves and summaries out, theirs in (beside the policy file).
         halves = settings.policy_file.parent if settings.policy_file is not None else None
