@@ -53,12 +53,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
 from bench import campus_args, stats  # noqa: E402
 from bench.campus_args import Timed  # noqa: E402
 from policies import load_policy  # noqa: E402
-from sluicegate.app.broker_http import get  # noqa: E402
 from sluicegate.app.calibration import cpu_cap_available  # noqa: E402
 from sluicegate.app.campus import LINES, WORKERS  # noqa: E402
 from sluicegate.app.localcampus import LocalCampus  # noqa: E402
@@ -85,16 +82,12 @@ SIGNALS = (
 def scrape(url: str) -> tuple[dict[str, float], dict[str, int]]:
     """From one read of ``/metrics``: each scaling signal summed over the pools, and each
     pool's desired workers."""
-    status, body = get(url, None, timeout=5)
     out, desired = dict.fromkeys(SIGNALS, 0.0), dict[str, int]()
-    if status != 200:
-        return out, desired
-    for family in text_string_to_metric_families(body.decode()):
-        for sample in family.samples:
-            if sample.name in out:
-                out[sample.name] += sample.value
-            if sample.name == SIGNALS[0]:
-                desired[sample.labels["pool"]] = int(sample.value)
+    for sample in campus_args.metric_samples(url):
+        if sample.name in out:
+            out[sample.name] += sample.value
+        if sample.name == SIGNALS[0]:
+            desired[sample.labels["pool"]] = int(sample.value)
     return out, desired
 
 

@@ -15,7 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample as MetricSample
+
 from sluicegate import wire
+from sluicegate.app.broker_http import get
 from sluicegate.app.calibration import cpu_cap_available
 from sluicegate.app.demo import EDGE_CPU
 from sluicegate.app.localcampus import LocalCampus, start_campus_mosquitto
@@ -48,6 +52,14 @@ def edge_share(args: argparse.Namespace) -> float | None:
         return float(args.edge_cpu)
     print("note: edges run uncapped (no writable CPU cgroup, or --edge-cpu 0)")
     return None
+
+
+def metric_samples(url: str) -> list[MetricSample]:
+    """Every sample a node's or the broker's ``/metrics`` at ``url`` holds now."""
+    status, body = get(url, None, timeout=5)
+    if status != 200:
+        raise SystemExit(f"{url} answered {status}")
+    return [s for family in text_string_to_metric_families(body.decode()) for s in family.samples]
 
 
 @contextlib.contextmanager

@@ -13,20 +13,19 @@ capped to ``--edge-cpu`` of one core (a CPU cgroup), so a line PC is the modest 
 is in a plant and the burst exceeds what it can do alone; the workers are not capped. Each
 run first times the models on each kind of node, the edges' under that cap
 (``LocalCampus.calibrate``: what ``sluicegate models bench`` does on a node at install), and
-gives the nodes the figures as their service-time priors. Attainment
-counts jobs answered ``ok`` within their deadline of submission, as the vision app sees it;
-it is given overall and per kind of job, with the jobs the workers refused on arrival, by
-code (their ``/metrics``: ``expired``, work that went out too late). ``cpu`` is how busy
-the machine's cores were while the run streamed: every node, Mosquitto, Redis and the
-apps share them; ``CPU per job`` is what each part of the campus spent while the run
-streamed (``/proc``), per job answered, and how many cores the burst's arrival rate needs
-at that cost. The models' own CPU a job
-is each kind's model timed on the stream's own images, one at a time on this process's idle
-thread before the runs; beside it, what the nodes' model threads (``sg-infer``,
-``sg-pool``) used in the run, and every other thread: the machinery. After each offload
-run, its floor on the same Mosquitto and Redis: the same jobs, at the same times and
-offloaded as often, through bare paho processes doing the same work without a model
-(``bench/bare_chain.py``), and the campus's CPU a job against it.
+gives the nodes the figures as their service-time priors. Attainment counts jobs answered
+``ok`` within their deadline of submission, as the vision app sees it; it is given overall
+and per kind of job, with the jobs the workers refused on arrival, by code (their
+``/metrics``: ``expired``, work that went out too late). ``cpu`` is how busy the machine's
+cores were while the run streamed: every node, Mosquitto, Redis and the apps share them;
+``CPU per job`` is what each part of the campus spent while the run streamed (``/proc``),
+per job answered, and how many cores the burst's arrival rate needs at that cost. The
+models' own CPU a job is each kind's model timed on the stream's own images, one at a time
+on this process's idle thread before the runs; beside it, what the nodes' model threads
+(``sg-infer``, ``sg-pool``) used in the run, and every other thread: the machinery. After
+each offload run, its floor on the same Mosquitto and Redis: the same jobs, at the same
+times and offloaded as often, through bare paho processes doing the same work without a
+model (``bench/bare_chain.py``), and the campus's CPU a job against it.
 
     .venv/bin/python bench/campus_burst.py                 # about 100 s on 2 cores
     .venv/bin/python bench/campus_burst.py --rounds 3 --rate 10 --burst 10
@@ -46,10 +45,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
 from bench import bare_chain, campus_args, stats  # noqa: E402
-from sluicegate.app.broker_http import get, get_json  # noqa: E402
+from sluicegate.app.broker_http import get_json  # noqa: E402
 from sluicegate.app.campus import LINES  # noqa: E402
 from sluicegate.app.localcampus import (  # noqa: E402
     ROLE,
@@ -65,10 +62,10 @@ from sluicegate.vision.runtime import ModelRegistry, default_models_dir  # noqa:
 # models' own (issue 35).
 TARGET = {"attainment": 0.99, "beyond_models_ms": 3.0}
 # A run: the apps' tally, the edges' figures, the jobs the workers refused on arrival by
-# code, the machine's busy share, CPU ms a job by part,
-# the models' own ms a job (each kind's, on an idle thread), and the ms a job the nodes'
-# model threads used in the run, by role; with offload, the floor beside it (the same jobs
-# through the bare chain, on the same Mosquitto and Redis).
+# code, the machine's busy share, CPU ms a job by part, the models' own ms a job (each
+# kind's, on an idle thread), and the ms a job the nodes' model threads used in the run, by
+# role; with offload, the floor beside it (the same jobs through the bare chain, on the
+# same Mosquitto and Redis).
 Run = tuple[
     Tally,
     dict[str, Any],
@@ -102,14 +99,10 @@ def workers_refused(campus: LocalCampus) -> dict[str, int]:
     for node, url in campus.metrics_urls().items():
         if ROLE[node] != "pool":
             continue
-        status, body = get(url, None, timeout=5)
-        if status != 200:
-            raise SystemExit(f"{node}'s /metrics answered {status}")
-        for family in text_string_to_metric_families(body.decode()):
-            for sample in family.samples:
-                if sample.name == "sluicegate_worker_refused_total":
-                    code = sample.labels["code"]
-                    refused[code] = refused.get(code, 0) + int(sample.value)
+        for sample in campus_args.metric_samples(url):
+            if sample.name == "sluicegate_worker_refused_total":
+                code = sample.labels["code"]
+                refused[code] = refused.get(code, 0) + int(sample.value)
     return refused
 
 

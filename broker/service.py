@@ -35,12 +35,7 @@ from broker.answers import Answers
 from broker.core import service_rules
 from broker.core.batch import NO_POLICY, decide_turn, settle
 from broker.core.decision import Decision
-from broker.core.demand import (
-    PoolDemand,
-    announced_per_pool,
-    fold_arrivals,
-    pool_demand,
-)
+from broker.core.demand import PoolDemand, PoolSignal
 from broker.core.fleet import Fleet
 from broker.core.identity import IdentityRefusal
 from broker.core.params import FleetParams, PlacementParams, ServiceParams
@@ -134,8 +129,8 @@ class Broker:
             give_up=lambda item, reason: self.answers.refuse(item, None, "no_capacity", reason),
             gauge=self.metrics.waiting.set,
         )
-        # Jobs/s placed on each pool, or refused for want of its workers (moving average).
-        self.arrivals: dict[str, float] = {}
+        # Each pool's demand: its placements and the refusals for want of its workers.
+        self.signal = PoolSignal(settings.announce_lead_s, self.service_params)
         self.announced = Announced(policy)  # the lines' announced work, as their edges say
         # Sister campuses: our halves and summaries out, theirs in (beside the policy file).
         halves = settings.policy_file.parent if settings.policy_file is not None else None
@@ -399,13 +394,9 @@ class Broker:
         policy = self._policy()
         if policy is None:
             return ()
-        ahead = announced_per_pool(
-            self.announced.schedules.values(),
-            policy,
-            self._clock(),
-            self.settings.announce_lead_s,
+        return self.signal.demand(
+            self.fleet, policy, self.announced.schedules.values(), self._clock()
         )
-        return pool_demand(self.fleet, policy, arrivals_per_s=self.arrivals, announced_per_s=ahead)
 
     async def job(self, job_id: str) -> dict[str, Any] | None:
         return await self.store.job(job_id)
@@ -415,14 +406,8 @@ class Broker:
         while True:
             await asyncio.sleep(min(interval, 1.0))  # silent workers: the reaper's sweep
             tick = min(interval, 1.0)
-            self.arrivals = fold_arrivals(
-                self.arrivals,
-                self.answers.placed_by_pool,
-                self.answers.turned_away,
-                self._policy(),
-                tick,
-                self.service_params,
-            )
+            answers = self.answers
+            self.signal.tick(answers.placed_by_pool, answers.turned_away, self._policy(), tick)
             self.answers.placed_by_pool.clear()
             self.answers.turned_away.clear()
             self.store.flush_nodes()

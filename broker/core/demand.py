@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from broker.core import forecast as fc
 from broker.core import service_rules
@@ -170,6 +170,38 @@ def fold_arrivals(
         pool: service_rules.arrivals(arrivals.get(pool), asked.get(pool, 0.0) / interval_s, params)
         for pool in set(arrivals) | set(asked)
     }
+
+
+@dataclass
+class PoolSignal:
+    """The pools' scaling signal as one broker keeps it, tick by tick: the arrival rates it
+    folds (:func:`fold_arrivals`), and on asking each pool's demand against capacity, the
+    lines' announced work (from ``lead_s`` before each window) leading it. The broker's
+    shell and the twin's replay each keep one."""
+
+    lead_s: float
+    params: ServiceParams = field(default_factory=ServiceParams)
+    arrivals: dict[str, float] = field(default_factory=dict)
+
+    def tick(
+        self,
+        placed: Mapping[str, int],
+        turned_away: Mapping[tuple[str, str], int],
+        policy: Policy | None,
+        interval_s: float,
+    ) -> None:
+        """One tick: the placements per pool and the refusals for want of a worker since
+        the last."""
+        self.arrivals = fold_arrivals(
+            self.arrivals, placed, turned_away, policy, interval_s, self.params
+        )
+
+    def demand(
+        self, fleet: Fleet, policy: Policy, schedules: Iterable[EdgeSchedule], now: float
+    ) -> tuple[PoolDemand, ...]:
+        """Each pool's demand against capacity at ``now`` (:func:`pool_demand`)."""
+        ahead = announced_per_pool(schedules, policy, now, self.lead_s)
+        return pool_demand(fleet, policy, arrivals_per_s=self.arrivals, announced_per_s=ahead)
 
 
 def turned_away_per_pool(

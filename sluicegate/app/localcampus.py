@@ -117,9 +117,8 @@ class LocalCampus:
         self._env = env or {}
         self._node_env = {node: dict(extra) for node, extra in (node_env or {}).items()}
         self._log_level = log_level
-        self._edge_cpu = edge_cpu
         self._cpu = {"edge": edge_cpu, "pool": worker_cpu}  # each role's model threads' cap
-        self._cgroups: dict[int, Path] = {}  # edge pid -> its CPU cgroup
+        self._cgroups: dict[int, Path] = {}  # a capped node's pid -> its CPU cgroup
         self._nodes = [node for node in ROLE if nodes is None or node in nodes]
         self.standby = frozenset(standby)
         self.servers: dict[str, ServerProcess] = dict(servers or {})

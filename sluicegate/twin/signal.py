@@ -2,13 +2,12 @@
 interval, computed by the broker's own code (``broker.core.demand``).
 
 Each tick, the placements the replay made on each pool over the interval, and its share of
-the requests refused for want of a worker, fold into the smoothed arrival rate
-(``fold_arrivals``, as the broker's housekeeping does); the
-edges' books of announced work, replayed from the trace's ``announced`` records as the
-brokers read them from ``topics.edge_announced``, give the leading part
-(``announced_per_pool``, from ``[broker] announce_lead_s`` before each window); and
-``pool_demand`` makes of both and the fleet the figures a scaler reads: desired workers,
-demand over capacity, the announced jobs/s. Pure: the clock comes in as ``now``.
+the requests refused for want of a worker, fold into the smoothed arrival rate; the edges'
+books of announced work, replayed from the trace's ``announced`` records as the brokers
+read them from ``topics.edge_announced``, give the leading part (from ``[broker]
+announce_lead_s`` before each window); and the broker's own ``PoolSignal`` makes of both
+and the fleet the figures a scaler reads: desired workers, demand over capacity, the
+announced jobs/s. Pure: the clock comes in as ``now``.
 """
 
 from __future__ import annotations
@@ -17,9 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from broker.core.demand import announced_per_pool, fold_arrivals, pool_demand
+from broker.core.demand import PoolSignal
 from broker.core.fleet import Fleet
-from broker.core.params import ServiceParams
 from policies.model import Policy
 from sluicegate.config import BrokerSettings
 from sluicegate.wire import EdgeSchedule
@@ -44,9 +42,8 @@ class Signal:
 
     def __post_init__(self) -> None:
         self.schedules: dict[str, EdgeSchedule] = {}
-        self.arrivals: dict[str, float] = {}
         self.readings: dict[str, list[Reading]] = {}
-        self._params = ServiceParams()
+        self._pools = PoolSignal(self.lead_s)
 
     def announced(self, schedule: EdgeSchedule) -> None:
         """An edge's book, whole (no windows: cleared)."""
@@ -68,11 +65,8 @@ class Signal:
         """The readings at ``now``; ``placed``: the placements per pool since the last,
         ``turned_away``: the requests refused for want of a worker, by (data class, origin
         zone)."""
-        self.arrivals = fold_arrivals(
-            self.arrivals, placed, turned_away, policy, interval, self._params
-        )
-        ahead = announced_per_pool(self.schedules.values(), policy, now, self.lead_s)
+        self._pools.tick(placed, turned_away, policy, interval)
         at = round(now - t0, 3)
-        for d in pool_demand(fleet, policy, arrivals_per_s=self.arrivals, announced_per_s=ahead):
+        for d in self._pools.demand(fleet, policy, self.schedules.values(), now):
             reading = Reading(at, d.desired_workers, d.ratio, round(d.announced_jobs_s, 3))
             self.readings.setdefault(d.pool, []).append(reading)
