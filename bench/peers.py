@@ -14,6 +14,10 @@ all started once and measured in interleaved rounds (issue 35, part 3). The arms
   replica would (the driver plays its intake as ``broker-1``), or the agent would resend
   its whole backlog every 30 s;
 * ``agent-open``: the same agent with TLS off, on the plain Mosquitto with bare and durable.
+* ``agent-tls@base`` (with ``--against TREE``): the agent of another checkout (an earlier
+  commit's worktree), as shipped, beside agent-tls on the same TLS Mosquitto and in the same
+  rounds: an A/B of two versions of the agent, each round's pair seconds apart, which a
+  machine whose speed drifts between runs leaves alone.
 
 bare and durable run over plain TCP, as a user's 60-line worker would; agent-tls is compared
 with them (the targets), agent-open shows what TLS adds. Load: this driver, closed-loop with
@@ -27,6 +31,8 @@ per job (``/proc``), with its Mosquitto's beside it. Prints a table per model, t
     .venv/bin/python bench/peers.py                  # defaults: about 3 minutes on 2 cores
     .venv/bin/python bench/peers.py --smoke          # CI: 1 round, 30 jobs, defect-v1
     .venv/bin/python bench/peers.py --models defect-v1 --rounds 5 --jobs 1000
+    git worktree add /tmp/base HEAD~1 && cp models/*.onnx /tmp/base/models/
+    .venv/bin/python bench/peers.py --models defect-v1 --rounds 4 --jobs 600 --against /tmp/base
 """
 
 from __future__ import annotations
@@ -62,7 +68,12 @@ from sluicegate.threads import EDGE_COMPUTE  # noqa: E402
 
 Arm = MqttArm | HttpArm
 ARMS = ("bare", "durable", "aiohttp", "agent-tls", "agent-open")
-AGENTS = {"agent-tls": ("line-2-pc", "app-line-2"), "agent-open": ("line-1-pc", "app-line-1")}
+AGAINST = "agent-tls@base"  # the arm of --against: another checkout's agent, TLS as shipped
+AGENTS = {
+    "agent-tls": ("line-2-pc", "app-line-2"),
+    "agent-open": ("line-1-pc", "app-line-1"),
+    AGAINST: ("line-1-pc", "app-line-1"),  # on the TLS Mosquitto, with a state dir of its own
+}
 TARGET = {
     "agent-tls/bare": {"jobs_per_s": 0.85, "cpu_per_job": 1.3, "p50": 1.2, "p99": 1.3},
     "agent-tls/durable": {"jobs_per_s": 0.95, "cpu_per_job": 1.15},
@@ -85,6 +96,12 @@ class Serving:
     log: Path
     broker_pid: int | None = None
     acker: UsageAcker | None = None  # an agent's: its usage records acknowledged
+    node: str = ""  # an agent's edge id
+
+    @property
+    def acked(self) -> int:
+        """The agent's usage records acknowledged so far."""
+        return self.acker.acked[self.node] if self.acker is not None else 0
 
     def alive(self) -> None:
         if self.proc.poll() is not None:
@@ -116,9 +133,11 @@ class Tally:
         return fig
 
 
-def spawn(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def spawn(
+    argv: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -132,9 +151,12 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def agent_config(campus: Campus, node: str, port: int, secure: bool, threads: int) -> Path:
+def agent_config(
+    campus: Campus, node: str, port: int, secure: bool, threads: int, arm: str
+) -> Path:
     """The agent's settings as an install writes them (shipped defaults otherwise): its own
-    certificate, or ``plaintext``; its key (metering signs with it); a free /metrics port."""
+    certificate, or ``plaintext``; its key (metering signs with it); a free /metrics port;
+    a state dir of the arm's own."""
     mqtt = f"[mqtt]\nport = {port}\n"
     if secure:
         mqtt += (
@@ -143,20 +165,23 @@ def agent_config(campus: Campus, node: str, port: int, secure: bool, threads: in
         )
     else:
         mqtt += "plaintext = true\n"
-    path = campus.root / f"bench-{node}.toml"
+    path = campus.root / f"bench-{node}-{arm}.toml"
     path.write_text(
         mqtt + f'\n[edge]\nid = "{node}"\nzone = "{LINES[node]}"\nconcurrency = {threads}\n'
         f'key_file = "{campus.key_files[node]}"\nmetrics_port = 0\n'
-        f'\n[offload]\nstate_dir = "{campus.root / "state" / node}"\n'
+        f'\n[offload]\nstate_dir = "{campus.root / "state" / arm}"\n'
         f'policy_file = "{campus.policy_file}"\n'
     )
     return path
 
 
 @contextlib.contextmanager
-def rig(tmp: Path, image: bytes, threads: int) -> Iterator[dict[str, Serving]]:
-    """Both Mosquittos, the five serving processes and the driver's clients; every one of
-    them stopped when the block ends, however it ends."""
+def rig(
+    tmp: Path, image: bytes, threads: int, against: Path | None = None
+) -> Iterator[dict[str, Serving]]:
+    """Both Mosquittos, the five serving processes (six with ``against``: that checkout's
+    agent) and the driver's clients; every one of them stopped when the block ends,
+    however it ends."""
     with contextlib.ExitStack() as stack:
         plain = stack.enter_context(running(start_mosquitto()))
         campus = write_campus(
@@ -182,21 +207,31 @@ def rig(tmp: Path, image: bytes, threads: int) -> Iterator[dict[str, Serving]]:
         proc = spawn(argv, tmp / "aiohttp.log")
         stack.callback(stop, proc)
         out["aiohttp"] = Serving("aiohttp", proc, HttpArm(http_port, image), tmp / "aiohttp.log")
+        ackers: dict[int, UsageAcker] = {}  # by Mosquitto port
         for name, (node, app) in AGENTS.items():
-            server = secure if name == "agent-tls" else plain
+            if name == AGAINST and against is None:
+                continue
+            server = plain if name == "agent-open" else secure
             tls = campus.client_context(app) if server is secure else None
-            config = agent_config(campus, node, server.port, server is secure, threads)
+            config = agent_config(campus, node, server.port, server is secure, threads, name)
             log = tmp / f"{name}.log"
             argv = [py, "-m", "sluicegate.app.cli", "edge", "run", "--config", str(config)]
-            proc = spawn([*argv, "--log-level", "warning"], log, env=dict(os.environ))
+            env, tree = dict(os.environ), ROOT
+            if name == AGAINST:
+                assert against is not None
+                tree = against  # ``-m`` finds the package in the working directory first
+                env["PYTHONPATH"] = str(against)
+            proc = spawn([*argv, "--log-level", "warning"], log, env=env, cwd=tree)
             stack.callback(stop, proc)
-            broker_tls = campus.client_context(BROKER) if tls is not None else None
-            acker = stack.enter_context(
-                contextlib.closing(UsageAcker(server.port, node, broker_tls))
-            )
+            if server.port not in ackers:
+                broker_tls = campus.client_context(BROKER) if tls is not None else None
+                ackers[server.port] = stack.enter_context(
+                    contextlib.closing(UsageAcker(server.port, broker_tls))
+                )
+            ackers[server.port].add(node)
             arm = stack.enter_context(contextlib.closing(MqttArm(server.port, image, tls, node)))
             arm.route(topics.edge_submit(node), f"{APPS[app][1]}/bench")
-            out[name] = Serving(name, proc, arm, log, server.pid, acker)
+            out[name] = Serving(name, proc, arm, log, server.pid, ackers[server.port], node)
         for serving in out.values():
             until_serving(serving)
         yield out
@@ -259,9 +294,14 @@ def measure(serving: Serving, model: str, tag: str, args: argparse.Namespace, ta
     tally.jobs_per_s.append(len(lat) / wall)
 
 
+def pairs_of(arms: list[str]) -> tuple[str, ...]:
+    """The ratios printed: the targets', and the A/B's with ``--against``."""
+    return (*PAIRS, f"agent-tls/{AGAINST}") if AGAINST in arms else PAIRS
+
+
 def ratios(fig: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out = {}
-    for pair in PAIRS:
+    for pair in pairs_of(list(fig)):
         a, b = (fig[name] for name in pair.split("/"))
         out[pair] = {
             "jobs_per_s": stats.ratio(a["jobs_per_s"], b["jobs_per_s"]),
@@ -282,23 +322,23 @@ def print_model(
 ) -> None:
     print(f"{model}")
     print(
-        f"  {'arm':12}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'max ms':>9}{'jobs/s':>9}"
+        f"  {'arm':15}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'max ms':>9}{'jobs/s':>9}"
         f"{'CPU ms/job':>12}{'mosq ms/job':>13}   jobs/s by round"
     )
-    for arm in ARMS:
+    for arm in fig:
         f = fig[arm]
         rounds = " ".join(f"{x:.0f}" for x in f["jobs_per_s_rounds"])
         print(
-            f"  {arm:12}{f['p50_ms']:9.2f}{f['p90_ms']:9.2f}{f['p99_ms']:9.2f}{f['max_ms']:9.2f}"
+            f"  {arm:15}{f['p50_ms']:9.2f}{f['p90_ms']:9.2f}{f['p99_ms']:9.2f}{f['max_ms']:9.2f}"
             f"{f['jobs_per_s']:9.0f}{f['cpu_ms_per_job']:12.2f}{f['broker_cpu_ms_per_job']:13.2f}"
             f"   {rounds}"
         )
-    for arm in AGENTS:
+    for arm in (a for a in AGENTS if a in fig):
         split = fig[arm]["cpu_ms_per_job_by_thread"]
         groups = [*THREAD_GROUPS.items(), ("other", "other")]
         cells = [f"{label} {split.get(name, 0.0):.2f}" for name, label in groups]
         print(f"  {arm} CPU ms/job by thread: " + ", ".join(cells))
-    for pair in PAIRS:
+    for pair in pairs_of(list(fig)):
         r, goal = ratio[pair], TARGET.get(pair, {})
         cells = []
         for key in ("jobs_per_s", "cpu_per_job", "p50", "p99"):
@@ -311,7 +351,7 @@ def print_model(
             else:
                 cells.append(f"{key} {r[key]:.2f}")
         by_round = " ".join(f"{x:.2f}" for x in r["jobs_per_s_rounds"])
-        print(f"  {pair:22}" + "  ".join(cells) + f"  (jobs/s by round {by_round})")
+        print(f"  {pair:25}" + "  ".join(cells) + f"  (jobs/s by round {by_round})")
 
 
 def report(
@@ -343,6 +383,8 @@ def report(
         f"CPU = the serving process and its children; mosq = its Mosquitto's; usage records "
         f"metered and acked: {metered}"
     )
+    if info.get("against"):
+        print(f"  {AGAINST}: the agent of {info['against']}, TLS as shipped")
     for model, fig in figs.items():
         print_model(model, fig, ratio[model])
     result = {
@@ -372,6 +414,16 @@ def report(
     print(stats.result_line(result))
 
 
+def order_of(arms: list[str], round_no: int) -> list[str]:
+    """The arms in the order a round runs them: with ``--against``, the two agents of the
+    A/B take turns at going first, since the arm run second tends to run slower."""
+    order = list(arms)
+    if AGAINST in order and round_no % 2:
+        i, j = order.index("agent-tls"), order.index(AGAINST)
+        order[i], order[j] = order[j], order[i]
+    return order
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--models", default="defect-v1,surface-det", help="comma-separated")
@@ -382,7 +434,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="compute threads of every arm")
     ap.add_argument("--payload-kb", type=int, default=80)
     ap.add_argument("--smoke", action="store_true", help="CI: 1 round, 30 jobs, defect-v1")
+    ap.add_argument(
+        "--against",
+        type=Path,
+        default=None,
+        help=f"another checkout (a worktree of an earlier commit): its agent runs as {AGAINST}",
+    )
     args = ap.parse_args()
+    if args.against is not None and not (args.against / "sluicegate" / "app" / "cli.py").exists():
+        raise SystemExit(f"--against {args.against}: not a checkout of this project")
     if args.smoke:
         args.models, args.rounds, args.jobs, args.warmup = "defect-v1", 1, 30, 5
     models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -390,21 +450,29 @@ def main() -> None:
         raise SystemExit("--rounds, --jobs and --inflight must be at least 1; --models not empty")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop every child
     image = make_image(args.payload_kb)
-    tallies = {m: {arm: Tally() for arm in ARMS} for m in models}
+    arms_run = list(ARMS)
+    if args.against is not None:  # right after agent-tls: the pair runs seconds apart
+        arms_run.insert(arms_run.index("agent-tls") + 1, AGAINST)
+    tallies = {m: {arm: Tally() for arm in arms_run} for m in models}
     started = time.monotonic()
     with (
         tempfile.TemporaryDirectory(prefix="sg-bench-peers-") as tmp,
-        rig(Path(tmp), image, args.threads) as arms,
+        rig(Path(tmp), image, args.threads, args.against) as arms,
     ):
         subject = arms["agent-tls"]
         assert isinstance(subject.arm, MqttArm)
         tls = subject.arm.tls_session()
         for r in range(args.rounds):
             for model in models:
-                for name in ARMS:
+                for name in order_of(arms_run, r):
                     measure(arms[name], model, f"{model}-r{r}", args, tallies[model][name])
-        acked = {name: s.acker.acked for name, s in arms.items() if s.acker is not None}
-    info = {"elapsed_s": time.monotonic() - started, "tls": tls, "usage_acked": acked}
+        acked = {name: s.acked for name, s in arms.items() if s.acker is not None}
+    info = {
+        "elapsed_s": time.monotonic() - started,
+        "tls": tls,
+        "usage_acked": acked,
+        "against": str(args.against) if args.against is not None else None,
+    }
     report(args, image, tallies, info)
 
 

@@ -286,21 +286,26 @@ class HttpArm:
 
 
 class UsageAcker:
-    """A broker replica's usage intake, for one agent: each batch of usage records it ships
-    acknowledged at once (as ``broker-1`` on the TLS Mosquitto), so its ledger marks them
-    as a deployed agent's does, and its shipper has no backlog to resend."""
+    """A broker replica's usage intake on one Mosquitto, for the agents on it: each batch of
+    usage records an agent ships acknowledged at once (as ``broker-1`` on the TLS
+    Mosquitto: one connection, as that identity holds one), so its ledger marks them as a
+    deployed agent's does, and its shipper has no backlog to resend."""
 
-    def __init__(self, port: int, node: str, tls: ssl.SSLContext | None) -> None:
-        self.node, self.acked = node, 0
+    def __init__(self, port: int, tls: ssl.SSLContext | None) -> None:
+        self.acked: dict[str, int] = {}  # records acknowledged, by node
         self.client = mqtt_client(port, tls)
-        subscribe(self.client, topics.usage(node), self._on_batch)
 
-    def _on_batch(self, client: paho.Client, _u: object, msg: paho.MQTTMessage) -> None:
+    def add(self, node: str) -> None:
+        """Acknowledge ``node``'s records from now on."""
+        self.acked[node] = 0
+        subscribe(self.client, topics.usage(node), partial(self._on_batch, node))
+
+    def _on_batch(self, node: str, client: paho.Client, _u: object, msg: paho.MQTTMessage) -> None:
         batch = decode_batch(cast(bytes, msg.payload))
         held = [r.record.seq for r in batch if isinstance(r, SignedUsage)]
-        self.acked += len(held)
-        ack = UsageAck(node=self.node, broker=BROKER, held=held)
-        client.publish(topics.usage_acks(self.node), ack.model_dump_json(), qos=1)
+        self.acked[node] += len(held)
+        ack = UsageAck(node=node, broker=BROKER, held=held)
+        client.publish(topics.usage_acks(node), ack.model_dump_json(), qos=1)
 
     def close(self) -> None:
         self.client.disconnect()

@@ -193,6 +193,13 @@ SMOKE = [
     ),
     # Comes with its own change; skipped until the file is in the checkout.
     Smoke("peers.py", "--smoke", timeout_s=CAMPUS_S),
+    Smoke(  # the A/B of two checkouts' agents: here this one against itself
+        "peers.py",
+        f"--smoke --against {ROOT}",
+        ("defect-v1 agent-tls@base jobs", "agent-tls@base usage records acked"),
+        CAMPUS_S,
+        name="peers-against",
+    ),
     Smoke(
         "peering.py",
         "--smoke --edge-cpu 0",
