@@ -128,13 +128,17 @@ class Carrier:
     def _commit_acceptance(
         self, entry: Entry, effect: ev.CommitAcceptance, event: ev.Event, msg: Msg
     ) -> None:
-        accepting = self._outbox.accept(entry.job, start_run=effect.start_run)
+        # Reported once written, before the sync: a run counted with it may start at once
+        # (the count survives the process it might kill); the request is acked only once
+        # the acceptance is on the disk (``entry.durable``, see _ack).
+        accepting = self._outbox.accept(entry.job, start_run=effect.start_run, written=True)
         accepting.add_done_callback(self.later(partial(self._accepted, entry, msg)))
 
     def _accepted(self, entry: Entry, msg: Msg, fut: asyncio.Future[Accepted]) -> None:
         """The acceptance commit's outcome as the job's next event: ``Accepted`` when it
         stored a new job; else ``AcceptKnown``, and the request gets what a repeat of the
-        id it found gets (or, when the write failed, a refusal naming the outbox)."""
+        id it found gets once that commit is on the disk (or, when the write failed, a
+        refusal naming the outbox)."""
         assert msg is not None  # an acceptance is always a request's
         try:
             accepted = fut.result()
@@ -142,19 +146,29 @@ class Carrier:
             self._dispatch(entry, ev.AcceptKnown(), None)
             self._replies.store_failed(entry.job, msg, exc)
             return
+        entry.durable = self._outbox.durable(accepted.batch)
         if accepted.outcome == "new":
             entry.accepted_at = self._clock()
             self._counters[Tally.ACCEPTED] += 1
             self._dispatch(entry, ev.Accepted(), msg)
             return
         self._dispatch(entry, ev.AcceptKnown(), None)
-        self._replies.repeat(entry.job, accepted.stored, msg)
+        repeat = partial(self._replies.repeat, entry.job, accepted.stored, msg)
+        entry.durable.add_done_callback(self.later(partial(_when_durable, repeat)))
 
     # -- effects: messages ---------------------------------------------------------------------
 
     def _ack(self, entry: Entry, effect: ev.Ack, event: ev.Event, msg: Msg) -> None:
-        if msg is not None:
+        """Ack ``msg`` once the job's acceptance is on the disk (never, if its sync failed:
+        the broker then delivers the request again)."""
+        if msg is None:
+            return
+        durable = entry.durable
+        if durable is None or (durable.done() and durable.exception() is None):
             self._transport.ack(msg)
+        elif not durable.done():
+            ack = partial(self._transport.ack, msg)
+            durable.add_done_callback(self.later(partial(_when_durable, ack)))
 
     def _hold(self, entry: Entry, effect: ev.Hold, event: ev.Event, msg: Msg) -> None:
         assert msg is not None
@@ -404,6 +418,13 @@ class Carrier:
         if stored is not None and stored.pending and self._table.get(job_id) is None:
             log.warning("job %s is still %s on disk; tracking it again", job_id, stored.state)
             self._replay([stored])
+
+
+def _when_durable(then: Callable[[], object], durable: asyncio.Future[None]) -> None:
+    """``then()`` once the commit ``durable`` waited for is on the disk; a failed sync
+    was logged by the writer, and what waited on it is left undone."""
+    if durable.exception() is None:
+        then()
 
 
 async def _logged(fut: asyncio.Future[list[SignedUsage]], job_id: str) -> None:

@@ -64,6 +64,8 @@ class Entry:
     forwarded_at: float | None = None  # when that publish began: the result left then
     started: float | None = None  # when its run here started, if it ran here
     accepted_at: float | None = None  # when its acceptance was committed
+    # Whether its acceptance is on the disk yet (None: not committed yet, or replayed).
+    durable: asyncio.Future[None] | None = None
     # When the broker predicted its last attempt would be done on the worker (unix s).
     pool_predicted: float | None = None
 

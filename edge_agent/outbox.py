@@ -50,6 +50,7 @@ class Accepted:
 
     outcome: Literal["new", "known", "forgotten"]
     stored: Stored | None = None
+    batch: int = 0  # the writer's batch it was committed in (see Outbox.durable)
 
 
 class Outbox:
@@ -127,11 +128,16 @@ class Outbox:
 
     # -- operations (loop thread) ----------------------------------------------------------------
 
-    def accept(self, job: Job, *, start_run: bool = False) -> asyncio.Future[Accepted]:
+    def accept(
+        self, job: Job, *, start_run: bool = False, written: bool = False
+    ) -> asyncio.Future[Accepted]:
         """Store a new job (counting one local run already if ``start_run``), or report what
         is known of its id. A resubmission of a pending job with a new response topic or
-        correlation data moves the result's destination to the latest request."""
+        correlation data moves the result's destination to the latest request. ``written``:
+        report at the commit, before the sync (:meth:`durable` of the answer's batch then
+        says when the acceptance is on the disk)."""
         now = self._clock()
+        writer = self._writer
 
         def op(db: sqlite3.Connection) -> Accepted:
             known = db.execute(f"SELECT {COLUMNS} FROM jobs WHERE job_id = ?", (job.job_id,))
@@ -154,10 +160,10 @@ class Outbox:
                         correlation_data=job.correlation_data,
                     )
                     stored = replace(stored, job=moved_job)
-                return Accepted("known", stored)
+                return Accepted("known", stored, writer.batch_no)
             gone = db.execute("SELECT 1 FROM tombstones WHERE job_id = ?", (job.job_id,))
             if gone.fetchone() is not None:
-                return Accepted("forgotten")
+                return Accepted("forgotten", None, writer.batch_no)
             db.execute(
                 "INSERT INTO jobs (job_id, state, payload, response_topic, correlation_data,"
                 " model, image_format, width, height, priority, data_class, received_at,"
@@ -181,13 +187,20 @@ class Outbox:
                     now,
                 ),
             )
-            return Accepted("new")
+            return Accepted("new", None, writer.batch_no)
 
-        return self._submit(op)
+        return self._writer.submit(op, OutboxError, written=written)
+
+    def durable(self, batch: int) -> asyncio.Future[None]:
+        """Resolves once the writer's batch numbered ``batch`` is on the disk (an
+        :class:`OutboxError` if the sync that was to cover it failed)."""
+        return self._writer.durable(batch, OutboxError)
 
     def start_run(self, job_id: str) -> asyncio.Future[int | None]:
         """Count one more local run of a pending job before it starts; returns the count
-        (runs started so far, this one included), or None if the job is not pending."""
+        (runs started so far, this one included), or None if the job is not pending. It
+        reports at the commit, before the sync: the count guards against a job that kills
+        the process running it, and a killed process leaves what was written to the OS."""
         now = self._clock()
 
         def op(db: sqlite3.Connection) -> int | None:
@@ -198,7 +211,7 @@ class Outbox:
             ).fetchone()
             return int(row[0]) if row is not None else None
 
-        return self._submit(op)
+        return self._writer.submit(op, OutboxError, written=True)
 
     def offloaded(
         self, job_id: str, attempt: int, worker: str | None = None

@@ -17,7 +17,11 @@ where the disk is fast, else on a thread of its own, grouped, while the loop rea
 and commits the next batches. Each operation's future resolves once a sync covers its
 commit (``synchronous = FULL``'s durability), in commit order. An
 owner whose state follows durability (the ledger's records it may ship) learns of each
-sync through :meth:`Writer.after_sync`.
+sync through :meth:`Writer.after_sync`. An operation submitted ``written`` resolves at its
+commit instead, before the sync: what it wrote then survives a killed process (the OS has
+it), not yet a power loss, and :meth:`Writer.durable` says when its batch is on the disk.
+The edge starts a job's run once its run count is written, and acks the request only once
+its acceptance is durable (``docs/performance.md``, the edge path).
 
 An operation whose durability nobody waits for (a mark that a result was delivered, that
 a broker holds a usage record: lost in a crash, it only makes the agent send again what is
@@ -57,6 +61,7 @@ Hook = Callable[[sqlite3.Connection, bool], None]
 
 # How long a lazy operation waits for an eager one to ride with, at most.
 LAZY_S = 0.1
+MAX_FAILED_BATCHES = 4096  # batches whose sync failed, remembered for Writer.durable
 
 
 @dataclass(eq=False)
@@ -65,6 +70,7 @@ class Batch:
     error type its failure is reported as."""
 
     ops: list[tuple[Op, asyncio.Future[Any], type[Exception]]] = field(default_factory=list)
+    written: list[int] = field(default_factory=list)  # ops resolved at the commit, unsynced
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -128,6 +134,10 @@ class Writer:
         self._unsynced: deque[tuple[int, Batch, list[Any]]] = deque()  # committed, not synced
         self._sync_hooks: list[Callable[[int], None]] = []
         self.batch_no = 0  # the number of the batch being (or last) committed
+        self.durable_through = 0  # the batches numbered up to this are on the disk ...
+        self._unsynced_for_good: dict[int, str] = {}  # ... but these, whose sync failed: why
+        # Waiters for a batch to be on the disk, in batch order: (number, future, error type).
+        self._durable_waiters: deque[tuple[int, asyncio.Future[None], type[Exception]]] = deque()
         self.commits = 0
         self.operations = 0
 
@@ -170,11 +180,18 @@ class Writer:
         self._sync_hooks.append(hook)
 
     def submit(
-        self, op: Callable[[sqlite3.Connection], T], error: type[Exception], *, lazy: bool = False
+        self,
+        op: Callable[[sqlite3.Connection], T],
+        error: type[Exception],
+        *,
+        lazy: bool = False,
+        written: bool = False,
     ) -> asyncio.Future[T]:
         """Run ``op`` in this tick's transaction (``lazy``: in the next transaction, within
-        :data:`LAZY_S`); its future resolves after the commit, or fails with ``error``. Once
-        killed, it never resolves."""
+        :data:`LAZY_S`); its future resolves once a sync covers the commit (``written``: as
+        soon as the transaction commits, before the sync: what it wrote survives a killed
+        process, not yet a power loss; :meth:`durable` says when it does), or fails with
+        ``error``. Once killed, it never resolves."""
         loop = self._loop
         if loop is None:
             raise error(f"{self.where} is not open")
@@ -188,7 +205,23 @@ class Writer:
             loop.call_soon(self.flush)
         elif lazy and not self._flush_soon and self._flush_later is None:
             self._flush_later = loop.call_later(LAZY_S, self.flush)
+        if written:
+            self._batch.written.append(len(self._batch.ops))
         self._batch.ops.append((op, fut, error))
+        return fut
+
+    def durable(self, batch_no: int, error: type[Exception]) -> asyncio.Future[None]:
+        """Resolves once the batch numbered ``batch_no`` (:attr:`batch_no` while it commits)
+        is on the disk; fails with ``error`` if the sync that was to cover it failed."""
+        assert self._loop is not None
+        fut: asyncio.Future[None] = self._loop.create_future()
+        failed = self._unsynced_for_good.get(batch_no)
+        if failed is not None:
+            fut.set_exception(error(failed))
+        elif batch_no <= self.durable_through:
+            fut.set_result(None)
+        elif not self._killed:  # once killed, it never resolves
+            self._durable_waiters.append((batch_no, fut, error))
         return fut
 
     def flush(self) -> None:
@@ -206,6 +239,8 @@ class Writer:
             return
         self.batch_no += 1
         results = self._commit(batch)
+        for i in batch.written:  # these need not wait for the sync
+            _resolve_one(batch.ops[i][1], results[i])
         if self._sync is None:
             _resolve(batch, results)
             self._durable(self.batch_no)
@@ -228,17 +263,31 @@ class Writer:
             return
         unsynced = self._unsynced
         while unsynced and unsynced[0][0] <= through:
-            _no, batch, results = unsynced.popleft()
+            no, batch, results = unsynced.popleft()
             if error is not None:
-                text = self._explain(self.where, error)
-                results = [_Failed(kind(f"{text} (not synced)")) for _op, _fut, kind in batch.ops]
+                text = f"{self._explain(self.where, error)} (not synced)"
+                results = [_Failed(kind(text)) for _op, _fut, kind in batch.ops]
+                self._unsynced_for_good[no] = text
+                if len(self._unsynced_for_good) > MAX_FAILED_BATCHES:  # the oldest go
+                    del self._unsynced_for_good[next(iter(self._unsynced_for_good))]
             _resolve(batch, results)
         if error is None:
             self._durable(through)
-        else:
-            log.error("%s could not be synced to the disk: %s", self.where, error)
+            return
+        log.error("%s could not be synced to the disk: %s", self.where, error)
+        waiters = self._durable_waiters
+        while waiters and waiters[0][0] <= through:
+            no, fut, kind = waiters.popleft()
+            if not fut.done():
+                fut.set_exception(kind(self._unsynced_for_good.get(no, "(not synced)")))
 
     def _durable(self, through: int) -> None:
+        self.durable_through = max(self.durable_through, through)
+        waiters = self._durable_waiters
+        while waiters and waiters[0][0] <= through:
+            fut = waiters.popleft()[1]
+            if not fut.done():
+                fut.set_result(None)
         for hook in self._sync_hooks:
             hook(through)
 
@@ -257,6 +306,7 @@ class Writer:
         """Nothing submitted is written any more, and no operation reports back."""
         self._killed = self._closed = True
         self._batch = Batch()
+        self._durable_waiters.clear()
         if self._sync is not None:
             self._sync.stop(wait=False)
         self._close()
@@ -322,12 +372,16 @@ class _Failed:
 
 def _resolve(batch: Batch, results: list[Any]) -> None:
     for (_op, fut, _kind), result in zip(batch.ops, results, strict=True):
-        if fut.done():
-            continue
-        if isinstance(result, _Failed):
-            fut.set_exception(result.error)
-        else:
-            fut.set_result(result)
+        _resolve_one(fut, result)
+
+
+def _resolve_one(fut: asyncio.Future[Any], result: Any) -> None:
+    if fut.done():
+        return
+    if isinstance(result, _Failed):
+        fut.set_exception(result.error)
+    else:
+        fut.set_result(result)
 
 
 def explain_sqlite(where: str, exc: BaseException, *, damaged: str, owner: str) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 
 from edge_agent.admission import Job
 from edge_agent.agent import EdgeAgent
-from edge_agent.outbox import Accepted, Outbox, Stored
+from edge_agent.outbox import Accepted, Outbox, Stored, Synchronous
 from edge_agent.rules import Declined, Placement
 from sluicegate import topics, wire
 from sluicegate.config import load_settings
@@ -79,6 +79,7 @@ class HeldExecutor(Executor):
     def __init__(self) -> None:
         self.held: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], Future[Any]]]
         self.held = []
+        self.ran = 0  # calls run so far
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         fut: Future[Any] = Future()
@@ -87,6 +88,7 @@ class HeldExecutor(Executor):
 
     def run_all(self) -> int:
         held, self.held = self.held, []
+        self.ran += len(held)
         for fn, args, kwargs, fut in held:
             if fut.set_running_or_notify_cancel():
                 try:
@@ -199,8 +201,10 @@ class SteppedOutbox(Outbox):
         self._on_disk.update(s.job.job_id for s in stored)
         return stored
 
-    def accept(self, job: Job, *, start_run: bool = False) -> asyncio.Future[Accepted]:
-        accepting = super().accept(job, start_run=start_run)
+    def accept(
+        self, job: Job, *, start_run: bool = False, written: bool = False
+    ) -> asyncio.Future[Accepted]:
+        accepting = super().accept(job, start_run=start_run, written=written)
 
         def committed(fut: asyncio.Future[Accepted]) -> None:
             if not fut.cancelled() and fut.exception() is None:
@@ -240,9 +244,11 @@ class EdgeRig:
         offload: bool = False,
         max_local_runs: int = 3,
         hold_pubacks: bool = False,
+        synchronous: Synchronous = "NORMAL",
     ) -> None:
         self.loop = loop
         self.db = db
+        self.synchronous = synchronous  # FULL: each commit synced behind it, as shipped
         self.clock = Clock()
         self.broker = MemoryBroker(hold_pubacks=hold_pubacks)
         self.app = MemoryTransport(self.broker, client_id="app")
@@ -328,7 +334,9 @@ class EdgeRig:
         assert self.agent is None
         self.transport = MemoryTransport(self.broker, client_id="edge", persistent=True)
         on_disk = self.placement.on_disk if self.placement is not None else set()
-        outbox = SteppedOutbox(self.db, synchronous="NORMAL", clock=self.clock, on_disk=on_disk)
+        outbox = SteppedOutbox(
+            self.db, synchronous=self.synchronous, clock=self.clock, on_disk=on_disk
+        )
         agent = EdgeAgent(
             self.settings.edge,
             self.transport,

@@ -18,6 +18,8 @@ persistent sessions (tests/edge_kit.py steps the loop, the disk and compute).
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -229,3 +231,34 @@ def test_a_job_behind_a_slower_models_runs_is_predicted_to_wait_for_them(rig: Ed
     reason, estimate_s = placement.reasons["d1"]
     assert reason == "deadline"
     assert estimate_s == pytest.approx(0.8, abs=0.01)
+
+
+def test_a_request_is_acked_only_once_its_acceptance_is_on_the_disk(tmp_path: Path) -> None:
+    """The run starts once the acceptance (its run counted) is written; the PUBACK waits
+    for the sync behind it. With a log that cannot be synced the job runs, but its request
+    is never acked (the broker delivers it again) and its result, whose commit cannot be
+    made durable either, is never published; a synced edge beside it answers and acks."""
+    seen = {}
+    for name in ("synced", "unsynced"):
+        loop = asyncio.new_event_loop()
+        rig = EdgeRig(loop, tmp_path / name / "edge.db", synchronous="FULL")
+        try:
+            rig.start()
+            assert rig.transport is not None
+            if name == "unsynced":
+                os.unlink(f"{rig.db}-wal")  # the log gone under SQLite: no sync can succeed
+            rig.submit("d1", correlation=b"d1")
+            rig.settle()
+            agent = rig.agent
+            assert agent is not None
+            deadline = time.monotonic() + 10.0  # a slow disk syncs on a thread: its word
+            while agent.unfinished or agent.delivering:  # comes back in a later tick
+                assert time.monotonic() < deadline, "the job did not conclude"
+                rig.settle()
+            unacked = [m.correlation_data for m in rig.transport.unacked]
+            seen[name] = ([r["status"] for r in rig.results()], unacked, rig.executor.ran)
+        finally:
+            rig.stop()
+            loop.close()
+    assert seen["synced"] == (["ok"], [], 1)
+    assert seen["unsynced"] == ([], [b"d1"], 1)  # it ran: its count was written

@@ -292,6 +292,31 @@ async def test_a_commit_the_disk_cannot_sync_is_not_reported_done(tmp_path: Path
     await box.close()
 
 
+async def test_an_acceptance_written_reports_at_its_commit_and_is_durable_apart(
+    tmp_path: Path,
+) -> None:
+    """``written``: the answer comes once the commit is written (a killed process leaves
+    it), before the sync behind it; ``durable`` of the answer's batch resolves once a sync
+    covers it, and fails, naming the file, if that sync failed. A run's count reports once
+    written too: it guards against a job that kills its process, not against power loss."""
+    synced = Outbox(tmp_path / "synced.db")
+    await synced.open()
+    accepted = await synced.accept(job("a"), written=True)
+    assert accepted.outcome == "new"
+    await synced.durable(accepted.batch)
+    await synced.close()
+    path = tmp_path / "edge.db"
+    box = Outbox(path)
+    await box.open()
+    os.unlink(f"{path}-wal")  # the log gone under SQLite: nothing can sync it now
+    accepted = await box.accept(job("b"), written=True)
+    assert accepted.outcome == "new"
+    with pytest.raises(OutboxError, match=rf"outbox {path}: .*\(not synced\)"):
+        await box.durable(accepted.batch)
+    assert await box.start_run("b") == 1
+    await box.close()
+
+
 async def test_a_slow_disk_is_synced_on_a_thread_the_answers_in_commit_order(
     tmp_path: Path,
 ) -> None:
