@@ -136,7 +136,8 @@ class Writer:
         self.batch_no = 0  # the number of the batch being (or last) committed
         self.durable_through = 0  # the batches numbered up to this are on the disk ...
         self._unsynced_for_good: dict[int, str] = {}  # ... but these, whose sync failed: why
-        # Waiters for a batch to be on the disk, in batch order: (number, future, error type).
+        # Waiters for a batch to be on the disk: (number, future, error type), in the order
+        # they asked (the edge asks in commit order; one asking out of it waits longer).
         self._durable_waiters: deque[tuple[int, asyncio.Future[None], type[Exception]]] = deque()
         self.commits = 0
         self.operations = 0
@@ -275,21 +276,26 @@ class Writer:
             self._durable(through)
             return
         log.error("%s could not be synced to the disk: %s", self.where, error)
-        waiters = self._durable_waiters
-        while waiters and waiters[0][0] <= through:
-            no, fut, kind = waiters.popleft()
-            if not fut.done():
-                fut.set_exception(kind(self._unsynced_for_good.get(no, "(not synced)")))
+        self._answer_waiters(through)
 
     def _durable(self, through: int) -> None:
         self.durable_through = max(self.durable_through, through)
-        waiters = self._durable_waiters
-        while waiters and waiters[0][0] <= through:
-            fut = waiters.popleft()[1]
-            if not fut.done():
-                fut.set_result(None)
+        self._answer_waiters(through)
         for hook in self._sync_hooks:
             hook(through)
+
+    def _answer_waiters(self, through: int) -> None:
+        """Tell those waiting for batches up to ``through`` whether each is on the disk."""
+        waiters = self._durable_waiters
+        while waiters and waiters[0][0] <= through:
+            no, fut, kind = waiters.popleft()
+            failed = self._unsynced_for_good.get(no)
+            if fut.done():
+                continue
+            if failed is not None:
+                fut.set_exception(kind(failed))
+            else:
+                fut.set_result(None)
 
     async def stop(self) -> None:
         """Commit what was submitted, sync it, then close the file."""
