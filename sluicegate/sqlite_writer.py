@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import logging
 import sqlite3
 import time
@@ -136,9 +138,10 @@ class Writer:
         self.batch_no = 0  # the number of the batch being (or last) committed
         self.durable_through = 0  # the batches numbered up to this are on the disk ...
         self._unsynced_for_good: dict[int, str] = {}  # ... but these, whose sync failed: why
-        # Waiters for a batch to be on the disk: (number, future, error type), in the order
-        # they asked (the edge asks in commit order; one asking out of it waits longer).
-        self._durable_waiters: deque[tuple[int, asyncio.Future[None], type[Exception]]] = deque()
+        # Waiters for a batch to be on the disk, lowest batch first: (number, the order they
+        # asked in, future, error type).
+        self._durable_waiters: list[tuple[int, int, asyncio.Future[None], type[Exception]]] = []
+        self._asked = itertools.count()
         self.commits = 0
         self.operations = 0
 
@@ -222,7 +225,7 @@ class Writer:
         elif batch_no <= self.durable_through:
             fut.set_result(None)
         elif not self._killed:  # once killed, it never resolves
-            self._durable_waiters.append((batch_no, fut, error))
+            heapq.heappush(self._durable_waiters, (batch_no, next(self._asked), fut, error))
         return fut
 
     def flush(self) -> None:
@@ -288,10 +291,10 @@ class Writer:
         """Tell those waiting for batches up to ``through`` whether each is on the disk."""
         waiters = self._durable_waiters
         while waiters and waiters[0][0] <= through:
-            no, fut, kind = waiters.popleft()
-            failed = self._unsynced_for_good.get(no)
+            no, _asked, fut, kind = heapq.heappop(waiters)
             if fut.done():
                 continue
+            failed = self._unsynced_for_good.get(no)
             if failed is not None:
                 fut.set_exception(kind(failed))
             else:
