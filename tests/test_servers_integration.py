@@ -35,6 +35,12 @@ def test_a_free_port_is_one_no_outgoing_connection_can_take() -> None:
             assert conn.getsockname()[1] >= low  # the client's own port is from the range
 
 
+def test_ports_handed_out_and_not_yet_bound_are_not_handed_out_again() -> None:
+    """A campus asks for dozens of ports before its servers bind them: each must differ."""
+    ports = [free_port() for _ in range(500)]
+    assert len(set(ports)) == len(ports)
+
+
 def test_mosquitto_fixture_answers_connect(mosquitto: ServerProcess) -> None:
     assert _ping("mosquitto", mosquitto.host, mosquitto.port)
     assert mosquitto.process.poll() is None

@@ -23,6 +23,7 @@ import ssl
 import subprocess
 import tempfile
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,21 +38,27 @@ class ServerError(SluicegateError):
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LISTEN_SPAN = 16384  # the ports below the ephemeral range that servers are given
+# The ports this process handed out lately: one not bound yet by the server it was given to
+# looks free, and a second server given it too fails to start (a campus asks for dozens).
+_HANDED: deque[int] = deque(maxlen=4096)
 
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing is bound to right now, below the kernel's range
     of ephemeral ports. Binding port 0 would give one from that range, which any outgoing
     connection may take in the moment before the server that was given it binds it: a suite
-    that opens thousands of connections lost a broker's HTTP port that way."""
+    that opens thousands of connections lost a broker's HTTP port that way. Never one this
+    process handed out lately: the server given it may not have bound it yet."""
     low = _ephemeral_low()
     candidates = range(max(1024, low - LISTEN_SPAN), low)
     for port in random.sample(candidates, min(200, len(candidates))):
-        if _bound(port) == port:
+        if port not in _HANDED and _bound(port) == port:
+            _HANDED.append(port)
             return port
     chosen = _bound(0)  # the kernel's choice
     if chosen is None:
         raise ServerError("no TCP port on 127.0.0.1 could be bound")
+    _HANDED.append(chosen)
     return chosen
 
 
